@@ -1,0 +1,21 @@
+"""contextdeque: an agent's context window as a deque of position-free KV-cache chunks.
+
+Public API (stable names)::
+
+    import contextdeque as cd
+    backend = cd.load_model()                  # embedded default model, a path, or a PreTrainedModel
+    chunk = backend.encode("some text")        # canonical KV(B|root) in the content frame -> cd.Chunk
+    kv = cd.relocate(chunk, start)             # exact placement at any position, zero forwards
+"""
+
+from __future__ import annotations
+
+from .backends import HFBackend, load_model
+from .chunk import Chunk
+from .errors import *  # noqa: F401,F403  (typed errors are public)
+from .layout import KVLayout, detect_layout
+from .operator import apply, relocate
+
+__version__ = "0.1.0"
+
+__all__ = ["load_model", "HFBackend", "Chunk", "KVLayout", "detect_layout", "relocate", "apply"]
