@@ -51,6 +51,14 @@ class CollisionError(StoreError):
     """Two different contents hashed to one key (the collision guard tripped)."""
 
 
+class StoreCapacityError(StoreError):
+    """An entry cannot fit in a store tier's byte budget (too large, or the rest is pinned)."""
+
+
+class InvalidEntryError(StoreError, ValueError):
+    """A store entry is malformed (non-tensor values, non-str metadata, reserved metadata keys)."""
+
+
 class WindowError(ContextDequeError, ValueError):
     """A window operation was asked something impossible (unknown ref, wrong reorder set, budget)."""
 

@@ -93,7 +93,7 @@ def relocate(
     layout: KVLayout | None = None,
     positions: torch.Tensor | None = None,
     section_shift: Sequence[int] | None = None,
-    patch: "Patch | None" = None,
+    patch: "Patch | Sequence[Patch] | None" = None,
     out_dtype: torch.dtype | None = None,
     fingerprint: str | None = None,
 ) -> list[LayerKV]:
@@ -106,16 +106,17 @@ def relocate(
     check_compatible(chunk, layout, fingerprint)
     pos = placement_positions(chunk, start, positions, section_shift)
     check_positions(pos, layout)
-    if patch is not None:
-        patch.check_fits(chunk)
+    patches = _as_patch_list(patch)
+    for p in patches:
+        p.check_fits(chunk)
     dtype = out_dtype or layout.torch_compute_dtype
     tables = TableCache(layout, pos, device=chunk.keys.device)
     out: list[LayerKV] = []
     for layer in range(chunk.num_layers):
         k, v = chunk.layer(layer)
         k32, v32 = k.to(torch.float32), v.to(torch.float32)
-        if patch is not None:
-            dk, dv = patch.layer_delta(layer)
+        for p in patches:
+            dk, dv = p.layer_delta(layer)
             if dk is not None:
                 k32 = k32 + dk
             if dv is not None:
@@ -129,7 +130,15 @@ def relocate(
     return out
 
 
-def apply(chunk: Chunk, start: int, patch: "Patch | None" = None, **kw) -> list[LayerKV]:
+def _as_patch_list(patch: "Patch | Sequence[Patch] | None") -> list["Patch"]:
+    if patch is None:
+        return []
+    if isinstance(patch, (list, tuple)):
+        return list(patch)
+    return [patch]
+
+
+def apply(chunk: Chunk, start: int, patch: "Patch | Sequence[Patch] | None" = None, **kw) -> list[LayerKV]:
     """Relocate + conditioning patch: ``K = R(pos)(K_content + U_K V_K^T)``, ``V = V_content + U_V V_V^T``."""
     return relocate(chunk, start, patch=patch, **kw)
 

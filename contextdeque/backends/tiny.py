@@ -1,0 +1,484 @@
+"""Tiny random-weight transformers models, one per attention/RoPE layout contextdeque handles.
+
+FACTS_TABLE_PLACEHOLDER
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+__all__ = [
+    "TINY_ARCHS",
+    "TinyArch",
+    "build_tiny_model",
+    "build_tiny_vl_processor",
+    "tiny_config",
+]
+
+# Small but not degenerate: 4 query heads / 2 KV heads (GQA), head_dim 32 so M-RoPE sections
+# and partial-rotary slices have several frequencies each.
+_HIDDEN = 128
+_HEADS = 4
+_KV_HEADS = 2
+_HEAD_DIM = 32
+_INTERMEDIATE = 256
+_LAYERS = 2
+_VOCAB = 256
+# Long enough for tests that place chunks far out, short enough that scaled RoPE regimes
+# (dynamic NTK, LongRoPE) switch within a few hundred tokens.
+_MAX_POS = 512
+_ORIG_MAX_POS = 128
+# Larger than transformers' 0.02 so random attention is far from uniform: conditioning
+# deltas (KV(B|A) - KV(B|root)) are then clearly non-zero in tests.
+_INIT_RANGE = 0.08
+
+# Special token ids of the tiny VL models (inside the tiny vocabulary).
+VL_IMAGE_TOKEN_ID = 250
+VL_VIDEO_TOKEN_ID = 251
+VL_VISION_START_TOKEN_ID = 252
+VL_VISION_END_TOKEN_ID = 253
+
+
+@dataclass(frozen=True)
+class TinyArch:
+    """One tiny architecture and the RoPE/cache facts verified for it under transformers 5.18.
+
+    Attributes:
+        name: registry key (``contextdeque verify-model --arch NAME --random``).
+        model_type: transformers ``config.model_type`` of the built model.
+        family: ``"gqa"`` (cache holds per-head K/V), ``"mrope"`` (GQA with 3-axis positions),
+            or ``"mla"`` (cache ``.keys`` = latent ``[B, 1, T, kv_lora_rank]``, ``.values`` = rotated
+            k_pe ``[B, 1, T, qk_rope_head_dim]``).
+        rope_tensor: which cached tensor carries the rotated channels (``"k"`` or ``"v"``; MLA: ``"v"``).
+        interleaved: True when rotation pairs are (2i, 2i+1); False for half-split (i, i + dim/2),
+            in the layout the *cache* holds.
+        partial_rotary: True when only the first ``rope_dim`` channels rotate.
+        inv_freq_attr: dotted path from the model to the module holding ``inv_freq`` (GPT-J has
+            none: its sin/cos table lives per attention layer as ``embed_positions``).
+        description: one line for listings.
+        build: ``(seed, overrides) -> model``.
+    """
+
+    name: str
+    model_type: str
+    family: Literal["gqa", "mrope", "mla"]
+    rope_tensor: Literal["k", "v"]
+    interleaved: bool
+    partial_rotary: bool
+    inv_freq_attr: str | None
+    description: str
+    build: Callable[[dict[str, Any]], PretrainedConfig] = field(repr=False)
+    multimodal: bool = False
+
+
+def _common(**kw: Any) -> dict[str, Any]:
+    base = dict(
+        vocab_size=_VOCAB,
+        hidden_size=_HIDDEN,
+        intermediate_size=_INTERMEDIATE,
+        num_hidden_layers=_LAYERS,
+        num_attention_heads=_HEADS,
+        num_key_value_heads=_KV_HEADS,
+        head_dim=_HEAD_DIM,
+        max_position_embeddings=_MAX_POS,
+        initializer_range=_INIT_RANGE,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    base.update(kw)
+    return base
+
+
+def _llama(rope: dict[str, Any] | None = None) -> Callable[[dict[str, Any]], PretrainedConfig]:
+    def make(over: dict[str, Any]) -> PretrainedConfig:
+        from transformers import LlamaConfig
+
+        params = {"rope_type": "default", "rope_theta": 10_000.0}
+        if rope is not None:
+            params = {"rope_theta": 10_000.0, **rope}
+        return LlamaConfig(**_common(rope_parameters=params, **over))
+
+    return make
+
+
+def _qwen2(over: dict[str, Any]) -> PretrainedConfig:
+    from transformers import Qwen2Config
+
+    kw = _common(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    kw.pop("head_dim")  # Qwen2 derives head_dim = hidden / heads (= 32 here)
+    kw.update(over)
+    return Qwen2Config(**kw)
+
+
+def _gemma3_text(over: dict[str, Any]) -> PretrainedConfig:
+    from transformers import Gemma3TextConfig
+
+    kw = _common(
+        num_hidden_layers=3,
+        # Real pattern is 5 sliding : 1 full; 2 : 1 keeps both kinds with 3 layers.
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=16,
+        query_pre_attn_scalar=_HEAD_DIM,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        },
+        tie_word_embeddings=True,
+    )
+    kw.update(over)
+    return Gemma3TextConfig(**kw)
+
+
+def _deepseek_v3(over: dict[str, Any]) -> PretrainedConfig:
+    from transformers import DeepseekV3Config
+
+    kw = _common(
+        num_key_value_heads=_HEADS,
+        moe_intermediate_size=64,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        # The grouped router needs n_group | n_routed_experts and topk_group <= n_group.
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,  # layer 0 dense MLP, layer 1 MoE
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        rope_interleave=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+    )
+    kw.pop("head_dim")  # DeepseekV3Config sets head_dim = qk_rope_head_dim itself
+    kw.update(over)
+    return DeepseekV3Config(**kw)
+
+
+def _deepseek_v2(over: dict[str, Any]) -> PretrainedConfig:
+    from transformers import DeepseekV2Config
+
+    kw = _common(
+        num_key_value_heads=_HEADS,
+        moe_intermediate_size=64,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        topk_method="greedy",
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        q_lora_rank=None,  # V2-Lite has no query compression
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+    )
+    kw.pop("head_dim")
+    kw.update(over)
+    return DeepseekV2Config(**kw)
+
+
+def _phi(over: dict[str, Any]) -> PretrainedConfig:
+    from transformers import PhiConfig
+
+    kw = _common(
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
+    )
+    kw.pop("head_dim")  # Phi derives head_dim = hidden / heads
+    kw.update(over)
+    return PhiConfig(**kw)
+
+
+def _stablelm(over: dict[str, Any]) -> PretrainedConfig:
+    from transformers import StableLmConfig
+
+    kw = _common(
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25},
+        qk_layernorm=True,  # per-head LayerNorm on keys before RoPE (StableLM-2 style)
+    )
+    kw.pop("head_dim")
+    kw.update(over)
+    return StableLmConfig(**kw)
+
+
+def _glm(over: dict[str, Any]) -> PretrainedConfig:
+    from transformers import GlmConfig
+
+    kw = _common(
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
+    )
+    kw.update(over)
+    return GlmConfig(**kw)
+
+
+def _cohere(over: dict[str, Any]) -> PretrainedConfig:
+    from transformers import CohereConfig
+
+    kw = _common(
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        use_qk_norm=True,  # Command-R+ style per-head LayerNorm on keys before RoPE
+    )
+    kw.pop("head_dim")
+    kw.update(over)
+    return CohereConfig(**kw)
+
+
+def _gptj(over: dict[str, Any]) -> PretrainedConfig:
+    from transformers import GPTJConfig
+
+    kw = dict(
+        vocab_size=_VOCAB,
+        n_embd=_HIDDEN,
+        n_layer=_LAYERS,
+        n_head=_HEADS,
+        rotary_dim=16,  # GPT-J-6B rotates 64 of 256 channels; here 16 of 32
+        n_inner=_INTERMEDIATE,
+        n_positions=_MAX_POS,
+        initializer_range=_INIT_RANGE,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    kw.update(over)
+    return GPTJConfig(**kw)
+
+
+def _phi3_longrope(over: dict[str, Any]) -> PretrainedConfig:
+    from transformers import Phi3Config
+
+    half = _HEAD_DIM // 2
+    kw = _common(
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10_000.0,
+            "short_factor": [1.0 + 0.05 * i for i in range(half)],
+            "long_factor": [1.0 + 0.5 * i for i in range(half)],
+            "original_max_position_embeddings": _ORIG_MAX_POS,
+            "factor": _MAX_POS / _ORIG_MAX_POS,
+        },
+    )
+    kw.pop("head_dim")
+    kw["original_max_position_embeddings"] = _ORIG_MAX_POS
+    kw.update(over)
+    return Phi3Config(**kw)
+
+
+def _vl_text(**over: Any) -> dict[str, Any]:
+    kw = _common()
+    kw.pop("tie_word_embeddings")  # a top-level field of the VL config
+    kw.update(over)
+    return kw
+
+
+def _vl_tokens() -> dict[str, Any]:
+    return dict(
+        image_token_id=VL_IMAGE_TOKEN_ID,
+        video_token_id=VL_VIDEO_TOKEN_ID,
+        vision_start_token_id=VL_VISION_START_TOKEN_ID,
+        vision_end_token_id=VL_VISION_END_TOKEN_ID,
+        tie_word_embeddings=False,
+    )
+
+
+def _qwen2_vl(over: dict[str, Any]) -> PretrainedConfig:
+    from transformers import Qwen2VLConfig
+
+    text = _vl_text(
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [4, 6, 6]},
+    )
+    text.pop("head_dim")
+    text.update(over.pop("text_config", {}))
+    vision = dict(
+        depth=2, embed_dim=32, hidden_size=_HIDDEN, num_heads=2, mlp_ratio=2,
+        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, initializer_range=_INIT_RANGE,
+    )
+    vision.update(over.pop("vision_config", {}))
+    return Qwen2VLConfig(text_config=text, vision_config=vision, **{**_vl_tokens(), **over})
+
+
+def _qwen2_5_vl(over: dict[str, Any]) -> PretrainedConfig:
+    from transformers import Qwen2_5_VLConfig
+
+    text = _vl_text(
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [4, 6, 6]},
+    )
+    text.pop("head_dim")
+    text.update(over.pop("text_config", {}))
+    vision = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=_HIDDEN,
+        patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+        window_size=56, fullatt_block_indexes=[1], initializer_range=_INIT_RANGE,
+    )
+    vision.update(over.pop("vision_config", {}))
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **{**_vl_tokens(), **over})
+
+
+def _qwen3_vl(over: dict[str, Any]) -> PretrainedConfig:
+    from transformers import Qwen3VLConfig
+
+    text = _vl_text(
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5_000_000.0,
+            "mrope_section": [6, 5, 5],
+            "mrope_interleaved": True,
+        },
+    )
+    text.update(over.pop("text_config", {}))
+    vision = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=_HIDDEN,
+        patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+        num_position_embeddings=64, deepstack_visual_indexes=[0], initializer_range=_INIT_RANGE,
+    )
+    vision.update(over.pop("vision_config", {}))
+    return Qwen3VLConfig(text_config=text, vision_config=vision, **{**_vl_tokens(), **over})
+
+
+def _scaled(rope: dict[str, Any]) -> Callable[[dict[str, Any]], PretrainedConfig]:
+    return _llama(rope)
+
+
+TINY_ARCHS: dict[str, TinyArch] = {
+    a.name: a
+    for a in [
+        TinyArch("llama", "llama", "gqa", "k", False, False, "model.rotary_emb",
+                 "Llama: GQA, half-split RoPE", _llama()),
+        TinyArch("qwen2", "qwen2", "gqa", "k", False, False, "model.rotary_emb",
+                 "Qwen2: GQA with qkv bias, half-split RoPE", _qwen2),
+        TinyArch("qwen2_vl", "qwen2_vl", "mrope", "k", False, False, "model.language_model.rotary_emb",
+                 "Qwen2-VL: M-RoPE (chunked sections), vision tower", _qwen2_vl, multimodal=True),
+        TinyArch("qwen2_5_vl", "qwen2_5_vl", "mrope", "k", False, False, "model.language_model.rotary_emb",
+                 "Qwen2.5-VL: M-RoPE (chunked sections), windowed vision tower", _qwen2_5_vl, multimodal=True),
+        TinyArch("qwen3_vl", "qwen3_vl", "mrope", "k", False, False, "model.language_model.rotary_emb",
+                 "Qwen3-VL: interleaved M-RoPE sections, q/k RMSNorm, deepstack", _qwen3_vl, multimodal=True),
+        TinyArch("gemma3_text", "gemma3_text", "gqa", "k", False, False, "model.rotary_emb",
+                 "Gemma3: sliding/full layers, per-layer-type RoPE bases, q/k RMSNorm", _gemma3_text),
+        TinyArch("deepseek_v3", "deepseek_v3", "mla", "v", False, False, "model.rotary_emb",
+                 "DeepSeek-V3: MLA, rope_interleave (cache holds de-interleaved half-split k_pe)", _deepseek_v3),
+        TinyArch("deepseek_v2", "deepseek_v2", "mla", "v", True, False, "model.rotary_emb",
+                 "DeepSeek-V2: MLA, complex (interleaved-pair) RoPE on k_pe", _deepseek_v2),
+        TinyArch("phi", "phi", "gqa", "k", False, True, "model.rotary_emb",
+                 "Phi-2: partial rotary (half-split over the first half of head_dim)", _phi),
+        TinyArch("stablelm", "stablelm", "gqa", "k", False, True, "model.rotary_emb",
+                 "StableLM-2: partial rotary 0.25, per-head key LayerNorm", _stablelm),
+        TinyArch("glm", "glm", "gqa", "k", True, True, "model.rotary_emb",
+                 "GLM-4 (glm): interleaved pairs over the first half of head_dim", _glm),
+        TinyArch("cohere", "cohere", "gqa", "k", True, False, "model.rotary_emb",
+                 "Cohere: interleaved pairs over all of head_dim, key LayerNorm", _cohere),
+        TinyArch("gptj", "gptj", "gqa", "k", True, True, None,
+                 "GPT-J: interleaved pairs over rotary_dim, sin/cos table per layer", _gptj),
+        TinyArch("llama-linear", "llama", "gqa", "k", False, False, "model.rotary_emb",
+                 "Llama + linear position interpolation (factor 4)",
+                 _scaled({"rope_type": "linear", "factor": 4.0})),
+        TinyArch("llama-llama3", "llama", "gqa", "k", False, False, "model.rotary_emb",
+                 "Llama + llama3 frequency-band scaling",
+                 _scaled({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": _ORIG_MAX_POS})),
+        TinyArch("llama-yarn", "llama", "gqa", "k", False, False, "model.rotary_emb",
+                 "Llama + YaRN (attention_scaling != 1)",
+                 _scaled({"rope_type": "yarn", "factor": 4.0,
+                          "original_max_position_embeddings": _ORIG_MAX_POS})),
+        TinyArch("llama-dynamic", "llama", "gqa", "k", False, False, "model.rotary_emb",
+                 "Llama + dynamic NTK (inv_freq changes past max_position_embeddings)",
+                 _scaled({"rope_type": "dynamic", "factor": 2.0})),
+        TinyArch("llama-longrope", "llama", "gqa", "k", False, False, "model.rotary_emb",
+                 "Llama + LongRoPE (short/long factors switch past original_max_position_embeddings)",
+                 _scaled({"rope_type": "longrope", "factor": _MAX_POS / _ORIG_MAX_POS,
+                          "short_factor": [1.0 + 0.05 * i for i in range(_HEAD_DIM // 2)],
+                          "long_factor": [1.0 + 0.5 * i for i in range(_HEAD_DIM // 2)],
+                          "original_max_position_embeddings": _ORIG_MAX_POS})),
+        TinyArch("phi3-longrope", "phi3", "gqa", "k", False, False, "model.rotary_emb",
+                 "Phi-3 + LongRoPE (the architecture real LongRoPE checkpoints use)", _phi3_longrope),
+    ]
+}
+
+
+def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
+    """The tiny config of ``arch`` (see ``TINY_ARCHS``) with ``overrides`` applied.
+
+    For the VL archs, ``text_config=`` / ``vision_config=`` dicts update those sub-configs.
+
+    Raises:
+        KeyError: unknown arch (the message lists the known ones).
+    """
+    try:
+        spec = TINY_ARCHS[arch]
+    except KeyError:
+        raise KeyError(f"unknown tiny arch {arch!r}; known: {', '.join(TINY_ARCHS)}") from None
+    return spec.build(dict(overrides))
+
+
+def build_tiny_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """Build a tiny random-weight model of ``arch`` in fp32, eval mode, on CPU.
+
+    2–3 decoder layers, hidden 128, 4 query / 2 KV heads (MLA: 4 heads), vocab 256,
+    max_position_embeddings 512 (scaled-RoPE variants: original length 128). Weights are drawn
+    from ``seed`` without touching the global RNG, so equal seeds give equal models.
+
+    Args:
+        arch: a key of ``TINY_ARCHS``.
+        seed: weight seed.
+        **overrides: config fields to change; ``attn_implementation=`` picks the attention kernel
+            (default ``"sdpa"`` where the architecture supports it, else ``"eager"``).
+
+    Returns:
+        The model (``…ForCausalLM``, or ``…ForConditionalGeneration`` for the VL archs).
+    """
+    attn = overrides.pop("attn_implementation", None)
+    config = tiny_config(arch, **overrides)
+    cls = _model_class(config)
+    if attn is None:
+        attn = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls._from_config(config, attn_implementation=attn, dtype=torch.float32)
+    return model.eval()
+
+
+def _model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        mapping = auto._model_mapping
+        if type(config) in mapping:
+            return mapping[type(config)]
+    raise KeyError(f"no causal-LM class for config {type(config).__name__}")
+
+
+def build_tiny_vl_processor(arch: str = "qwen2_vl") -> Any:
+    """The real Qwen-VL image processor, sized so an image becomes a small grid.
+
+    Images are resized to between 2x2 and 4x4 merged tokens (a 4x4 grid for a square image):
+    ``min_pixels = (2·f)²``, ``max_pixels = (4·f)²`` with ``f = patch_size · merge_size``
+    (28 for Qwen2-VL/Qwen2.5-VL, 32 for Qwen3-VL). Uses the torchvision backend when torchvision
+    is installed, else the PIL backend (same outputs, no torchvision needed).
+
+    Returns:
+        An image processor; ``processor(images=[img], return_tensors="pt")`` gives
+        ``pixel_values`` ``[grid_t·grid_h·grid_w, 3·2·p·p]`` and ``image_grid_thw`` ``[n_images, 3]``.
+    """
+    if arch not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        raise KeyError(f"no tiny VL processor for {arch!r}; VL archs: qwen2_vl, qwen2_5_vl, qwen3_vl")
+    patch = 16 if arch == "qwen3_vl" else 14
+    factor = patch * 2
+    try:
+        import torchvision  # noqa: F401
+
+        from transformers import Qwen2VLImageProcessor as Proc
+    except ImportError:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as Proc,
+        )
+    return Proc(
+        min_pixels=(2 * factor) ** 2,
+        max_pixels=(4 * factor) ** 2,
+        patch_size=patch,
+        merge_size=2,
+        temporal_patch_size=2,
+    )

@@ -1,0 +1,372 @@
+"""The conditioning patch: top-m SVD factors of Δ = KV(B|A) − KV(B|∅), per layer, K and V separately.
+
+A patch kind is one small class (one file each, self-registering): it says how the target Δ is
+measured (one conditioned forward, a mean over orderings, relative to the current overlay...) and
+how it is factorized (every layer, the deepest layers only, onto a shared basis). Everything else
+— the conditioned forward, content-frame subtraction, the SVD, bookkeeping — lives here once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+
+import torch
+
+from ..chunk import Chunk, digest
+from ..errors import CorruptEntryError, FingerprintMismatchError, PatchError
+from ..operator import LayerKV, relocate, to_content_frame
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..backends.hf import HFBackend
+
+PATCH_KINDS: dict[str, type["PatchKind"]] = {}
+FULL_RANK = -1  # rank sentinel: keep every singular direction (reconstructs Δ exactly)
+
+
+@dataclass
+class Patch:
+    """Rank-m conditioning factors for one chunk on one antecedent context.
+
+    Per layer l in ``layers`` (index ``i`` into the factor tensors):
+      ``k_u[i]: [T, m_k]`` (= U_m S_m), ``k_w[i]: [m_k, H_k*d_k]`` (= V_m^T), likewise ``v_u``/``v_w``.
+    Shared-basis patches keep only ``k_u``/``v_u`` and reference a basis (``basis_id``) whose
+    ``w`` tensors are attached at load time. Layers not listed carry no correction.
+    """
+
+    chunk_id: str
+    fingerprint: str
+    layout_signature: str
+    antecedent_signature: str
+    antecedents: tuple[str, ...]
+    kind: str
+    rank_k: int
+    rank_v: int
+    n_tokens: int
+    layers: tuple[int, ...]
+    k_u: torch.Tensor
+    k_w: torch.Tensor
+    v_u: torch.Tensor
+    v_w: torch.Tensor
+    k_shape: tuple[int, int]  # (H_k, d_k)
+    v_shape: tuple[int, int]
+    basis_id: str | None = None
+    meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return digest(self.chunk_id, self.antecedent_signature, self.kind, self.rank_k, self.rank_v, self.layers)[:32]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this patch stores (a shared basis is amortized elsewhere and not counted)."""
+        n = self.k_u.numel() * self.k_u.element_size() + self.v_u.numel() * self.v_u.element_size()
+        if self.basis_id is None:
+            n += self.k_w.numel() * self.k_w.element_size() + self.v_w.numel() * self.v_w.element_size()
+        return n
+
+    def bytes_fraction(self, chunk: Chunk) -> float:
+        """Patch bytes over the chunk's page bytes."""
+        return self.nbytes / max(1, chunk.nbytes)
+
+    def check_fits(self, chunk: Chunk) -> None:
+        if chunk.id != self.chunk_id:
+            raise PatchError(f"patch was formed for chunk {self.chunk_id[:12]}, not {chunk.id[:12]}")
+        if chunk.fingerprint != self.fingerprint or chunk.layout_signature != self.layout_signature:
+            raise FingerprintMismatchError("patch was formed by a different model than the chunk's")
+
+    def layer_delta(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """fp32 ``(dK [H_k,T,d_k], dV [H_v,T,d_v])`` for ``layer`` (None where it carries nothing)."""
+        if layer not in self.layers:
+            return None, None
+        i = self.layers.index(layer)
+        return (
+            _expand(self.k_u[i], self.k_w[i], self.k_shape),
+            _expand(self.v_u[i], self.v_w[i], self.v_shape),
+        )
+
+    def factors(self, layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``((u_k [T,m], w_k [m,F]), (u_v, w_v))`` for the fused kernel, or Nones."""
+        if layer not in self.layers:
+            return None, None
+        i = self.layers.index(layer)
+        fk = (self.k_u[i], self.k_w[i]) if self.k_u.shape[-1] else None
+        fv = (self.v_u[i], self.v_w[i]) if self.v_u.shape[-1] else None
+        return fk, fv
+
+    def to_entry(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        tensors = {"k_u": self.k_u, "v_u": self.v_u}
+        if self.basis_id is None:
+            tensors.update(k_w=self.k_w, v_w=self.v_w)
+        meta = {
+            "kind": "patch",
+            "patch_kind": self.kind,
+            "chunk_id": self.chunk_id,
+            "fingerprint": self.fingerprint,
+            "layout": self.layout_signature,
+            "antecedent_signature": self.antecedent_signature,
+            "antecedents": json.dumps(list(self.antecedents)),
+            "rank_k": str(self.rank_k),
+            "rank_v": str(self.rank_v),
+            "n_tokens": str(self.n_tokens),
+            "layers": json.dumps(list(self.layers)),
+            "k_shape": json.dumps(list(self.k_shape)),
+            "v_shape": json.dumps(list(self.v_shape)),
+            "basis_id": self.basis_id or "",
+            "content_digest": self.id,
+            "extra": json.dumps(self.meta, sort_keys=True),
+        }
+        return tensors, meta
+
+    @classmethod
+    def from_entry(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str], basis: "Any" = None) -> "Patch":
+        try:
+            basis_id = meta.get("basis_id") or None
+            if basis_id is not None:
+                if basis is None or basis.id != basis_id:
+                    raise PatchError(f"patch needs shared basis {basis_id}")
+                layers = json.loads(meta["layers"])
+                k_w = torch.stack([basis.k_w[l][: int(meta["rank_k"])] for l in layers])
+                v_w = torch.stack([basis.v_w[l][: int(meta["rank_v"])] for l in layers])
+            else:
+                k_w, v_w = tensors["k_w"], tensors["v_w"]
+            return cls(
+                chunk_id=meta["chunk_id"],
+                fingerprint=meta["fingerprint"],
+                layout_signature=meta["layout"],
+                antecedent_signature=meta["antecedent_signature"],
+                antecedents=tuple(json.loads(meta["antecedents"])),
+                kind=meta["patch_kind"],
+                rank_k=int(meta["rank_k"]),
+                rank_v=int(meta["rank_v"]),
+                n_tokens=int(meta["n_tokens"]),
+                layers=tuple(json.loads(meta["layers"])),
+                k_u=tensors["k_u"],
+                k_w=k_w,
+                v_u=tensors["v_u"],
+                v_w=v_w,
+                k_shape=tuple(json.loads(meta["k_shape"])),
+                v_shape=tuple(json.loads(meta["v_shape"])),
+                basis_id=basis_id,
+                meta=json.loads(meta.get("extra", "{}")),
+            )
+        except (KeyError, ValueError) as exc:
+            raise CorruptEntryError(f"stored patch entry is malformed: {exc}") from exc
+
+
+def _expand(u: torch.Tensor, w: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """``u [T,m] @ w [m,H*d]`` -> ``[H, T, d]`` fp32."""
+    T = u.shape[0]
+    h, d = shape
+    if u.shape[-1] == 0:
+        return torch.zeros(h, T, d)
+    return (u.to(torch.float32) @ w.to(torch.float32)).view(T, h, d).transpose(0, 1)
+
+
+def antecedent_signature(ids: Sequence[str], ordered: bool = True) -> str:
+    """Ordered (exact/recall/removal) or set (orbit) signature of the antecedent chunk ids."""
+    return digest(list(ids) if ordered else sorted(ids))[:24]
+
+
+# ---------------------------------------------------------------------------- forming
+
+
+Antecedent = "Chunk | tuple[Chunk, Patch | Sequence[Patch] | None]"
+
+
+@dataclass
+class FormContext:
+    """Everything a patch kind needs to measure its target Δ."""
+
+    backend: "HFBackend"
+    chunk: Chunk
+    antecedents: list[tuple[Chunk, list[Patch]]]
+    options: dict[str, Any]
+
+    @property
+    def layout(self):
+        return self.backend.layout
+
+    def assemble_past(self, order: Sequence[int] | None = None) -> tuple[list[LayerKV], int]:
+        """Root KV followed by the antecedents (each relocated + its own patches) in ``order``.
+        Returns the per-layer past ``[H, S, d]`` and the next free position."""
+        root = self.backend.root_kv()
+        parts: list[list[LayerKV]] = [root]
+        pos = self.backend.root_len
+        for idx in order if order is not None else range(len(self.antecedents)):
+            ch, patches = self.antecedents[idx]
+            parts.append(relocate(ch, pos, layout=self.layout, patch=patches or None))
+            pos += ch.span
+        past = [
+            (torch.cat([p[l][0] for p in parts], dim=1), torch.cat([p[l][1] for p in parts], dim=1))
+            for l in range(len(root))
+        ]
+        return past, pos
+
+    def conditioned_content(self, order: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One conditioned forward: B prefilled after root + antecedents; returns B's KV(B|A) in the
+        content frame, fp32 ``keys [L,H_k,T,d_k]``, ``values [L,H_v,T,d_v]``."""
+        past, start = self.assemble_past(order)
+        pos = self.chunk.positions(start)
+        inputs = self.backend.chunk_inputs(self.chunk)
+        res = self.backend.forward(**inputs, positions=pos, past=past, logits="none")
+        return to_content_frame(res.kv, self.layout, pos)
+
+    def deltas_against(self, keys: torch.Tensor, values: torch.Tensor, base: Sequence[Patch] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """Δ in the content frame, flattened per layer: ``dK [L, T, H_k*d_k]``, ``dV [L, T, H_v*d_v]``,
+        relative to the canonical plus the ``base`` patches' corrections."""
+        ref_k = self.chunk.keys.to(torch.float32).clone()
+        ref_v = self.chunk.values.to(torch.float32).clone()
+        for p in base:
+            for l in p.layers:
+                dk, dv = p.layer_delta(l)
+                ref_k[l] += dk
+                ref_v[l] += dv
+        dk = (keys - ref_k).transpose(1, 2).reshape(keys.shape[0], keys.shape[2], -1)
+        dv = (values - ref_v).transpose(1, 2).reshape(values.shape[0], values.shape[2], -1)
+        return dk, dv
+
+
+def truncated_svd(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``rank`` factors of ``delta [T, F]``: ``(U_m S_m [T, m], V_m^T [m, F])`` (fp32)."""
+    if rank == 0:
+        return delta.new_zeros(delta.shape[0], 0), delta.new_zeros(0, delta.shape[1])
+    U, S, Vh = torch.linalg.svd(delta.to(torch.float64), full_matrices=False)
+    m = min(rank, S.shape[0]) if rank != FULL_RANK else S.shape[0]
+    return (U[:, :m] * S[:m]).to(torch.float32), Vh[:m].to(torch.float32)
+
+
+class PatchKind:
+    """Base class of a patch variant. Subclasses set ``name`` and override one or both hooks."""
+
+    name: ClassVar[str] = ""
+    ordered: ClassVar[bool] = True  # whether the antecedent order is part of the signature
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.name:
+            PATCH_KINDS[cls.name] = cls
+
+    def target(self, ctx: FormContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Δ to factorize: ``dK [L, T, F_k]``, ``dV [L, T, F_v]``. Default: one conditioned forward."""
+        keys, values = ctx.conditioned_content()
+        return ctx.deltas_against(keys, values)
+
+    def layers(self, ctx: FormContext) -> tuple[int, ...]:
+        """Which layers carry factors. Default: all."""
+        return tuple(range(ctx.chunk.num_layers))
+
+    def factorize(
+        self, ctx: FormContext, dk: torch.Tensor, dv: torch.Tensor, rank_k: int, rank_v: int, layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str | None]:
+        """Per-layer truncated SVD. Returns ``k_u [n,T,m_k], k_w [n,m_k,F_k], v_u, v_w, basis_id``."""
+        ku, kw, vu, vw = [], [], [], []
+        for l in layers:
+            u, w = truncated_svd(dk[l], rank_k)
+            ku.append(u), kw.append(w)
+            u, w = truncated_svd(dv[l], rank_v)
+            vu.append(u), vw.append(w)
+        return _stack(ku), _stack(kw), _stack(vu), _stack(vw), None
+
+
+def _stack(ts: list[torch.Tensor]) -> torch.Tensor:
+    """Stack per-layer factors (equal ranks across layers by construction); ``[0]`` when no layer."""
+    return torch.stack(ts) if ts else torch.zeros(0, 0, 0)
+
+
+def resolve_rank(rank: int | str | None, T: int, F: int, what: str) -> int:
+    """``"full"``/None -> min(T, F); refuses ranks above it."""
+    cap = min(T, F)
+    if rank is None or rank == "full" or rank == FULL_RANK:
+        return cap
+    r = int(rank)
+    if r < 0:
+        raise PatchError(f"{what} rank must be >= 0, got {r}")
+    if r > cap:
+        raise PatchError(f"{what} rank {r} exceeds min(T={T}, F={F}) = {cap}")
+    return r
+
+
+def _normalize_antecedents(
+    antecedents: Sequence[Any], store: Any, backend: "HFBackend"
+) -> list[tuple[Chunk, list[Patch]]]:
+    out: list[tuple[Chunk, list[Patch]]] = []
+    for a in antecedents:
+        patches: list[Patch] = []
+        if isinstance(a, tuple):
+            a, ps = a
+            if isinstance(ps, Patch):
+                patches = [ps]
+            elif ps:
+                patches = list(ps)
+        if isinstance(a, str):
+            found = store.get_chunk(a) if store is not None else None
+            if found is None:
+                raise PatchError(f"antecedent chunk {a[:12]} is not in the store")
+            a = found
+        if not isinstance(a, Chunk):
+            raise PatchError(f"antecedents must be Chunks or stored chunk ids, got {type(a).__name__}")
+        if a.fingerprint != backend.fingerprint:
+            raise FingerprintMismatchError(f"antecedent {a.id[:12]} was encoded by another model")
+        out.append((a, patches))
+    return out
+
+
+def form_patch(
+    backend: "HFBackend",
+    chunk: Chunk,
+    antecedents: Sequence[Any] = (),
+    rank: int | str | None = 32,
+    kind: str = "exact",
+    *,
+    rank_v: int | str | None = None,
+    store: Any = None,
+    **options: Any,
+) -> Patch:
+    """Form a conditioning patch for ``chunk`` on ``antecedents`` (in window order).
+
+    ``antecedents``: Chunks, stored chunk ids (looked up in ``store``), or ``(Chunk, patch(es))``
+    pairs when an antecedent itself carries a correction. ``rank``: K rank (``"full"`` =
+    min(T, F)); ``rank_v`` defaults to ``rank``. ``kind``: one of ``PATCH_KINDS`` (exact, orbit,
+    removal, recall, deep, shared). Options are passed to the kind (e.g. ``deep_layers=``,
+    ``basis=``, ``current=``, ``max_orderings=``). Costs one conditioned forward (orbit: one per
+    ordering).
+    """
+    if kind not in PATCH_KINDS:
+        raise PatchError(f"unknown patch kind {kind!r}; known: {sorted(PATCH_KINDS)}")
+    if chunk.fingerprint != backend.fingerprint or chunk.layout_signature != backend.layout.signature:
+        raise FingerprintMismatchError(f"chunk {chunk.id[:12]} was encoded by another model")
+    ants = _normalize_antecedents(antecedents, store, backend)
+    lay = backend.layout
+    T = chunk.n_tokens
+    fk, fv = lay.k_heads * lay.k_dim, lay.v_heads * lay.v_dim
+    rk = resolve_rank(rank, T, fk, "K")
+    rv = resolve_rank(rank if rank_v is None else rank_v, T, fv, "V")
+    impl = PATCH_KINDS[kind]()
+    ctx = FormContext(backend=backend, chunk=chunk, antecedents=ants, options=options)
+    dk, dv = impl.target(ctx)
+    layers = impl.layers(ctx)
+    k_u, k_w, v_u, v_w, basis_id = impl.factorize(ctx, dk, dv, rk, rv, layers)
+    sdt = chunk.storage_dtype
+    ids = [c.id for c, _ in ants]
+    return Patch(
+        chunk_id=chunk.id,
+        fingerprint=chunk.fingerprint,
+        layout_signature=chunk.layout_signature,
+        antecedent_signature=antecedent_signature(ids, ordered=impl.ordered),
+        antecedents=tuple(ids),
+        kind=kind,
+        rank_k=rk,
+        rank_v=rv,
+        n_tokens=T,
+        layers=tuple(layers),
+        k_u=k_u.to(sdt),
+        k_w=k_w.to(sdt),
+        v_u=v_u.to(sdt),
+        v_w=v_w.to(sdt),
+        k_shape=(lay.k_heads, lay.k_dim),
+        v_shape=(lay.v_heads, lay.v_dim),
+        basis_id=basis_id,
+        meta={k: str(v) for k, v in options.items() if isinstance(v, (int, float, str))},
+    )

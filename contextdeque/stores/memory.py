@@ -1,0 +1,203 @@
+"""`MemoryTier`: entries held as tensors on one torch device (e.g. ``cuda:0``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from contextdeque.errors import StoreCapacityError
+from contextdeque.stores.base import (
+    EntryStat,
+    Evicted,
+    PutResult,
+    StoreEntry,
+    Tier,
+    check_collision,
+    check_expectations,
+)
+from contextdeque.stores.policy import EvictionPolicy
+from contextdeque.stores.registry import register_tier
+
+
+@dataclass
+class _Slot:
+    entry: StoreEntry
+    last_used: int
+    priority: int
+
+
+@register_tier("memory")
+class MemoryTier(Tier):
+    """Entries as tensors on ``device``, budgeted in payload bytes.
+
+    ``put`` copies tensors onto the device (so later in-place changes by the caller never
+    reach the store); ``get`` returns the tier's own tensors, to be treated as read-only.
+
+    Args:
+        device: where tensors live (``"cuda:0"``, ``"cpu"``, ...).
+        budget_bytes: payload byte budget (None: unbounded).
+        policy: eviction policy name or instance (``"lru"``, ``"priority"``).
+        name: tier name used in `TierTraffic` (unique within a `TieredStore`).
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device,
+        budget_bytes: int | None,
+        *,
+        policy: str | EvictionPolicy = "lru",
+        name: str = "device",
+    ) -> None:
+        super().__init__(name=name, budget_bytes=budget_bytes, policy=policy)
+        self.device = torch.device(device)
+        self._slots: dict[str, _Slot] = {}
+        self._pins: set[str] = set()
+        self._clock = itertools.count(1)
+        self._used = 0
+
+    # storage hooks (HostTier overrides _place) -----------------------------------------
+
+    def _place(self, t: torch.Tensor, copy: bool) -> torch.Tensor:
+        """The tier's copy of ``t`` on its device."""
+        if not copy and t.device == self.device:
+            return t
+        return t.to(self.device, copy=True)
+
+    # Tier API --------------------------------------------------------------------------
+
+    def get(
+        self,
+        key: str,
+        *,
+        expect_fingerprint: str | None = None,
+        expect_layout: str | None = None,
+        expect_digest: str | None = None,
+        corrupt_ok: bool = False,
+    ) -> StoreEntry | None:
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                return None
+            check_expectations(
+                key, slot.entry.meta, expect_fingerprint=expect_fingerprint,
+                expect_layout=expect_layout, expect_digest=expect_digest,
+            )
+            slot.last_used = next(self._clock)
+            return slot.entry
+
+    def peek(self, key: str) -> Mapping[str, str] | None:
+        with self._lock:
+            slot = self._slots.get(key)
+            return None if slot is None else slot.entry.meta
+
+    def put(
+        self,
+        key: str,
+        entry: StoreEntry,
+        *,
+        pinned: bool = False,
+        priority: int = 0,
+        overwrite: bool = False,
+        keep_evicted: bool = False,
+        copy: bool = True,
+    ) -> PutResult:
+        if not isinstance(key, str):
+            raise TypeError(f"store keys are str, got {type(key).__name__}")
+        entry.user_meta_check()
+        with self._lock:
+            old = self._slots.get(key)
+            if old is not None and not overwrite and check_collision(key, old.entry.meta, entry.meta):
+                old.last_used = next(self._clock)
+                if pinned:
+                    self._pins.add(key)
+                return PutResult(stored=False)
+            need = entry.nbytes
+            if not self._fits_budget(need):
+                raise StoreCapacityError(
+                    f"entry {key!r} ({need} B) exceeds tier {self.name!r}'s budget ({self._budget} B)"
+                )
+            freed_by_replace = old.entry.nbytes if old is not None else 0
+            victims = self._choose_victims(key, need - freed_by_replace)
+            # Copy before evicting: a failing device copy must leave the tier unchanged.
+            stored = entry.with_tensors({n: self._place(t, copy) for n, t in entry.tensors.items()})
+            evicted = []
+            for v in victims:
+                vslot = self._slots.pop(v)
+                self._used -= vslot.entry.nbytes
+                evicted.append(Evicted(v, vslot.entry.nbytes, vslot.priority, vslot.entry))
+            if old is not None:
+                self._slots.pop(key)
+                self._used -= old.entry.nbytes
+            self._slots[key] = _Slot(stored, next(self._clock), int(priority))
+            self._used += stored.nbytes
+            if pinned:
+                self._pins.add(key)
+            return PutResult(stored=True, evicted=tuple(evicted))
+
+    def _choose_victims(self, key: str, need: int) -> list[str]:
+        """Keys to evict so that ``need`` more bytes fit; raises if impossible."""
+        if self._budget is None:
+            return []
+        over = self._used + need - self._budget
+        if over <= 0:
+            return []
+        cands = [
+            EntryStat(k, s.entry.nbytes, s.last_used, s.priority)
+            for k, s in self._slots.items()
+            if k != key and k not in self._pins
+        ]
+        sizes = {c.key: c.nbytes for c in cands}
+        victims: list[str] = []
+        for k in self.policy.order(cands):
+            if over <= 0:
+                break
+            victims.append(k)
+            over -= sizes[k]
+        if over > 0:
+            raise StoreCapacityError(
+                f"tier {self.name!r} cannot make room for {key!r}: {self._used} B used of "
+                f"{self._budget} B and the rest is pinned"
+            )
+        return victims
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            self._pins.discard(key)
+            slot = self._slots.pop(key, None)
+            if slot is None:
+                return False
+            self._used -= slot.entry.nbytes
+            return True
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._slots
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._slots)
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    def pin(self, key: str) -> bool:
+        with self._lock:
+            if key not in self._slots:
+                return False
+            self._pins.add(key)
+            return True
+
+    def unpin(self, key: str) -> bool:
+        with self._lock:
+            if key in self._pins:
+                self._pins.discard(key)
+                return True
+            return False
+
+    def is_pinned(self, key: str) -> bool:
+        with self._lock:
+            return key in self._pins

@@ -1,0 +1,87 @@
+"""`TierTraffic`: bytes moved per tier by store operations (goes into window receipts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _add(d: dict[str, int], tier: str, n: int) -> None:
+    d[tier] = d.get(tier, 0) + n
+
+
+@dataclass
+class TierTraffic:
+    """Per-tier byte counts of one or more store operations.
+
+    All byte counts are payload bytes (sum of tensor ``numel * element_size``), so they
+    compare across tiers; a disk tier's budget additionally counts its file headers.
+
+    Attributes:
+        read: tier name -> bytes read out of it (a ``get`` served from it).
+        written: tier name -> bytes written into it (puts, promotions, spills).
+        evicted: tier name -> bytes evicted from it to make room.
+        hits: tier name -> number of ``get`` calls served from it.
+        misses: ``get`` calls no tier could serve.
+        served_from: tier that served the last ``get`` recorded here (None: a miss / none).
+        dropped: keys evicted with no lower tier able to take them (lost from the store).
+    """
+
+    read: dict[str, int] = field(default_factory=dict)
+    written: dict[str, int] = field(default_factory=dict)
+    evicted: dict[str, int] = field(default_factory=dict)
+    hits: dict[str, int] = field(default_factory=dict)
+    misses: int = 0
+    served_from: str | None = None
+    dropped: list[str] = field(default_factory=list)
+
+    def add_read(self, tier: str, nbytes: int) -> None:
+        """Record a ``get`` served from ``tier``."""
+        _add(self.read, tier, nbytes)
+        _add(self.hits, tier, 1)
+        self.served_from = tier
+
+    def add_written(self, tier: str, nbytes: int) -> None:
+        """Record ``nbytes`` written into ``tier``."""
+        _add(self.written, tier, nbytes)
+
+    def add_evicted(self, tier: str, nbytes: int) -> None:
+        """Record ``nbytes`` evicted from ``tier``."""
+        _add(self.evicted, tier, nbytes)
+
+    def add_miss(self) -> None:
+        """Record a ``get`` no tier could serve."""
+        self.misses += 1
+        self.served_from = None
+
+    @property
+    def moved_bytes(self) -> int:
+        """Total bytes read plus written over all tiers."""
+        return sum(self.read.values()) + sum(self.written.values())
+
+    def merge(self, other: TierTraffic) -> TierTraffic:
+        """Add ``other``'s counts into this record (in place) and return it."""
+        for mine, theirs in ((self.read, other.read), (self.written, other.written),
+                             (self.evicted, other.evicted), (self.hits, other.hits)):
+            for k, v in theirs.items():
+                _add(mine, k, v)
+        self.misses += other.misses
+        if other.served_from is not None or other.misses:
+            self.served_from = other.served_from
+        self.dropped.extend(other.dropped)
+        return self
+
+    def __iadd__(self, other: TierTraffic) -> TierTraffic:
+        return self.merge(other)
+
+    def as_dict(self) -> dict[str, object]:
+        """A JSON-friendly copy."""
+        return {
+            "read": dict(self.read),
+            "written": dict(self.written),
+            "evicted": dict(self.evicted),
+            "hits": dict(self.hits),
+            "misses": self.misses,
+            "served_from": self.served_from,
+            "dropped": list(self.dropped),
+            "moved_bytes": self.moved_bytes,
+        }
