@@ -1,0 +1,255 @@
+"""``contextdeque verify-model``: the per-model exactness gate.
+
+Encodes real text (and, for M-RoPE models, an image-span emulation with a genuine t/h/w grid),
+relocates it to several offsets (one ≥ 4,000 positions away) and compares, layer by layer, with
+transformers' own forward of the same tokens with every position shifted by the same offset.
+
+Errors are relative to each tensor's scale (max |x|). The model's forward is itself not
+noise-free far from position 0 (fp32 RoPE angles drift by about p·6e-8 rad, which also moves the
+values RoPE never touches), so the gate measures that noise floor — the non-rotated channels'
+difference between the forward at the canonical positions and at the target — beside the
+rotated channels' relocation error. Pass: fp32 storage, key error ≤ max(2 × noise floor, 1e-5)
+at every offset; bf16 storage, key error ≤ one bf16 ULP of the tensor's scale (2^-8 relative).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .backends.hf import HFBackend
+from .chunk import Chunk
+from .errors import ContextDequeError
+from .layout import KVLayout
+from .operator import relocate
+
+BF16_REL_ULP = 2.0**-8
+FP32_FLOOR = 1e-5
+DEFAULT_OFFSETS = (1, 37, 999, 4099)
+
+
+@dataclass
+class OffsetReport:
+    chunk: str
+    offset: int
+    key_rel_err: float  # rotated channels, fp32 storage
+    noise_floor: float  # non-rotated channels: forward at target vs at canonical
+    bf16_ulp: float  # rotated channels, bf16 storage, in bf16 ULPs of the tensor scale
+    worst_layer: int
+    ok: bool
+
+
+@dataclass
+class VerifyReport:
+    model: str
+    layout: str
+    layers: int
+    offsets: list[int]
+    max_rel_err: float = 0.0
+    noise_floor: float = 0.0
+    max_ulp_bf16: float = 0.0
+    ok: bool = True
+    refused: list[str] = field(default_factory=list)
+    details: list[OffsetReport] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        return d
+
+
+def _split(kv: tuple[torch.Tensor, torch.Tensor], layout: KVLayout) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(rotated channels, [non-rotated tensors]) of one layer's ``(k, v)``."""
+    k, v = kv
+    rot_t, other_t = (k, v) if layout.rope_tensor == "k" else (v, k)
+    a, n = layout.rope_start, layout.rope_dim
+    rot = rot_t[..., a : a + n]
+    rest = [other_t]
+    if a > 0:
+        rest.append(rot_t[..., :a])
+    if a + n < rot_t.shape[-1]:
+        rest.append(rot_t[..., a + n :])
+    return rot, rest
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = float(b.abs().max())
+    if scale == 0.0:
+        return float((a - b).abs().max())
+    return float((a.to(torch.float64) - b.to(torch.float64)).abs().max()) / scale
+
+
+def _oracle(backend: HFBackend, chunk: Chunk, offset: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """transformers' own forward of [root, chunk] with every position shifted by ``offset``;
+    returns the chunk's cached KV per layer ``[H, T, d]``."""
+    R = backend.root_len
+    root_pos = backend.text_positions(offset, R)
+    pos = torch.cat([root_pos, chunk.positions(chunk.canonical_start + offset)], dim=1)
+    if chunk.token_ids is not None:
+        res = backend.forward(
+            input_ids=torch.cat([torch.tensor(backend.root_ids), chunk.token_ids]), positions=pos, logits="none"
+        )
+    else:
+        root_emb = backend.embed_tokens(torch.tensor(backend.root_ids))
+        emb = torch.cat([root_emb.to(chunk.embeds.dtype), chunk.embeds.to(root_emb.device)], dim=0)
+        res = backend.forward(inputs_embeds=emb, positions=pos, logits="none")
+    return [(k[:, R:], v[:, R:]) for k, v in res.kv]
+
+
+def check_chunk(backend: HFBackend, chunk: Chunk, offsets: list[int], label: str) -> list[OffsetReport]:
+    """Relocation of ``chunk`` (fp32 and bf16 storage) vs the shifted forward at each offset."""
+    layout = backend.layout
+    canonical = _oracle(backend, chunk, 0)
+    chunk_bf16 = chunk.to(torch.bfloat16)
+    out = []
+    for off in offsets:
+        oracle = canonical if off == 0 else _oracle(backend, chunk, off)
+        fp32 = relocate(chunk, chunk.canonical_start + off, layout=layout, out_dtype=torch.float32)
+        bf16 = relocate(chunk_bf16, chunk.canonical_start + off, layout=layout, out_dtype=torch.float32)
+        key_err = floor = ulp = 0.0
+        worst = 0
+        for l in range(layout.num_layers):
+            rot_o, rest_o = _split(oracle[l], layout)
+            rot_c, rest_c = _split(canonical[l], layout)
+            rot_r, _ = _split(fp32[l], layout)
+            rot_b, _ = _split(bf16[l], layout)
+            e = _rel(rot_r, rot_o)
+            if e > key_err:
+                key_err, worst = e, l
+            floor = max([floor] + [_rel(a, b) for a, b in zip(rest_c, rest_o)])
+            ulp = max(ulp, _rel(rot_b, rot_o) / BF16_REL_ULP)
+        ok = key_err <= max(2 * floor, FP32_FLOOR) and ulp <= 1.0
+        out.append(OffsetReport(label, off, key_err, floor, ulp, worst, ok))
+    return out
+
+
+def real_text_ids(backend: HFBackend, n_tokens: int) -> torch.Tensor:
+    """``[n_tokens]`` ids of real English (CPython's pydoc topics). Without a tokenizer (random tiny
+    models) the UTF-8 bytes are folded into the vocabulary."""
+    from pydoc_data.topics import topics
+
+    text = " ".join(topics[k] for k in ("lambda", "if", "while", "for", "try", "with"))
+    if backend.tokenizer is not None:
+        ids = backend.tokenize(text)[:n_tokens]
+    else:
+        vocab = backend.model.get_input_embeddings().weight.shape[0]
+        ids = [4 + (b % (vocab - 4)) for b in text.encode()[:n_tokens]]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def image_span_chunk(backend: HFBackend, grid: tuple[int, int] = (4, 6), seed: int = 0) -> Chunk:
+    """An image-span chunk with a genuine M-RoPE grid: t fixed, h and w walking the grid, next
+    position = start + max(h, w) extent (the Qwen2-VL rule). Embeddings come from real pixels
+    (scikit-image) through a fixed seeded projection — an emulation, no vision tower involved."""
+    h, w = grid
+    emb = pixel_embeddings(backend, h * w, seed)
+    t_ax = torch.zeros(h * w, dtype=torch.long)
+    h_ax = torch.arange(h).repeat_interleave(w)
+    w_ax = torch.arange(w).repeat(h)
+    rel = torch.stack([t_ax, h_ax, w_ax])
+    return backend.encode(embeds=emb, rel_positions=rel, span=max(h, w), modality="image")
+
+
+def pixel_embeddings(backend: HFBackend, n_tokens: int, seed: int = 0) -> torch.Tensor:
+    """``[n_tokens, hidden]`` embeddings from a real photo's patches via a seeded random projection,
+    scaled to the model's token-embedding norm (an emulation of a vision tower's output)."""
+    import numpy as np
+    from skimage import data
+
+    img = data.astronaut().astype(np.float32) / 255.0  # [512, 512, 3]
+    side = int(np.ceil(np.sqrt(n_tokens)))
+    ps = img.shape[0] // side
+    patches = [
+        img[i * ps : (i + 1) * ps, j * ps : (j + 1) * ps].reshape(-1) for i in range(side) for j in range(side)
+    ][:n_tokens]
+    x = torch.tensor(np.stack(patches))
+    x = x - x.mean(dim=1, keepdim=True)
+    emb_w = backend.model.get_input_embeddings().weight.detach()
+    g = torch.Generator().manual_seed(seed)
+    proj = torch.randn(x.shape[1], emb_w.shape[1], generator=g) / x.shape[1] ** 0.5
+    e = x @ proj
+    e = e / e.norm(dim=1, keepdim=True).clamp_min(1e-6) * emb_w.norm(dim=1).mean()
+    return e.to(emb_w.dtype)
+
+
+def verify_backend(backend: HFBackend, offsets: list[int] | None = None, n_tokens: int = 96, name: str | None = None) -> VerifyReport:
+    layout = backend.layout
+    offsets = list(offsets or DEFAULT_OFFSETS)
+    report = VerifyReport(model=name or backend.name, layout=layout.describe(), layers=layout.num_layers, offsets=offsets)
+    chunks = [("text", backend.encode(token_ids=real_text_ids(backend, n_tokens)))]
+    if layout.n_pos_axes > 1:
+        chunks.append(("image-span", image_span_chunk(backend)))
+    usable = offsets
+    if layout.max_exact_position is not None:
+        limit = layout.max_exact_position - backend.root_len - n_tokens
+        usable = [o for o in offsets if o < limit]
+        report.refused = [f"offset {o}: past the {layout.rope_type} switch point" for o in offsets if o >= limit]
+    for label, chunk in chunks:
+        report.details.extend(check_chunk(backend, chunk, usable, label))
+    if report.details:
+        report.max_rel_err = max(d.key_rel_err for d in report.details)
+        report.noise_floor = max(d.noise_floor for d in report.details)
+        report.max_ulp_bf16 = max(d.bf16_ulp for d in report.details)
+        report.ok = all(d.ok for d in report.details)
+    else:
+        report.ok = False
+    return report
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="local HF model dir or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--arch", default=None, help="build a tiny random-weight model of this architecture (with --random)")
+    p.add_argument("--random", action="store_true", help="random weights (required with --arch)")
+    p.add_argument("--offsets", default=",".join(map(str, DEFAULT_OFFSETS)), help="comma-separated position offsets")
+    p.add_argument("--tokens", type=int, default=96, help="tokens of real text to encode")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _backend_from_args(args: argparse.Namespace) -> tuple[HFBackend, str]:
+    if args.arch:
+        if not args.random:
+            raise SystemExit("--arch needs --random (no checkpoints are fetched)")
+        from .backends.tiny import build_tiny_model
+
+        model = build_tiny_model(args.arch)
+        return HFBackend(model, None, root_ids=[1, 2, 3], name=f"tiny-random-{args.arch}"), f"tiny-random-{args.arch}"
+    from .backends import load_model
+
+    b = load_model(args.model)
+    return b, b.name
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        backend, name = _backend_from_args(args)
+        report = verify_backend(backend, [int(x) for x in args.offsets.split(",") if x], args.tokens, name)
+    except ContextDequeError as exc:
+        if args.json:
+            print(json.dumps({"model": args.model or args.arch or "default", "ok": False, "error": f"{type(exc).__name__}: {exc}"}))
+        else:
+            print(f"refused: {type(exc).__name__}: {exc}")
+        return 1
+    if args.json:
+        print(json.dumps(report.to_json()))
+        return 0 if report.ok else 1
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{report.model}[/]: {report.layout}")
+    table = Table("chunk", "offset", "key rel err (fp32)", "noise floor", "bf16 key err (ULP)", "worst layer", "ok")
+    for d in report.details:
+        table.add_row(
+            d.chunk, str(d.offset), f"{d.key_rel_err:.2e}", f"{d.noise_floor:.2e}", f"{d.bf16_ulp:.3f}", str(d.worst_layer),
+            "[green]yes[/]" if d.ok else "[red]NO[/]",
+        )
+    console.print(table)
+    for r in report.refused:
+        console.print(f"[yellow]refused[/] {r}")
+    console.print("[bold green]PASS[/]" if report.ok else "[bold red]FAIL[/]")
+    return 0 if report.ok else 1
