@@ -92,6 +92,18 @@ def rotary_attention_scaling(module: torch.nn.Module, layer_type: str | None = N
     return float(val)
 
 
+class GPTJRotaryTable(torch.nn.Module):
+    """GPT-J keeps a sin/cos table per attention layer instead of a rotary module; this stands in
+    for one, holding the ``inv_freq`` that table was built from (same fp32 formula)."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        dim = int(cfg.rotary_dim or cfg.n_embd // cfg.n_head)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim)))
+        self.attention_scaling = 1.0
+        self.max_positions = int(cfg.max_position_embeddings)
+
+
 # --------------------------------------------------------------------------- caches
 
 

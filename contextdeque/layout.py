@@ -183,6 +183,8 @@ def detect_layout(model: torch.nn.Module) -> KVLayout:
     notes: list[str] = []
 
     rotaries = compat.find_rotary_modules(model)
+    if not rotaries and model_type == "gptj":
+        rotaries = [("gptj", compat.GPTJRotaryTable(cfg))]
     if not rotaries:
         raise UnsupportedLayoutError(f"{model_type}: no rotary embedding module found (no RoPE?)")
     rotary = rotaries[0][1]
@@ -249,6 +251,11 @@ def detect_layout(model: torch.nn.Module) -> KVLayout:
         else:  # dynamic NTK grows inv_freq once max(position)+1 > max_position_embeddings
             max_exact = int(cfg.max_position_embeddings)
         notes.append(f"{rope_type}: inv_freq switches at {max_exact} tokens; relocation refused beyond it")
+
+    table_limit = getattr(rotary, "max_positions", None)
+    if table_limit is not None:  # a precomputed sin/cos table (GPT-J) ends at n_positions
+        max_exact = int(table_limit) if max_exact is None else min(max_exact, int(table_limit))
+        notes.append(f"sin/cos table ends at position {table_limit}")
 
     # --- M-RoPE
     n_axes, freq_axis = 1, None

@@ -1,0 +1,32 @@
+"""Shared fixtures. The real default model is loaded once per session (cached dequantized copy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def default_backend():
+    """The embedded default model (SmolLM2-135M-Instruct) wrapped in an HFBackend."""
+    import contextdeque
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    return contextdeque.load_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_backend_factory():
+    """``factory(arch="llama", seed=0)`` -> HFBackend over a tiny random-weight model (cached per args)."""
+    from contextdeque.backends.hf import HFBackend
+    from contextdeque.backends.tiny import build_tiny_model
+
+    cache: dict = {}
+
+    def factory(arch: str = "llama", seed: int = 0, **overrides):
+        key = (arch, seed, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = HFBackend(build_tiny_model(arch, seed=seed, **overrides), None, root_ids=[1, 2, 3], name=f"tiny-{arch}")
+        return cache[key]
+
+    return factory
