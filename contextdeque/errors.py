@@ -35,6 +35,10 @@ class PatchError(ContextDequeError, ValueError):
     """A patch does not fit the chunk/model/antecedents it is applied to, or cannot be formed."""
 
 
+class KernelArgumentError(ContextDequeError, ValueError):
+    """Tensors handed to a kernel disagree (shapes, devices, strides, rotary slice, destination)."""
+
+
 class StoreError(ContextDequeError):
     """Base class of store failures."""
 
@@ -73,3 +77,7 @@ class BudgetError(WindowError):
 
 class TraceError(ContextDequeError, ValueError):
     """A trace line is malformed (the message gives the line number)."""
+
+
+class ReuseArmError(ContextDequeError, ValueError):
+    """A reuse arm was misconfigured (unknown name, bad budget or schedule) or given a request it cannot serve."""

@@ -21,7 +21,7 @@ import types
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import quote, unquote
 
 import torch
@@ -84,8 +84,6 @@ class StoreEntry:
                 raise InvalidEntryError(f"entry value {name!r} is a {type(t).__name__}, not a torch.Tensor")
             if t.layout is not torch.strided:
                 raise InvalidEntryError(f"tensor {name!r} has layout {t.layout}; only dense tensors are stored")
-            if t.is_complex():
-                raise InvalidEntryError(f"tensor {name!r} is complex ({t.dtype}); store real/imag parts instead")
             tensors[name] = t.detach()
         meta: dict[str, str] = {}
         for k, v in self.meta.items():
@@ -95,6 +93,13 @@ class StoreEntry:
         object.__setattr__(self, "tensors", types.MappingProxyType(tensors))
         object.__setattr__(self, "meta", types.MappingProxyType(meta))
         object.__setattr__(self, "nbytes", sum(tensor_nbytes(t) for t in tensors.values()))
+
+    def __repr__(self) -> str:
+        items = list(self.tensors.items())
+        shapes = ", ".join(f"{n}: {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for n, t in items[:6])
+        if len(items) > 6:
+            shapes += f", ... ({len(items)} tensors)"
+        return f"StoreEntry({{{shapes}}}, nbytes={self.nbytes}, meta={dict(self.meta)})"
 
     def user_meta_check(self) -> None:
         """Raise `InvalidEntryError` if the metadata uses the reserved ``cdq.`` prefix."""
@@ -396,6 +401,10 @@ class Tier(ABC):
         """Bytes counted against the budget right now."""
 
     @abstractmethod
+    def priority_of(self, key: str) -> int:
+        """The eviction priority ``key`` was stored with (0 if absent or unknown)."""
+
+    @abstractmethod
     def pin(self, key: str) -> bool:
         """Protect ``key`` from eviction; False if absent."""
 
@@ -429,7 +438,3 @@ class Tier(ABC):
 
     def _fits_budget(self, nbytes: int) -> bool:
         return self._budget is None or nbytes <= self._budget
-
-    @staticmethod
-    def _expectations(**kw: Any) -> dict[str, Any]:
-        return {k: v for k, v in kw.items() if v is not None}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import safetensors.torch
@@ -76,16 +76,17 @@ def data_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-# safetensors dtype tags -> torch dtype names (for descriptors read from a header)
-_ST_DTYPES: dict[str, str] = {}
-for _tag, _name in (
-    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"),
-    ("I64", "int64"), ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U8", "uint8"),
-    ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("BOOL", "bool"),
-    ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
-    ("F8_E8M0", "float8_e8m0fnu"), ("F4", "float4_e2m1fn_x2"),
-):
-    _ST_DTYPES[_tag] = _name
+# safetensors dtype tags -> torch dtype names (for descriptors read from a header). Taken
+# from safetensors itself when it exposes its table, so both sides always agree.
+_FALLBACK_TAGS = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_ST_DTYPES: dict[str, str] = {
+    tag: str(dt).removeprefix("torch.")
+    for tag, dt in (getattr(safetensors.torch, "_TYPES", None) or _FALLBACK_TAGS).items()
+}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -190,8 +191,13 @@ def parse_header(head: bytes, file_size: int, origin: str) -> tuple[int, Header]
     return n, Header(key=key, meta=user, priority=priority, payload_nbytes=end)
 
 
-def decode_entry(key: str, data: bytes, origin: str) -> tuple[StoreEntry, Header]:
+def decode_entry(
+    key: str, data: bytes, origin: str, check: Callable[[Header], None] | None = None
+) -> tuple[StoreEntry, Header]:
     """Decode and fully verify one entry file's bytes, which must be stored under ``key``.
+
+    ``check`` runs on the verified header before any tensor is materialized (e.g. to refuse
+    another model's entry without loading it); whatever it raises propagates.
 
     Raises:
         CorruptEntryError: anything off (truncation, malformed header, checksum, wrong key).
@@ -199,6 +205,8 @@ def decode_entry(key: str, data: bytes, origin: str) -> tuple[StoreEntry, Header
     _, header = parse_header(data, len(data), origin)
     if header.key != key:
         raise _corrupt(origin, f"file holds key {header.key!r}, expected {key!r}")
+    if check is not None:
+        check(header)
     try:
         tensors = safetensors.torch.load(data)
     except Exception as e:  # SafetensorError and friends: the bytes are not valid safetensors

@@ -184,6 +184,11 @@ class MemoryTier(Tier):
         with self._lock:
             return self._used
 
+    def priority_of(self, key: str) -> int:
+        with self._lock:
+            slot = self._slots.get(key)
+            return 0 if slot is None else slot.priority
+
     def pin(self, key: str) -> bool:
         with self._lock:
             if key not in self._slots:

@@ -17,9 +17,10 @@ class TierTraffic:
     compare across tiers; a disk tier's budget additionally counts its file headers.
 
     Attributes:
-        read: tier name -> bytes read out of it (a ``get`` served from it).
-        written: tier name -> bytes written into it (puts, promotions, spills).
-        evicted: tier name -> bytes evicted from it to make room.
+        read: tier name -> bytes read out of it (a ``get`` served from it, a demotion).
+        written: tier name -> bytes written into it (puts, promotions, spills, demotions).
+        evicted: tier name -> bytes removed from it by its eviction policy or a demotion
+            (explicit deletes are not counted).
         hits: tier name -> number of ``get`` calls served from it.
         misses: ``get`` calls no tier could serve.
         served_from: tier that served the last ``get`` recorded here (None: a miss / none).
@@ -34,11 +35,12 @@ class TierTraffic:
     served_from: str | None = None
     dropped: list[str] = field(default_factory=list)
 
-    def add_read(self, tier: str, nbytes: int) -> None:
-        """Record a ``get`` served from ``tier``."""
+    def add_read(self, tier: str, nbytes: int, *, hit: bool = True) -> None:
+        """Record ``nbytes`` read out of ``tier``; ``hit``: it served a ``get``."""
         _add(self.read, tier, nbytes)
-        _add(self.hits, tier, 1)
-        self.served_from = tier
+        if hit:
+            _add(self.hits, tier, 1)
+            self.served_from = tier
 
     def add_written(self, tier: str, nbytes: int) -> None:
         """Record ``nbytes`` written into ``tier``."""

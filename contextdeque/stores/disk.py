@@ -1,0 +1,573 @@
+"""`DiskTier`: one safetensors file per entry in a local directory, shareable by processes.
+
+Layout of the directory (nothing else is kept, so all state is recomputable from it):
+- ``<sha256(key)>.safetensors``: one entry; key, priority and checksums in the header;
+  the file's mtime is its recency stamp (set explicitly, in ns, on put and get);
+- ``<sha256(key)>.<pid>.pin``: process ``pid`` pins the entry (ignored once pid is dead);
+- ``.tmp-<pid>-<random>.part``: a write in progress (removed when its writer is dead);
+- ``.lock``: the `filelock` lock serializing commits, evictions, pins and deletes.
+
+Writers serialize and fsync the file under a temporary name outside the lock, then, holding
+the lock, check the collision guard, evict to fit the budget and ``os.replace`` the file
+into place. Readers take no lock: a file at its final name is always complete (atomic
+rename), and an open file keeps its bytes even if it is replaced or evicted meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import filelock
+
+from contextdeque.errors import CorruptEntryError, StoreCapacityError, StoreError, StorePermissionError
+from contextdeque.stores.base import (
+    EntryStat,
+    Evicted,
+    PutResult,
+    StoreEntry,
+    Tier,
+    check_collision,
+    check_expectations,
+)
+from contextdeque.stores.format import Header, decode_entry, encode_entry, parse_header
+from contextdeque.stores.policy import EvictionPolicy
+from contextdeque.stores.registry import register_tier
+
+SUFFIX = ".safetensors"
+PIN_SUFFIX = ".pin"
+TMP_PREFIX = ".tmp-"
+TMP_SUFFIX = ".part"
+LOCK_NAME = ".lock"
+_HASH_LEN = 64
+
+_clock_lock = threading.Lock()
+_last_ns = 0
+
+
+def _now_ns() -> int:
+    """Wall-clock ns, strictly increasing within this process (recency stamps across processes)."""
+    global _last_ns
+    with _clock_lock:
+        _last_ns = max(time.time_ns(), _last_ns + 1)
+        return _last_ns
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    except OSError:
+        return True
+    return True
+
+
+def key_digest(key: str) -> str:
+    """The 64-hex file stem of ``key`` (any key string maps to a safe file name)."""
+    if not isinstance(key, str):
+        raise TypeError(f"store keys are str, got {type(key).__name__}")
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@dataclass(frozen=True)
+class _FileInfo:
+    stem: str
+    path: Path
+    size: int
+    mtime_ns: int
+    ino: int
+
+
+@register_tier("disk")
+class DiskTier(Tier):
+    """Entries as safetensors files in ``path``; the budget counts whole file sizes.
+
+    Args:
+        path: the store directory (created if missing).
+        budget_bytes: byte budget over the entry files (None: unbounded). Processes sharing
+            a directory should use the same budget; each put evicts until its own fits.
+        policy: eviction policy name or instance.
+        name: tier name used in `TierTraffic`.
+        fsync: fsync files and the directory on commit (durability across power loss).
+        lock_timeout: seconds to wait for the directory lock before raising `StoreError`.
+        stale_tmp_s: at construction, remove temp files of dead writers older than this.
+
+    Raises:
+        StorePermissionError: the directory cannot be created, read or written.
+    """
+
+    persistent = True
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        budget_bytes: int | None,
+        *,
+        policy: str | EvictionPolicy = "lru",
+        name: str = "disk",
+        fsync: bool = True,
+        lock_timeout: float = 60.0,
+        stale_tmp_s: float = 300.0,
+    ) -> None:
+        super().__init__(name=name, budget_bytes=budget_bytes, policy=policy)
+        self.path = Path(path)
+        self.fsync = fsync
+        self._lock_timeout = lock_timeout
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise StorePermissionError(f"store path {self.path} exists and is not a directory") from None
+        except OSError as e:
+            raise StorePermissionError(
+                f"cannot create store directory {self.path}: {e.strerror or e} "
+                f"(choose a writable location)"
+            ) from None
+        if not self.path.is_dir():
+            raise StorePermissionError(f"store path {self.path} is not a directory")
+        if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
+            mode = oct(self.path.stat().st_mode & 0o777)
+            raise StorePermissionError(
+                f"store directory {self.path} (mode {mode}) is not readable and writable by this "
+                f"process (uid {os.getuid()}); fix its permissions or choose another directory"
+            )
+        self._flock = filelock.FileLock(str(self.path / LOCK_NAME), timeout=lock_timeout)
+        # Header facts per file, valid while (inode, size, mtime) are unchanged: a cache, never an
+        # index (entries are rediscovered by listing the directory every time).
+        self._hdr_cache: dict[str, tuple[tuple[int, int, int], Header | None]] = {}
+        with self._locked():  # also proves we can create the lock file
+            pass
+        self.clean_temp(min_age_s=stale_tmp_s)
+
+    # ------------------------------------------------------------------ plumbing
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        try:
+            with self._lock, self._flock:
+                yield
+        except StorePermissionError:
+            raise
+        except filelock.Timeout:
+            raise StoreError(
+                f"timed out after {self._lock_timeout}s waiting for {self.path / LOCK_NAME} "
+                f"(another process holds the store lock)"
+            ) from None
+        except PermissionError as e:
+            raise StorePermissionError(f"store directory {self.path}: {e}") from None
+
+    def file_for(self, key: str) -> Path:
+        """The entry file of ``key`` (whether or not it exists)."""
+        return self.path / (key_digest(key) + SUFFIX)
+
+    def _touch(self, path: Path) -> None:
+        now = _now_ns()
+        try:
+            os.utime(path, ns=(now, now))
+        except OSError:  # gone meanwhile, or a read-only share: recency only degrades
+            pass
+
+    def _fsync_dir(self) -> None:
+        if not self.fsync:
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _scan(self) -> tuple[list[_FileInfo], dict[str, list[tuple[Path, int]]], list[Path]]:
+        """(entry files, pin markers by stem -> [(path, pid)], temp files) in the directory."""
+        files: list[_FileInfo] = []
+        pins: dict[str, list[tuple[Path, int]]] = {}
+        temps: list[Path] = []
+        with os.scandir(self.path) as it:
+            for de in it:
+                n = de.name
+                if n.startswith(TMP_PREFIX) and n.endswith(TMP_SUFFIX):
+                    temps.append(Path(de.path))
+                elif n.endswith(SUFFIX) and len(n) == _HASH_LEN + len(SUFFIX):
+                    try:
+                        st = de.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    files.append(_FileInfo(n[:_HASH_LEN], Path(de.path), st.st_size, st.st_mtime_ns, st.st_ino))
+                elif n.endswith(PIN_SUFFIX):
+                    stem, _, pid = n[: -len(PIN_SUFFIX)].partition(".")
+                    if len(stem) == _HASH_LEN and pid.isdigit():
+                        pins.setdefault(stem, []).append((Path(de.path), int(pid)))
+        return files, pins, temps
+
+    def _live_pinned(self, pins: dict[str, list[tuple[Path, int]]]) -> set[str]:
+        """Stems pinned by a live process; stale markers (dead pids) are removed. Lock held."""
+        live: set[str] = set()
+        for stem, markers in pins.items():
+            for p, pid in markers:
+                if _pid_alive(pid):
+                    live.add(stem)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
+        return live
+
+    def _read_header(self, path: Path) -> Header:
+        """Verified header of one file (no tensor data read).
+
+        Raises:
+            FileNotFoundError: absent.
+            CorruptEntryError: unreadable header.
+        """
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) == 8:
+                n = int.from_bytes(head, "little")
+                if 8 + n <= size:
+                    head += f.read(n)
+        return parse_header(head, size, str(path))[1]
+
+    def _prune_cache(self, files: list[_FileInfo]) -> None:
+        """Forget header facts of files that are gone (evicted by anyone)."""
+        present = {fi.stem for fi in files}
+        for stem in [s for s in self._hdr_cache if s not in present]:
+            del self._hdr_cache[stem]
+
+    def _header_cached(self, fi: _FileInfo) -> Header | None:
+        """Header of a scanned file, None if it is corrupt (or vanished)."""
+        sig = (fi.ino, fi.size, fi.mtime_ns)
+        hit = self._hdr_cache.get(fi.stem)
+        if hit is not None and hit[0] == sig:
+            return hit[1]
+        try:
+            h: Header | None = self._read_header(fi.path)
+            if h is not None and key_digest(h.key) != fi.stem:
+                h = None  # a file under a name its key does not hash to is not ours
+        except (CorruptEntryError, OSError):
+            h = None
+        self._hdr_cache[fi.stem] = (sig, h)
+        return h
+
+    def _write_temp(self, data: bytes) -> Path:
+        tmp = self.path / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}{TMP_SUFFIX}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except PermissionError as e:
+            raise StorePermissionError(f"cannot write into store directory {self.path}: {e.strerror}") from None
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        return tmp
+
+    # ------------------------------------------------------------------ Tier API
+
+    def get(
+        self,
+        key: str,
+        *,
+        expect_fingerprint: str | None = None,
+        expect_layout: str | None = None,
+        expect_digest: str | None = None,
+        corrupt_ok: bool = False,
+    ) -> StoreEntry | None:
+        path = self.file_for(key)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            return None
+        except PermissionError as e:
+            raise StorePermissionError(f"cannot read store entry {path}: {e.strerror}") from None
+        # Keep the file open while deciding: its inode cannot be reused meanwhile, so a
+        # corrupt copy is only discarded if it is still the one at `path`.
+        def refuse(h: Header) -> None:  # before any tensor is loaded
+            check_expectations(
+                key, h.meta, expect_fingerprint=expect_fingerprint,
+                expect_layout=expect_layout, expect_digest=expect_digest,
+            )
+
+        with f:
+            st = os.fstat(f.fileno())
+            data = f.read()
+            try:
+                entry, _ = decode_entry(key, data, str(path), check=refuse)
+            except CorruptEntryError:
+                if not corrupt_ok:
+                    raise
+                self._discard_if_same(path, st)
+                return None
+        self._touch(path)
+        return entry
+
+    def _discard_if_same(self, path: Path, st: os.stat_result) -> bool:
+        with self._locked():
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                return False
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return False  # replaced by a writer since we read it
+            path.unlink()
+            self._fsync_dir()
+            return True
+
+    def peek(self, key: str) -> Mapping[str, str] | None:
+        try:
+            h = self._read_header(self.file_for(key))
+        except FileNotFoundError:
+            return None
+        if h.key != key:
+            raise CorruptEntryError(f"corrupt store entry {self.file_for(key)}: holds key {h.key!r}, expected {key!r}")
+        return h.meta
+
+    def _peek_for_put(self, key: str) -> Mapping[str, str] | None:
+        """Existing metadata for the collision guard; a corrupt file counts as absent."""
+        try:
+            return self.peek(key)
+        except CorruptEntryError:
+            return None
+
+    def put(
+        self,
+        key: str,
+        entry: StoreEntry,
+        *,
+        pinned: bool = False,
+        priority: int = 0,
+        overwrite: bool = False,
+        keep_evicted: bool = False,
+        copy: bool = True,
+    ) -> PutResult:
+        final = self.file_for(key)
+        entry.user_meta_check()
+        if not overwrite:
+            # Cheap early answer (no serialization) for a duplicate or a collision.
+            with self._locked():
+                old = self._peek_for_put(key)
+                if old is not None and check_collision(key, old, entry.meta):
+                    return self._dedupe_locked(final, pinned)
+        data = encode_entry(key, entry, priority)
+        if not self._fits_budget(len(data)):
+            raise StoreCapacityError(
+                f"entry {key!r} ({len(data)} B on disk) exceeds tier {self.name!r}'s budget ({self._budget} B)"
+            )
+        tmp: Path | None = self._write_temp(data)
+        del data
+        try:
+            with self._locked():
+                if not overwrite:  # re-check: another process may have committed meanwhile
+                    old = self._peek_for_put(key)
+                    if old is not None and check_collision(key, old, entry.meta):
+                        return self._dedupe_locked(final, pinned)
+                assert tmp is not None
+                evicted = self._make_room(final.name[:_HASH_LEN], tmp.stat().st_size, key, keep_evicted)
+                os.replace(tmp, final)
+                tmp = None
+                self._fsync_dir()
+                self._touch(final)
+                if pinned:
+                    self._pin_locked(final.name[:_HASH_LEN])
+                return PutResult(stored=True, evicted=tuple(evicted))
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+
+    def _dedupe_locked(self, final: Path, pinned: bool) -> PutResult:
+        self._touch(final)
+        if pinned:
+            self._pin_locked(final.name[:_HASH_LEN])
+        return PutResult(stored=False)
+
+    def _make_room(self, stem: str, size: int, key: str, keep_evicted: bool) -> list[Evicted]:
+        """Evict until ``size`` more bytes fit (replacing ``stem`` frees its file). Lock held."""
+        if self._budget is None:
+            return []
+        files, pins, _ = self._scan()
+        self._prune_cache(files)
+        total = sum(fi.size for fi in files if fi.stem != stem)
+        over = total + size - self._budget
+        if over <= 0:
+            return []
+        pinned = self._live_pinned(pins)
+        corrupt: list[_FileInfo] = []
+        cands: list[EntryStat] = []
+        by_key: dict[str, tuple[_FileInfo, Header]] = {}
+        for fi in files:
+            if fi.stem == stem or fi.stem in pinned:
+                continue
+            h = self._header_cached(fi)
+            if h is None:
+                corrupt.append(fi)  # garbage goes first, whatever the policy
+            else:
+                cands.append(EntryStat(h.key, fi.size, fi.mtime_ns, h.priority))
+                by_key[h.key] = (fi, h)
+        plan: list[tuple[_FileInfo, Header | None]] = []
+        for fi in corrupt:
+            if over <= 0:
+                break
+            plan.append((fi, None))
+            over -= fi.size
+        for k in self.policy.order(cands):
+            if over <= 0:
+                break
+            fi, h = by_key[k]
+            plan.append((fi, h))
+            over -= fi.size
+        if over > 0:
+            raise StoreCapacityError(
+                f"tier {self.name!r} cannot make room for {key!r}: {total} B used of {self._budget} B "
+                f"and the rest is pinned"
+            )
+        evicted: list[Evicted] = []
+        for fi, h in plan:
+            entry = None
+            if keep_evicted and h is not None:
+                with contextlib.suppress(CorruptEntryError, OSError):
+                    entry, _ = decode_entry(h.key, fi.path.read_bytes(), str(fi.path))
+            with contextlib.suppress(FileNotFoundError):
+                fi.path.unlink()
+            self._hdr_cache.pop(fi.stem, None)
+            if h is not None:
+                evicted.append(Evicted(h.key, h.payload_nbytes, h.priority, entry))
+        return evicted
+
+    def delete(self, key: str) -> bool:
+        stem = key_digest(key)
+        with self._locked():
+            _, pins, _ = self._scan()
+            for p, _pid in pins.get(stem, []):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            try:
+                self.file_for(key).unlink()
+            except FileNotFoundError:
+                return False
+            self._hdr_cache.pop(stem, None)
+            self._fsync_dir()
+            return True
+
+    def contains(self, key: str) -> bool:
+        return self.file_for(key).is_file()
+
+    def keys(self) -> list[str]:
+        with self._locked():
+            files, _, _ = self._scan()
+            self._prune_cache(files)
+            out = []
+            for fi in files:
+                h = self._header_cached(fi)
+                if h is not None:
+                    out.append(h.key)
+            return out
+
+    def nbytes(self) -> int:
+        with self._locked():
+            files, _, _ = self._scan()
+            return sum(fi.size for fi in files)
+
+    def priority_of(self, key: str) -> int:
+        try:
+            return self._read_header(self.file_for(key)).priority
+        except (OSError, CorruptEntryError):
+            return 0
+
+    def _pin_locked(self, stem: str) -> None:
+        marker = self.path / f"{stem}.{os.getpid()}{PIN_SUFFIX}"
+        with open(marker, "a"):
+            pass
+
+    def pin(self, key: str) -> bool:
+        with self._locked():
+            if not self.contains(key):
+                return False
+            self._pin_locked(key_digest(key))
+            return True
+
+    def unpin(self, key: str) -> bool:
+        marker = self.path / f"{key_digest(key)}.{os.getpid()}{PIN_SUFFIX}"
+        with self._locked():
+            try:
+                marker.unlink()
+            except FileNotFoundError:
+                return False
+            return True
+
+    def is_pinned(self, key: str) -> bool:
+        """Whether any live process pins ``key``."""
+        stem = key_digest(key)
+        with self._locked():
+            _, pins, _ = self._scan()
+            return stem in self._live_pinned({stem: pins.get(stem, [])})
+
+    # ------------------------------------------------------------------ maintenance
+
+    def clean_temp(self, min_age_s: float = 300.0) -> int:
+        """Remove temp files of dead writers at least ``min_age_s`` old (and stale pins).
+
+        A writer killed mid-write leaves only a temp file behind (never a partial entry).
+        Returns the number of temp files removed.
+        """
+        removed = 0
+        now = time.time()
+        with self._locked():
+            _, pins, temps = self._scan()
+            self._live_pinned(pins)
+            for p in temps:
+                pid_s = p.name[len(TMP_PREFIX):].split("-", 1)[0]
+                if not pid_s.isdigit() or _pid_alive(int(pid_s)):
+                    continue
+                try:
+                    if now - p.stat().st_mtime < min_age_s:
+                        continue
+                    p.unlink()
+                    removed += 1
+                except FileNotFoundError:
+                    continue
+        return removed
+
+    def scrub(self) -> list[str]:
+        """Fully verify every entry file; remove corrupt ones. Returns removed file names."""
+        removed = []
+        with self._locked():
+            files, _, _ = self._scan()
+        for fi in files:
+            try:
+                f = open(fi.path, "rb")
+            except FileNotFoundError:
+                continue
+            with f:
+                st = os.fstat(f.fileno())
+                data = f.read()
+                try:
+                    _, h = decode_entry(self._key_in(data, fi), data, str(fi.path))
+                    if key_digest(h.key) != fi.stem:
+                        raise CorruptEntryError(f"{fi.path}: file name does not match its key")
+                except CorruptEntryError:
+                    if self._discard_if_same(fi.path, st):
+                        removed.append(fi.path.name)
+        return removed
+
+    @staticmethod
+    def _key_in(data: bytes, fi: _FileInfo) -> str:
+        """The key a file claims (for scrub); a placeholder when even that is unreadable."""
+        try:
+            return parse_header(data, len(data), str(fi.path))[1].key
+        except CorruptEntryError:
+            return "\0unreadable"
