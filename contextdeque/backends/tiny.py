@@ -1,6 +1,104 @@
 """Tiny random-weight transformers models, one per attention/RoPE layout contextdeque handles.
 
-FACTS_TABLE_PLACEHOLDER
+``build_tiny_model(arch)`` gives a 2–3 layer fp32 model in eval mode (hidden 128, 4 query / 2 KV
+heads, head_dim 32, vocab 256, max_position_embeddings 512); ``TINY_ARCHS`` lists the archs with
+the facts below in structured form. ``build_tiny_vl_processor(arch)`` gives the real Qwen-VL image
+processor sized for a small grid (there is no checkpoint here).
+
+Facts verified with transformers 5.18.0 by running these models (tests/test_models.py: cached keys
+equal a hand-written RoPE of the pre-RoPE keys captured by forward hooks, bit for bit, and do NOT
+equal the other pairing), not only by reading the code.
+
+Common to every arch: keys are cached AFTER RoPE (and after q/k-norm where there is one) through
+the standard ``Cache.update``; values are never rotated (except MLA, below). ``cache.layers[i].keys``
+/ ``.values`` are ``[batch, H_kv, T, d]``. Angles are ``fp32(inv_freq[f] * pos[t])`` (a K=1
+matmul, identical to an elementwise product), then ``cos/sin * attention_scaling``. 5.x configs
+keep RoPE settings in ``config.rope_parameters`` (a flat dict ``{"rope_type", "rope_theta", ...}``
+unless noted); the rotary module keeps ``inv_freq`` and ``original_inv_freq`` buffers and a float
+``attention_scaling``.
+
+=============  ===========  ===============================  =================================  ======================================
+arch           pairing      inv_freq                         rotated channels                   cache / config / quirks
+=============  ===========  ===============================  =================================  ======================================
+llama          half-split   model.model.rotary_emb           all head_dim                       K,V [B,Hkv,T,d]
+qwen2          half-split   model.model.rotary_emb           all head_dim                       q/k/v bias
+qwen2_vl       half-split   model.model.language_model       all head_dim; M-RoPE chunked:      rope_parameters on config.text_config:
+               (M-RoPE)     .rotary_emb                      freqs [0,t) axis T, [t,t+h) H,     {"rope_type","rope_theta","mrope_section"}
+                                                             rest W                             ([16,24,24] real, [4,6,6] tiny)
+qwen2_5_vl     as qwen2_vl  as qwen2_vl                      as qwen2_vl                        get_rope_index adds second_per_grid_ts
+qwen3_vl       half-split   model.model.language_model       M-RoPE interleaved: freq f is H    q_norm/k_norm (RMSNorm per head) before
+               (M-RoPE)     .rotary_emb                      if f%3==1, f<3h; W if f%3==2,      RoPE; "mrope_interleaved" key is
+                                                             f<3w; else T ([24,20,20] real)     ignored: always interleaved
+gemma3_text    half-split   model.model.rotary_emb           all head_dim                       per layer type, see notes
+                            .{sliding,full}_attention_
+                            inv_freq (+ _attention_scaling)
+deepseek_v3    half-split   model.model.rotary_emb           k_pe only (qk_rope_head_dim),      MLA: .keys = kv_a_layernorm(latent)
+               in cache     (dim qk_rope_head_dim)           cached in .values                  [B,1,T,kv_lora_rank], un-rotated;
+                                                                                                .values = rotated k_pe [B,1,T,r_dim]
+deepseek_v2    interleaved  model.model.rotary_emb           k_pe only, in .values              complex multiply on (2i,2i+1);
+                                                                                                <=1 ulp from the real formula
+phi            half-split   model.model.rotary_emb           first int(d*partial_rotary_factor) rope_parameters["partial_rotary_factor"]
+                            (rotary_dim/2 entries)           (0.4 phi-2, 0.5 tiny)              (0.5 tiny); rest cached as projected
+stablelm       half-split   model.model.rotary_emb           first d*0.25                       qk_layernorm: per-head LayerNorm
+                                                                                                before RoPE
+glm            interleaved  model.model.rotary_emb           first d*0.5 (partial default 0.5)  cos/sin = repeat_interleave(half)
+cohere         interleaved  model.model.rotary_emb           all head_dim                       use_qk_norm LayerNorm [B,T,H,d] before
+                                                                                                RoPE; rotation done in fp32
+gptj           interleaved  NONE: per-layer buffer           first rotary_dim (16 of 32)        theta=10000 hard-coded; no GQA; eager
+                            attn.embed_positions                                                only; positions >= n_positions fail
+                            [n_positions, rotary_dim] =
+                            cat(sin, cos)
+llama-linear   half-split   model.model.rotary_emb           all                                inv_freq / factor; scaling 1
+llama-llama3   half-split   model.model.rotary_emb           all                                band-wise inv_freq; scaling 1
+llama-yarn     half-split   model.model.rotary_emb           all                                attention_scaling = 0.1 ln(factor) + 1
+                                                                                                (1.1386) folded into cached keys
+llama-dynamic  half-split   model.model.rotary_emb           all                                inv_freq changes with sequence length
+llama-longrope half-split   model.model.rotary_emb           all                                short/long factors; scaling
+                                                                                                sqrt(1 + ln f / ln L0) (1.1339)
+phi3-longrope  half-split   model.model.rotary_emb           all                                fused qkv_proj; as llama-longrope
+=============  ===========  ===============================  =================================  ======================================
+
+Notes (5.18.0):
+
+- Half-split pairs channel i with i + dim/2 (``rotate_half``); interleaved pairs 2i with 2i+1.
+  Partial rotary rotates channels ``[0, rotary_dim)`` in the model's own pairing; ``inv_freq`` then
+  has ``rotary_dim/2`` entries, so ``rotary_dim = 2 * inv_freq.numel()``.
+- YaRN and LongRoPE multiply cos/sin by ``attention_scaling`` != 1, so cached keys (and queries)
+  carry that factor; a shift rotation built from ``inv_freq`` alone preserves it exactly. Llama3,
+  linear and dynamic have ``attention_scaling == 1``.
+- Dynamic NTK: before each forward, ``seq_len = max(position_ids) + 1``; if it exceeds
+  ``max_seq_len_cached`` (initially ``max_position_embeddings``) ``inv_freq`` is recomputed for that
+  seq_len (so it changes at every decode step past the limit); a later forward with seq_len <
+  ``max_position_embeddings`` restores ``original_inv_freq``. Keys cached earlier are not re-rotated.
+  A single prefill past the limit rotates all its tokens, even position 0, with the grown inv_freq.
+- LongRoPE: ``short_factor`` while ``max(position_ids) + 1 <= original_max_position_embeddings``,
+  ``long_factor`` beyond, decided per forward and written into the ``inv_freq`` buffer (model state
+  depends on the last forward). A long prefill rotates its early tokens with the long factors; a
+  token-by-token decode does not. ``attention_scaling`` is the same in both regimes.
+- Gemma3: ``rope_parameters = {"sliding_attention": {"rope_type", "rope_theta": 1e4},
+  "full_attention": {"rope_type", "rope_theta": 1e6}}`` (``rope_scaling`` goes to full layers only);
+  ``config.layer_types`` names each layer's kind; the rotary module is called with ``layer_type``.
+  ``DynamicCache(config=...)`` (also what a forward without a cache builds) makes
+  ``DynamicSlidingWindowLayer`` for sliding layers, which keep only the last ``sliding_window - 1``
+  tokens while ``get_seq_length()`` stays cumulative; ``DynamicCache()`` keeps every token in every
+  layer and gives the same logits (the sliding mask is applied either way).
+- MLA: the latent (``.keys``) is position-free; only ``.values`` (k_pe) rotates. DeepSeek-V3's
+  ``rope_interleave=True`` rotates raw (2i, 2i+1) pairs but writes them de-interleaved
+  (``[evens', odds']``), so the cache is half-split over k_pe. YaRN in MLA: ``attention_factor`` =
+  mscale(f, mscale)/mscale(f, mscale_all_dim) (1.0 for the real V3 config) on cos/sin, and the
+  softmax scale ``attn.scaling`` is multiplied by mscale(f, mscale_all_dim)^2. A tiny V3 needs
+  ``n_group=1, topk_group=1`` and a few routed experts or the grouped router fails.
+- Qwen-VL M-RoPE: ``position_ids`` are ``[3, B, T]`` (a ``[B, T]`` tensor is broadcast to the three
+  axes; ``[4, B, T]`` means text positions + 3 axes). Text tokens use the same value on all axes,
+  which is exactly 1-D RoPE. ``get_rope_index`` lives on the inner model (``model.model``):
+  ``get_rope_index(input_ids, mm_token_type_ids, image_grid_thw=None, video_grid_thw=None,
+  attention_mask=None, **kw) -> (position_ids [3,B,T], mrope_position_deltas [B,1])`` (Qwen2.5-VL:
+  ``second_per_grid_ts`` before ``attention_mask``). An image of merged grid gh x gw starting at
+  position s gets t = s, h = s + row, w = s + col, and the next text token s + max(gh, gw) (the
+  temporal extent is ignored). The model keeps ``model.model.rope_deltas`` from the last
+  multimodal prefill and uses it for later cached steps without explicit ``position_ids``.
+  A forward with pixels needs ``mm_token_type_ids`` (1 at image tokens). Shifting a chunk by d on
+  all axes equals a 1-D rotation by d (to fp32 rounding, ~5e-6 here).
 """
 
 from __future__ import annotations
@@ -9,7 +107,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 import torch
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 
 __all__ = [
     "TINY_ARCHS",
@@ -17,6 +115,10 @@ __all__ = [
     "build_tiny_model",
     "build_tiny_vl_processor",
     "tiny_config",
+    "VL_IMAGE_TOKEN_ID",
+    "VL_VIDEO_TOKEN_ID",
+    "VL_VISION_START_TOKEN_ID",
+    "VL_VISION_END_TOKEN_ID",
 ]
 
 # Small but not degenerate: 4 query heads / 2 KV heads (GQA), head_dim 32 so M-RoPE sections
@@ -60,7 +162,8 @@ class TinyArch:
         inv_freq_attr: dotted path from the model to the module holding ``inv_freq`` (GPT-J has
             none: its sin/cos table lives per attention layer as ``embed_positions``).
         description: one line for listings.
-        build: ``(seed, overrides) -> model``.
+        build: ``overrides -> config`` (use :func:`build_tiny_model` to get a model).
+        multimodal: a VL model (``…ForConditionalGeneration`` with a vision tower).
     """
 
     name: str
@@ -71,7 +174,7 @@ class TinyArch:
     partial_rotary: bool
     inv_freq_attr: str | None
     description: str
-    build: Callable[[dict[str, Any]], PretrainedConfig] = field(repr=False)
+    build: Callable[[dict[str, Any]], PreTrainedConfig] = field(repr=False)
     multimodal: bool = False
 
 
@@ -95,8 +198,8 @@ def _common(**kw: Any) -> dict[str, Any]:
     return base
 
 
-def _llama(rope: dict[str, Any] | None = None) -> Callable[[dict[str, Any]], PretrainedConfig]:
-    def make(over: dict[str, Any]) -> PretrainedConfig:
+def _llama(rope: dict[str, Any] | None = None) -> Callable[[dict[str, Any]], PreTrainedConfig]:
+    def make(over: dict[str, Any]) -> PreTrainedConfig:
         from transformers import LlamaConfig
 
         params = {"rope_type": "default", "rope_theta": 10_000.0}
@@ -107,7 +210,7 @@ def _llama(rope: dict[str, Any] | None = None) -> Callable[[dict[str, Any]], Pre
     return make
 
 
-def _qwen2(over: dict[str, Any]) -> PretrainedConfig:
+def _qwen2(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import Qwen2Config
 
     kw = _common(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
@@ -116,7 +219,7 @@ def _qwen2(over: dict[str, Any]) -> PretrainedConfig:
     return Qwen2Config(**kw)
 
 
-def _gemma3_text(over: dict[str, Any]) -> PretrainedConfig:
+def _gemma3_text(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import Gemma3TextConfig
 
     kw = _common(
@@ -135,7 +238,7 @@ def _gemma3_text(over: dict[str, Any]) -> PretrainedConfig:
     return Gemma3TextConfig(**kw)
 
 
-def _deepseek_v3(over: dict[str, Any]) -> PretrainedConfig:
+def _deepseek_v3(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import DeepseekV3Config
 
     kw = _common(
@@ -161,7 +264,7 @@ def _deepseek_v3(over: dict[str, Any]) -> PretrainedConfig:
     return DeepseekV3Config(**kw)
 
 
-def _deepseek_v2(over: dict[str, Any]) -> PretrainedConfig:
+def _deepseek_v2(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import DeepseekV2Config
 
     kw = _common(
@@ -184,7 +287,7 @@ def _deepseek_v2(over: dict[str, Any]) -> PretrainedConfig:
     return DeepseekV2Config(**kw)
 
 
-def _phi(over: dict[str, Any]) -> PretrainedConfig:
+def _phi(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import PhiConfig
 
     kw = _common(
@@ -195,7 +298,7 @@ def _phi(over: dict[str, Any]) -> PretrainedConfig:
     return PhiConfig(**kw)
 
 
-def _stablelm(over: dict[str, Any]) -> PretrainedConfig:
+def _stablelm(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import StableLmConfig
 
     kw = _common(
@@ -207,7 +310,7 @@ def _stablelm(over: dict[str, Any]) -> PretrainedConfig:
     return StableLmConfig(**kw)
 
 
-def _glm(over: dict[str, Any]) -> PretrainedConfig:
+def _glm(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import GlmConfig
 
     kw = _common(
@@ -217,7 +320,7 @@ def _glm(over: dict[str, Any]) -> PretrainedConfig:
     return GlmConfig(**kw)
 
 
-def _cohere(over: dict[str, Any]) -> PretrainedConfig:
+def _cohere(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import CohereConfig
 
     kw = _common(
@@ -229,7 +332,7 @@ def _cohere(over: dict[str, Any]) -> PretrainedConfig:
     return CohereConfig(**kw)
 
 
-def _gptj(over: dict[str, Any]) -> PretrainedConfig:
+def _gptj(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import GPTJConfig
 
     kw = dict(
@@ -249,7 +352,7 @@ def _gptj(over: dict[str, Any]) -> PretrainedConfig:
     return GPTJConfig(**kw)
 
 
-def _phi3_longrope(over: dict[str, Any]) -> PretrainedConfig:
+def _phi3_longrope(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import Phi3Config
 
     half = _HEAD_DIM // 2
@@ -286,7 +389,7 @@ def _vl_tokens() -> dict[str, Any]:
     )
 
 
-def _qwen2_vl(over: dict[str, Any]) -> PretrainedConfig:
+def _qwen2_vl(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import Qwen2VLConfig
 
     text = _vl_text(
@@ -302,7 +405,7 @@ def _qwen2_vl(over: dict[str, Any]) -> PretrainedConfig:
     return Qwen2VLConfig(text_config=text, vision_config=vision, **{**_vl_tokens(), **over})
 
 
-def _qwen2_5_vl(over: dict[str, Any]) -> PretrainedConfig:
+def _qwen2_5_vl(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import Qwen2_5_VLConfig
 
     text = _vl_text(
@@ -319,7 +422,7 @@ def _qwen2_5_vl(over: dict[str, Any]) -> PretrainedConfig:
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **{**_vl_tokens(), **over})
 
 
-def _qwen3_vl(over: dict[str, Any]) -> PretrainedConfig:
+def _qwen3_vl(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import Qwen3VLConfig
 
     text = _vl_text(
@@ -340,7 +443,7 @@ def _qwen3_vl(over: dict[str, Any]) -> PretrainedConfig:
     return Qwen3VLConfig(text_config=text, vision_config=vision, **{**_vl_tokens(), **over})
 
 
-def _scaled(rope: dict[str, Any]) -> Callable[[dict[str, Any]], PretrainedConfig]:
+def _scaled(rope: dict[str, Any]) -> Callable[[dict[str, Any]], PreTrainedConfig]:
     return _llama(rope)
 
 
@@ -399,7 +502,7 @@ TINY_ARCHS: dict[str, TinyArch] = {
 }
 
 
-def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
+def tiny_config(arch: str, **overrides: Any) -> PreTrainedConfig:
     """The tiny config of ``arch`` (see ``TINY_ARCHS``) with ``overrides`` applied.
 
     For the VL archs, ``text_config=`` / ``vision_config=`` dicts update those sub-configs.
@@ -441,7 +544,7 @@ def build_tiny_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedMo
     return model.eval()
 
 
-def _model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
+def _model_class(config: PreTrainedConfig) -> type[PreTrainedModel]:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
