@@ -9,13 +9,16 @@ noise-free far from position 0 (fp32 RoPE angles drift by about p·6e-8 rad, whi
 values RoPE never touches), so the gate measures that noise floor — the non-rotated channels'
 difference between the forward at the canonical positions and at the target — beside the
 rotated channels' relocation error. Pass: fp32 storage, key error ≤ max(2 × noise floor, 1e-5)
-at every offset; bf16 storage, key error ≤ one bf16 ULP of the tensor's scale (2^-8 relative).
+at every offset; bf16 storage, key error ≤ one bf16 ULP of the tensor's scale, i.e. the spacing of bf16 numbers
+at max |x| (between 2^-8 and 2^-7 of it): storing in bf16 costs half an ULP per element, and a
+rotation mixes two elements of a pair, so up to √2 half-ULPs before the model's own noise.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -26,7 +29,6 @@ from .errors import ContextDequeError
 from .layout import KVLayout
 from .operator import relocate
 
-BF16_REL_ULP = 2.0**-8
 FP32_FLOOR = 1e-5
 DEFAULT_OFFSETS = (1, 37, 999, 4099)
 
@@ -37,7 +39,7 @@ class OffsetReport:
     offset: int
     key_rel_err: float  # rotated channels, fp32 storage
     noise_floor: float  # non-rotated channels: forward at target vs at canonical
-    bf16_ulp: float  # rotated channels, bf16 storage, in bf16 ULPs of the tensor scale
+    bf16_ulp: float  # rotated channels, bf16 storage, in bf16 ULPs of the tensor's scale (max |x|)
     worst_layer: int
     ok: bool
 
@@ -72,6 +74,16 @@ def _split(kv: tuple[torch.Tensor, torch.Tensor], layout: KVLayout) -> tuple[tor
     if a + n < rot_t.shape[-1]:
         rest.append(rot_t[..., a + n :])
     return rot, rest
+
+
+def bf16_ulp(scale: float) -> float:
+    """Spacing of bfloat16 numbers at ``scale`` (8 significand bits): 2^(floor(log2 scale) - 7)."""
+    return 2.0 ** (math.floor(math.log2(scale)) - 7) if scale > 0 else 2.0**-133
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| in bf16 ULPs of b's scale (max |b|)."""
+    return float((a.to(torch.float64) - b.to(torch.float64)).abs().max()) / bf16_ulp(float(b.abs().max()))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -119,7 +131,7 @@ def check_chunk(backend: HFBackend, chunk: Chunk, offsets: list[int], label: str
             if e > key_err:
                 key_err, worst = e, l
             floor = max([floor] + [_rel(a, b) for a, b in zip(rest_c, rest_o)])
-            ulp = max(ulp, _rel(rot_b, rot_o) / BF16_REL_ULP)
+            ulp = max(ulp, _ulps(rot_b, rot_o))
         ok = key_err <= max(2 * floor, FP32_FLOOR) and ulp <= 1.0
         out.append(OffsetReport(label, off, key_err, floor, ulp, worst, ok))
     return out

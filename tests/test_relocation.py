@@ -16,7 +16,7 @@ from contextdeque.errors import (
 )
 from contextdeque.operator import placement_positions, relocate, rotate_slice
 from contextdeque.rotation import MAX_POSITION, rope_tables
-from contextdeque.verify import BF16_REL_ULP, FP32_FLOOR, real_text_ids, verify_backend
+from contextdeque.verify import FP32_FLOOR, bf16_ulp, verify_backend
 
 REGIME_LIMITED = {"llama-dynamic", "llama-longrope", "phi3-longrope", "gptj"}
 
@@ -220,3 +220,16 @@ def test_unsupported_layout_refused():
         return
     with pytest.raises(UnsupportedLayoutError):
         cd.load_model(model)
+
+
+def test_bf16_ulp_definition():
+    assert bf16_ulp(1.0) == 2.0**-7
+    assert bf16_ulp(1.99) == 2.0**-7
+    assert bf16_ulp(2.0) == 2.0**-6
+    assert bf16_ulp(0.75) == 2.0**-8
+    # one ULP is exactly the gap to the next bf16 number
+    for x in (0.3, 1.0, 5.5, 1000.0):
+        t = torch.tensor(x, dtype=torch.bfloat16)
+        nxt = torch.nextafter(t.float(), torch.tensor(float("inf"))).bfloat16()
+        gap = float(torch.tensor(float(t) * (1 + 2**-7.5)).bfloat16()) - float(t)
+        assert gap in (bf16_ulp(float(t)), 0.0) or gap == bf16_ulp(float(t))
