@@ -16,7 +16,8 @@ from .errors import *  # noqa: F401,F403  (typed errors are public)
 from .layout import KVLayout, detect_layout
 from .operator import apply, relocate
 from .patch import Patch, SharedBasis, form_patch
+from .window import ChunkRef, ContextWindow, Receipt
 
 __version__ = "0.1.0"
 
-__all__ = ["load_model", "HFBackend", "Chunk", "KVLayout", "detect_layout", "relocate", "apply", "form_patch", "Patch", "SharedBasis"]
+__all__ = ["load_model", "HFBackend", "Chunk", "KVLayout", "detect_layout", "relocate", "apply", "form_patch", "Patch", "SharedBasis", "ContextWindow", "ChunkRef", "Receipt"]

@@ -8,6 +8,7 @@ arms and the re-prefill oracle alike.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -98,6 +99,20 @@ class HFBackend:
         self._root_kv: list[LayerKV] | None = None
         self.forwards_run = 0
         self.tokens_prefilled = 0
+
+    def with_root(self, root_ids: Sequence[int]) -> "HFBackend":
+        """A view of this backend (same model, tokenizer, layout, fingerprint) with another window
+        root. Chunk ids include the root digest, so canonicals of different roots never mix."""
+        ids = tuple(int(i) for i in root_ids)
+        if not ids:
+            raise EmptyChunkError("the window root must hold at least one token")
+        if ids == self.root_ids:
+            return self
+        view = copy.copy(self)
+        view.root_ids = ids
+        view.root_digest = digest(list(ids))[:16]
+        view._root_kv = None
+        return view
 
     # ------------------------------------------------------------------ basics
     @property

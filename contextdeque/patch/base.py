@@ -151,6 +151,8 @@ class Patch:
                 basis_id=basis_id,
                 meta=json.loads(meta.get("extra", "{}")),
             )
+        except PatchError:
+            raise  # a missing/mismatched shared basis is the caller's to supply, not a corrupt entry
         except (KeyError, ValueError) as exc:
             raise CorruptEntryError(f"stored patch entry is malformed: {exc}") from exc
 
@@ -348,6 +350,9 @@ def form_patch(
     dk, dv = impl.target(ctx)
     layers = impl.layers(ctx)
     k_u, k_w, v_u, v_w, basis_id = impl.factorize(ctx, dk, dv, rk, rv, layers)
+    if layers:
+        # record the rank actually kept (a shared basis may hold fewer directions than asked)
+        rk, rv = int(k_u.shape[-1]), int(v_u.shape[-1])
     sdt = chunk.storage_dtype
     ids = [c.id for c, _ in ants]
     return Patch(

@@ -1,0 +1,42 @@
+"""The window: an agent's context as a deque of position-free KV chunks (issue 4).
+
+``ContextWindow`` (``window.py``) is the public entry point; the rest are its single-purpose
+parts: ``ref`` (ChunkRef), ``receipt`` (Receipt, Meter), ``slot`` (placed chunks),
+``state`` (a window's own state), ``context`` (what a window family shares), ``store``
+(the window's view of a TieredStore), ``identity`` (chunk ids without encoding), ``root``,
+``policy`` + ``policy_*`` (patch policies, one file each), ``reconcile`` (the re-conditioning
+pass), ``graph`` (the conditioning graph and recall cascades), ``decode`` (materialize,
+transformers interop, decoding), ``disposable`` (the disposability test), ``bench``
+(``contextdeque window-bench``).
+"""
+
+from . import policy_default, policy_exact, policy_none  # noqa: F401  (register policies)
+from .graph import CASCADE_POLICIES, Cascade, ConditioningGraph
+from .policy import PATCH_POLICIES, Decision, PatchPolicy, make_policy
+from .policy_default import DefaultPolicy
+from .policy_exact import ExactPolicy
+from .policy_none import NonePolicy
+from .receipt import Receipt
+from .ref import ChunkRef
+from .store import WindowStore, default_store
+from .window import Answer, ContextWindow, Verdict
+
+__all__ = [
+    "ContextWindow",
+    "ChunkRef",
+    "Receipt",
+    "Verdict",
+    "Answer",
+    "Cascade",
+    "ConditioningGraph",
+    "CASCADE_POLICIES",
+    "PatchPolicy",
+    "Decision",
+    "PATCH_POLICIES",
+    "DefaultPolicy",
+    "ExactPolicy",
+    "NonePolicy",
+    "make_policy",
+    "WindowStore",
+    "default_store",
+]

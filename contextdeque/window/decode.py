@@ -1,0 +1,189 @@
+"""From slots to what the model reads: the assembled KV, a transformers ``Cache``, the ids
+``model.generate`` expects, and a small greedy decoder with explicit positions.
+
+transformers interop: ``model.generate(input_ids=full_ids, past_key_values=cache)`` feeds only
+the tokens past the cache's length, at positions ``cache_len, cache_len + 1, ...``. So
+``full_ids`` must cover the cached prefix (root + every chunk) plus the query, and the cache
+length must equal the next position, which holds when every chunk's span equals its token
+count (text). :func:`input_ids_for` builds those ids; windows holding image spans (span !=
+token count) decode through :func:`greedy` instead, which passes positions explicitly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .. import compat
+from ..errors import WindowError
+from ..operator import LayerKV
+from .context import WindowContext
+from .slot import Slot
+
+_QUERY_MARK = "\x00CTXDQ-QUERY\x00"
+
+
+def assemble(ctx: WindowContext, slots: Sequence[Slot], pages: dict[int, tuple[LayerKV, ...] | None] | None = None) -> list[LayerKV]:
+    """Per layer ``(k [H_k, S, d_k], v [H_v, S, d_v])``: the root's KV then every slot's page, in
+    order (``S = root_len + sum(n_tokens)``). ``pages`` overrides slot ``i``'s page (None:
+    leave the slot out). Always fresh tensors: nothing returned aliases a page."""
+    root = ctx.backend.root_kv()
+    parts: list[Sequence[LayerKV]] = [root]
+    for i, s in enumerate(slots):
+        page = s.page if pages is None or i not in pages else pages[i]
+        if page is None:
+            continue
+        parts.append(page)
+    dtype = ctx.layout.torch_compute_dtype
+    return [
+        (
+            torch.cat([p[l][0].to(dtype) for p in parts], dim=1),
+            torch.cat([p[l][1].to(dtype) for p in parts], dim=1),
+        )
+        for l in range(len(root))
+    ]
+
+
+def cache_config(ctx: WindowContext) -> Any:
+    """The config to build caches with: only when the model has sliding layers (they must keep
+    just their window, like a real prefill); otherwise every layer keeps every token."""
+    if any(w is not None for w in ctx.layout.sliding_windows):
+        return compat.text_config(ctx.backend.model.config)
+    return None
+
+
+def to_cache(ctx: WindowContext, layers: Sequence[LayerKV]) -> Any:
+    """A transformers ``DynamicCache`` (batch 1) holding ``layers``."""
+    return compat.cache_from_layers([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in layers], config=cache_config(ctx))
+
+
+def next_position(ctx: WindowContext, slots: Sequence[Slot]) -> int:
+    return ctx.root_len + sum(s.span for s in slots)
+
+
+def query_ids(ctx: WindowContext, query: str | Sequence[int] | torch.Tensor, *, chat: bool = True) -> list[int]:
+    """Token ids of ``query``: ids are taken as given; text is tokenized and, when the tokenizer
+    has a chat template (and ``chat``), followed by the template's end of the user turn and the
+    assistant header (the root opened the user turn)."""
+    if not isinstance(query, str):
+        ids = [int(i) for i in torch.as_tensor(query).reshape(-1).tolist()]
+        if not ids:
+            raise WindowError("empty query")
+        return ids
+    backend = ctx.backend
+    tok = backend.tokenizer
+    if tok is None:
+        raise WindowError("this backend has no tokenizer: pass the query as token ids")
+    text = query
+    if chat and getattr(tok, "chat_template", None):
+        rendered = tok.apply_chat_template(
+            [{"role": "system", "content": "s"}, {"role": "user", "content": _QUERY_MARK}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        text = query + rendered.split(_QUERY_MARK, 1)[1]
+    ids = backend.tokenize(text)
+    if not ids:
+        raise WindowError("empty query")
+    return ids
+
+
+def filler_id(ctx: WindowContext) -> int:
+    tok = ctx.backend.tokenizer
+    for attr in ("pad_token_id", "unk_token_id", "eos_token_id"):
+        v = getattr(tok, attr, None) if tok is not None else None
+        if v is not None:
+            return int(v)
+    return 0
+
+
+def hf_compatible(slots: Sequence[Slot]) -> bool:
+    """Whether ``model.generate`` can continue the materialized cache (positions = cache length)."""
+    return all(s.span == s.n_tokens and s.chunk.rel_positions.shape[0] == 1 for s in slots)
+
+
+def prefix_ids(ctx: WindowContext, slots: Sequence[Slot]) -> list[int]:
+    """Ids of the cached prefix: root, then each chunk's token ids (an embeddings chunk has
+    none; a filler id stands for each of its tokens — generate only counts them)."""
+    ids = list(ctx.backend.root_ids)
+    fill = filler_id(ctx)
+    for s in slots:
+        if s.chunk.token_ids is not None:
+            ids.extend(int(i) for i in s.chunk.token_ids.tolist())
+        else:
+            ids.extend([fill] * s.n_tokens)
+    return ids
+
+
+@torch.no_grad()
+def greedy(
+    ctx: WindowContext,
+    layers: Sequence[LayerKV],
+    start: int,
+    ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Sequence[int] = (),
+) -> tuple[torch.Tensor, list[int]]:
+    """Greedy decode of ``ids`` (the query) after the assembled ``layers``, the query's first
+    token at position ``start``. Returns the fp32 logits ``[vocab]`` of the first answer token
+    and the answer ids (stopping after an ``eos_ids`` token). Counts its forwards in
+    ``ctx.counters``."""
+    backend = ctx.backend
+    model = backend.model
+    cache = to_cache(ctx, layers)
+    past_len = int(layers[0][0].shape[1])
+    step_ids = torch.as_tensor(list(ids), dtype=torch.long, device=backend.device).reshape(1, -1)
+    pos = start
+    answer: list[int] = []
+    first_logits: torch.Tensor | None = None
+    eos = {int(e) for e in eos_ids}
+    for step in range(max(1, int(max_new_tokens))):
+        n = step_ids.shape[1]
+        positions = backend.text_positions(pos, n)
+        if backend.n_pos_axes > 1:
+            position_ids = positions.reshape(backend.n_pos_axes, 1, -1).to(backend.device)
+        else:
+            position_ids = positions[:1].reshape(1, -1).to(backend.device)
+        mask = torch.ones(1, past_len + n, dtype=torch.long, device=backend.device)
+        out = model(
+            input_ids=step_ids,
+            position_ids=position_ids,
+            past_key_values=cache,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        ctx.counters["decode_forwards"] += 1
+        ctx.counters["decode_tokens"] += n
+        cache = out.past_key_values
+        logits = out.logits[0, -1].to(torch.float32)
+        if first_logits is None:
+            first_logits = logits.cpu()
+        nxt = int(torch.argmax(logits))
+        answer.append(nxt)
+        past_len += n
+        pos += n
+        if nxt in eos or len(answer) >= max_new_tokens:
+            break
+        step_ids = torch.tensor([[nxt]], dtype=torch.long, device=backend.device)
+    assert first_logits is not None
+    return first_logits, answer
+
+
+def eos_ids(ctx: WindowContext) -> list[int]:
+    out: list[int] = []
+    cfg = getattr(ctx.backend.model, "generation_config", None)
+    for src in (cfg, ctx.backend.tokenizer):
+        v = getattr(src, "eos_token_id", None) if src is not None else None
+        if v is None:
+            continue
+        out.extend(int(x) for x in (v if isinstance(v, (list, tuple)) else [v]))
+    return sorted(set(out))
+
+
+def decode_text(ctx: WindowContext, ids: Sequence[int]) -> str | None:
+    tok = ctx.backend.tokenizer
+    if tok is None:
+        return None
+    return tok.decode(list(ids), skip_special_tokens=True)

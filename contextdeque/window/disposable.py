@@ -1,0 +1,105 @@
+"""The disposability test: is a chunk's conditioning (or the chunk itself) load-bearing for a
+pending query?
+
+Conditioning is a switch (paper, App. E): the canonical is the clean view, the patch re-adds
+conditioning. Toggle the chunk's patches off (its page becomes the bare relocated canonical,
+every other page as is), decode the query, and compare with the answer as the window stands.
+Optionally also decode with the chunk dropped (later chunks shift back, keeping their KV).
+Costs a few short decodes, never a re-prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from ..operator import relocate
+from . import decode
+from .receipt import Receipt
+from .ref import ChunkRef
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .context import WindowContext
+    from .slot import Slot
+
+
+@dataclass
+class Verdict:
+    """Outcome of ``ContextWindow.is_disposable``.
+
+    ``disposable``: every tested variant gives the same greedy answer as the window as is (and,
+    with ``kl_tol``, a first-token KL at most ``kl_tol``). ``kl_unconditioned`` /
+    ``kl_dropped``: KL(as is || variant) of the first answer token's distribution (nats).
+    Answers are token ids; ``*_text`` the decoded strings when the backend has a tokenizer.
+    """
+
+    ref: ChunkRef
+    disposable: bool
+    answer_as_is: list[int]
+    answer_unconditioned: list[int]
+    kl_unconditioned: float
+    answer_dropped: list[int] | None = None
+    kl_dropped: float | None = None
+    text_as_is: str | None = None
+    text_unconditioned: str | None = None
+    text_dropped: str | None = None
+    had_conditioning: bool = True
+    receipt: Receipt | None = field(default=None, repr=False)
+
+    def __bool__(self) -> bool:
+        return self.disposable
+
+
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """KL(softmax(p) || softmax(q)) in nats, fp64."""
+    lp = torch.log_softmax(p_logits.to(torch.float64), dim=-1)
+    lq = torch.log_softmax(q_logits.to(torch.float64), dim=-1)
+    return float(torch.sum(lp.exp() * (lp - lq)).clamp_min(0.0))
+
+
+def run_test(
+    ctx: "WindowContext",
+    slots: Sequence["Slot"],
+    index: int,
+    query_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    drop: bool,
+    kl_tol: float | None,
+) -> dict:
+    """Decode the three variants; returns the Verdict's fields (without ref and receipt)."""
+    eos = decode.eos_ids(ctx)
+    start = decode.next_position(ctx, slots)
+    base_layers = decode.assemble(ctx, slots)
+    p_logits, ans = decode.greedy(ctx, base_layers, start, query_ids, max_new_tokens, eos)
+
+    slot = slots[index]
+    bare = tuple(relocate(slot.chunk, slot.start, layout=ctx.layout)) if slot.stack else slot.page
+    off_layers = decode.assemble(ctx, slots, {index: bare})
+    q_logits, ans_off = decode.greedy(ctx, off_layers, start, query_ids, max_new_tokens, eos)
+    fields: dict = {
+        "answer_as_is": ans,
+        "answer_unconditioned": ans_off,
+        "kl_unconditioned": kl(p_logits, q_logits),
+        "had_conditioning": bool(slot.stack),
+        "text_as_is": decode.decode_text(ctx, ans),
+        "text_unconditioned": decode.decode_text(ctx, ans_off),
+    }
+    same = ans_off == ans and (kl_tol is None or fields["kl_unconditioned"] <= kl_tol)
+    if drop:
+        # Later chunks shift back by the dropped span and keep their conditioned KV (survivors).
+        pages: dict[int, object] = {index: None}
+        shift = slot.span
+        for j in range(index + 1, len(slots)):
+            s = slots[j]
+            pages[j] = tuple(relocate(s.chunk, s.start - shift, layout=ctx.layout, patch=list(s.patches) or None))
+        drop_layers = decode.assemble(ctx, slots, pages)  # type: ignore[arg-type]
+        d_logits, ans_drop = decode.greedy(ctx, drop_layers, start - shift, query_ids, max_new_tokens, eos)
+        fields["answer_dropped"] = ans_drop
+        fields["kl_dropped"] = kl(p_logits, d_logits)
+        fields["text_dropped"] = decode.decode_text(ctx, ans_drop)
+        same = same and ans_drop == ans and (kl_tol is None or fields["kl_dropped"] <= kl_tol)
+    fields["disposable"] = bool(same)
+    return fields

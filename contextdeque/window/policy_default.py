@@ -1,0 +1,87 @@
+"""The default patch policy: patch on append at rank m; survivors keep their KV as-is.
+
+- ``append``: an exact patch at rank m on the antecedents in front of the chunk.
+- ``recall``: a *fresh* recall patch at rank m on the chunk's new antecedents (never the patch
+  frozen at eviction: it goes stale as the window turns over).
+- ``survivor`` (slide / mid-window eviction): keep the conditioned KV, relocate only; with
+  ``removal_rank=r`` also stack a rank-r removal patch (for backbones where the departed
+  antecedent's absorbed influence matters, e.g. deepstack).
+- ``reorder``: an orbit patch for the new antecedent set where the store has one; otherwise,
+  for a pure permutation of the antecedents the slot was conditioned on (at most
+  ``orbit_max_antecedents`` of them), form one (one forward per ordering: every later ordering
+  of that set is then free); for a changed set, a fresh exact patch at rank m.
+  ``reorder="exact"`` always forms an exact patch; ``reorder="keep"`` transfers the current one.
+- ``inserted`` (a recall landed in front): keep, unless ``refresh_inserted=True``.
+- ``cascade`` / ``refresh``: a fresh exact patch at rank m on the current antecedents.
+A slot with nothing in front of it is exactly its canonical, so appends/recalls/reorders there
+carry no patch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..errors import WindowError
+from .policy import CLEAR, KEEP, Decision, PatchPolicy, form
+from .slot import Slot
+
+
+class DefaultPolicy(PatchPolicy):
+    name = "default"
+
+    def __init__(
+        self,
+        *,
+        removal_rank: int | None = None,
+        reorder: str = "orbit",
+        orbit_max_antecedents: int = 4,
+        max_orderings: int = 24,
+        refresh_inserted: bool = False,
+    ) -> None:
+        if reorder not in ("orbit", "exact", "keep"):
+            raise WindowError(f"reorder must be 'orbit', 'exact' or 'keep', got {reorder!r}")
+        self.removal_rank = removal_rank
+        self.reorder = reorder
+        self.orbit_max_antecedents = int(orbit_max_antecedents)
+        self.max_orderings = int(max_orderings)
+        self.refresh_inserted = bool(refresh_inserted)
+
+    def decide(self, reason: str | None, slot: Slot, prefix: Sequence[Slot], *, valid: bool, rank: int) -> Decision:
+        if reason is None:
+            return KEEP
+        if not prefix:
+            if reason in ("survivor", "inserted"):
+                return KEEP  # what it absorbed from departed antecedents stays (keep-as-is)
+            return CLEAR if slot.stack else KEEP
+        if reason == "append":
+            return form("exact", rank)
+        if reason == "recall":
+            return form("recall", rank)
+        if reason in ("cascade", "refresh"):
+            return form("exact", rank)
+        if reason == "survivor":
+            if self.removal_rank:
+                return form("removal", int(self.removal_rank), stack=True)
+            return KEEP
+        if reason == "inserted":
+            return form("exact", rank) if self.refresh_inserted else KEEP
+        if reason == "reorder":
+            if valid or self.reorder == "keep":
+                return KEEP
+            if self.reorder == "exact":
+                return form("exact", rank)
+            opts = {"max_orderings": self.max_orderings}
+            carried = sorted(a.chunk_id for a, _ in slot.conditioned_on)
+            now = sorted(s.chunk.id for s in prefix)
+            if carried == now and len(prefix) <= self.orbit_max_antecedents:
+                fallback = form("orbit", rank, options=opts)
+            else:
+                fallback = form("exact", rank)
+            return form("orbit", rank, reuse_only=True, fallback=fallback, options=opts)
+        return KEEP
+
+    def __repr__(self) -> str:
+        return (
+            f"DefaultPolicy(removal_rank={self.removal_rank}, reorder={self.reorder!r}, "
+            f"orbit_max_antecedents={self.orbit_max_antecedents})"
+        )

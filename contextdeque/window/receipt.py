@@ -1,0 +1,137 @@
+"""Receipts: what every window operation cost (forwards, tokens, bytes per tier, wall time)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..stores import TierTraffic
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .context import WindowContext
+    from .graph import Cascade
+    from .ref import ChunkRef
+
+PAGES = "pages"
+"""Key of ``Receipt.bytes_moved`` for conditioned-KV bytes written into the window's pages."""
+
+
+@dataclass
+class Receipt:
+    """The cost of one window operation.
+
+    Attributes:
+        op: operation name (``append``, ``slide``, ``reorder``, ``evict``, ``recall``, ``fork``,
+            ``commit``, ``discard``, ``purge``, ``refresh``, ``materialize``, ``generate``,
+            ``is_disposable``).
+        forwards: model forwards run (chunk encodes, conditioned forwards forming patches,
+            decode steps).
+        tokens_prefilled: tokens those forwards processed.
+        encodes: chunks encoded (a forward over a chunk never seen by the store).
+        patches_formed: conditioning patches formed by a forward.
+        patches_reused: patches served by the store instead.
+        pages_written: slots whose placed, conditioned KV was (re)computed (relocation + patch).
+        bytes_moved: tier name -> bytes read plus written in the store by this operation, and
+            ``"pages"`` -> bytes of conditioned KV written into the window's pages (or into
+            the materialized cache).
+        wall_ms: wall-clock time of the operation.
+        refs: the refs the operation acted on (appended, recalled, evicted, slid...).
+        left: refs that left the window (slid out, evicted, or pushed out by the budget).
+        cascade: for ``recall``, the conditioning cascade it implied (see ``graph.Cascade``).
+        traffic: the store's detailed per-tier record (reads, writes, evictions, hits, drops).
+        notes: free-form remarks (e.g. which patch kind each slot got).
+    """
+
+    op: str
+    forwards: int = 0
+    tokens_prefilled: int = 0
+    encodes: int = 0
+    patches_formed: int = 0
+    patches_reused: int = 0
+    pages_written: int = 0
+    bytes_moved: dict[str, int] = field(default_factory=dict)
+    wall_ms: float = 0.0
+    refs: tuple["ChunkRef", ...] = ()
+    left: tuple["ChunkRef", ...] = ()
+    cascade: "Cascade | None" = None
+    traffic: TierTraffic = field(default_factory=TierTraffic, repr=False)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total_bytes_moved(self) -> int:
+        return sum(self.bytes_moved.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-friendly copy."""
+        return {
+            "op": self.op,
+            "forwards": self.forwards,
+            "tokens_prefilled": self.tokens_prefilled,
+            "encodes": self.encodes,
+            "patches_formed": self.patches_formed,
+            "patches_reused": self.patches_reused,
+            "pages_written": self.pages_written,
+            "bytes_moved": dict(self.bytes_moved),
+            "wall_ms": round(self.wall_ms, 3),
+            "refs": [r.key for r in self.refs],
+            "left": [r.key for r in self.left],
+            "cascade": None if self.cascade is None else self.cascade.as_dict(),
+            "notes": list(self.notes),
+        }
+
+    def summary(self) -> str:
+        """One line for logs and examples."""
+        moved = ", ".join(f"{k}={v / 1024:.1f}KiB" for k, v in sorted(self.bytes_moved.items()) if v) or "0 B"
+        extra = ""
+        if self.cascade is not None and self.cascade.implied:
+            extra = f", cascade {len(self.cascade.implied)} ({self.cascade.action})"
+        return (
+            f"{self.op}: {self.forwards} fwd, {self.tokens_prefilled} tok prefilled, {self.encodes} enc, "
+            f"patches {self.patches_formed} formed/{self.patches_reused} reused, {self.pages_written} pages, "
+            f"moved {moved}, {self.wall_ms:.1f} ms{extra}"
+        )
+
+
+class Meter:
+    """Measures one operation: snapshots the counters at start, produces a Receipt at the end."""
+
+    def __init__(self, ctx: "WindowContext", op: str) -> None:
+        self.ctx = ctx
+        self.op = op
+        self.traffic = TierTraffic()
+        self.patches_formed = 0
+        self.patches_reused = 0
+        self.pages_written = 0
+        self.page_bytes = 0
+        self.notes: list[str] = []
+        self._fw0 = ctx.total_forwards()
+        self._tok0 = ctx.total_tokens()
+        self._enc0 = ctx.counters["encodes"]
+        self._t0 = time.perf_counter()
+
+    def page(self, nbytes: int) -> None:
+        self.pages_written += 1
+        self.page_bytes += int(nbytes)
+
+    def finish(self, **fields: Any) -> Receipt:
+        moved: dict[str, int] = {}
+        for d in (self.traffic.read, self.traffic.written):
+            for k, v in d.items():
+                moved[k] = moved.get(k, 0) + v
+        if self.page_bytes:
+            moved[PAGES] = self.page_bytes
+        return Receipt(
+            op=self.op,
+            forwards=self.ctx.total_forwards() - self._fw0,
+            tokens_prefilled=self.ctx.total_tokens() - self._tok0,
+            encodes=self.ctx.counters["encodes"] - self._enc0,
+            patches_formed=self.patches_formed,
+            patches_reused=self.patches_reused,
+            pages_written=self.pages_written,
+            bytes_moved=moved,
+            wall_ms=(time.perf_counter() - self._t0) * 1000.0,
+            traffic=self.traffic,
+            notes=tuple(self.notes),
+            **fields,
+        )

@@ -1,0 +1,180 @@
+"""The reconcile pass: after a structural change, bring every slot's conditioning and page up
+to date, in window order, as the patch policy and the cascade policy say.
+
+Each slot is looked at once, after the slots in front of it are final (a patch is formed on
+the antecedents' *current* KV). Per slot: ask the policy (why the slot is looked at, what is
+in front of it), carry out the decision (store lookup first, one conditioned forward only on
+a miss), then re-place its page if its start or its conditioning changed. Slots whose start
+and conditioning are unchanged keep their page object (no bytes written).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Mapping, Sequence
+
+from ..operator import relocate
+from ..patch import PATCH_KINDS, form_patch
+from ..stores import antecedent_signature, patch_key
+from .context import WindowContext
+from .graph import Cascade
+from .policy import CLEAR, KEEP, Decision
+from .receipt import Meter
+from .ref import ChunkRef
+from .slot import Conditioning, Slot, Tag
+from .store import WindowStore
+
+
+def place(ctx: WindowContext, slot: Slot, start: int, stack: tuple[Conditioning, ...], meter: Meter) -> Slot:
+    """``slot`` at ``start`` with ``stack``; the page is recomputed (relocation from the content
+    frame, plus the stack's patches) only if either changed."""
+    if slot.page is not None and start == slot.start and stack is slot.stack:
+        return slot
+    patches = [c.patch for c in stack]
+    page = tuple(relocate(slot.chunk, start, layout=ctx.layout, patch=patches or None))
+    out = Slot(ref=slot.ref, chunk=slot.chunk, stack=stack, start=start, page=page, stale=slot.stale)
+    meter.page(out.page_nbytes)
+    return out
+
+
+def patch_store_key(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], kind: str, ranks: tuple[int, int]) -> str:
+    """Store key of the ``kind`` patch for ``slot`` on ``prefix``.
+
+    The signature covers the antecedent chunk ids (ordered, or as a set for orbit patches), the
+    policy's regime, and for a removal patch the patches it is stacked on (its target is
+    relative to them)."""
+    ids = [s.chunk.id for s in prefix]
+    if not PATCH_KINDS[kind].ordered:
+        ids = sorted(ids)
+    parts = [f"regime:{ctx.policy.regime}", *ids]
+    if kind == "removal":
+        parts += [f"base:{p.id}" for p in slot.patches]
+    sig = antecedent_signature(parts, ordered=True)
+    return patch_key(WindowStore.chunk_key(slot.chunk), sig, kind, ranks)
+
+
+def obtain(
+    ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], decision: Decision, meter: Meter
+) -> Conditioning | None:
+    """The patch a ``form`` decision asks for: from the store, else formed (unless
+    ``reuse_only``). None when a ``reuse_only`` lookup misses."""
+    kind = decision.kind
+    assert kind is not None and decision.rank is not None
+    rk, rv = ctx.clamp_rank(decision.rank, slot.chunk.n_tokens)
+    key = patch_store_key(ctx, slot, prefix, kind, (rk, rv))
+    patch = ctx.store.get_patch(key, fingerprint=ctx.fingerprint, traffic=meter.traffic)
+    reused = patch is not None
+    if patch is None:
+        if decision.reuse_only:
+            return None
+        options = dict(decision.options)
+        if kind == "removal":
+            options["current"] = list(slot.patches)
+        patch = form_patch(
+            ctx.backend,
+            slot.chunk,
+            antecedents=[(s.chunk, list(s.patches)) for s in prefix],
+            rank=rk,
+            rank_v=rv,
+            kind=kind,
+            **options,
+        )
+        ctx.store.put_patch(key, patch, traffic=meter.traffic)
+        meter.patches_formed += 1
+    else:
+        meter.patches_reused += 1
+    cap_k, cap_v = ctx.clamp_rank("full", slot.chunk.n_tokens)
+    absolute = kind != "removal" or (rk >= cap_k and rv >= cap_v)
+    meter.notes.append(f"#{slot.ref.key}:{kind}@{rk}{'(reused)' if reused else ''}")
+    formed_on = tuple((s.ref, s.version) for s in prefix)
+    return Conditioning(patch=patch, formed_on=formed_on, absolute=absolute, reused=reused, key=key)
+
+
+def execute(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], decision: Decision, meter: Meter) -> tuple[Conditioning, ...]:
+    """The slot's new conditioning stack under ``decision`` (``slot.stack`` itself if unchanged)."""
+    while True:
+        if decision.action == "keep":
+            return slot.stack
+        if decision.action == "clear":
+            return () if slot.stack else slot.stack
+        rk, rv = ctx.clamp_rank(decision.rank, slot.chunk.n_tokens)
+        if rk == 0 and rv == 0:  # rank 0: nothing to add
+            decision = KEEP if decision.stack else CLEAR
+            continue
+        cond = obtain(ctx, slot, prefix, decision, meter)
+        if cond is None:
+            decision = decision.fallback or KEEP
+            continue
+        return (*slot.stack, cond) if decision.stack else (cond,)
+
+
+def reconcile(
+    ctx: WindowContext,
+    slots: Sequence[Slot],
+    reasons: Mapping[ChunkRef, str],
+    meter: Meter,
+    *,
+    recalled: ChunkRef | None = None,
+    cascade_candidates: frozenset[ChunkRef] = frozenset(),
+) -> tuple[tuple[Slot, ...], Cascade | None]:
+    """Re-condition and re-place ``slots`` (the window's new order) after an operation.
+
+    ``reasons``: why each touched slot is looked at (see ``policy`` module). ``recalled``: the
+    slot a recall just re-instated; ``cascade_candidates``: in-window chunks that transitively
+    depend on it in the conditioning graph. Returns the new slots and, for a recall, the
+    cascade it implied and how the cascade policy handled it.
+    """
+    out: list[Slot] = []
+    pos = ctx.root_len
+    index = {s.ref: i for i, s in enumerate(slots)}
+    new_version: dict[ChunkRef, str] = {}
+    implied: list[ChunkRef] = []
+    direct: list[ChunkRef] = []
+    reformed: list[ChunkRef] = []
+    flagged: list[ChunkRef] = []
+    for i, slot in enumerate(slots):
+        prefix = tuple(out)
+        prefix_tags: tuple[Tag, ...] = tuple((s.ref, s.version) for s in prefix)
+        reason = reasons.get(slot.ref)
+        valid = slot.conditioned_on == prefix_tags
+        is_direct = in_cascade = False
+        if recalled is not None and slot.ref in cascade_candidates:
+            for a, v in slot.conditioned_on:
+                ia = index.get(a)
+                if ia is None:
+                    continue
+                behind = ia > i  # conditioned on a chunk that now sits after it
+                if a == recalled and (behind or new_version.get(a) != v):
+                    is_direct = in_cascade = True
+                elif a in implied or (behind and a in cascade_candidates):
+                    in_cascade = True
+        decision = ctx.policy.decide(reason, slot, prefix, valid=valid, rank=ctx.rank)
+        if in_cascade and ctx.cascade_policy == "reform" and decision.action == "keep":
+            decision = ctx.policy.decide("cascade", slot, prefix, valid=False, rank=ctx.rank)
+        stack = execute(ctx, slot, prefix, decision, meter)
+        new = place(ctx, slot, pos, stack, meter)
+        if stack is not slot.stack and new.stale:
+            new = replace(new, stale=False)  # re-conditioned: no longer stale
+        if in_cascade:
+            implied.append(slot.ref)
+            if is_direct:
+                direct.append(slot.ref)
+            if stack is not slot.stack:
+                reformed.append(slot.ref)
+            elif ctx.cascade_policy == "flag":
+                new = replace(new, stale=True)
+                flagged.append(slot.ref)
+        out.append(new)
+        new_version[slot.ref] = new.version
+        pos = new.end
+    cascade = None
+    if recalled is not None:
+        cascade = Cascade(
+            recalled=recalled,
+            direct=tuple(direct),
+            implied=tuple(implied),
+            action=ctx.cascade_policy,
+            reformed=tuple(reformed),
+            flagged=tuple(flagged),
+        )
+    return tuple(out), cascade

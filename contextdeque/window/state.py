@@ -1,0 +1,76 @@
+"""WindowState: a window's own mutable part (its order, overlay, evicted set, graph).
+
+Everything in it is immutable or cheap to copy: slots are immutable records sharing their
+canonicals and pages, so ``copy()`` is O(slots + graph edges) and copies no tensor bytes. An
+operation works on a copy and the window swaps it in only when the operation succeeded, so a
+failed operation leaves the window exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..errors import UnknownRefError, WindowError
+from .graph import ConditioningGraph
+from .ref import ChunkRef
+from .slot import Slot, Tag
+from .store import WindowStore
+
+
+@dataclass(frozen=True)
+class EvictedEntry:
+    """What a window remembers of an evicted chunk: where its canonical is, and the patches it
+    carried when it left (kept in the store, reported, never replayed on recall)."""
+
+    ref: ChunkRef
+    chunk_key: str
+    chunk_id: str
+    n_tokens: int
+    span: int
+    stale_patch_keys: tuple[str, ...]
+    formed_on: tuple[Tag, ...]
+
+
+@dataclass
+class WindowState:
+    slots: tuple[Slot, ...] = ()
+    evicted: dict[ChunkRef, EvictedEntry] = field(default_factory=dict)
+    graph: ConditioningGraph = field(default_factory=ConditioningGraph)
+    generation: int = 0
+
+    def copy(self) -> "WindowState":
+        return WindowState(self.slots, dict(self.evicted), self.graph.copy(), self.generation)
+
+    @property
+    def refs(self) -> tuple[ChunkRef, ...]:
+        return tuple(s.ref for s in self.slots)
+
+    @property
+    def tokens_used(self) -> int:
+        return sum(s.n_tokens for s in self.slots)
+
+    def index(self, ref: ChunkRef) -> int:
+        """Position of ``ref`` in the window; raises if it is evicted or unknown."""
+        for i, s in enumerate(self.slots):
+            if s.ref == ref:
+                return i
+        if ref in self.evicted:
+            raise WindowError(f"{ref!r} is evicted, not in the window (recall it first)")
+        raise UnknownRefError(f"{ref!r} is not known to this window (never appended here, or purged)")
+
+    def check_known(self, ref: ChunkRef) -> None:
+        if not isinstance(ref, ChunkRef):
+            raise UnknownRefError(f"expected a ChunkRef, got {type(ref).__name__}")
+        if ref not in self.evicted and all(s.ref != ref for s in self.slots):
+            raise UnknownRefError(f"{ref!r} is not known to this window (never appended here, or purged)")
+
+    def held_keys(self) -> Counter[str]:
+        """Store keys the slots hold (canonicals and patches), with multiplicity."""
+        c: Counter[str] = Counter()
+        for s in self.slots:
+            c[WindowStore.chunk_key(s.chunk)] += 1
+            for cond in s.stack:
+                if cond.key:
+                    c[cond.key] += 1
+        return c

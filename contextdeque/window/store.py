@@ -1,0 +1,138 @@
+"""The window's view of a ``TieredStore``: chunks and patches as store entries, residency.
+
+Canonicals and patches live in the store, content-addressed (``chunk_key`` / ``patch_key``).
+While any window (or fork) holds a chunk in its slots, its canonical and patches stay in the
+fastest tier; when the last holder lets go (evict, slide), they are *demoted* one tier down
+(device -> host -> disk), never dropped by the window.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from typing import Any, Iterable
+
+import torch
+
+from ..chunk import Chunk
+from ..errors import CollisionError
+from ..patch import Patch
+from ..stores import HostTier, MemoryTier, StoreEntry, Tier, TieredStore, TierTraffic, chunk_key
+
+_ADAPTERS: "weakref.WeakKeyDictionary[TieredStore, WindowStore]" = weakref.WeakKeyDictionary()
+
+
+def default_store(device: torch.device | str) -> TieredStore:
+    """Two unbounded in-memory tiers: ``device`` (where the model runs) and ``host`` (CPU)."""
+    return TieredStore([MemoryTier(device, None, name="device"), HostTier(None, name="host")])
+
+
+class WindowStore:
+    """Chunk/patch access and residency bookkeeping over one ``TieredStore``.
+
+    One adapter per store object (:meth:`wrap` memoizes), so every window and fork sharing a
+    store shares the hold counts that decide demotion.
+    """
+
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+        self._holds: Counter[str] = Counter()
+
+    @classmethod
+    def wrap(cls, store: Any, device: torch.device | str = "cpu") -> "WindowStore":
+        """``None`` (default two-tier store), a ``Tier``, a sequence of tiers (fastest first), a
+        ``TieredStore`` or a ``WindowStore``."""
+        if isinstance(store, WindowStore):
+            return store
+        if store is None:
+            store = default_store(device)
+        elif isinstance(store, Tier):
+            store = TieredStore([store])
+        elif isinstance(store, (list, tuple)):
+            store = TieredStore(list(store))
+        if not isinstance(store, TieredStore):
+            raise TypeError(f"store must be a TieredStore, a Tier or a list of tiers, got {type(store).__name__}")
+        found = _ADAPTERS.get(store)
+        if found is None:
+            found = cls(store)
+            _ADAPTERS[store] = found
+        return found
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self.store.tiers]
+
+    # ------------------------------------------------------------------ chunks
+    @staticmethod
+    def chunk_key(chunk_or_id: Chunk | str, fingerprint: str | None = None) -> str:
+        if isinstance(chunk_or_id, Chunk):
+            return chunk_key(chunk_or_id.fingerprint, chunk_or_id.id)
+        assert fingerprint is not None
+        return chunk_key(fingerprint, chunk_or_id)
+
+    def has(self, key: str) -> bool:
+        return self.store.contains(key)
+
+    def get_chunk(self, key: str, *, fingerprint: str, layout: str, traffic: TierTraffic) -> Chunk | None:
+        """The canonical under ``key`` (promoted to the fastest tier), or None.
+
+        Raises FingerprintMismatchError for an entry another model or layout wrote."""
+        entry = self.store.get(key, expect_fingerprint=fingerprint, expect_layout=layout, traffic=traffic)
+        if entry is None:
+            return None
+        return Chunk.from_entry(dict(entry.tensors), dict(entry.meta))
+
+    def put_chunk(self, chunk: Chunk, *, traffic: TierTraffic) -> str:
+        """Store ``chunk`` (a no-op when already there); returns its key."""
+        key = self.chunk_key(chunk)
+        tensors, meta = chunk.to_entry()
+        self.store.put(key, StoreEntry(tensors, meta), traffic=traffic)
+        return key
+
+    # ------------------------------------------------------------------ patches
+    def get_patch(self, key: str, *, fingerprint: str, traffic: TierTraffic) -> Patch | None:
+        entry = self.store.get(key, expect_fingerprint=fingerprint, traffic=traffic)
+        if entry is None:
+            return None
+        return Patch.from_entry(dict(entry.tensors), dict(entry.meta))
+
+    def put_patch(self, key: str, patch: Patch, *, traffic: TierTraffic) -> None:
+        tensors, meta = patch.to_entry()
+        try:
+            self.store.put(key, StoreEntry(tensors, meta), traffic=traffic)
+        except CollisionError:
+            # Another content under this key (another formation context): keep the first,
+            # the window uses the patch it has in hand.
+            pass
+
+    # ------------------------------------------------------------------ residency
+    def hold(self, keys: Iterable[str], traffic: TierTraffic) -> None:
+        """Count a window slot holding each key; a held key is brought to the fastest tier."""
+        for key in keys:
+            self._holds[key] += 1
+            if self._holds[key] == 1:
+                where = self.store.where(key)
+                if where and where[0] != self.store.tiers[0].name:
+                    self.store.get(key, traffic=traffic)  # promotes
+
+    def release(self, keys: Iterable[str], traffic: TierTraffic) -> None:
+        """Undo one hold per key; keys nobody holds any more are demoted one tier down."""
+        for key in keys:
+            if self._holds[key] <= 0:
+                continue
+            self._holds[key] -= 1
+            if self._holds[key] == 0:
+                del self._holds[key]
+                self.demote(key, traffic)
+
+    def holds(self, key: str) -> int:
+        return self._holds.get(key, 0)
+
+    def demote(self, key: str, traffic: TierTraffic) -> bool:
+        """Move ``key`` one tier down (never dropped; see ``TieredStore.demote``)."""
+        return self.store.demote(key, traffic=traffic)
+
+    def tier_of(self, key: str) -> str | None:
+        """Name of the fastest tier holding ``key`` (None: not stored)."""
+        where = self.store.where(key)
+        return where[0] if where else None

@@ -1,0 +1,718 @@
+"""ContextWindow: an agent's context window as a deque of position-free chunks.
+
+The window holds, after a fixed root, an ordered sequence of slots. Each slot is a chunk's
+canonical ``KV(B | root)`` (stored once, content-addressed) plus a conditioning overlay (rank-m
+patches restoring what the chunk would have absorbed from the chunks in front of it), placed
+at its position by exact RoPE relocation. Operations are cache edits, not re-prefills:
+
+=================  ==============================================================  =========
+operation          what happens                                                    forwards
+=================  ==============================================================  =========
+``append``         canonical from the store (encoded once if new) + a patch on     0-2
+                   the antecedents per the patch policy
+``slide(n)``       the n oldest leave (recallable); survivors only re-rotate       0 (default)
+``reorder``        permute; orbit patch where one exists                           0+
+``evict(ref)``     drop the conditioned KV; canonical + patches go one tier down   0
+``recall(ref)``    canonical + a *fresh* patch on the new antecedents (never a     <= 1
+                   re-encode, never the stale patch); reports the cascade
+``fork()``         copy-on-write child sharing canonicals and pages                0, 0 bytes
+``is_disposable``  decode with the chunk's conditioning off (and dropped)          decodes
+``materialize``    a transformers ``DynamicCache`` of root + pages                 0
+``generate``       materialize + decode                                            decodes
+=================  ==============================================================  =========
+
+Every operation returns (or, for ``append``, attaches to the returned ref) a :class:`Receipt`;
+``window.last_receipt`` is the latest. A failed operation raises a typed error
+(``contextdeque.errors``) and leaves the window as it was.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..chunk import Chunk, storage_dtype
+from ..errors import BudgetError, FingerprintMismatchError, UnknownRefError, WindowError
+from ..operator import LayerKV
+from ..patch import Patch
+from . import decode
+from .context import WindowContext
+from .disposable import Verdict, run_test
+from .graph import Cascade, ConditioningGraph
+from .identity import chunk_id_for
+from .policy import PatchPolicy, make_policy
+from .receipt import PAGES, Meter, Receipt
+from .reconcile import reconcile
+from .ref import ChunkRef, new_ref
+from .root import backend_with_root
+from .slot import Slot
+from .state import EvictedEntry, WindowState
+from .store import WindowStore
+
+
+@dataclass
+class Answer:
+    """What ``ContextWindow.generate`` returns: the answer's ids, its text (with a tokenizer),
+    and the receipt. ``str(answer)`` is the text."""
+
+    token_ids: list[int]
+    text: str | None
+    receipt: Receipt | None = field(default=None, repr=False)
+
+    def __str__(self) -> str:
+        return self.text if self.text is not None else " ".join(map(str, self.token_ids))
+
+
+class ContextWindow:
+    """A context window of position-free KV chunks over one backend.
+
+    Args:
+        backend: an ``HFBackend`` (e.g. ``contextdeque.load_model()``).
+        root: the window root (text or token ids); default: the backend's ``root_ids``.
+        budget_tokens: most chunk tokens the window holds (the root is not counted); None:
+            no budget. When an append or recall would exceed it, the oldest chunks slide out
+            (``overflow="slide"``) or ``BudgetError`` is raised (``overflow="error"``).
+        rank: the patch rank m (clamped per chunk to ``min(T, H*d)``).
+        store: where canonicals and patches live: None (two in-memory tiers, ``device`` and
+            ``host``), a ``TieredStore``, a tier, or a list of tiers (fastest first).
+        patch_policy: ``"default"`` (patch on append at rank m, survivors keep as-is),
+            ``"exact"`` (full-rank patches everywhere: the window equals a re-prefill),
+            ``"none"`` (blind), another registered name, or a ``PatchPolicy`` instance.
+        cascade_policy: what a recall does to chunks conditioned on the recalled one:
+            ``"reform"`` their patches, ``"keep"`` them, or ``"flag"`` them stale.
+        overflow: ``"slide"`` or ``"error"`` (see ``budget_tokens``).
+        storage: dtype canonicals are stored in (float32, bfloat16, float16).
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        root: str | Sequence[int] | None = None,
+        budget_tokens: int | None = None,
+        rank: int = 32,
+        store: Any = None,
+        patch_policy: "str | PatchPolicy" = "default",
+        cascade_policy: str = "reform",
+        *,
+        overflow: str = "slide",
+        storage: torch.dtype | str = torch.float32,
+    ) -> None:
+        backend = backend_with_root(backend, root)
+        self._ctx = WindowContext(
+            backend=backend,
+            store=WindowStore.wrap(store, backend.device),
+            policy=make_policy(patch_policy),
+            rank=int(rank),
+            budget_tokens=None if budget_tokens is None else int(budget_tokens),
+            cascade_policy=cascade_policy,
+            overflow=overflow,
+            storage=storage_dtype(storage),
+        )
+        self._state = WindowState()
+        self._parent: ContextWindow | None = None
+        self._base_generation: int | None = None
+        self._closed = False
+        self.last_receipt: Receipt | None = None
+        self.receipts: deque[Receipt] = deque(maxlen=1000)
+
+    # ================================================================== introspection
+    @property
+    def backend(self) -> Any:
+        """The backend (a view carrying the window's root if one was given)."""
+        return self._ctx.backend
+
+    @property
+    def context(self) -> WindowContext:
+        """The explicit shared context (backend, store, policy, counters)."""
+        return self._ctx
+
+    @property
+    def policy(self) -> PatchPolicy:
+        return self._ctx.policy
+
+    @property
+    def store(self) -> WindowStore:
+        return self._ctx.store
+
+    @property
+    def graph(self) -> ConditioningGraph:
+        """The conditioning graph (read it; the window keeps it in sync)."""
+        return self._state.graph
+
+    @property
+    def refs(self) -> tuple[ChunkRef, ...]:
+        """The chunks in the window, in order."""
+        return self._state.refs
+
+    @property
+    def evicted_refs(self) -> tuple[ChunkRef, ...]:
+        """Evicted chunks that can be recalled."""
+        return tuple(self._state.evicted)
+
+    @property
+    def tokens_used(self) -> int:
+        """Chunk tokens in the window (root excluded)."""
+        return self._state.tokens_used
+
+    @property
+    def budget_tokens(self) -> int | None:
+        return self._ctx.budget_tokens
+
+    @property
+    def root_ids(self) -> tuple[int, ...]:
+        return tuple(self._ctx.backend.root_ids)
+
+    @property
+    def stale_refs(self) -> tuple[ChunkRef, ...]:
+        """Chunks flagged stale by a recall cascade (``cascade_policy="flag"``)."""
+        return tuple(s.ref for s in self._state.slots if s.stale)
+
+    @property
+    def parent(self) -> "ContextWindow | None":
+        return self._parent
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def generation(self) -> int:
+        """Counts successful state-changing operations."""
+        return self._state.generation
+
+    def __len__(self) -> int:
+        return len(self._state.slots)
+
+    def __contains__(self, ref: object) -> bool:
+        return any(s.ref == ref for s in self._state.slots)
+
+    def placement(self) -> list[tuple[ChunkRef, int, int]]:
+        """``(ref, start, end)`` per chunk: contiguous from ``root_len`` on."""
+        return [(s.ref, s.start, s.end) for s in self._state.slots]
+
+    def next_position(self) -> int:
+        """Position of the first token after the window."""
+        return decode.next_position(self._ctx, self._state.slots)
+
+    def slot(self, ref: ChunkRef) -> Slot:
+        """The slot of an in-window chunk (read-only record)."""
+        return self._state.slots[self._state.index(ref)]
+
+    def kv(self, ref: ChunkRef) -> list[LayerKV]:
+        """The KV the model sees for ``ref``: per layer ``(k [H_k, T, d_k], v [H_v, T, d_v])``."""
+        page = self.slot(ref).page
+        assert page is not None
+        return list(page)
+
+    def patches(self, ref: ChunkRef) -> tuple[Patch, ...]:
+        """The conditioning patches ``ref`` carries (empty: blind canonical)."""
+        return self.slot(ref).patches
+
+    def chunk(self, ref: ChunkRef) -> Chunk:
+        return self.slot(ref).chunk
+
+    def cascade_preview(self, ref: ChunkRef) -> tuple[ChunkRef, ...]:
+        """In-window chunks transitively conditioned on ``ref`` (at most what recalling it
+        would make stale)."""
+        return self._state.graph.preview_cascade(ref, self.refs)
+
+    def __repr__(self) -> str:
+        b = "" if self._ctx.budget_tokens is None else f"/{self._ctx.budget_tokens}"
+        kind = "fork" if self._parent is not None else "window"
+        return (
+            f"ContextWindow({kind}, {len(self)} chunks, {self.tokens_used}{b} tokens, "
+            f"{len(self._state.evicted)} evicted, policy={self._ctx.policy.name})"
+        )
+
+    # ================================================================== machinery
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WindowError("this window was committed, discarded or closed")
+
+    def _run(self, op: str, body: Callable[[WindowState, Meter], dict[str, Any]], *, mutates: bool = True) -> Receipt:
+        """Run ``body`` on a copy of the state; swap it in only if it succeeds."""
+        self._check_open()
+        meter = Meter(self._ctx, op)
+        new = self._state.copy() if mutates else self._state
+        fields = body(new, meter)
+        if mutates:
+            self._install(new, meter)
+        receipt = meter.finish(**fields)
+        self._record(receipt)
+        return receipt
+
+    def _install(self, new: WindowState, meter: Meter) -> None:
+        before, after = self._state.held_keys(), new.held_keys()
+        self._ctx.store.hold(list((after - before).elements()), meter.traffic)
+        self._ctx.store.release(list((before - after).elements()), meter.traffic)
+        new.graph.sync(new.slots, new.evicted)
+        new.generation = self._state.generation + 1
+        self._state = new
+
+    def _record(self, receipt: Receipt) -> None:
+        self.last_receipt = receipt
+        self.receipts.append(receipt)
+
+    def _chunk_from_inputs(
+        self,
+        meter: Meter,
+        text: str | None,
+        token_ids: Sequence[int] | torch.Tensor | None,
+        embeds: torch.Tensor | None,
+        chunk: Chunk | None,
+        rel_positions: torch.Tensor | None,
+        span: int | None,
+        modality: str | None,
+    ) -> Chunk:
+        """The canonical for the given content: from the store, or encoded once and stored."""
+        ctx = self._ctx
+        given = sum(x is not None for x in (text, token_ids, embeds, chunk))
+        if given != 1:
+            raise WindowError("append needs exactly one of text=, token_ids=, embeds=, chunk=")
+        if chunk is not None:
+            if not isinstance(chunk, Chunk):
+                raise WindowError(f"chunk= must be a contextdeque Chunk, got {type(chunk).__name__}")
+            self._check_chunk(chunk)
+            self._check_fits(chunk.n_tokens)
+            key = WindowStore.chunk_key(chunk)
+            if not ctx.store.has(key):
+                ctx.store.put_chunk(chunk, traffic=meter.traffic)
+            stored = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)
+            return stored if stored is not None else chunk
+        if text is not None:
+            token_ids = ctx.backend.tokenize(text)
+        n = int(torch.as_tensor(token_ids).numel()) if token_ids is not None else int(embeds.shape[0])
+        self._check_fits(n)  # before encoding: a chunk that can never fit costs nothing
+        cid = chunk_id_for(
+            ctx.backend, token_ids=token_ids, embeds=embeds, rel_positions=rel_positions, span=span, storage=ctx.storage
+        )
+        key = WindowStore.chunk_key(cid, ctx.fingerprint)
+        found = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)
+        if found is not None:
+            return found
+        encoded = ctx.backend.encode(
+            token_ids=token_ids, embeds=embeds, rel_positions=rel_positions, span=span,
+            storage=ctx.storage, modality=modality,
+        )
+        ctx.counters["encodes"] += 1
+        key = ctx.store.put_chunk(encoded, traffic=meter.traffic)
+        stored = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)
+        return stored if stored is not None else encoded
+
+    def _check_chunk(self, chunk: Chunk) -> None:
+        ctx = self._ctx
+        if chunk.fingerprint != ctx.fingerprint or chunk.layout_signature != ctx.layout.signature:
+            raise FingerprintMismatchError(
+                f"chunk {chunk.id[:12]} was encoded by model {chunk.fingerprint[:12]} (layout "
+                f"{chunk.layout_signature}); this window runs {ctx.fingerprint[:12]} ({ctx.layout.signature})"
+            )
+        if chunk.root_digest != ctx.backend.root_digest:
+            raise FingerprintMismatchError(
+                f"chunk {chunk.id[:12]} was encoded after another root ({chunk.root_digest}) than this "
+                f"window's ({ctx.backend.root_digest}); its canonical would not be KV(B | root)"
+            )
+
+    def _check_fits(self, n_tokens: int) -> None:
+        budget = self._ctx.budget_tokens
+        if budget is not None and n_tokens > budget:
+            raise BudgetError(f"a chunk of {n_tokens} tokens cannot fit a window budget of {budget} tokens")
+
+    @staticmethod
+    def _evict_at(state: WindowState, slots: list[Slot], idx: int, reasons: dict[ChunkRef, str]) -> ChunkRef:
+        """Remove ``slots[idx]`` into ``state.evicted``; the slots after it become survivors."""
+        s = slots.pop(idx)
+        state.evicted[s.ref] = EvictedEntry(
+            ref=s.ref,
+            chunk_key=WindowStore.chunk_key(s.chunk),
+            chunk_id=s.chunk.id,
+            n_tokens=s.n_tokens,
+            span=s.span,
+            stale_patch_keys=tuple(c.key for c in s.stack if c.key),
+            formed_on=s.conditioned_on,
+        )
+        reasons.pop(s.ref, None)
+        for later in slots[idx:]:
+            reasons.setdefault(later.ref, "survivor")
+        return s.ref
+
+    def _make_room(self, state: WindowState, slots: list[Slot], need: int, reasons: dict[ChunkRef, str]) -> list[ChunkRef]:
+        """Slide the oldest chunks out until ``need`` more tokens fit the budget."""
+        budget = self._ctx.budget_tokens
+        left: list[ChunkRef] = []
+        if budget is None:
+            return left
+        while sum(s.n_tokens for s in slots) + need > budget:
+            if self._ctx.overflow == "error":
+                raise BudgetError(
+                    f"{need} more tokens exceed the budget ({sum(s.n_tokens for s in slots)} of {budget} used); "
+                    "slide or evict first, or use overflow='slide'"
+                )
+            left.append(self._evict_at(state, slots, 0, reasons))
+        return left
+
+    # ================================================================== operations
+    def append(
+        self,
+        text: str | None = None,
+        *,
+        token_ids: Sequence[int] | torch.Tensor | None = None,
+        embeds: torch.Tensor | None = None,
+        chunk: Chunk | None = None,
+        rel_positions: torch.Tensor | None = None,
+        span: int | None = None,
+        modality: str | None = None,
+    ) -> ChunkRef:
+        """Append a chunk at the end of the window; returns its ref (``ref.receipt`` is the receipt).
+
+        Give exactly one of ``text``, ``token_ids [T]``, ``embeds [T, hidden]`` (with the span's
+        ``rel_positions [n_axes, T]`` / ``span`` for an image) or an encoded ``chunk``. Content
+        the store already holds is never encoded again. If the budget is full, the oldest
+        chunks slide out first (see ``overflow``).
+
+        Raises:
+            BudgetError: the chunk alone is larger than the budget (or ``overflow="error"``).
+            FingerprintMismatchError: ``chunk`` comes from another model, layout or root.
+        """
+        out: dict[str, ChunkRef] = {}
+
+        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+            c = self._chunk_from_inputs(meter, text, token_ids, embeds, chunk, rel_positions, span, modality)
+            self._check_fits(c.n_tokens)
+            ref = new_ref(c.id, c.n_tokens)
+            slots = list(state.slots)
+            reasons: dict[ChunkRef, str] = {}
+            left = self._make_room(state, slots, c.n_tokens, reasons)
+            slots.append(Slot(ref=ref, chunk=c))
+            reasons[ref] = "append"
+            state.slots, _ = reconcile(self._ctx, slots, reasons, meter)
+            out["ref"] = ref
+            return {"refs": (ref,), "left": tuple(left)}
+
+        receipt = self._run("append", body)
+        return out["ref"].with_receipt(receipt)
+
+    def slide(self, n: int = 1) -> Receipt:
+        """The ``n`` oldest chunks leave the window (evicted: recallable); survivors re-rotate to
+        their new positions (and get what the patch policy says: nothing by default)."""
+
+        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+            if not isinstance(n, int) or n < 0 or n > len(state.slots):
+                raise WindowError(f"cannot slide {n} chunk(s) out of a window of {len(state.slots)}")
+            slots = list(state.slots)
+            reasons: dict[ChunkRef, str] = {}
+            left = [self._evict_at(state, slots, 0, reasons) for _ in range(n)]
+            state.slots, _ = reconcile(self._ctx, slots, reasons, meter)
+            return {"refs": tuple(left), "left": tuple(left)}
+
+        return self._run("slide", body)
+
+    def evict(self, ref: ChunkRef) -> Receipt:
+        """Drop ``ref``'s conditioned KV from the window; its canonical and patches move one tier
+        down in the store (unless another window or fork still holds them). Later chunks
+        shift back and are survivors (patch policy decides; default: relocate only).
+
+        Raises:
+            UnknownRefError: ``ref`` is unknown here (or purged). WindowError: already evicted.
+        """
+
+        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+            state.check_known(ref)
+            idx = state.index(ref)
+            slots = list(state.slots)
+            reasons: dict[ChunkRef, str] = {}
+            self._evict_at(state, slots, idx, reasons)
+            state.slots, _ = reconcile(self._ctx, slots, reasons, meter)
+            return {"refs": (ref,), "left": (ref,)}
+
+        return self._run("evict", body)
+
+    def recall(self, ref: ChunkRef, at: int | None = None) -> Receipt:
+        """Re-instate an evicted chunk at index ``at`` (default: the end) from its canonical, with
+        a *fresh* patch on the chunks now in front of it (per the patch policy). The encoder
+        never re-runs and the patch it carried when evicted is never replayed.
+
+        ``at`` indexes the window before any budget slide; if the oldest chunks must slide out
+        to make room, the insertion point moves back with them. The receipt's ``cascade`` says
+        which chunks were conditioned on the recalled one and became stale, and what the
+        cascade policy did about them.
+
+        Raises:
+            UnknownRefError: ``ref`` unknown, purged, or its canonical is gone from the store.
+            WindowError: ``ref`` is in the window, or ``at`` is out of range.
+        """
+
+        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+            ctx = self._ctx
+            state.check_known(ref)
+            if ref not in state.evicted:
+                raise WindowError(f"{ref!r} is already in the window (use reorder to move it)")
+            entry = state.evicted[ref]
+            pos = len(state.slots) if at is None else at
+            if not isinstance(pos, int) or not 0 <= pos <= len(state.slots):
+                raise WindowError(f"recall position {at} is outside 0..{len(state.slots)}")
+            self._check_fits(entry.n_tokens)
+            chunk = ctx.store.get_chunk(
+                entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic
+            )
+            if chunk is None:
+                raise UnknownRefError(
+                    f"{ref!r}: its canonical is no longer in the store (dropped by the store's budget); "
+                    "append its content again"
+                )
+            candidates = frozenset(state.graph.preview_cascade(ref, state.refs))
+            slots = list(state.slots)
+            reasons: dict[ChunkRef, str] = {}
+            left = self._make_room(state, slots, entry.n_tokens, reasons)
+            pos = max(0, pos - len(left))
+            del state.evicted[ref]
+            slots.insert(pos, Slot(ref=ref, chunk=chunk))
+            reasons[ref] = "recall"
+            for later in slots[pos + 1 :]:
+                reasons[later.ref] = "inserted"
+            state.slots, cascade = reconcile(
+                ctx, slots, reasons, meter, recalled=ref, cascade_candidates=candidates - set(left)
+            )
+            return {"refs": (ref,), "left": tuple(left), "cascade": cascade}
+
+        return self._run("recall", body)
+
+    def reorder(self, order: Sequence[ChunkRef]) -> Receipt:
+        """Permute the window to ``order`` (every in-window ref exactly once). Slots whose
+        antecedents changed get what the patch policy says (default: the orbit patch for their
+        new antecedent set where one exists or is worth forming, else a fresh rank-m patch).
+
+        Raises:
+            WindowError: ``order`` is not a permutation of the window's refs.
+        """
+
+        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+            refs = list(order)
+            current = state.refs
+            if len(refs) != len(current) or set(refs) != set(current) or len(set(refs)) != len(refs):
+                missing = [r for r in current if r not in refs]
+                extra = [r for r in refs if r not in current]
+                raise WindowError(
+                    f"reorder needs each of the window's {len(current)} refs exactly once; "
+                    f"missing {missing}, not in the window {extra}, given {len(refs)}"
+                )
+            by_ref = {s.ref: s for s in state.slots}
+            slots = [by_ref[r] for r in refs]
+            reasons = {r: "reorder" for r in refs}
+            state.slots, _ = reconcile(self._ctx, slots, reasons, meter)
+            return {"refs": tuple(refs)}
+
+        return self._run("reorder", body)
+
+    def purge(self, ref: ChunkRef) -> Receipt:
+        """Forget an evicted chunk: it can no longer be recalled (its store entries stay:
+        they are content-addressed and may serve other windows)."""
+
+        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+            state.check_known(ref)
+            if ref not in state.evicted:
+                raise WindowError(f"{ref!r} is in the window: evict it before purging")
+            del state.evicted[ref]
+            state.graph.remove(ref)
+            return {"refs": (ref,)}
+
+        return self._run("purge", body)
+
+    def refresh(self, refs: Sequence[ChunkRef] | None = None) -> Receipt:
+        """Re-condition ``refs`` (default: the chunks flagged stale) on what now precedes them."""
+
+        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+            targets = list(refs) if refs is not None else [s.ref for s in state.slots if s.stale]
+            for r in targets:
+                state.check_known(r)
+                state.index(r)
+            reasons = {r: "refresh" for r in targets}
+            state.slots, _ = reconcile(self._ctx, list(state.slots), reasons, meter)
+            return {"refs": tuple(targets)}
+
+        return self._run("refresh", body)
+
+    # ------------------------------------------------------------------ forks
+    def fork(self) -> "ContextWindow":
+        """A copy-on-write child: shares canonicals, patches and pages (no tensor is copied),
+        has its own order, overlay and evicted set. ``child.commit()`` makes the child's state
+        the parent's (only if the parent did not change since the fork); ``child.discard()``
+        drops it. Nothing the child does changes the parent."""
+        self._check_open()
+        meter = Meter(self._ctx, "fork")
+        child = ContextWindow.__new__(ContextWindow)
+        child._ctx = self._ctx
+        child._state = self._state.copy()
+        child._parent = self
+        child._base_generation = self._state.generation
+        child._closed = False
+        child.last_receipt = None
+        child.receipts = deque(maxlen=1000)
+        self._ctx.store.hold(list(child._state.held_keys().elements()), meter.traffic)
+        receipt = meter.finish(refs=child.refs)
+        self._record(receipt)
+        child._record(receipt)
+        return child
+
+    def commit(self) -> Receipt:
+        """Make this fork's state its parent's and close the fork.
+
+        Raises:
+            WindowError: not a fork, already closed, or the parent changed since the fork.
+        """
+        self._check_open()
+        parent = self._parent
+        if parent is None:
+            raise WindowError("commit() is for forks; this window has no parent")
+        if parent._closed:
+            raise WindowError("the parent window is closed")
+        if parent._state.generation != self._base_generation:
+            raise WindowError(
+                "the parent changed since this fork was made (generation "
+                f"{self._base_generation} -> {parent._state.generation}); commit refused"
+            )
+        meter = Meter(self._ctx, "commit")
+        # The child's holds become the parent's; the parent's old state lets go of its own.
+        self._ctx.store.release(list(parent._state.held_keys().elements()), meter.traffic)
+        new = self._state
+        new.generation = parent._state.generation + 1
+        parent._state = new
+        self._closed = True
+        receipt = meter.finish(refs=new.refs)
+        parent._record(receipt)
+        self._record(receipt)
+        return receipt
+
+    def discard(self) -> Receipt:
+        """Drop this fork (the parent is untouched)."""
+        self._check_open()
+        if self._parent is None:
+            raise WindowError("discard() is for forks; use close() for a window")
+        return self.close(op="discard")
+
+    def close(self, op: str = "close") -> Receipt:
+        """Release everything this window holds in the store; further operations raise."""
+        self._check_open()
+        meter = Meter(self._ctx, op)
+        self._ctx.store.release(list(self._state.held_keys().elements()), meter.traffic)
+        self._closed = True
+        receipt = meter.finish(refs=self.refs)
+        self._record(receipt)
+        return receipt
+
+    # ------------------------------------------------------------------ reading it out
+    def materialize(self) -> Any:
+        """The KV the model sees, as a fresh transformers ``DynamicCache`` (batch 1): the root,
+        then every chunk's page, ``S = root_len + sum(n_tokens)`` tokens per layer.
+
+        Fresh every call: generating with it (which appends to it) never touches the window.
+        Continue it with ``model.generate(input_ids=window.input_ids_for(q),
+        past_key_values=cache, ...)``. Under the exact policy it equals the KV of one forward
+        over the root and the chunks (to float rounding)."""
+        box: dict[str, Any] = {}
+
+        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+            layers = decode.assemble(self._ctx, state.slots)
+            box["cache"] = decode.to_cache(self._ctx, layers)
+            meter.page_bytes += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+            return {"refs": state.refs}
+
+        self._run("materialize", body, mutates=False)
+        return box["cache"]
+
+    def input_ids_for(self, query: str | Sequence[int] | torch.Tensor, *, chat: bool = True) -> torch.Tensor:
+        """``[1, S + Q]`` ids for ``model.generate(input_ids=..., past_key_values=materialize())``:
+        the cached prefix's ids (root, then each chunk's tokens) followed by the query's (text is
+        tokenized and, with a chat template, closed as a user turn + assistant header).
+
+        Raises:
+            WindowError: the window holds a chunk whose span is not its token count (an image):
+                ``generate`` would place the query at the wrong position; use
+                ``ContextWindow.generate``, which passes positions explicitly.
+        """
+        self._check_open()
+        if not decode.hf_compatible(self._state.slots):
+            raise WindowError(
+                "the window holds a chunk whose span differs from its token count (or M-RoPE "
+                "positions); model.generate cannot continue it: use window.generate"
+            )
+        ids = decode.prefix_ids(self._ctx, self._state.slots) + decode.query_ids(self._ctx, query, chat=chat)
+        return torch.tensor([ids], dtype=torch.long, device=self._ctx.backend.device)
+
+    def generate(self, query: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 32, *, chat: bool = True, **kw: Any) -> Answer:
+        """Materialize and decode ``query``. Text-only windows go through
+        ``model.generate(input_ids=input_ids_for(query), past_key_values=materialize(), **kw)``
+        (greedy unless ``kw`` says otherwise); windows with image spans through the window's own
+        greedy decoder with explicit positions."""
+        box: dict[str, Any] = {}
+
+        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+            ctx = self._ctx
+            q = decode.query_ids(ctx, query, chat=chat)
+            layers = decode.assemble(ctx, state.slots)
+            meter.page_bytes += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+            if decode.hf_compatible(state.slots) and not kw.get("_window_decoder"):
+                ids = torch.tensor([decode.prefix_ids(ctx, state.slots) + q], dtype=torch.long, device=ctx.backend.device)
+                gen_kw = {"do_sample": False, "max_new_tokens": int(max_new_tokens)}
+                eos = decode.eos_ids(ctx)
+                gen_kw["pad_token_id"] = eos[0] if eos else decode.filler_id(ctx)
+                gen_kw.update({k: v for k, v in kw.items() if not k.startswith("_")})
+                with torch.no_grad():
+                    out = ctx.backend.model.generate(
+                        input_ids=ids,
+                        attention_mask=torch.ones_like(ids),
+                        past_key_values=decode.to_cache(ctx, layers),
+                        **gen_kw,
+                    )
+                new_ids = [int(t) for t in out[0, ids.shape[1] :].tolist()]
+                ctx.counters["decode_forwards"] += max(1, len(new_ids))
+                ctx.counters["decode_tokens"] += len(q) + max(0, len(new_ids) - 1)
+            else:
+                _, new_ids = decode.greedy(
+                    ctx, layers, decode.next_position(ctx, state.slots), q, max_new_tokens, decode.eos_ids(ctx)
+                )
+            box["answer"] = Answer(token_ids=new_ids, text=decode.decode_text(ctx, new_ids))
+            return {"refs": state.refs}
+
+        receipt = self._run("generate", body, mutates=False)
+        answer: Answer = box["answer"]
+        answer.receipt = receipt
+        return answer
+
+    def is_disposable(
+        self,
+        ref: ChunkRef,
+        query: str | Sequence[int] | torch.Tensor,
+        max_new_tokens: int = 8,
+        *,
+        drop: bool = False,
+        kl_tol: float | None = None,
+        chat: bool = True,
+    ) -> Verdict:
+        """Is ``ref``'s conditioning load-bearing for ``query``?
+
+        Decodes ``query`` (greedy, ``max_new_tokens``) three ways: the window as is; with
+        ``ref``'s conditioning toggled off (its page becomes the bare relocated canonical; every
+        other chunk as is); and, with ``drop=True``, with ``ref`` dropped (later chunks shift
+        back keeping their KV). Disposable when every variant gives the same answer (and,
+        with ``kl_tol``, a first-token KL(as is || variant) at most ``kl_tol``). The window
+        is not changed.
+        """
+        box: dict[str, Any] = {}
+
+        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+            state.check_known(ref)
+            idx = state.index(ref)
+            q = decode.query_ids(self._ctx, query, chat=chat)
+            box["fields"] = run_test(
+                self._ctx, state.slots, idx, q, max_new_tokens=max_new_tokens, drop=drop, kl_tol=kl_tol
+            )
+            return {"refs": (ref,)}
+
+        receipt = self._run("is_disposable", body, mutates=False)
+        return Verdict(ref=ref, receipt=receipt, **box["fields"])
+
+
+__all__ = ["ContextWindow", "Answer", "Verdict", "Cascade", "Receipt", "ChunkRef", "PAGES"]
