@@ -192,7 +192,11 @@ class FormContext:
 
     def assemble_past(self, order: Sequence[int] | None = None) -> tuple[list[LayerKV], int]:
         """Root KV followed by the antecedents (each relocated + its own patches) in ``order``.
-        Returns the per-layer past ``[H, S, d]`` and the next free position."""
+        Returns the per-layer past ``[H, S, d]`` and the next free position. A caller that already
+        holds the assembled KV (a window) passes it as ``past=`` to skip re-placing the antecedents."""
+        given = self.options.get("past")
+        if given is not None and (order is None or list(order) == list(range(len(self.antecedents)))):
+            return given, self.backend.root_len + sum(ch.span for ch, _ in self.antecedents)
         root = self.backend.root_kv()
         parts: list[list[LayerKV]] = [root]
         pos = self.backend.root_len
@@ -254,6 +258,11 @@ class PatchKind:
         """Δ to factorize: ``dK [L, T, F_k]``, ``dV [L, T, F_v]``. Default: one conditioned forward."""
         keys, values = ctx.conditioned_content()
         return ctx.deltas_against(keys, values)
+
+    def signature_extra(self, ctx: FormContext) -> list[str]:
+        """What besides the antecedents decides this patch's meaning (folded into its antecedent
+        signature, hence its id and store key). Default: nothing."""
+        return []
 
     def layers(self, ctx: FormContext) -> tuple[int, ...]:
         """Which layers carry factors. Default: all."""
@@ -332,8 +341,9 @@ def form_patch(
     pairs when an antecedent itself carries a correction. ``rank``: K rank (``"full"`` =
     min(T, F)); ``rank_v`` defaults to ``rank``. ``kind``: one of ``PATCH_KINDS`` (exact, orbit,
     removal, recall, deep, shared). Options are passed to the kind (e.g. ``deep_layers=``,
-    ``basis=``, ``current=``, ``max_orderings=``). Costs one conditioned forward (orbit: one per
-    ordering).
+    ``basis=``, ``current=``, ``max_orderings=``, ``past=`` — the already assembled per-layer KV
+    ``[H, S, d]`` of root + antecedents, which skips re-placing them). Costs one conditioned forward
+    (orbit: one per ordering).
     """
     if kind not in PATCH_KINDS:
         raise PatchError(f"unknown patch kind {kind!r}; known: {sorted(PATCH_KINDS)}")
@@ -359,7 +369,7 @@ def form_patch(
         chunk_id=chunk.id,
         fingerprint=chunk.fingerprint,
         layout_signature=chunk.layout_signature,
-        antecedent_signature=antecedent_signature(ids, ordered=impl.ordered),
+        antecedent_signature=antecedent_signature(ids + impl.signature_extra(ctx), ordered=impl.ordered),
         antecedents=tuple(ids),
         kind=kind,
         rank_k=rk,
@@ -373,5 +383,5 @@ def form_patch(
         k_shape=(lay.k_heads, lay.k_dim),
         v_shape=(lay.v_heads, lay.v_dim),
         basis_id=basis_id,
-        meta={k: str(v) for k, v in options.items() if isinstance(v, (int, float, str))},
+        meta={k: str(v) for k, v in options.items() if isinstance(v, (int, float, str)) and k != "past"},
     )

@@ -10,6 +10,8 @@ and conditioning are unchanged keep their page object (no bytes written).
 
 from __future__ import annotations
 
+import torch
+
 from dataclasses import replace
 from typing import Mapping, Sequence
 
@@ -70,6 +72,14 @@ def obtain(
         options = dict(decision.options)
         if kind == "removal":
             options["current"] = list(slot.patches)
+        if all(s.page is not None for s in prefix):
+            # the antecedents are already placed: hand their pages over instead of re-placing
+            root = ctx.backend.root_kv()
+            options["past"] = [
+                (torch.cat([root[l][0], *(s.page[l][0] for s in prefix)], dim=1),
+                 torch.cat([root[l][1], *(s.page[l][1] for s in prefix)], dim=1))
+                for l in range(len(root))
+            ]
         patch = form_patch(
             ctx.backend,
             slot.chunk,
