@@ -3,7 +3,8 @@
 ``relocate(chunk, start)`` returns per layer ``(k, v)`` exactly as the model would cache the
 chunk's tokens at ``start + rel_positions``: fp32 rotation from the content frame with the
 model's raw ``inv_freq`` (never chained rotations, never the model's cos/sin). The heavy lifting
-is one fused call per layer into ``contextdeque.kernels`` (torch on CPU, Triton on CUDA).
+is one fused call per layer into ``contextdeque.kernels`` (a compiled kernel or torch on CPU,
+Triton on CUDA).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from .chunk import Chunk
 from .errors import FingerprintMismatchError, PositionError
 from .layout import KVLayout
+from .kernels import MAX_RANK, RopeSpec, fused_apply
 from .rotation import TableCache, check_positions
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -23,24 +25,19 @@ if TYPE_CHECKING:  # pragma: no cover
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
-def rotate_slice(x: torch.Tensor, layout: KVLayout, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the rotary channels of ``x [H, T, d]`` by per-token angles (cos/sin ``[T, F]``), fp32.
+def rope_spec(layout: KVLayout) -> RopeSpec:
+    """The kernels' description of which channels rotate, from a layout."""
+    return RopeSpec(layout.rope_tensor, layout.rope_start, layout.rope_dim, layout.interleaved)
 
-    Returns a new fp32 tensor; non-rotary channels are copied. Passing ``-sin`` un-rotates.
-    """
-    out = x.to(torch.float32).clone()
-    a, n = layout.rope_start, layout.rope_dim
-    seg = out[..., a : a + n]
-    if layout.interleaved:
-        x1, x2 = seg[..., 0::2].clone(), seg[..., 1::2].clone()
-        seg[..., 0::2] = x1 * cos - x2 * sin
-        seg[..., 1::2] = x2 * cos + x1 * sin
-    else:
-        h = n // 2
-        x1, x2 = seg[..., :h].clone(), seg[..., h:].clone()
-        seg[..., :h] = x1 * cos - x2 * sin
-        seg[..., h:] = x2 * cos + x1 * sin
-    return out
+
+def _stack_factors(factors: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Several patches' factors as one product: concatenate along the rank (``u [T, Σm]``, ``w [Σm, F]``)."""
+    factors = [f for f in factors if f[0].shape[-1]]
+    if not factors:
+        return None
+    if len(factors) == 1:
+        return factors[0]
+    return torch.cat([u for u, _ in factors], dim=1), torch.cat([w for _, w in factors], dim=0)
 
 
 def placement_positions(
@@ -111,23 +108,34 @@ def relocate(
         p.check_fits(chunk)
     dtype = out_dtype or layout.torch_compute_dtype
     tables = TableCache(layout, pos, device=chunk.keys.device)
+    spec = rope_spec(layout)
     out: list[LayerKV] = []
     for layer in range(chunk.num_layers):
         k, v = chunk.layer(layer)
-        k32, v32 = k.to(torch.float32), v.to(torch.float32)
+        fk, fv = [], []
         for p in patches:
-            dk, dv = p.layer_delta(layer)
-            if dk is not None:
-                k32 = k32 + dk
-            if dv is not None:
-                v32 = v32 + dv
+            pk, pv = p.factors(layer)
+            fk += [pk] if pk is not None else []
+            fv += [pv] if pv is not None else []
+        k_f = _stack_factors(fk)
+        v_f = _stack_factors(fv)
+        # the fused kernel takes ranks up to MAX_RANK; a larger (e.g. full-rank) sum is folded
+        # into the content first, in fp32
+        if k_f is not None and k_f[0].shape[1] > MAX_RANK:
+            k, k_f = _fold(k, k_f), None
+        if v_f is not None and v_f[0].shape[1] > MAX_RANK:
+            v, v_f = _fold(v, v_f), None
         cos, sin = tables.for_layer(layer)
-        if layout.rope_tensor == "k":
-            k32 = rotate_slice(k32, layout, cos, sin)
-        else:
-            v32 = rotate_slice(v32, layout, cos, sin)
-        out.append((k32.to(dtype), v32.to(dtype)))
+        out.append(fused_apply(k, v, spec, cos, sin, k_f, v_f, out_dtype=dtype))
     return out
+
+
+def _fold(content: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``content [H,T,d] + u @ w`` in fp32."""
+    H, T, d = content.shape
+    u, w = factors
+    delta = (u.to(torch.float32) @ w.to(torch.float32)).view(T, H, d).transpose(0, 1)
+    return content.to(torch.float32) + delta
 
 
 def _as_patch_list(patch: "Patch | Sequence[Patch] | None") -> list["Patch"]:
@@ -149,15 +157,13 @@ def to_content_frame(
     """Un-rotate cached ``kv`` (per layer ``[H, T, d]`` at ``positions [n_axes, T]``) into the content
     frame. Returns stacked fp32 ``keys [L,H_k,T,d_k]``, ``values [L,H_v,T,d_v]``."""
     tables = TableCache(layout, positions, device=kv[0][0].device)
+    spec = rope_spec(layout)
     keys, values = [], []
     for layer, (k, v) in enumerate(kv):
         cos, sin = tables.for_layer(layer)
-        if layout.rope_tensor == "k":
-            k = rotate_slice(k, layout, cos, -sin)
-        else:
-            v = rotate_slice(v, layout, cos, -sin)
-        keys.append(k.to(torch.float32))
-        values.append(v.to(torch.float32))
+        k, v = fused_apply(k, v, spec, cos, -sin, out_dtype=torch.float32)  # R(-pos)
+        keys.append(k)
+        values.append(v)
     return torch.stack(keys), torch.stack(values)
 
 

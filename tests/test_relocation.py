@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import contextdeque as cd
-from contextdeque.backends.tiny import TINY_ARCHS, build_tiny_model, build_tiny_vl_processor
+from contextdeque.backends.tiny import TINY_ARCHS, build_tiny_vl_processor
 from contextdeque.errors import (
     EmptyChunkError,
     FingerprintMismatchError,
@@ -14,7 +14,8 @@ from contextdeque.errors import (
     StorageDtypeError,
     UnsupportedLayoutError,
 )
-from contextdeque.operator import placement_positions, relocate, rotate_slice
+from contextdeque.kernels import RopeSpec, fused_apply
+from contextdeque.operator import placement_positions, relocate
 from contextdeque.rotation import MAX_POSITION, rope_tables
 from contextdeque.verify import FP32_FLOOR, bf16_ulp, verify_backend
 
@@ -118,16 +119,15 @@ def test_section_shift_matches_model_rotary(tiny_backend_factory):
 
 
 def test_rotation_reference_against_float64_complex():
-    """rotate_slice (half-split and interleaved) vs an explicit float64 complex rotation."""
+    """The operator's rotation (half-split and interleaved, partial) vs an explicit float64 complex rotation."""
     torch.manual_seed(0)
-    from contextdeque.layout import KVLayout
 
     for interleaved in (False, True):
-        lay = KVLayout("llama", "gqa", 1, 2, 8, 2, 8, "k", 2, 6, interleaved, ((1.0, 0.1, 0.01),), (0,), "default", 1.0)
+        spec = RopeSpec("k", 2, 6, interleaved)
         x = torch.randn(2, 5, 8)
         pos = torch.arange(5) * 13 + 3
         cos, sin = rope_tables(torch.tensor([1.0, 0.1, 0.01]), pos)
-        got = rotate_slice(x, lay, cos, sin)
+        got, _ = fused_apply(x, x.clone(), spec, cos, sin)
         seg = x[..., 2:8].double()
         if interleaved:
             z = torch.complex(seg[..., 0::2], seg[..., 1::2])
@@ -142,7 +142,7 @@ def test_rotation_reference_against_float64_complex():
             want[..., 2:5], want[..., 5:8] = r.real, r.imag
         assert torch.allclose(got.double(), want, atol=1e-5)
         assert torch.equal(got[..., :2], x[..., :2])  # pass-through channels untouched
-        back = rotate_slice(got, lay, cos, -sin)
+        back, _ = fused_apply(got, got.clone(), spec, cos, -sin)
         assert torch.allclose(back, x, atol=1e-6)
 
 

@@ -1,0 +1,279 @@
+"""Argument types shared by every backend of the fused relocate+patch kernel, and their checks.
+
+Everything a backend needs is validated here once (shapes, dtypes, devices, channel strides,
+placement bounds), so the backends only compute. Shapes use the core conventions:
+
+- content ``k [H_k, T, d_k]``, ``v [H_v, T, d_v]`` (content frame: RoPE part un-rotated);
+- ``RopeSpec``: channels ``[start, start + dim)`` of tensor ``"k"`` (MHA/GQA) or ``"v"`` (MLA's k_pe)
+  rotate; half-split pairs channel ``i`` with ``i + dim/2``, interleaved pairs ``2i`` with ``2i+1``;
+- cos/sin ``[T, dim/2]`` fp32; ``rotated = (x1*cos - x2*sin, x2*cos + x1*sin)``;
+- patch factors ``(u [T, m], w [m, H*d])``; the delta is ``(u @ w).view(T, H, d).transpose(0, 1)``.
+  Several patches on one tensor are one patch of the concatenated rank (``cat(u_i, 1)``,
+  ``cat(w_i, 0)``), so backends take a single pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+import torch
+
+from ..errors import EmptyChunkError, KernelArgumentError, PatchError, PositionError, StorageDtypeError
+
+#: Storage / destination dtypes every backend supports.
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Largest patch rank the kernels are built and tested for.
+MAX_RANK = 128
+
+Factors = Optional[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Which channels of which cache tensor carry RoPE, and how they pair.
+
+    ``tensor``: ``"k"`` (MHA/GQA/M-RoPE) or ``"v"`` (MLA under transformers 5.18, where the cache's
+    values hold k_pe). Channels ``[start, start + dim)`` rotate; ``dim`` is even and > 0.
+    ``interleaved``: pairs ``(2i, 2i+1)`` (GPT-J/GLM/DeepSeek-V2) instead of ``(i, i + dim/2)``.
+    """
+
+    tensor: Literal["k", "v"]
+    start: int
+    dim: int
+    interleaved: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tensor not in ("k", "v"):
+            raise KernelArgumentError(f"RopeSpec.tensor must be 'k' or 'v', not {self.tensor!r}")
+        if int(self.start) < 0 or int(self.dim) <= 0 or int(self.dim) % 2:
+            raise KernelArgumentError(
+                f"RopeSpec needs start >= 0 and an even dim > 0 (got start={self.start}, dim={self.dim})"
+            )
+
+    @property
+    def half(self) -> int:
+        """Number of rotation pairs (= cos/sin columns)."""
+        return self.dim // 2
+
+
+@dataclass(frozen=True)
+class ContiguousDest:
+    """A contiguous cache ``k [B, H_k, T_total, d_k]``, ``v [B, H_v, T_total, d_v]`` (HF layout).
+
+    The chunk's tokens are written at batch row ``batch``, token offsets ``[start, start + T)``;
+    nothing else is touched. Only the channel dimension must be unit-stride.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    batch: int = 0
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class PagedDest:
+    """A paged cache ``k_cache [num_blocks, block_size, H_k, d_k]`` (and ``v_cache``), vLLM-style.
+
+    Token ``t`` of the chunk goes to ``slot_mapping[t] = block * block_size + offset`` (int64,
+    ``[T]``, see :func:`slot_mapping_from_block_table`). Negative slots are padding and are skipped
+    (vLLM's convention). A slot past the cache is an error, raised on CPU tensors; on CUDA the
+    kernel checks nothing on the host (no device sync) but never writes outside the cache.
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+Dest = Union[ContiguousDest, PagedDest]
+
+
+def slot_mapping_from_block_table(
+    block_table: torch.Tensor, start: int, n_tokens: int, block_size: int
+) -> torch.Tensor:
+    """``[n_tokens]`` int64 slots for sequence positions ``[start, start + n_tokens)``.
+
+    ``block_table [n_blocks_of_seq]`` maps the sequence's logical block ``i`` to a physical cache
+    block; position ``p`` lands at ``block_table[p // block_size] * block_size + p % block_size``.
+    """
+    if block_size <= 0:
+        raise KernelArgumentError(f"block_size must be positive, not {block_size}")
+    if start < 0:
+        raise PositionError(f"negative start position {start}")
+    pos = torch.arange(start, start + n_tokens, dtype=torch.int64, device=block_table.device)
+    logical = pos // block_size
+    if n_tokens and int(logical[-1]) >= block_table.numel():
+        raise PositionError(
+            f"positions up to {start + n_tokens - 1} need {int(logical[-1]) + 1} blocks; "
+            f"the block table has {block_table.numel()}"
+        )
+    return block_table.to(torch.int64)[logical] * block_size + pos % block_size
+
+
+class TensorJob:
+    """One cache tensor's share of a fused apply, fully checked: what every backend consumes.
+
+    ``content [H, T, d]``; ``u [T, m]`` / ``w [m, H*d]`` or ``None`` (m = 0); rotation of channels
+    ``[rope_start, rope_start + 2*half)`` when ``half > 0`` with ``cos``/``sin [T, half]`` fp32.
+    Destination: ``buf`` is either a contiguous cache ``[B, H, T_total, d]`` written at
+    ``[batch, :, start:start+T]`` (``slots is None``), or a paged cache ``[NB, BS, H, d]`` written
+    at ``slots [T]``.
+    """
+
+    __slots__ = ("content", "u", "w", "rope_start", "half", "interleaved", "cos", "sin", "buf", "batch", "start", "slots")
+
+    def __init__(self, content, u, w, rope_start, half, interleaved, cos, sin, buf, batch, start, slots):
+        self.content: torch.Tensor = content
+        self.u: Optional[torch.Tensor] = u
+        self.w: Optional[torch.Tensor] = w
+        self.rope_start: int = rope_start
+        self.half: int = half
+        self.interleaved: bool = interleaved
+        self.cos: Optional[torch.Tensor] = cos
+        self.sin: Optional[torch.Tensor] = sin
+        self.buf: torch.Tensor = buf
+        self.batch: int = batch
+        self.start: int = start
+        self.slots: Optional[torch.Tensor] = slots
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.u is None else int(self.u.shape[1])
+
+    def out_view(self) -> torch.Tensor:
+        """The ``[H, T, d]`` destination view (contiguous destinations only)."""
+        assert self.slots is None
+        return self.buf[self.batch, :, self.start : self.start + self.content.shape[1]]
+
+
+def _check_dtype(t: torch.Tensor, what: str) -> None:
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise StorageDtypeError(f"{what} has dtype {t.dtype}; the kernels support fp32, bf16 and fp16")
+
+
+def _check_factors(name: str, factors: Factors, H: int, T: int, d: int, device: torch.device) -> tuple:
+    if factors is None:
+        return None, None
+    if not isinstance(factors, (tuple, list)) or len(factors) != 2:
+        raise PatchError(f"{name}_factors must be a pair (u [T, m], w [m, H*d]), not {type(factors).__name__}")
+    u, w = factors
+    if not isinstance(u, torch.Tensor) or not isinstance(w, torch.Tensor):
+        raise PatchError(f"{name}_factors must hold two tensors")
+    if u.dim() != 2 or w.dim() != 2 or u.shape[0] != T or w.shape[1] != H * d or u.shape[1] != w.shape[0]:
+        raise PatchError(
+            f"{name} patch factors u {tuple(u.shape)} / w {tuple(w.shape)} do not fit a [{H}, {T}, {d}] "
+            f"tensor (need u [{T}, m], w [m, {H * d}])"
+        )
+    if u.shape[1] > MAX_RANK:
+        raise PatchError(f"{name} patch rank {u.shape[1]} exceeds the supported maximum {MAX_RANK}")
+    if u.dtype not in SUPPORTED_DTYPES or w.dtype not in SUPPORTED_DTYPES:
+        raise StorageDtypeError(f"{name} patch factors have dtypes {u.dtype}/{w.dtype}; fp32, bf16 or fp16 only")
+    if u.device != device or w.device != device:
+        raise KernelArgumentError(f"{name} patch factors are not on the content's device {device}")
+    if u.shape[1] == 0:
+        return None, None
+    return u, w
+
+
+def _check_dest(buf: torch.Tensor, name: str, device: torch.device) -> None:
+    if buf.dtype not in SUPPORTED_DTYPES:
+        raise StorageDtypeError(f"destination {name} has dtype {buf.dtype}; fp32, bf16 or fp16 only")
+    if buf.device != device:
+        raise KernelArgumentError(f"destination {name} is on {buf.device}, the content on {device}")
+    if buf.stride(-1) != 1:
+        raise KernelArgumentError(f"destination {name} must have unit stride over channels")
+
+
+def build_jobs(
+    k_content: torch.Tensor,
+    v_content: torch.Tensor,
+    rope: Optional[RopeSpec],
+    cos: Optional[torch.Tensor],
+    sin: Optional[torch.Tensor],
+    k_factors: Factors,
+    v_factors: Factors,
+    dest: Dest,
+) -> tuple[TensorJob, TensorJob]:
+    """Check one layer's arguments and split them into the K and V jobs (see :class:`TensorJob`).
+
+    Raises :class:`KernelArgumentError` (inconsistent shapes/devices/strides),
+    :class:`StorageDtypeError`, :class:`PatchError`, :class:`EmptyChunkError` or
+    :class:`PositionError` (placement outside the destination).
+    """
+    if k_content.dim() != 3 or v_content.dim() != 3:
+        raise KernelArgumentError(
+            f"contents must be [H, T, d], got k {tuple(k_content.shape)} and v {tuple(v_content.shape)}"
+        )
+    H_k, T, d_k = k_content.shape
+    H_v, T_v, d_v = v_content.shape
+    if T_v != T:
+        raise KernelArgumentError(f"k has {T} tokens but v has {T_v}")
+    if T == 0:
+        raise EmptyChunkError("a chunk must hold at least one token")
+    for name, c in (("k", k_content), ("v", v_content)):
+        if c.dtype not in SUPPORTED_DTYPES:
+            raise StorageDtypeError(f"{name}_content has dtype {c.dtype}; the kernels support fp32, bf16 and fp16")
+    device = k_content.device
+    if v_content.device != device:
+        raise KernelArgumentError("k_content and v_content are on different devices")
+
+    if rope is not None:
+        d_rot = d_k if rope.tensor == "k" else d_v
+        if rope.start + rope.dim > d_rot:
+            raise KernelArgumentError(
+                f"rotary channels [{rope.start}, {rope.start + rope.dim}) exceed {rope.tensor}'s head dim {d_rot}"
+            )
+        for name, tab in (("cos", cos), ("sin", sin)):
+            if tab is None or tab.dtype != torch.float32 or tab.shape != (T, rope.dim // 2):
+                got = None if tab is None else (tuple(tab.shape), tab.dtype)
+                raise KernelArgumentError(f"{name} must be fp32 [{T}, {rope.dim // 2}], got {got}")
+            if tab.device != device:
+                raise KernelArgumentError(f"{name} is not on the content's device {device}")
+
+    if isinstance(dest, ContiguousDest):
+        bufs, batch, start, slots = (dest.k, dest.v), int(dest.batch), int(dest.start), None
+        for name, buf, H, d in (("k", dest.k, H_k, d_k), ("v", dest.v, H_v, d_v)):
+            if buf.dim() != 4 or buf.shape[1] != H or buf.shape[3] != d:
+                raise KernelArgumentError(f"destination {name} must be [B, {H}, T_total, {d}], got {tuple(buf.shape)}")
+            if not 0 <= batch < buf.shape[0]:
+                raise PositionError(f"batch row {batch} outside destination with {buf.shape[0]} rows")
+            if start < 0 or start + T > buf.shape[2]:
+                raise PositionError(
+                    f"tokens [{start}, {start + T}) do not fit the destination's {buf.shape[2]} positions"
+                )
+            _check_dest(buf, name, device)
+    elif isinstance(dest, PagedDest):
+        bufs, batch, start, slots = (dest.k_cache, dest.v_cache), 0, 0, dest.slot_mapping
+        if slots.dim() != 1 or slots.shape[0] != T or slots.dtype != torch.int64:
+            raise KernelArgumentError(f"slot_mapping must be int64 [{T}], got {tuple(slots.shape)} {slots.dtype}")
+        if slots.device != device:
+            raise KernelArgumentError("slot_mapping is not on the content's device")
+        top = int(slots.max()) if device.type == "cpu" else None  # no device sync on accelerators
+        for name, buf, H, d in (("k", dest.k_cache, H_k, d_k), ("v", dest.v_cache, H_v, d_v)):
+            if buf.dim() != 4 or buf.shape[2] != H or buf.shape[3] != d:
+                raise KernelArgumentError(
+                    f"paged {name} cache must be [num_blocks, block_size, {H}, {d}], got {tuple(buf.shape)}"
+                )
+            _check_dest(buf, name, device)
+            if top is not None and top >= buf.shape[0] * buf.shape[1]:
+                raise PositionError(f"slot {top} is past the {name} cache's {buf.shape[0] * buf.shape[1]} slots")
+    else:
+        raise KernelArgumentError(f"dest must be a ContiguousDest or PagedDest, not {type(dest).__name__}")
+
+    k_u, k_w = _check_factors("k", k_factors, H_k, T, d_k, device)
+    v_u, v_w = _check_factors("v", v_factors, H_v, T, d_v, device)
+    on_k = rope is not None and rope.tensor == "k"
+    on_v = rope is not None and rope.tensor == "v"
+    r_start = rope.start if rope is not None else 0
+    r_half = rope.dim // 2 if rope is not None else 0
+    inter = bool(rope.interleaved) if rope is not None else False
+    kj = TensorJob(
+        k_content, k_u, k_w, r_start if on_k else 0, r_half if on_k else 0, inter and on_k,
+        cos if on_k else None, sin if on_k else None, bufs[0], batch, start, slots,
+    )
+    vj = TensorJob(
+        v_content, v_u, v_w, r_start if on_v else 0, r_half if on_v else 0, inter and on_v,
+        cos if on_v else None, sin if on_v else None, bufs[1], batch, start, slots,
+    )
+    return kj, vj

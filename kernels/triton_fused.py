@@ -1,0 +1,245 @@
+"""Triton backend: the fused relocate + patch kernel for CUDA (and CPU under ``TRITON_INTERPRET=1``).
+
+One program handles ``BLOCK_T`` tokens of one head of one cache tensor:
+
+- pass-through channels (outside the rotary slice) in chunks of ``BLOCK_N``:
+  ``x = content + u @ w`` (``tl.dot``, fp32 accumulation, the content as the accumulator's start);
+- rotation pairs in chunks of ``BLOCK_P``: the two channels of each pair are gathered as two tiles
+  (half-split: ``i`` and ``i + dim/2``; interleaved: ``2i`` and ``2i+1``), each gets its
+  ``content + u @ w``, then ``(x1*cos - x2*sin, x2*cos + x1*sin)`` with per-token cos/sin;
+- one rounding to the destination dtype (bf16 by explicit round-to-nearest-even bit arithmetic,
+  so the interpreter, whose bf16 cast truncates, rounds exactly like the GPU), then a store into a
+  contiguous ``[B, H, T_total, d]`` cache or a paged ``[NB, BS, H, d]`` cache by slot (negative or
+  out-of-range slots are skipped).
+
+Under the interpreter ``tl.dot`` on bf16 operands is wrong (it multiplies the raw bit patterns),
+so operands are widened to fp32 there (``WIDEN_DOT``); on GPUs bf16/fp16 operands go to the tensor
+cores as they are (their products are exact in fp32 and accumulation is fp32 either way), fp32
+operands use ``input_precision="ieee"`` (never TF32).
+
+Importable without triton: :data:`HAVE_TRITON` is then ``False`` and :func:`run_jobs` raises.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .spec import TensorJob
+
+try:  # triton is optional: an extra, never required to install or to test
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - exercised only where triton is missing or broken
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAVE_TRITON = False
+
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def available_for(device: torch.device) -> bool:
+    """Whether this backend can run on tensors of ``device``."""
+    if not HAVE_TRITON:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and interpreting()
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _round_out(x, OUT_KIND: tl.constexpr):
+        if OUT_KIND == 1:
+            bits = x.to(tl.uint32, bitcast=True)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            nan = (bits & 0x7FFFFFFF) > 0x7F800000
+            rounded = tl.where(nan, (bits >> 16) | 0x40, rounded)
+            return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        elif OUT_KIND == 2:
+            return x.to(tl.float16)
+        else:
+            return x
+
+    @triton.jit
+    def _content_plus_delta(
+        c_ptr, c_rows, t_mask, cols, col_mask,
+        u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
+        HAS_PATCH: tl.constexpr, WIDEN_DOT: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+        M_LOOP: tl.constexpr,
+    ):
+        """fp32 ``content[rows, cols] + u[rows, :] @ w[:, w_col0 + cols]`` for a [BLOCK_T, N] tile."""
+        mask = t_mask[:, None] & col_mask[None, :]
+        x = tl.load(c_ptr + c_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_PATCH:
+            for j0 in range(0, M_LOOP, BLOCK_M):
+                j = j0 + tl.arange(0, BLOCK_M)
+                j_mask = j < m
+                uu = tl.load(u_ptr + u_rows[:, None] + j[None, :], mask=t_mask[:, None] & j_mask[None, :], other=0.0)
+                ww = tl.load(
+                    w_ptr + j[:, None].to(tl.int64) * w_sr + (w_col0 + cols)[None, :],
+                    mask=j_mask[:, None] & col_mask[None, :],
+                    other=0.0,
+                )
+                if WIDEN_DOT:
+                    uu = uu.to(tl.float32)
+                    ww = ww.to(tl.float32)
+                if FP32_DOT:
+                    x = tl.dot(uu, ww, x, input_precision="ieee")
+                else:
+                    x = tl.dot(uu, ww, x)
+        return x
+
+    @triton.jit
+    def _fused_kernel(
+        c_ptr, c_sh, c_st,
+        u_ptr, u_st, w_ptr, w_sr, m,
+        cos_ptr, sin_ptr, cs_st, rope_start, half,
+        o_ptr, o_sh, o_st,
+        slot_ptr, block_size, o_sblk, o_soff, num_slots,
+        T, D, n_pass,
+        PAGED: tl.constexpr, HAS_PATCH: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
+        WIDEN_DOT: tl.constexpr, FP32_DOT: tl.constexpr, OUT_KIND: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
+        N_LOOP: tl.constexpr, P_LOOP: tl.constexpr, M_LOOP: tl.constexpr,
+    ):
+        pid_t = tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)
+        tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = tok < T
+        tok64 = tok.to(tl.int64)
+        if PAGED:
+            slot = tl.load(slot_ptr + tok64, mask=t_mask, other=-1)
+            t_ok = t_mask & (slot >= 0) & (slot < num_slots)
+            slot = tl.where(t_ok, slot, 0)
+            o_rows = (slot // block_size) * o_sblk + (slot % block_size) * o_soff + h * o_sh
+        else:
+            t_ok = t_mask
+            o_rows = tok64 * o_st + h * o_sh
+        c_rows = h * c_sh + tok64 * c_st
+        u_rows = tok64 * u_st
+        w_col0 = h * D
+
+        # channels outside the rotary slice: content + delta only
+        for n0 in range(0, N_LOOP, BLOCK_N):
+            q = n0 + tl.arange(0, BLOCK_N)
+            q_mask = q < n_pass
+            if ROPE:
+                cols = tl.where(q < rope_start, q, q + 2 * half)
+            else:
+                cols = q
+            x = _content_plus_delta(
+                c_ptr, c_rows, t_mask, cols, q_mask, u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
+                HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP,
+            )
+            tl.store(o_ptr + o_rows[:, None] + cols[None, :], _round_out(x, OUT_KIND), mask=t_ok[:, None] & q_mask[None, :])
+
+        if ROPE:
+            for p0 in range(0, P_LOOP, BLOCK_P):
+                pp = p0 + tl.arange(0, BLOCK_P)
+                p_mask = pp < half
+                if INTERLEAVED:
+                    col1 = rope_start + 2 * pp
+                    col2 = col1 + 1
+                else:
+                    col1 = rope_start + pp
+                    col2 = col1 + half
+                x1 = _content_plus_delta(
+                    c_ptr, c_rows, t_mask, col1, p_mask, u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
+                    HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP,
+                )
+                x2 = _content_plus_delta(
+                    c_ptr, c_rows, t_mask, col2, p_mask, u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
+                    HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP,
+                )
+                cs_off = tok64[:, None] * cs_st + pp[None, :]
+                cs_mask = t_mask[:, None] & p_mask[None, :]
+                cs = tl.load(cos_ptr + cs_off, mask=cs_mask, other=0.0)
+                sn = tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0)
+                o_mask = t_ok[:, None] & p_mask[None, :]
+                tl.store(o_ptr + o_rows[:, None] + col1[None, :], _round_out(x1 * cs - x2 * sn, OUT_KIND), mask=o_mask)
+                tl.store(o_ptr + o_rows[:, None] + col2[None, :], _round_out(x2 * cs + x1 * sn, OUT_KIND), mask=o_mask)
+
+
+def _pow2_at_least(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))  # type: ignore[union-attr]
+
+
+def _ceil_to(n: int, block: int) -> int:
+    # loop bounds are constexpr (a multiple of the block; masks use the runtime size): the
+    # interpreter cannot iterate over a runtime scalar with numpy >= 2, and on GPUs this only
+    # specializes the kernel per size bucket
+    return -(-n // block) * block
+
+
+def _launch(job: TensorJob) -> None:
+    c = job.content
+    H, T, D = c.shape
+    if c.stride(2) != 1:
+        c = c.contiguous()
+    m = job.rank
+    u, w = job.u, job.w
+    if u is not None and w is not None:
+        u = u if u.stride(1) == 1 else u.contiguous()
+        w = w if w.stride(1) == 1 else w.contiguous()
+    half = job.half
+    cos, sin = job.cos, job.sin
+    if half and cos is not None and sin is not None:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    n_pass = D - 2 * half
+    interp = interpreting()
+    buf = job.buf
+    if job.slots is None:
+        out = job.out_view()  # [H, T, d] view; the kernel indexes it from its own base pointer
+        o_ptr, o_sh, o_st = out, out.stride(0), out.stride(1)
+        slot_args: tuple[Any, ...] = (c, 1, 0, 0, 0)  # unused (PAGED=False); any pointer will do
+    else:
+        slots = job.slots.contiguous()
+        o_ptr, o_sh, o_st = buf, buf.stride(2), 0
+        slot_args = (slots, buf.shape[1], buf.stride(0), buf.stride(1), buf.shape[0] * buf.shape[1])
+    widen = interp or (u is not None and w is not None and u.dtype != w.dtype)
+    fp32_dot = widen or (u is not None and u.dtype == torch.float32)
+    block_t = 16 if interp else (32 if D > 256 else 64)
+    block_n, block_p, block_m = _pow2_at_least(n_pass, 16, 128), _pow2_at_least(half, 16, 64), _pow2_at_least(m, 16, 64)
+    grid = (triton.cdiv(T, block_t), H)  # type: ignore[union-attr]
+    _fused_kernel[grid](
+        c, c.stride(0), c.stride(1),
+        u if u is not None else c, u.stride(0) if u is not None else 0,
+        w if w is not None else c, w.stride(0) if w is not None else 0, m,
+        cos if half else c, sin if half else c, cos.stride(0) if half else 0, job.rope_start, half,
+        o_ptr, o_sh, o_st,
+        *slot_args,
+        T, D, n_pass,
+        PAGED=job.slots is not None,
+        HAS_PATCH=m > 0,
+        ROPE=half > 0,
+        INTERLEAVED=bool(job.interleaved),
+        WIDEN_DOT=widen,
+        FP32_DOT=fp32_dot,
+        OUT_KIND=_OUT_KIND[buf.dtype],
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        BLOCK_P=block_p,
+        BLOCK_M=block_m,
+        N_LOOP=_ceil_to(n_pass, block_n),
+        P_LOOP=_ceil_to(half, block_p),
+        M_LOOP=_ceil_to(m, block_m),
+    )
+
+
+def run_jobs(jobs: list[TensorJob]) -> None:
+    """Run checked tensor jobs with the Triton kernel (one launch per job)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed (pip install contextdeque[triton])")
+    for job in jobs:
+        _launch(job)
