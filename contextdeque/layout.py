@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -102,10 +103,10 @@ class KVLayout:
     def torch_compute_dtype(self) -> torch.dtype:
         return getattr(torch, self.compute_dtype)
 
-    @property
+    @cached_property
     def signature(self) -> str:
         """Stable hash of everything that decides the KV bytes' meaning."""
-        blob = json.dumps(asdict(self), sort_keys=True, default=str).encode()
+        blob = json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def describe(self) -> str:
