@@ -7,16 +7,23 @@ or paged destination cache. Backends: Triton (CUDA), a compiled native kernel (C
 torch, and the reference oracle. Imports nothing from contextdeque but ``contextdeque.errors``.
 """
 
-from .dispatch import BACKENDS, fused_apply, fused_apply_layers, select_backend
-from .reference import reference_apply
-from .spec import (
-    MAX_RANK,
-    SUPPORTED_DTYPES,
-    ContiguousDest,
-    PagedDest,
-    RopeSpec,
-    slot_mapping_from_block_table,
-)
+if not __name__.startswith("contextdeque."):
+    # Reached as a top-level ``kernels`` because the repository root is on sys.path (e.g.
+    # ``python -m ...`` from the checkout). Present as a bare namespace shadow, so transformers'
+    # probe for Hugging Face's ``kernels`` package reports it absent instead of importing us.
+    __file__ = None  # noqa: F811
+else:
+    from .dispatch import BACKENDS, fused_apply, fused_apply_layers, select_backend
+    from .reference import reference_apply
+    from .spec import (
+        MAX_RANK,
+        SUPPORTED_DTYPES,
+        ContiguousDest,
+        PagedDest,
+        RopeSpec,
+        slot_mapping_from_block_table,
+    )
+
 
 __all__ = [
     "BACKENDS",
