@@ -3,8 +3,8 @@
 ``relocate(chunk, start)`` returns per layer ``(k, v)`` exactly as the model would cache the
 chunk's tokens at ``start + rel_positions``: fp32 rotation from the content frame with the
 model's raw ``inv_freq`` (never chained rotations, never the model's cos/sin). The heavy lifting
-is one fused call per layer into ``contextdeque.kernels`` (a compiled kernel or torch on CPU,
-Triton on CUDA).
+is one fused call over all layers into ``contextdeque.kernels`` (a compiled kernel or torch on
+CPU, Triton on CUDA).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from .chunk import Chunk
 from .errors import FingerprintMismatchError, PositionError
 from .layout import KVLayout
-from .kernels import MAX_RANK, RopeSpec, fused_apply
+from .kernels import MAX_RANK, RopeSpec, fused_apply, fused_apply_layers
 from .rotation import TableCache, check_positions
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -109,25 +109,29 @@ def relocate(
     dtype = out_dtype or layout.torch_compute_dtype
     tables = TableCache(layout, pos, device=chunk.keys.device)
     spec = rope_spec(layout)
-    out: list[LayerKV] = []
-    for layer in range(chunk.num_layers):
+    L = chunk.num_layers
+    tables = [tables.for_layer(layer) for layer in range(L)]
+    cos = [c for c, _ in tables]
+    sin = [t for _, t in tables]
+    if not patches:  # pure relocation: the stacked content in one kernel call
+        return list(fused_apply_layers(chunk.keys, chunk.values, spec, cos, sin, out_dtype=dtype))
+    ks, vs, kfs, vfs = [], [], [], []
+    for layer in range(L):
         k, v = chunk.layer(layer)
         fk, fv = [], []
         for p in patches:
             pk, pv = p.factors(layer)
             fk += [pk] if pk is not None else []
             fv += [pv] if pv is not None else []
-        k_f = _stack_factors(fk)
-        v_f = _stack_factors(fv)
+        k_f, v_f = _stack_factors(fk), _stack_factors(fv)
         # the fused kernel takes ranks up to MAX_RANK; a larger (e.g. full-rank) sum is folded
         # into the content first, in fp32
         if k_f is not None and k_f[0].shape[1] > MAX_RANK:
             k, k_f = _fold(k, k_f), None
         if v_f is not None and v_f[0].shape[1] > MAX_RANK:
             v, v_f = _fold(v, v_f), None
-        cos, sin = tables.for_layer(layer)
-        out.append(fused_apply(k, v, spec, cos, sin, k_f, v_f, out_dtype=dtype))
-    return out
+        ks.append(k), vs.append(v), kfs.append(k_f), vfs.append(v_f)
+    return list(fused_apply_layers(ks, vs, spec, cos, sin, kfs, vfs, out_dtype=dtype))
 
 
 def _fold(content: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
