@@ -9,25 +9,24 @@ shape. This kernel reads the content once, forms the rank-m product per tile of 
 registers (fp32 FMA, or ``vdpbf16ps`` for bf16 factors: exact bf16 products, fp32 sums, twice
 the rate), rotates in L1, rounds once and writes the destination once (~600 lines of C).
 
-Where the time goes (2 cores, AMD EPYC with AVX-512 + AVX512-BF16, SmolLM2-135M shape: 30
-layers, 3 KV heads, d=64, half-split rotation of all 64 dims, T=1024, cold caches):
+Where the time goes (2 cores of a shared AMD EPYC VM with AVX-512 + AVX512-BF16; SmolLM2-135M
+shape: 30 layers, 3 KV heads, d=64, half-split rotation of all 64 dims; T=1024; every timed call
+starts from a cold cache; ``bench_util``):
 
-- rank 0 is a memory pass: V rows are plain copies; K rows are load, rotate, round, store at
-  ~2.5 ns per 64-channel row per core, which alone would take ~0.25 ms of 2 cores, so the pass
-  stays memory-bound only because (i) each token's cos/sin row is read once for all heads
-  (token-major order), (ii) a call whose footprint exceeds the last-level cache writes with
-  streaming stores (no read-for-ownership of the destination: a third less traffic than a
-  ``copy_``), (iii) all layers go in one call (``fused_apply_layers``): one thread-team fork,
-  ~70 us of Python for 30 layers instead of ~12 us per layer and call.
-- rank 32 is compute-bound: 2*T*m*H*d flops per tensor, 0.75 GFLOP per chunk; the register
-  blocking (6 tokens x 64 channels of accumulators) runs near the FMA peak, so the product costs
-  what MKL's ``addmm`` costs (the GEMM floor) and the memory pass overlaps with it.
-- measured (min of interleaved cold rounds, ms; floor = max(flat memcpy, addmm GEMMs)):
-  see the report in ``bench_util`` runs; at T=1024 apply/floor was 0.77-0.89 (rank 32) and
-  1.05 (bf16) / 1.15-1.46 (fp32) at rank 0, on a shared VM whose memory bandwidth varied 2x
-  between runs.
-- not done: per-layer Python checks are the floor for tiny chunks (T <= 64); a stacked layout
-  (``[L, H, T, d]`` contents, ``[L, T, m]`` factors) keeps them at ~70 us per call.
+- rank 0 is a memory pass. V rows are plain copies; K rows are load, rotate, round, store
+  (~3-5 ns per 64-channel row per core when cached). The kernel alone runs at the speed of a
+  flat ``copy_`` of the same bytes (bf16: 1.28 ms vs 1.21 ms) because (i) each token's cos/sin
+  row is read once for all heads (token-major order), (ii) a call whose footprint exceeds the
+  last-level cache writes with streaming stores (no read-for-ownership of the destination),
+  (iii) all layers go in one call (``fused_apply_layers``: one thread-team fork). What remains
+  is Python: checking and addressing 30 layers takes ~70 us with warm caches, ~250-350 us cold.
+  Measured apply/memcpy: fp32 1.11-1.16, bf16 1.44-1.50 (1.05 when caches are warm).
+- rank 32 is compute-bound: 2*T*m*H*d flops per tensor (0.75 GFLOP per chunk). The product runs
+  close to FMA throughput (6 tokens x 64 channels of accumulators in registers; bf16 factors use
+  ``vdpbf16ps``, twice the rate) and the memory pass overlaps it: apply/GEMM floor 0.60-0.83
+  (fp32) and 0.74-0.81 (bf16), i.e. faster than ``addmm`` alone.
+- the pure-torch backend is 2-3x the floor (fp32) and 3-15x (bf16); ``fused_apply`` called per
+  layer (30 calls) costs 1.1-1.7x ``fused_apply_layers`` at rank 0 (per-call checks and forks).
 
 Build. The source is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``)
 with ``-O3 -march=native -fopenmp`` (AVX-512, AVX2+F16C and plain C code paths; the tests build

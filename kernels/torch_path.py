@@ -3,8 +3,9 @@
 Few full-size ops per tensor, fp32 intermediates, one rounding on the write:
 ``ws = u @ w`` (skinny GEMM into fp32), ``x = content + ws`` (one pass, fp32), then the rotation
 written straight into the destination with ``addcmul(..., out=dest_slice)`` so the
-fp32 -> storage rounding happens once. Correct on any device torch supports; about 3-5x slower
-than the native kernel on CPU (one memory pass per op instead of one in all).
+fp32 -> storage rounding happens once. Correct on any device torch supports; on CPU 2-3x slower
+than the native kernel in fp32 and up to ~10x in bf16 (a memory pass and a dtype conversion per
+op instead of one pass in all).
 """
 
 from __future__ import annotations
