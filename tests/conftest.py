@@ -30,3 +30,13 @@ def tiny_backend_factory():
         return cache[key]
 
     return factory
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny-model work is dominated by per-op overhead: one thread avoids oversubscribing a shared
+    2-core runner (several times faster there); restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

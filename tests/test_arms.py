@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers import seeded_ids
 
 from contextdeque.arms import (
     ARMS,
@@ -32,18 +33,8 @@ from contextdeque.patch import form_patch
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny-model work is dominated by per-op overhead: one thread avoids oversubscribing a
-    shared 2-core runner (several times faster there); restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
-
-
-def _ids(n: int, seed: int, vocab: int = 250) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, vocab, (n,), generator=g)
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +48,15 @@ def chunks(be):
     g = torch.Generator().manual_seed(7)
     image = torch.randn(12, 128, generator=g) * 0.05  # an embedding span (image-like chunk)
     return [
-        be.encode(token_ids=_ids(20, 1)),
+        be.encode(token_ids=seeded_ids(20, 1)),
         be.encode(embeds=image),
-        be.encode(token_ids=_ids(25, 3)),
+        be.encode(token_ids=seeded_ids(25, 3)),
     ]
 
 
 @pytest.fixture(scope="module")
 def text_chunks(be):
-    return [be.encode(token_ids=_ids(18, 4)), be.encode(token_ids=_ids(22, 5)), be.encode(token_ids=_ids(15, 6))]
+    return [be.encode(token_ids=seeded_ids(18, 4)), be.encode(token_ids=seeded_ids(22, 5)), be.encode(token_ids=seeded_ids(15, 6))]
 
 
 def _err(a, b) -> float:
@@ -178,7 +169,7 @@ def test_allocate_schedule_is_greedy_monotone_and_in_budget():
 def test_profile_schedule_on_a_tiny_model(be, text_chunks):
     req = ReuseRequest(be, text_chunks)
     ref = ReprefillArm().run(req)
-    q = _ids(5, 11).tolist()
+    q = seeded_ids(5, 11).tolist()
     lg = be.forward(input_ids=q, positions=be.text_positions(req.next_position, 5), past=ref.kv).logits[-1]
     sched = profile_schedule([ProfileSample(req, q, lg)], target_ratio=0.2, rates=(0.1, 0.3))
     check_schedule(sched, 3)
@@ -240,17 +231,17 @@ def test_requests_refuse_bad_input(be, tiny_backend_factory):
         ReuseRequest(be, [])
     other = tiny_backend_factory("llama", seed=3, num_hidden_layers=3)
     with pytest.raises(FingerprintMismatchError):
-        ReuseRequest(be, [other.encode(token_ids=_ids(8, 1))])
+        ReuseRequest(be, [other.encode(token_ids=seeded_ids(8, 1))])
     with pytest.raises(ReuseArmError):
         CacheBlendArm(1.5)
     with pytest.raises(ReuseArmError):
-        EpicArm([1, 2]).run(ReuseRequest(be, [be.encode(token_ids=_ids(8, 2))]))
+        EpicArm([1, 2]).run(ReuseRequest(be, [be.encode(token_ids=seeded_ids(8, 2))]))
 
 
 def test_sliding_window_model_recomputes_exactly(tiny_backend_factory):
     """Gemma3 has sliding-window layers: the recompute mask must keep their window."""
     gb = tiny_backend_factory("gemma3_text", seed=0, sliding_window=8)
-    cs = [gb.encode(token_ids=_ids(14, 1)), gb.encode(token_ids=_ids(12, 2))]
+    cs = [gb.encode(token_ids=seeded_ids(14, 1)), gb.encode(token_ids=seeded_ids(12, 2))]
     req = ReuseRequest(gb, cs)
     ref = ReprefillArm().run(req)
     assert _err(CacheBlendArm(1.0).run(req).kv, ref.kv) < 1e-4

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import seeded_ids
 
 from contextdeque import relocate
 from contextdeque.arms import ReprefillArm, ReuseRequest, combine_patches, patch_from_conditioned, truncate_patch
@@ -15,18 +16,8 @@ from contextdeque.patch import PATCH_KINDS, Patch, SharedBasis, form_patch
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny-model work is dominated by per-op overhead: one thread avoids oversubscribing a
-    shared 2-core runner (several times faster there); restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
-
-
-def _ids(n: int, seed: int, vocab: int = 250) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, vocab, (n,), generator=g)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +27,7 @@ def tiny(tiny_backend_factory):
 
 @pytest.fixture(scope="module")
 def tiny_chunks(tiny):
-    return [tiny.encode(token_ids=_ids(n, s)) for n, s in ((20, 1), (16, 2), (24, 3))]
+    return [tiny.encode(token_ids=seeded_ids(n, s)) for n, s in ((20, 1), (16, 2), (24, 3))]
 
 
 def _chained_full(backend, chunks):
@@ -218,7 +209,7 @@ def test_bad_inputs_raise_typed_errors(tiny, tiny_chunks, tiny_backend_factory):
     with pytest.raises(PatchError):
         form_patch(tiny, b, [a], kind="no-such-kind")
     other = tiny_backend_factory("llama", seed=1)
-    foreign = other.encode(token_ids=_ids(12, 9))
+    foreign = other.encode(token_ids=seeded_ids(12, 9))
     with pytest.raises(FingerprintMismatchError):
         form_patch(tiny, foreign, [a])  # chunk of another model
     with pytest.raises(FingerprintMismatchError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import networkx as nx
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import micro_llama
 
 from contextdeque import compat
 from contextdeque.backends.hf import HFBackend
@@ -28,7 +28,6 @@ from contextdeque.window import (
     Receipt,
     WindowStore,
 )
-from contextdeque.window.identity import chunk_id_for
 
 A = [5, 6, 7, 8]
 B = [9, 10, 11]
@@ -38,34 +37,17 @@ E = [30, 31, 32, 33, 34, 35, 36]
 QUERY = [40, 41, 42]
 
 
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,  # far from uniform attention: conditioning is clearly non-zero
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(cfg)
-    return model.eval()
+
 
 
 @pytest.fixture(scope="module")
 def backend() -> HFBackend:
-    return HFBackend(tiny_llama(0), None, root_ids=[1, 3], name="tiny-window-llama")
+    return HFBackend(micro_llama(0), None, root_ids=[1, 3], name="tiny-window-llama")
 
 
 @pytest.fixture(scope="module")
 def other_backend() -> HFBackend:
-    return HFBackend(tiny_llama(1), None, root_ids=[1, 3], name="tiny-window-llama-2")
+    return HFBackend(micro_llama(1), None, root_ids=[1, 3], name="tiny-window-llama-2")
 
 
 def window_ids(win: ContextWindow) -> list[int]:
@@ -105,10 +87,10 @@ def assert_same_snapshot(a, b) -> None:
 
 
 def test_chunk_id_for_matches_encode(backend):
-    assert chunk_id_for(backend, token_ids=A) == backend.encode(token_ids=A).id
+    assert backend.chunk_id_for(token_ids=A) == backend.encode(token_ids=A).id
     emb = backend.embed_tokens(torch.tensor(B))
-    assert chunk_id_for(backend, embeds=emb) == backend.encode(embeds=emb).id
-    assert chunk_id_for(backend, token_ids=A, storage="bfloat16") == backend.encode(token_ids=A, storage="bfloat16").id
+    assert backend.chunk_id_for(embeds=emb) == backend.encode(embeds=emb).id
+    assert backend.chunk_id_for(token_ids=A, storage="bfloat16") == backend.encode(token_ids=A, storage="bfloat16").id
 
 
 # ----------------------------------------------------------------------------- exactness

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import hypothesis.strategies as st
 import pytest
 import torch
+from helpers import micro_llama
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -34,7 +35,6 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from contextdeque import compat
 from contextdeque.backends.hf import HFBackend
@@ -47,20 +47,7 @@ TINY_EXAMPLES = int(os.environ.get("CDQ_SM_EXAMPLES", "1000"))
 
 
 def tiny_backend() -> HFBackend:
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(7)
-        model = LlamaForCausalLM(cfg).eval()
-    return HFBackend(model, None, root_ids=[1, 3], name="tiny-sm-llama")
+    return HFBackend(micro_llama(7), None, root_ids=[1, 3], name="tiny-sm-llama")
 
 
 def tiny_pool() -> list[list[int]]:

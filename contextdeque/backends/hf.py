@@ -36,6 +36,19 @@ class ForwardResult:
     logits: torch.Tensor | None
 
 
+@dataclass
+class EncodeInputs:
+    """Normalized inputs of one encode: ``token_ids [T]`` (or None for embeddings),
+    ``rel_positions [n_axes, T]``, span, storage dtype, input digest and the chunk id."""
+
+    token_ids: torch.Tensor | None
+    rel_positions: torch.Tensor
+    span: int
+    dtype: torch.dtype
+    input_digest: str
+    chunk_id: str
+
+
 def model_fingerprint(model: torch.nn.Module) -> str:
     """Hash of the config and a sample of every weight: two models share it only if they would
     produce the same KV."""
@@ -233,8 +246,52 @@ class HFBackend:
         input embeddings). ``rel_positions [n_axes, T]`` and ``span`` describe a multimodal chunk's
         own position grid (from the model's rope-index logic); text defaults to ``arange(T)``.
         """
-        given = [x is not None for x in (text, token_ids, embeds)]
-        if sum(given) != 1:
+        inp = self._encode_inputs(text, token_ids, embeds, rel_positions, span, storage)
+        ids_t, rel, span, dt = inp.token_ids, inp.rel_positions, inp.span, inp.dtype
+        start = self.root_len
+        pos = rel + start
+        res = self.forward(
+            input_ids=ids_t, inputs_embeds=embeds if ids_t is None else None, positions=pos, past=self.root_kv(),
+            logits="none",
+        )
+        keys, values = to_content_frame(res.kv, self.layout, pos)
+        check_representable(keys, dt, "keys")
+        check_representable(values, dt, "values")
+        input_digest = inp.input_digest
+        return Chunk(
+            id=inp.chunk_id,
+            fingerprint=self.fingerprint,
+            layout_signature=self.layout.signature,
+            root_digest=self.root_digest,
+            keys=keys.to(dt).contiguous(),
+            values=values.to(dt).contiguous(),
+            rel_positions=rel,
+            span=span,
+            canonical_start=start,
+            token_ids=ids_t,
+            embeds=None if embeds is None else embeds.detach().to("cpu").clone(),
+            modality=modality or ("text" if ids_t is not None else "image"),
+            meta={"input_digest": input_digest, **(meta or {})},
+        )
+
+    def chunk_id_for(
+        self,
+        text: str | None = None,
+        *,
+        token_ids: Sequence[int] | torch.Tensor | None = None,
+        embeds: torch.Tensor | None = None,
+        rel_positions: torch.Tensor | None = None,
+        span: int | None = None,
+        storage: torch.dtype | str = torch.float32,
+    ) -> str:
+        """The id :meth:`encode` would give these inputs, without running the model (a store lookup
+        before encoding means content seen once is never encoded again)."""
+        return self._encode_inputs(text, token_ids, embeds, rel_positions, span, storage).chunk_id
+
+    def _encode_inputs(self, text, token_ids, embeds, rel_positions, span, storage) -> "EncodeInputs":
+        """Normalize encode's inputs: exactly one of text/token_ids/embeds, a position grid, a span,
+        a storage dtype, and the resulting content address."""
+        if sum(x is not None for x in (text, token_ids, embeds)) != 1:
             raise EmptyChunkError("encode needs exactly one of text, token_ids, embeds")
         dt = storage_dtype(storage)
         ids_t: torch.Tensor | None = None
@@ -252,30 +309,9 @@ class HFBackend:
             if rel.dim() == 1:
                 rel = rel.unsqueeze(0).expand(self.n_pos_axes, -1).clone()
         span = int(span) if span is not None else int(rel.max()) + 1
-        start = self.root_len
-        pos = rel + start
-        res = self.forward(
-            input_ids=ids_t, inputs_embeds=embeds if ids_t is None else None, positions=pos, past=self.root_kv(),
-            logits="none",
-        )
-        keys, values = to_content_frame(res.kv, self.layout, pos)
-        check_representable(keys, dt, "keys")
-        check_representable(values, dt, "values")
         input_digest = digest(ids_t if ids_t is not None else embeds.to(torch.float32), rel, span)[:32]
-        return Chunk(
-            id=chunk_id(self.fingerprint, self.root_digest, input_digest, dt),
-            fingerprint=self.fingerprint,
-            layout_signature=self.layout.signature,
-            root_digest=self.root_digest,
-            keys=keys.to(dt).contiguous(),
-            values=values.to(dt).contiguous(),
-            rel_positions=rel,
-            span=span,
-            canonical_start=start,
-            token_ids=ids_t,
-            embeds=None if embeds is None else embeds.detach().to("cpu").clone(),
-            modality=modality or ("text" if ids_t is not None else "image"),
-            meta={"input_digest": input_digest, **(meta or {})},
+        return EncodeInputs(
+            ids_t, rel, span, dt, input_digest, chunk_id(self.fingerprint, self.root_digest, input_digest, dt)
         )
 
     def chunk_inputs(self, chunk: Chunk) -> dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@
 ``ContextWindow`` (``window.py``) is the public entry point; the rest are its single-purpose
 parts: ``ref`` (ChunkRef), ``receipt`` (Receipt, Meter), ``slot`` (placed chunks),
 ``state`` (a window's own state), ``context`` (what a window family shares), ``store``
-(the window's view of a TieredStore), ``identity`` (chunk ids without encoding), ``root``,
+(the window's view of a TieredStore), ``root``,
 ``policy`` + ``policy_*`` (patch policies, one file each), ``reconcile`` (the re-conditioning
 pass), ``graph`` (the conditioning graph and recall cascades), ``decode`` (materialize,
 transformers interop, decoding), ``disposable`` (the disposability test), ``bench``

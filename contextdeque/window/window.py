@@ -42,7 +42,6 @@ from . import decode
 from .context import WindowContext
 from .disposable import Verdict, run_test
 from .graph import Cascade, ConditioningGraph
-from .identity import chunk_id_for
 from .policy import PatchPolicy, make_policy
 from .receipt import PAGES, Meter, Receipt
 from .reconcile import reconcile
@@ -286,8 +285,8 @@ class ContextWindow:
             token_ids = ctx.backend.tokenize(text)
         n = int(torch.as_tensor(token_ids).numel()) if token_ids is not None else int(embeds.shape[0])
         self._check_fits(n)  # before encoding: a chunk that can never fit costs nothing
-        cid = chunk_id_for(
-            ctx.backend, token_ids=token_ids, embeds=embeds, rel_positions=rel_positions, span=span, storage=ctx.storage
+        cid = ctx.backend.chunk_id_for(
+            token_ids=token_ids, embeds=embeds, rel_positions=rel_positions, span=span, storage=ctx.storage
         )
         key = WindowStore.chunk_key(cid, ctx.fingerprint)
         found = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)

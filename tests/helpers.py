@@ -1,0 +1,27 @@
+"""Plain helpers shared by test modules (tests/ is on pytest's pythonpath)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def seeded_ids(n: int, seed: int, vocab: int = 250) -> torch.Tensor:
+    """``[n]`` deterministic token ids in ``[4, vocab)``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (n,), generator=g)
+
+
+def micro_llama(seed: int = 0):
+    """A 2-layer, hidden-32 random llama (far from uniform attention, so conditioning is clearly
+    non-zero): small enough for thousands of window operations in CI."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+    return model.eval()
