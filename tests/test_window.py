@@ -566,3 +566,41 @@ def test_embeddings_chunks_and_spans(backend):
     with pytest.raises(WindowError):
         grid.input_ids_for(QUERY)
     assert len(grid.generate(QUERY, max_new_tokens=3).token_ids) == 3
+
+
+# ----------------------------------------------------------------------------- multimodal
+
+
+def test_image_chunks_never_rerun_the_vision_tower(tiny_backend_factory):
+    """The store keeps a VL model's encoder output keyed by pixels + processor settings: the same
+    screenshot appended again (after a purge, or by another window sharing the store) runs
+    neither the vision tower nor the chunk encode; the relocated image chunk equals the model's
+    own placement of those embeddings."""
+    from skimage import data
+
+    from contextdeque.backends.tiny import build_tiny_vl_processor
+    from contextdeque.backends.vision import encode_image
+    from contextdeque.stores import HostTier, TieredStore
+
+    backend = tiny_backend_factory("qwen2_vl")
+    proc = build_tiny_vl_processor("qwen2_vl")
+    img = data.astronaut()
+    store = TieredStore([HostTier(None)])
+    win = ContextWindow(backend, budget_tokens=200, rank=4, store=store)
+    win.append(token_ids=[5, 6, 7, 8])
+    ref = win.append(image=img, processor=proc)
+    assert win._ctx.counters["vision_encodes"] == 1
+    assert win.placement()[-1][0] == ref
+    direct = encode_image(backend, img, proc)
+    assert ref.chunk_id == direct.id  # same canonical as encoding the image directly
+    win.evict(ref)
+    win.purge(ref)
+    encodes = win._ctx.counters["encodes"]
+    again = win.append(image=img, processor=proc)
+    assert win._ctx.counters["vision_encodes"] == 1 and win._ctx.counters["encodes"] == encodes
+    other = ContextWindow(backend, budget_tokens=200, rank=4, store=store)
+    other.append(image=img, processor=proc)
+    assert other._ctx.counters.get("vision_encodes", 0) == 0 and other._ctx.counters["encodes"] == 0
+    with pytest.raises(WindowError):
+        win.append(image=img)  # no processor
+    assert again.chunk_id == ref.chunk_id

@@ -8,13 +8,15 @@ rule differs between transformers versions.
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..chunk import Chunk, digest
-from ..errors import UnsupportedLayoutError
+from ..errors import CorruptEntryError, UnsupportedLayoutError
 from .hf import HFBackend
 
 VL_MODEL_TYPES = {"qwen2_vl", "qwen2_5_vl"}
@@ -59,22 +61,57 @@ def image_grid_positions(backend: HFBackend, grid_thw: torch.Tensor, n_tokens: i
     return pos[:, :n_tokens].clone(), int(pos[0, n_tokens])
 
 
-@torch.no_grad()
-def encode_image(
-    backend: HFBackend, image: Any, processor: Any, *, storage: torch.dtype | str = torch.float32
-) -> Chunk:
-    """Encode an image (HxWx3 uint8/float array or PIL image) as a canonical chunk.
+@dataclass
+class ImageEmbedding:
+    """A vision tower's output for one image, ready to encode as a chunk: ``embeds [T, hidden]``,
+    ``rel_positions [3, T]`` and ``span`` from the model's own rope index, and ``pixel_key`` (a
+    digest of the pixels and the processor settings) that addresses it in a store."""
 
-    Runs the vision tower once; the chunk keeps its embeddings ``[n_tokens, hidden]``, its model
-    position grid and span, and the pixels' digest (with the processor settings) in ``meta``.
-    """
+    embeds: torch.Tensor
+    rel_positions: torch.Tensor
+    span: int
+    pixel_key: str
+
+    def to_entry(self, fingerprint: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        tensors = {"embeds": self.embeds, "rel_positions": self.rel_positions}
+        meta = {"kind": "embeds", "fingerprint": fingerprint, "span": str(self.span), "pixel_key": self.pixel_key,
+                "content_digest": self.pixel_key}
+        return tensors, meta
+
+    @classmethod
+    def from_entry(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> "ImageEmbedding":
+        try:
+            return cls(tensors["embeds"], tensors["rel_positions"], int(meta["span"]), meta["pixel_key"])
+        except (KeyError, ValueError) as exc:
+            raise CorruptEntryError(f"stored image embedding is malformed: {exc}") from exc
+
+
+def pixel_key(image: Any, processor: Any) -> str:
+    """Digest of the raw pixels and the processor settings (what decides the tower's output)."""
+    arr = np.ascontiguousarray(np.asarray(image))
+    settings = processor.to_dict() if hasattr(processor, "to_dict") else repr(processor)
+    return digest(torch.from_numpy(arr.copy()), json.dumps(settings, sort_keys=True, default=str))[:32]
+
+
+@torch.no_grad()
+def image_embedding(backend: HFBackend, image: Any, processor: Any) -> ImageEmbedding:
+    """Run the processor and the vision tower once for ``image`` (HxWx3 array or PIL image)."""
     core = _vl_core(backend)
     inputs = image_inputs(backend, image, processor)
     feats = core.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
     feats = getattr(feats, "pooler_output", feats)
     emb = feats[0] if isinstance(feats, (list, tuple)) else feats
     rel, span = image_grid_positions(backend, inputs["image_grid_thw"], emb.shape[0])
-    pixel_key = digest(inputs["pixel_values"], inputs["image_grid_thw"], repr(processor.to_dict()))[:32]
+    return ImageEmbedding(emb.detach().cpu().clone(), rel, span, pixel_key(image, processor))
+
+
+def encode_image(
+    backend: HFBackend, image: Any, processor: Any, *, storage: torch.dtype | str = torch.float32
+) -> Chunk:
+    """Encode an image as a canonical chunk: the vision tower runs once; the chunk keeps its
+    embeddings ``[n_tokens, hidden]``, its model position grid and span, and the pixel key in ``meta``."""
+    img = image_embedding(backend, image, processor)
     return backend.encode(
-        embeds=emb, rel_positions=rel, span=span, storage=storage, modality="image", meta={"pixel_digest": pixel_key}
+        embeds=img.embeds, rel_positions=img.rel_positions, span=img.span, storage=storage, modality="image",
+        meta={"pixel_digest": img.pixel_key},
     )

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
 from ..chunk import Chunk
 from ..errors import CollisionError
 from ..patch import Patch
-from ..stores import HostTier, MemoryTier, StoreEntry, Tier, TieredStore, TierTraffic, chunk_key
+if TYPE_CHECKING:  # pragma: no cover
+    from ..backends.vision import ImageEmbedding
+
+from ..stores import HostTier, MemoryTier, StoreEntry, Tier, TieredStore, TierTraffic, chunk_key, embeds_key
 
 _ADAPTERS: "weakref.WeakKeyDictionary[TieredStore, WindowStore]" = weakref.WeakKeyDictionary()
 
@@ -88,6 +91,18 @@ class WindowStore:
         tensors, meta = chunk.to_entry()
         self.store.put(key, StoreEntry(tensors, meta), traffic=traffic)
         return key
+
+    # ------------------------------------------------------------------ encoder embeddings
+    def get_embeds(self, fingerprint: str, pixel_key: str, *, traffic: TierTraffic) -> "ImageEmbedding | None":
+        """A vision tower's stored output for these pixels + processor settings, or None."""
+        from ..backends.vision import ImageEmbedding
+
+        entry = self.store.get(embeds_key(fingerprint, pixel_key), expect_fingerprint=fingerprint, traffic=traffic)
+        return None if entry is None else ImageEmbedding.from_entry(dict(entry.tensors), dict(entry.meta))
+
+    def put_embeds(self, fingerprint: str, emb: "ImageEmbedding", *, traffic: TierTraffic) -> None:
+        tensors, meta = emb.to_entry(fingerprint)
+        self.store.put(embeds_key(fingerprint, emb.pixel_key), StoreEntry(tensors, meta), traffic=traffic)
 
     # ------------------------------------------------------------------ patches
     def get_patch(self, key: str, *, fingerprint: str, traffic: TierTraffic) -> Patch | None:

@@ -255,6 +255,25 @@ class ContextWindow:
         self.last_receipt = receipt
         self.receipts.append(receipt)
 
+    def _image_embedding(self, image: Any, processor: Any, meter: Meter) -> Any:
+        """The vision tower's output for ``image``: from the store (keyed by the pixels and the
+        processor settings), or computed once and stored, so the tower never re-runs on pixels it
+        has seen."""
+        from ..backends.vision import image_embedding, pixel_key
+
+        if processor is None:
+            raise WindowError("image= needs the model's image processor (processor=)")
+        ctx = self._ctx
+        key = pixel_key(image, processor)
+        found = ctx.store.get_embeds(ctx.fingerprint, key, traffic=meter.traffic)
+        if found is not None:
+            return found
+        emb = image_embedding(ctx.backend, image, processor)
+        ctx.counters["vision_encodes"] = ctx.counters.get("vision_encodes", 0) + 1
+        meter.notes.append(f"vision tower ran ({emb.embeds.shape[0]} tokens)")
+        ctx.store.put_embeds(ctx.fingerprint, emb, traffic=meter.traffic)
+        return emb
+
     def _chunk_from_inputs(
         self,
         meter: Meter,
@@ -265,9 +284,16 @@ class ContextWindow:
         rel_positions: torch.Tensor | None,
         span: int | None,
         modality: str | None,
+        image: Any = None,
+        processor: Any = None,
     ) -> Chunk:
         """The canonical for the given content: from the store, or encoded once and stored."""
         ctx = self._ctx
+        if image is not None:
+            if any(x is not None for x in (text, token_ids, embeds, chunk)):
+                raise WindowError("append needs exactly one of text=, token_ids=, embeds=, image=, chunk=")
+            img = self._image_embedding(image, processor, meter)
+            embeds, rel_positions, span, modality = img.embeds, img.rel_positions, img.span, "image"
         given = sum(x is not None for x in (text, token_ids, embeds, chunk))
         if given != 1:
             raise WindowError("append needs exactly one of text=, token_ids=, embeds=, chunk=")
@@ -363,11 +389,15 @@ class ContextWindow:
         rel_positions: torch.Tensor | None = None,
         span: int | None = None,
         modality: str | None = None,
+        image: Any = None,
+        processor: Any = None,
     ) -> ChunkRef:
         """Append a chunk at the end of the window; returns its ref (``ref.receipt`` is the receipt).
 
         Give exactly one of ``text``, ``token_ids [T]``, ``embeds [T, hidden]`` (with the span's
-        ``rel_positions [n_axes, T]`` / ``span`` for an image) or an encoded ``chunk``. Content
+        ``rel_positions [n_axes, T]`` / ``span`` for an image), ``image`` (with the VL model's
+        ``processor``: the vision tower runs only for pixels the store has not seen) or an encoded
+        ``chunk``. Content
         the store already holds is never encoded again. If the budget is full, the oldest
         chunks slide out first (see ``overflow``).
 
@@ -378,7 +408,9 @@ class ContextWindow:
         out: dict[str, ChunkRef] = {}
 
         def body(state: WindowState, meter: Meter) -> dict[str, Any]:
-            c = self._chunk_from_inputs(meter, text, token_ids, embeds, chunk, rel_positions, span, modality)
+            c = self._chunk_from_inputs(
+                meter, text, token_ids, embeds, chunk, rel_positions, span, modality, image, processor
+            )
             self._check_fits(c.n_tokens)
             ref = new_ref(c.id, c.n_tokens)
             slots = list(state.slots)
