@@ -232,3 +232,37 @@ def test_bf16_ulp_definition():
         t = torch.tensor([x], dtype=torch.bfloat16)
         nxt = (t.view(torch.int16) + 1).view(torch.bfloat16)
         assert float(nxt) - float(t) == bf16_ulp(float(t))
+
+
+# ----------------------------------------------------------------------------- the CLI gate
+
+
+def _cli_json(capsys, *argv):
+    import json
+
+    from contextdeque.cli import main
+
+    rc = main(list(argv))
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_verify_model_cli_json(capsys):
+    rc, out = _cli_json(capsys, "verify-model", "--arch", "qwen2_vl", "--random", "--json", "--tokens", "24")
+    assert rc == 0 and out["ok"] is True
+    for key in ("model", "max_rel_err", "noise_floor", "max_ulp_bf16", "layers"):
+        assert key in out
+    assert out["layers"] == 2 and {d["chunk"] for d in out["details"]} == {"text", "image-span"}
+
+
+def test_verify_model_gate_fails_on_a_wrong_relocation(capsys, monkeypatch):
+    """The gate can fail: a relocation off by one position is caught and exits non-zero."""
+    import contextdeque.verify as verify
+
+    real = verify.relocate
+
+    def off_by_one(chunk, start, **kw):
+        return real(chunk, start + 1, **kw)
+
+    monkeypatch.setattr(verify, "relocate", off_by_one)
+    rc, out = _cli_json(capsys, "verify-model", "--arch", "llama", "--random", "--json", "--tokens", "24")
+    assert rc == 1 and out["ok"] is False
