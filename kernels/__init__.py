@@ -13,8 +13,7 @@ if not __name__.startswith("contextdeque."):
     # probe for Hugging Face's ``kernels`` package reports it absent instead of importing us.
     __file__ = None  # noqa: F811
 else:
-    from .dispatch import BACKENDS, fused_apply, fused_apply_layers, select_backend
-    from .reference import reference_apply
+    from .dispatch import BACKENDS, fused_apply, fused_apply_layers, reference_apply, select_backend
     from .spec import (
         MAX_RANK,
         SUPPORTED_DTYPES,

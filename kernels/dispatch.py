@@ -122,6 +122,21 @@ def fused_apply(
     return None
 
 
+def reference_apply(
+    k_content: torch.Tensor,
+    v_content: torch.Tensor,
+    rope: Optional[RopeSpec],
+    cos: Optional[torch.Tensor],
+    sin: Optional[torch.Tensor],
+    k_factors: Factors = None,
+    v_factors: Factors = None,
+    dest: Optional[Dest] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Optional[KV]:
+    """The slow fp32 oracle for one layer: :func:`fused_apply` with ``backend="reference"``."""
+    return fused_apply(k_content, v_content, rope, cos, sin, k_factors, v_factors, dest, out_dtype=out_dtype, backend="reference")
+
+
 def _stacked_factors(f) -> bool:
     return (
         isinstance(f, tuple)

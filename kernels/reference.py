@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .spec import ContiguousDest, Dest, Factors, RopeSpec, TensorJob, build_jobs
+from .spec import TensorJob
 
 
 def content_plus_delta(content: torch.Tensor, u: Optional[torch.Tensor], w: Optional[torch.Tensor]) -> torch.Tensor:
@@ -65,36 +65,4 @@ def write_job(job: TensorJob, values: torch.Tensor) -> None:
     cache[sl // block_size, sl % block_size] = values.transpose(0, 1)[keep].to(cache.dtype)
 
 
-def reference_apply(
-    k_content: torch.Tensor,
-    v_content: torch.Tensor,
-    rope: Optional[RopeSpec],
-    cos: Optional[torch.Tensor],
-    sin: Optional[torch.Tensor],
-    k_factors: Factors = None,
-    v_factors: Factors = None,
-    dest: Optional[Dest] = None,
-    out_dtype: Optional[torch.dtype] = None,
-) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """Reference fused apply for one layer.
-
-    Args: ``k_content [H_k, T, d_k]``, ``v_content [H_v, T, d_v]`` (fp32/bf16/fp16); ``rope`` (or
-    ``None``: no rotation); ``cos``/``sin [T, rope.dim/2]`` fp32; factors ``(u [T, m], w [m, H*d])``
-    or ``None``; ``dest`` a :class:`ContiguousDest` / :class:`PagedDest`.
-
-    With ``dest`` the result is written there and ``None`` is returned; without, new tensors
-    ``(k [H_k, T, d_k], v [H_v, T, d_v])`` in ``out_dtype`` (default: each content's dtype).
-    """
-    if dest is None:
-        H_k, T, d_k = k_content.shape
-        H_v, _, d_v = v_content.shape
-        ko = torch.empty(1, H_k, T, d_k, dtype=out_dtype or k_content.dtype, device=k_content.device)
-        vo = torch.empty(1, H_v, T, d_v, dtype=out_dtype or v_content.dtype, device=v_content.device)
-        reference_apply(k_content, v_content, rope, cos, sin, k_factors, v_factors, ContiguousDest(ko, vo))
-        return ko[0], vo[0]
-    for job in build_jobs(k_content, v_content, rope, cos, sin, k_factors, v_factors, dest):
-        write_job(job, job_result(job))
-    return None
-
-
-__all__ = ["reference_apply", "content_plus_delta", "rotate", "rope_pair_index", "job_result", "write_job"]
+__all__ = ["content_plus_delta", "rotate", "rope_pair_index", "job_result", "write_job"]
