@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .backends.hf import HFBackend
 from .chunk import Chunk
+from .fidelity.metrics import ulp, ulp_error_at_scale
 from .errors import ContextDequeError
 from .layout import KVLayout
 from .operator import relocate
@@ -78,12 +78,7 @@ def _split(kv: tuple[torch.Tensor, torch.Tensor], layout: KVLayout) -> tuple[tor
 
 def bf16_ulp(scale: float) -> float:
     """Spacing of bfloat16 numbers at ``scale`` (8 significand bits): 2^(floor(log2 scale) - 7)."""
-    return 2.0 ** (math.floor(math.log2(scale)) - 7) if scale > 0 else 2.0**-133
-
-
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| in bf16 ULPs of b's scale (max |b|)."""
-    return float((a.to(torch.float64) - b.to(torch.float64)).abs().max()) / bf16_ulp(float(b.abs().max()))
+    return float(ulp(torch.tensor([scale]), torch.bfloat16)[0])
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -120,7 +115,7 @@ def check_chunk(backend: HFBackend, chunk: Chunk, offsets: list[int], label: str
         oracle = canonical if off == 0 else _oracle(backend, chunk, off)
         fp32 = relocate(chunk, chunk.canonical_start + off, layout=layout, out_dtype=torch.float32)
         bf16 = relocate(chunk_bf16, chunk.canonical_start + off, layout=layout, out_dtype=torch.float32)
-        key_err = floor = ulp = 0.0
+        key_err = floor = ulps = 0.0
         worst = 0
         for l in range(layout.num_layers):
             rot_o, rest_o = _split(oracle[l], layout)
@@ -131,9 +126,9 @@ def check_chunk(backend: HFBackend, chunk: Chunk, offsets: list[int], label: str
             if e > key_err:
                 key_err, worst = e, l
             floor = max([floor] + [_rel(a, b) for a, b in zip(rest_c, rest_o)])
-            ulp = max(ulp, _ulps(rot_b, rot_o))
-        ok = key_err <= max(2 * floor, FP32_FLOOR) and ulp <= 1.0
-        out.append(OffsetReport(label, off, key_err, floor, ulp, worst, ok))
+            ulps = max(ulps, ulp_error_at_scale(rot_b, rot_o, torch.bfloat16))
+        ok = key_err <= max(2 * floor, FP32_FLOOR) and ulps <= 1.0
+        out.append(OffsetReport(label, off, key_err, floor, ulps, worst, ok))
     return out
 
 
