@@ -72,6 +72,15 @@ def placement_positions(
     return pos
 
 
+def concat_kv(parts: Sequence[Sequence[LayerKV]], dtype: torch.dtype | None = None) -> list[LayerKV]:
+    """Concatenate per-layer KV along the token axis: parts of ``(k [H,T_i,d], v [H,T_i,d])``,
+    optionally cast to ``dtype``. Always new tensors."""
+    def cat(ts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.to(dtype) for t in ts] if dtype is not None else ts, dim=1)
+
+    return [(cat([p[l][0] for p in parts]), cat([p[l][1] for p in parts])) for l in range(len(parts[0]))]
+
+
 def check_compatible(chunk: Chunk, layout: KVLayout, fingerprint: str | None = None) -> None:
     if chunk.layout_signature != layout.signature:
         raise FingerprintMismatchError(

@@ -20,22 +20,13 @@ import torch
 
 from ..chunk import Chunk
 from ..errors import FingerprintMismatchError, ReuseArmError
-from ..operator import LayerKV, relocate
+from ..operator import LayerKV, concat_kv, relocate
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..backends.hf import HFBackend
     from ..patch.base import Patch
 
 ARMS: dict[str, type["ReuseArm"]] = {}
-
-
-def concat_kv(parts: Sequence[Sequence[LayerKV]]) -> list[LayerKV]:
-    """Concatenate per-layer KV along the token axis: parts of ``(k [H,T_i,d], v [H,T_i,d])``."""
-    n_layers = len(parts[0])
-    return [
-        (torch.cat([p[l][0] for p in parts], dim=1), torch.cat([p[l][1] for p in parts], dim=1))
-        for l in range(n_layers)
-    ]
 
 
 @dataclass

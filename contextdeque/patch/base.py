@@ -16,7 +16,7 @@ import torch
 
 from ..chunk import Chunk, digest
 from ..errors import CorruptEntryError, FingerprintMismatchError, PatchError
-from ..operator import LayerKV, relocate, to_content_frame
+from ..operator import LayerKV, concat_kv, relocate, to_content_frame
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..backends.hf import HFBackend
@@ -204,11 +204,7 @@ class FormContext:
             ch, patches = self.antecedents[idx]
             parts.append(relocate(ch, pos, layout=self.layout, patch=patches or None))
             pos += ch.span
-        past = [
-            (torch.cat([p[l][0] for p in parts], dim=1), torch.cat([p[l][1] for p in parts], dim=1))
-            for l in range(len(root))
-        ]
-        return past, pos
+        return concat_kv(parts), pos
 
     def conditioned_content(self, order: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One conditioned forward: B prefilled after root + antecedents; returns B's KV(B|A) in the

@@ -17,7 +17,7 @@ import torch
 
 from .. import compat
 from ..errors import WindowError
-from ..operator import LayerKV
+from ..operator import LayerKV, concat_kv
 from .context import WindowContext
 from .slot import Slot
 
@@ -35,14 +35,7 @@ def assemble(ctx: WindowContext, slots: Sequence[Slot], pages: dict[int, tuple[L
         if page is None:
             continue
         parts.append(page)
-    dtype = ctx.layout.torch_compute_dtype
-    return [
-        (
-            torch.cat([p[l][0].to(dtype) for p in parts], dim=1),
-            torch.cat([p[l][1].to(dtype) for p in parts], dim=1),
-        )
-        for l in range(len(root))
-    ]
+    return concat_kv(parts, ctx.layout.torch_compute_dtype)
 
 
 def cache_config(ctx: WindowContext) -> Any:

@@ -10,12 +10,10 @@ and conditioning are unchanged keep their page object (no bytes written).
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import replace
 from typing import Mapping, Sequence
 
-from ..operator import relocate
+from ..operator import concat_kv, relocate
 from ..patch import PATCH_KINDS, form_patch
 from ..stores import antecedent_signature, patch_key
 from .context import WindowContext
@@ -74,12 +72,7 @@ def obtain(
             options["current"] = list(slot.patches)
         if all(s.page is not None for s in prefix):
             # the antecedents are already placed: hand their pages over instead of re-placing
-            root = ctx.backend.root_kv()
-            options["past"] = [
-                (torch.cat([root[l][0], *(s.page[l][0] for s in prefix)], dim=1),
-                 torch.cat([root[l][1], *(s.page[l][1] for s in prefix)], dim=1))
-                for l in range(len(root))
-            ]
+            options["past"] = concat_kv([ctx.backend.root_kv(), *(s.page for s in prefix)])
         patch = form_patch(
             ctx.backend,
             slot.chunk,
