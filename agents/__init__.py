@@ -1,5 +1,13 @@
-"""contextdeque.agents: agents built on the context window (installed inside the contextdeque namespace)."""
+"""contextdeque.agents: agents built on the context window (installed inside the contextdeque namespace).
+
+- :class:`MessageWindow` (``agents/messages.py``): a window kept in step with an OpenAI-style
+  chat-messages list.
+"""
 
 if not __name__.startswith("contextdeque."):
     # imported as a top-level ``agents`` from a checkout on sys.path: stay an inert namespace shadow
     __file__ = None  # noqa: F811
+else:
+    from .messages import MessageWindow, SyncReceipt, normalize_messages
+
+    __all__ = ["MessageWindow", "SyncReceipt", "normalize_messages"]

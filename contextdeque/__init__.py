@@ -10,13 +10,14 @@ Public API (stable names)::
 
 from __future__ import annotations
 
-from .backends import HFBackend, load_model
-from .chunk import Chunk
-from .errors import *  # noqa: F401,F403  (typed errors are public)
-from .layout import KVLayout, detect_layout
-from .operator import apply, relocate
+from .core.chunk import Chunk
+from .core.errors import *  # noqa: F401,F403  (typed errors are public)
+from .core.layout import KVLayout, detect_layout
+from .core.operator import apply, relocate
+from .model import HFBackend, load_model
 from .patch import Patch, SharedBasis, form_patch
 from .window import ChunkRef, ContextWindow, Receipt
+from . import scheduler as _scheduler  # noqa: F401,E402  (registers placement="scheduler" for ContextWindow)
 
 __version__ = "0.1.0"
 

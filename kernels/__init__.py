@@ -4,7 +4,7 @@
 ``K = R(pos)·(K_content + u_K w_K)`` on the rotary slice, ``V = V_content + u_V w_V`` (MLA: the
 rotation applies to v's rope slice), fp32 math and one rounding, written straight into a contiguous
 or paged destination cache. Backends: Triton (CUDA), a compiled native kernel (CPU), portable
-torch, and the reference oracle. Imports nothing from contextdeque but ``contextdeque.errors``.
+torch, and the reference oracle. Imports nothing from contextdeque but ``contextdeque.core.errors``.
 """
 
 if not __name__.startswith("contextdeque."):

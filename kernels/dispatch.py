@@ -21,7 +21,7 @@ from typing import Literal, Optional, Sequence, Union
 
 import torch
 
-from ..errors import KernelArgumentError
+from ..core.errors import KernelArgumentError
 from . import native, torch_path
 from .reference import job_result, write_job
 from .spec import ContiguousDest, Dest, Factors, PagedDest, RopeSpec, TensorJob, build_jobs

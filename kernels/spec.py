@@ -19,7 +19,7 @@ from typing import Literal, Optional, Union
 
 import torch
 
-from ..errors import EmptyChunkError, KernelArgumentError, PatchError, PositionError, StorageDtypeError
+from ..core.errors import EmptyChunkError, KernelArgumentError, PatchError, PositionError, StorageDtypeError
 
 #: Storage / destination dtypes every backend supports.
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

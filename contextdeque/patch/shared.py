@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from ..chunk import digest
-from ..errors import PatchError
+from ..core.chunk import digest
+from ..core.errors import PatchError
 from .base import FormContext, PatchKind, _normalize_antecedents, truncated_svd
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..backends.hf import HFBackend
-    from ..chunk import Chunk
+    from ..model.hf import HFBackend
+    from ..core.chunk import Chunk
 
 
 @dataclass

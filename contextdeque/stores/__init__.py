@@ -1,7 +1,7 @@
 """Tiered, content-addressed storage of tensor bundles (device -> host -> disk).
 
 Sits below the window layer: imports only torch, safetensors, filelock, the standard
-library and `contextdeque.errors`. A new tier or eviction policy is one file registering
+library, `contextdeque.core.errors`, `contextdeque.core.kv` and (inside `ValkeyTier`, when one is made) the ``valkey`` client. A new tier or eviction policy is one file registering
 itself (`register_tier` / `register_policy`) plus one import line here.
 """
 
@@ -27,7 +27,9 @@ from contextdeque.stores.priority import PriorityPolicy
 from contextdeque.stores.memory import MemoryTier
 from contextdeque.stores.host import HostTier
 from contextdeque.stores.disk import DiskTier
+from contextdeque.stores.valkey import ValkeyTier
 from contextdeque.stores.tiered import TieredStore
+from contextdeque.stores.prefetch import Fetched, Prefetcher, fetch, settle
 
 __all__ = [
     "POLICIES",
@@ -36,9 +38,11 @@ __all__ = [
     "EntryStat",
     "Evicted",
     "EvictionPolicy",
+    "Fetched",
     "HostTier",
     "LRUPolicy",
     "MemoryTier",
+    "Prefetcher",
     "PriorityPolicy",
     "PutResult",
     "StoreEntry",
@@ -46,12 +50,15 @@ __all__ = [
     "Tier",
     "TierTraffic",
     "TieredStore",
+    "ValkeyTier",
     "antecedent_signature",
     "chunk_key",
     "embeds_key",
+    "fetch",
     "make_policy",
     "make_tier",
     "patch_key",
     "register_policy",
     "register_tier",
+    "settle",
 ]

@@ -26,11 +26,8 @@ from urllib.parse import quote, unquote
 
 import torch
 
-from contextdeque.errors import (
-    CollisionError,
-    FingerprintMismatchError,
-    InvalidEntryError,
-)
+from contextdeque.core.errors import CollisionError, FingerprintMismatchError, InvalidEntryError
+from contextdeque.core.kv import tensor_nbytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from contextdeque.stores.policy import EvictionPolicy
@@ -47,11 +44,6 @@ META_DIGEST = "content_digest"
 # --------------------------------------------------------------------------------------
 # Entries
 # --------------------------------------------------------------------------------------
-
-
-def tensor_nbytes(t: torch.Tensor) -> int:
-    """Payload bytes of one tensor (`numel * element_size`)."""
-    return t.numel() * t.element_size()
 
 
 @dataclass(frozen=True, eq=False)
@@ -311,12 +303,18 @@ class Tier(ABC):
 
     Pinned entries are never evicted while pinned; `delete` still removes them.
     Implementations are safe to share between threads of one process.
+
+    A *remote* tier (``remote = True``, e.g. `ValkeyTier`) may be away: its reads then answer
+    as misses, its writes raise `StoreUnavailableError`, and it reports each such fallback
+    with `contextdeque.stores.traffic.report_fallback`.
     """
 
     #: registry name (set by `register_tier`)
     kind: str = "abstract"
     #: True when entries survive the process (write-through targets)
     persistent: bool = False
+    #: True when the tier lives on another machine and can be away (see the class docstring)
+    remote: bool = False
 
     def __init__(self, *, name: str, budget_bytes: int | None, policy: str | EvictionPolicy = "lru") -> None:
         from contextdeque.stores.registry import make_policy
@@ -382,6 +380,7 @@ class Tier(ABC):
             CollisionError: ``key`` holds a different ``content_digest`` (and not ``overwrite``).
             StoreCapacityError: the entry cannot fit in the budget (too big, or the rest is
                 pinned); nothing is evicted then.
+            StoreUnavailableError: a remote tier is away; nothing was written.
         """
 
     @abstractmethod
@@ -418,7 +417,7 @@ class Tier(ABC):
 
     def verify(self, key: str) -> bool:
         """True iff ``key`` is present and passes verification (a corrupt copy counts as absent)."""
-        from contextdeque.errors import CorruptEntryError
+        from contextdeque.core.errors import CorruptEntryError
 
         try:
             return self.get(key, corrupt_ok=False) is not None

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import filelock
 
-from contextdeque.errors import CorruptEntryError, StoreCapacityError, StoreError, StorePermissionError
+from contextdeque.core.errors import CorruptEntryError, StoreCapacityError, StoreError, StorePermissionError
 from contextdeque.stores.base import (
     EntryStat,
     Evicted,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import safetensors.torch
 import torch
 
-from contextdeque.errors import CorruptEntryError, InvalidEntryError
+from contextdeque.core.errors import CorruptEntryError, InvalidEntryError
 from contextdeque.stores.base import RESERVED_META_PREFIX, StoreEntry
 
 FORMAT_VERSION = "1"
@@ -192,12 +192,14 @@ def parse_header(head: bytes, file_size: int, origin: str) -> tuple[int, Header]
 
 
 def decode_entry(
-    key: str, data: bytes, origin: str, check: Callable[[Header], None] | None = None
+    key: str, data: bytes, origin: str, check: Callable[[Header], None] | None = None, *, verify_data: bool = True
 ) -> tuple[StoreEntry, Header]:
     """Decode and fully verify one entry file's bytes, which must be stored under ``key``.
 
     ``check`` runs on the verified header before any tensor is materialized (e.g. to refuse
     another model's entry without loading it); whatever it raises propagates.
+    ``verify_data=False`` skips the tensor-data checksum, for callers that already verified
+    a stronger digest of all of ``data`` (the header is verified regardless).
 
     Raises:
         CorruptEntryError: anything off (truncation, malformed header, checksum, wrong key).
@@ -212,6 +214,6 @@ def decode_entry(
     except Exception as e:  # SafetensorError and friends: the bytes are not valid safetensors
         raise _corrupt(origin, f"safetensors refused the file ({e})") from None
     meta_all = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")].decode())["__metadata__"]
-    if data_sha256(tensors) != meta_all[K_DATA_SUM]:
+    if verify_data and data_sha256(tensors) != meta_all[K_DATA_SUM]:
         raise _corrupt(origin, "tensor data checksum mismatch")
     return StoreEntry(tensors=tensors, meta=header.meta), header

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from contextdeque.errors import StoreCapacityError
+from contextdeque.core.errors import StoreCapacityError
 from contextdeque.stores.base import (
     EntryStat,
     Evicted,

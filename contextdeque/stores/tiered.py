@@ -6,9 +6,12 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-from contextdeque.errors import CollisionError, CorruptEntryError, StoreCapacityError
+from contextdeque.core.errors import CollisionError, CorruptEntryError, StoreCapacityError, StoreUnavailableError
 from contextdeque.stores.base import Evicted, StoreEntry, Tier, check_collision
-from contextdeque.stores.traffic import TierTraffic
+from contextdeque.stores.traffic import TierTraffic, recording
+
+# A tier that cannot take an entry right now: too full, or (a remote tier) away.
+_NOT_TAKEN = (StoreCapacityError, StoreUnavailableError)
 
 
 class TieredStore:
@@ -23,6 +26,9 @@ class TieredStore:
       drop is reported in `TierTraffic.dropped`.
     - Every operation records a `TierTraffic` (``last_traffic``; accumulated in
       ``total_traffic``; also merged into the ``traffic=`` record a caller passes).
+    - A remote tier that is away (e.g. `ValkeyTier` unreachable) answers reads as misses
+      and refuses writes with `StoreUnavailableError`: the operation goes on with the other
+      tiers, and the record's ``fallbacks`` says so.
 
     Copies in the tiers are shared read-only: never modify returned tensors in place.
 
@@ -98,7 +104,7 @@ class TieredStore:
     @contextmanager
     def _op(self, traffic: TierTraffic | None) -> Iterator[TierTraffic]:
         tr = TierTraffic()
-        with self._lock:
+        with self._lock, recording(tr):
             try:
                 yield tr
             finally:
@@ -147,16 +153,28 @@ class TieredStore:
                 return None
             tr.add_read(self._tiers[found].name, entry.nbytes)
             if promote and found > 0:
-                priority = self._tiers[found].priority_of(key)
-                top = found
-                for j in range(found - 1, -1, -1):
-                    if self._place(j, key, entry, priority, key in self._pins, tr):
-                        top = j
-                if top < found:
-                    promoted = self._tiers[top].get(key)
-                    if promoted is not None:
-                        entry = promoted
+                entry = self._promote(key, entry, found, tr)
             return entry
+
+    def promote(self, key: str, entry: StoreEntry, found: int, *, traffic: TierTraffic | None = None) -> StoreEntry:
+        """Copy ``entry``, just read from tier ``found`` outside the store (e.g. by a
+        `Prefetcher`), into every faster tier, as ``get`` does on a hit; returns the copy from the
+        highest tier it reached. Counts the read from tier ``found``."""
+        with self._op(traffic) as tr:
+            tr.add_read(self._tiers[found].name, entry.nbytes)
+            return self._promote(key, entry, found, tr) if found > 0 else entry
+
+    def _promote(self, key: str, entry: StoreEntry, found: int, tr: TierTraffic) -> StoreEntry:
+        priority = self._tiers[found].priority_of(key)
+        top = found
+        for j in range(found - 1, -1, -1):
+            if self._place(j, key, entry, priority, key in self._pins, tr):
+                top = j
+        if top < found:
+            promoted = self._tiers[top].get(key)
+            if promoted is not None:
+                return promoted
+        return entry
 
     def put(
         self,
@@ -201,7 +219,7 @@ class TieredStore:
             for j, tier in enumerate(self._tiers):
                 try:
                     self._put_into(j, key, entry, priority, pinned, tr, copy=True)
-                except StoreCapacityError as e:
+                except _NOT_TAKEN as e:
                     err = e
                     continue
                 placed = j
@@ -212,7 +230,10 @@ class TieredStore:
             if wt:
                 for j in range(placed + 1, len(self._tiers)):
                     if self._tiers[j].persistent and not self._tiers[j].contains(key):
-                        self._put_into(j, key, entry, priority, pinned, tr, copy=True)
+                        try:
+                            self._put_into(j, key, entry, priority, pinned, tr, copy=True)
+                        except StoreUnavailableError:
+                            continue  # away: the entry stays in the tiers above (counted)
             if pinned:
                 self.pin(key)  # also in lower tiers that already held it
 
@@ -260,7 +281,7 @@ class TieredStore:
                     break
                 try:
                     self._put_into(j, key, entry, priority, key in self._pins, tr, copy=False)
-                except (StoreCapacityError, CollisionError):
+                except (*_NOT_TAKEN, CollisionError):
                     continue
                 home = j
                 break
@@ -320,7 +341,7 @@ class TieredStore:
         """Promotion into tier ``j``: best effort (a full or conflicting tier is skipped)."""
         try:
             self._put_into(j, key, entry, priority, pinned, tr, copy=False)
-        except (StoreCapacityError, CollisionError):
+        except (*_NOT_TAKEN, CollisionError):
             return False
         return True
 
@@ -334,8 +355,8 @@ class TieredStore:
                 break
             try:
                 self._put_into(j, ev.key, ev.entry, ev.priority, False, tr, copy=False)
-            except StoreCapacityError:
-                continue  # too big or full of pinned entries: try further down
+            except _NOT_TAKEN:
+                continue  # too big, full of pinned entries, or away: try further down
             except CollisionError:
                 return  # another version was written there meanwhile; it wins
             return

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 
@@ -25,6 +28,11 @@ class TierTraffic:
         misses: ``get`` calls no tier could serve.
         served_from: tier that served the last ``get`` recorded here (None: a miss / none).
         dropped: keys evicted with no lower tier able to take them (lost from the store).
+        fallbacks: tier name -> operations that tier could not serve because it was away
+            (a remote tier unreachable or timing out): reads counted as misses, writes kept
+            in the local tiers only.
+        fallback_reasons: tier name -> why, for the latest fallback (``"unreachable"``,
+            ``"timeout"``, ``"auth"``, ``"backoff"``...).
     """
 
     read: dict[str, int] = field(default_factory=dict)
@@ -34,6 +42,8 @@ class TierTraffic:
     misses: int = 0
     served_from: str | None = None
     dropped: list[str] = field(default_factory=list)
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    fallback_reasons: dict[str, str] = field(default_factory=dict)
 
     def add_read(self, tier: str, nbytes: int, *, hit: bool = True) -> None:
         """Record ``nbytes`` read out of ``tier``; ``hit``: it served a ``get``."""
@@ -55,6 +65,11 @@ class TierTraffic:
         self.misses += 1
         self.served_from = None
 
+    def add_fallback(self, tier: str, reason: str) -> None:
+        """Record one operation ``tier`` could not serve (it is away), and why."""
+        _add(self.fallbacks, tier, 1)
+        self.fallback_reasons[tier] = reason
+
     @property
     def moved_bytes(self) -> int:
         """Total bytes read plus written over all tiers."""
@@ -70,6 +85,9 @@ class TierTraffic:
         if other.served_from is not None or other.misses:
             self.served_from = other.served_from
         self.dropped.extend(other.dropped)
+        for k, v in other.fallbacks.items():
+            _add(self.fallbacks, k, v)
+        self.fallback_reasons.update(other.fallback_reasons)
         return self
 
     def __iadd__(self, other: TierTraffic) -> TierTraffic:
@@ -85,5 +103,30 @@ class TierTraffic:
             "misses": self.misses,
             "served_from": self.served_from,
             "dropped": list(self.dropped),
+            "fallbacks": dict(self.fallbacks),
+            "fallback_reasons": dict(self.fallback_reasons),
             "moved_bytes": self.moved_bytes,
         }
+
+
+# The record of the store operation running in this thread/task: a tier that is away reports
+# its fallback into it (`report_fallback`), so the operation's traffic (and the receipt built
+# from it) says so without every call site threading a record through.
+_CURRENT: ContextVar[TierTraffic | None] = ContextVar("contextdeque_store_traffic", default=None)
+
+
+@contextmanager
+def recording(traffic: TierTraffic) -> Iterator[TierTraffic]:
+    """Make ``traffic`` the record `report_fallback` writes into for the enclosed calls."""
+    token = _CURRENT.set(traffic)
+    try:
+        yield traffic
+    finally:
+        _CURRENT.reset(token)
+
+
+def report_fallback(tier: str, reason: str) -> None:
+    """Called by a tier that could not serve an operation because it is away."""
+    tr = _CURRENT.get()
+    if tr is not None:
+        tr.add_fallback(tier, reason)

@@ -7,14 +7,17 @@ parts: ``ref`` (ChunkRef), ``receipt`` (Receipt, Meter), ``slot`` (placed chunks
 ``policy`` + ``policy_*`` (patch policies, one file each), ``reconcile`` (the re-conditioning
 pass), ``graph`` (the conditioning graph and recall cascades), ``decode`` (materialize,
 transformers interop, decoding), ``disposable`` (the disposability test), ``bench``
-(``contextdeque window-bench``).
+(``contextdeque window-bench``), ``kvselect`` (decode-aware KV selection and its window policy).
 """
 
-from . import policy_default, policy_exact, policy_none  # noqa: F401  (register policies)
+from . import policy_default, policy_exact, policy_latency, policy_none  # noqa: F401  (register policies)
 from .graph import CASCADE_POLICIES, Cascade, ConditioningGraph
+from .placement import PLACEMENT_POLICIES, ArrivalPlacement, PlacementPolicy, PlacementView, make_placement
+from .kvselect import SELECTORS, KVSelector, SelectionPolicy, make_selector
 from .policy import PATCH_POLICIES, Decision, PatchPolicy, make_policy
 from .policy_default import DefaultPolicy
 from .policy_exact import ExactPolicy
+from .policy_latency import LatencyPolicy
 from .policy_none import NonePolicy
 from .receipt import Receipt
 from .ref import ChunkRef
@@ -35,8 +38,18 @@ __all__ = [
     "PATCH_POLICIES",
     "DefaultPolicy",
     "ExactPolicy",
+    "LatencyPolicy",
     "NonePolicy",
     "make_policy",
+    "PlacementPolicy",
+    "PlacementView",
+    "ArrivalPlacement",
+    "PLACEMENT_POLICIES",
+    "make_placement",
     "WindowStore",
     "default_store",
+    "SELECTORS",
+    "KVSelector",
+    "SelectionPolicy",
+    "make_selector",
 ]

@@ -7,18 +7,23 @@ canonicals, same store, same policy); what differs between them is their ``Windo
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from ..errors import BudgetError, WindowError
+from ..core.cooperative import in_background
+from ..core.errors import BudgetError, WindowError
 from .graph import CASCADE_POLICIES
 from .policy import PatchPolicy
 from .store import WindowStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..backends.hf import HFBackend
+    from ..model.hf import HFBackend
 
 OVERFLOW_POLICIES = ("slide", "error")
 
@@ -30,6 +35,12 @@ class WindowContext:
     ``counters``: ``encodes`` (chunks encoded by this family), ``decode_forwards`` /
     ``decode_tokens`` (forwards the window ran itself for decoding, beside the backend's own
     ``forwards_run`` / ``tokens_prefilled``).
+    ``expected_reuse``: ``ref -> float``, how often a chunk is expected to be read again (a
+    scheduler may set it; healing order is staleness x expected reuse). None: 1 for every chunk.
+
+    Foreground operations and the idle healer take turns on the model through ``op_lock``:
+    a foreground operation announces itself (``foreground()``), and background work gives way
+    at its next checkpoint (``contextdeque.core.cooperative``).
     """
 
     backend: "HFBackend"
@@ -40,7 +51,43 @@ class WindowContext:
     cascade_policy: str
     overflow: str
     storage: torch.dtype
+    kv_selection: Any = None  # a kvselect.SelectionPolicy, or None
     counters: dict[str, int] = field(default_factory=lambda: {"encodes": 0, "decode_forwards": 0, "decode_tokens": 0})
+    expected_reuse: Callable[..., float] | None = None
+    placement: Any = None  # a window.placement.PlacementPolicy (None: arrival order)
+    fidelity_target: float | None = None  # adaptive patch rank (the safety envelope); None: fixed rank
+    max_patch_fraction: float = 0.25  # adaptive rank's byte cap: patch bytes / page bytes
+    patch_index: dict = field(default_factory=dict, repr=False)  # chunk id -> antecedent id tuples stored
+    op_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    _waiting: list[int] = field(default_factory=lambda: [0], repr=False)
+    _waiting_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    last_foreground: float = field(default_factory=time.monotonic, repr=False)
+    foreground_waits_ms: deque = field(default_factory=lambda: deque(maxlen=1000), repr=False)
+
+    @contextmanager
+    def foreground(self) -> Iterator[None]:
+        """Hold the model for a foreground operation (background work yields to it)."""
+        background = in_background()
+        t0 = time.perf_counter()
+        with self._waiting_lock:
+            self._waiting[0] += 1
+        try:
+            self.op_lock.acquire()
+        finally:
+            with self._waiting_lock:
+                self._waiting[0] -= 1
+        if not background:  # how long the foreground waited for the model (e.g. for the healer)
+            self.foreground_waits_ms.append((time.perf_counter() - t0) * 1000.0)
+        try:
+            yield
+        finally:
+            if not background:
+                self.last_foreground = time.monotonic()
+            self.op_lock.release()
+
+    def foreground_waiting(self) -> bool:
+        """A foreground operation is waiting for the model."""
+        return self._waiting[0] > 0
 
     def __post_init__(self) -> None:
         if self.cascade_policy not in CASCADE_POLICIES:
@@ -51,6 +98,10 @@ class WindowContext:
             raise BudgetError(f"budget_tokens must be >= 1 (or None for no budget), got {self.budget_tokens}")
         if int(self.rank) < 0:
             raise WindowError(f"rank must be >= 0, got {self.rank}")
+        if self.fidelity_target is not None and not 0.0 < float(self.fidelity_target) <= 1.0:
+            raise WindowError(f"fidelity_target must be in (0, 1], got {self.fidelity_target}")
+        if not 0.0 < float(self.max_patch_fraction) <= 1.0:
+            raise WindowError(f"max_patch_fraction must be in (0, 1], got {self.max_patch_fraction}")
 
     @property
     def layout(self):
@@ -69,6 +120,17 @@ class WindowContext:
 
     def total_tokens(self) -> int:
         return int(self.backend.tokens_prefilled) + self.counters["decode_tokens"]
+
+    def adaptive_cap(self, n_tokens: int) -> tuple[int, int]:
+        """The adaptive rank's cap for a chunk of ``n_tokens``: the largest (rank_k, rank_v) whose
+        patch stays within ``max_patch_fraction`` of the page's bytes (m (T + F) <= f T F per
+        layer, K and V each), and never above full rank."""
+        lay = self.layout
+        out = []
+        for f in (lay.k_heads * lay.k_dim, lay.v_heads * lay.v_dim):
+            m = int(self.max_patch_fraction * n_tokens * f / (n_tokens + f))
+            out.append(max(1, min(m, n_tokens, f)))
+        return out[0], out[1]
 
     def clamp_rank(self, rank: int | str, n_tokens: int) -> tuple[int, int]:
         """(rank_k, rank_v) for a chunk of ``n_tokens``: ``"full"`` or anything above

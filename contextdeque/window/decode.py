@@ -1,5 +1,6 @@
-"""From slots to what the model reads: the assembled KV, a transformers ``Cache``, the ids
-``model.generate`` expects, and a small greedy decoder with explicit positions.
+"""Decoding: from slots to what the model reads (the assembled KV, a transformers ``Cache``, the
+ids ``model.generate`` expects) and the answer to a query (``generate``: ``model.generate`` where
+it can continue the cache, else a small greedy decoder with explicit positions).
 
 transformers interop: ``model.generate(input_ids=full_ids, past_key_values=cache)`` feeds only
 the tokens past the cache's length, at positions ``cache_len, cache_len + 1, ...``. So
@@ -15,9 +16,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import compat
-from ..errors import WindowError
-from ..operator import LayerKV, concat_kv
+from ..core import compat
+from ..core.errors import WindowError
+from ..core.kv import LayerKV, concat_kv
 from .context import WindowContext
 from .slot import Slot
 
@@ -107,6 +108,29 @@ def prefix_ids(ctx: WindowContext, slots: Sequence[Slot]) -> list[int]:
         else:
             ids.extend([fill] * s.n_tokens)
     return ids
+
+
+def generate(
+    ctx: WindowContext, slots: Sequence[Slot], layers: Sequence[LayerKV], query: Sequence[int], max_new_tokens: int, **kw: Any
+) -> list[int]:
+    """The answer ids to ``query`` (ids) after the assembled ``layers`` of ``slots``. Text-only
+    windows go through ``model.generate`` on the materialized cache (greedy unless ``kw`` says
+    otherwise); windows with image spans through :func:`greedy` with explicit positions.
+    Counts the decode forwards in ``ctx.counters``."""
+    if not hf_compatible(slots):
+        return greedy(ctx, layers, next_position(ctx, slots), query, max_new_tokens, eos_ids(ctx))[1]
+    ids = torch.tensor([prefix_ids(ctx, slots) + list(query)], dtype=torch.long, device=ctx.backend.device)
+    eos = eos_ids(ctx)
+    gen_kw = {"do_sample": False, "max_new_tokens": int(max_new_tokens), "pad_token_id": eos[0] if eos else filler_id(ctx)}
+    gen_kw.update(kw)
+    with torch.no_grad():
+        out = ctx.backend.model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=to_cache(ctx, layers), **gen_kw
+        )
+    new_ids = [int(t) for t in out[0, ids.shape[1] :].tolist()]
+    ctx.counters["decode_forwards"] += max(1, len(new_ids))
+    ctx.counters["decode_tokens"] += len(query) + max(0, len(new_ids) - 1)
+    return new_ids
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from ..operator import relocate
+from ..core.operator import relocate
 from . import decode
 from .receipt import Receipt
 from .ref import ChunkRef

@@ -23,10 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
-from ..errors import WindowError
+from ..core.errors import WindowError
 from .slot import Slot
 
 PATCH_POLICIES: dict[str, type["PatchPolicy"]] = {}
+
+DEFAULT_POLICY = "eager"
+"""What ``patch_policy="default"`` means."""
 
 FULL = "full"  # rank sentinel: min(T, H*d), the patch reconstructs its target exactly
 
@@ -41,6 +44,9 @@ class Decision:
     ``stack``: put the new patch on top of the current ones (removal patches) instead of
     replacing them. ``reuse_only``: take it from the store if there, else do ``fallback``.
     ``options``: passed to ``form_patch`` (e.g. ``max_orderings`` for orbit patches).
+    ``deferred``: this ``keep``/``clear`` stands in for conditioning the policy chose not to form
+    on the critical path (latency-first): the window queues the slot for :meth:`heal
+    <contextdeque.ContextWindow.heal>` and says so in the receipt.
     """
 
     action: str
@@ -50,6 +56,7 @@ class Decision:
     reuse_only: bool = False
     fallback: "Decision | None" = None
     options: tuple[tuple[str, Any], ...] = ()
+    deferred: bool = False
 
     def __post_init__(self) -> None:
         if self.action not in ("keep", "clear", "form"):
@@ -98,11 +105,16 @@ class PatchPolicy:
 
 
 def make_policy(spec: "str | PatchPolicy") -> PatchPolicy:
-    """A policy instance from its registered name, or the instance itself."""
+    """A policy instance from its registered name (``"name:arg"`` passes one argument, e.g.
+    ``"latency:exact"``), or the instance itself."""
     if isinstance(spec, PatchPolicy):
         return spec
-    if isinstance(spec, str) and spec in PATCH_POLICIES:
-        return PATCH_POLICIES[spec]()
+    if spec == "default":
+        spec = DEFAULT_POLICY
+    if isinstance(spec, str):
+        name, _, arg = spec.partition(":")
+        if name in PATCH_POLICIES:
+            return PATCH_POLICIES[name](arg) if arg else PATCH_POLICIES[name]()
     raise WindowError(f"unknown patch policy {spec!r}; registered: {sorted(PATCH_POLICIES)}")
 
 

@@ -1,4 +1,7 @@
-"""The default patch policy: patch on append at rank m; survivors keep their KV as-is.
+"""The eager patch policy: patch on append at rank m; survivors keep their KV as-is.
+
+Every decision that needs a patch forms it before the operation returns (see ``policy_latency``
+for the variant that defers that work to ``heal``).
 
 - ``append``: an exact patch at rank m on the antecedents in front of the chunk.
 - ``recall``: a *fresh* recall patch at rank m on the chunk's new antecedents (never the patch
@@ -21,13 +24,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..errors import WindowError
+from ..core.errors import WindowError
 from .policy import CLEAR, KEEP, Decision, PatchPolicy, form
 from .slot import Slot
 
 
 class DefaultPolicy(PatchPolicy):
-    name = "default"
+    name = "eager"
 
     def __init__(
         self,

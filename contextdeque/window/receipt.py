@@ -17,6 +17,19 @@ PAGES = "pages"
 """Key of ``Receipt.bytes_moved`` for conditioned-KV bytes written into the window's pages."""
 
 
+@dataclass(frozen=True)
+class LoadFallback:
+    """A chunk whose stored canonical could not be loaded (``tier``, ``error``: exception type and
+    message) and was recomputed instead (one encode)."""
+
+    chunk_id: str
+    tier: str | None
+    error: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"chunk_id": self.chunk_id, "tier": self.tier, "error": self.error}
+
+
 @dataclass
 class Receipt:
     """The cost of one window operation.
@@ -39,8 +52,17 @@ class Receipt:
         refs: the refs the operation acted on (appended, recalled, evicted, slid...).
         left: refs that left the window (slid out, evicted, or pushed out by the budget).
         cascade: for ``recall``, the conditioning cascade it implied (see ``graph.Cascade``).
-        traffic: the store's detailed per-tier record (reads, writes, evictions, hits, drops).
+        deferred: chunks a latency-first policy answered without the conditioning the eager
+            policy would have formed, as ``(ref, served, staleness)``: ``served`` is ``"stale"``
+            (its previous patch), ``"blind"`` (its canonical) or ``"conditioned"`` (new content's
+            own conditioned forward, canonical not computed yet); they are queued for ``heal``.
+        traffic: the store's detailed per-tier record (reads, writes, evictions, hits, drops,
+            and ``fallbacks``: operations a remote tier could not serve because it was away).
         notes: free-form remarks (e.g. which patch kind each slot got).
+        load_fallbacks: chunks whose stored canonical failed to load (corrupt, unreadable, ...)
+            and were recomputed instead (``extend``).
+        loading: for ``extend``, how loads and the model's work overlapped (seconds spent
+            loading, computing, waiting on loads; loads by tier; ``overlapped`` or not).
     """
 
     op: str
@@ -55,8 +77,31 @@ class Receipt:
     refs: tuple["ChunkRef", ...] = ()
     left: tuple["ChunkRef", ...] = ()
     cascade: "Cascade | None" = None
+    deferred: tuple[tuple["ChunkRef", str, float], ...] = ()
     traffic: TierTraffic = field(default_factory=TierTraffic, repr=False)
     notes: tuple[str, ...] = ()
+    load_fallbacks: tuple[LoadFallback, ...] = ()
+    loading: dict[str, Any] | None = None
+
+    @classmethod
+    def merged(cls, op: str, receipts: "list[Receipt]", wall_ms: float | None = None) -> "Receipt":
+        """One receipt summing ``receipts`` (e.g. the steps of a heal)."""
+        out = cls(op=op)
+        for r in receipts:
+            out.forwards += r.forwards
+            out.tokens_prefilled += r.tokens_prefilled
+            out.encodes += r.encodes
+            out.patches_formed += r.patches_formed
+            out.patches_reused += r.patches_reused
+            out.pages_written += r.pages_written
+            for k, v in r.bytes_moved.items():
+                out.bytes_moved[k] = out.bytes_moved.get(k, 0) + v
+            out.wall_ms += r.wall_ms
+            out.refs += r.refs
+            out.notes += r.notes
+        if wall_ms is not None:
+            out.wall_ms = wall_ms
+        return out
 
     @property
     def total_bytes_moved(self) -> int:
@@ -77,7 +122,11 @@ class Receipt:
             "refs": [r.key for r in self.refs],
             "left": [r.key for r in self.left],
             "cascade": None if self.cascade is None else self.cascade.as_dict(),
+            "deferred": [[r.key, served, round(s, 4)] for r, served, s in self.deferred],
             "notes": list(self.notes),
+            "fallbacks": dict(self.traffic.fallbacks),
+            "load_fallbacks": [f.as_dict() for f in self.load_fallbacks],
+            "loading": None if self.loading is None else dict(self.loading),
         }
 
     def summary(self) -> str:
@@ -86,6 +135,8 @@ class Receipt:
         extra = ""
         if self.cascade is not None and self.cascade.implied:
             extra = f", cascade {len(self.cascade.implied)} ({self.cascade.action})"
+        if self.deferred:
+            extra += f", {len(self.deferred)} deferred"
         return (
             f"{self.op}: {self.forwards} fwd, {self.tokens_prefilled} tok prefilled, {self.encodes} enc, "
             f"patches {self.patches_formed} formed/{self.patches_reused} reused, {self.pages_written} pages, "
@@ -105,6 +156,9 @@ class Meter:
         self.pages_written = 0
         self.page_bytes = 0
         self.notes: list[str] = []
+        # latency-first bookkeeping: ref -> (reason, served, staleness); refs given new conditioning
+        self.deferred: dict["ChunkRef", tuple[str | None, str, float]] = {}
+        self.reconditioned: set["ChunkRef"] = set()
         self._fw0 = ctx.total_forwards()
         self._tok0 = ctx.total_tokens()
         self._enc0 = ctx.counters["encodes"]
@@ -121,6 +175,9 @@ class Meter:
                 moved[k] = moved.get(k, 0) + v
         if self.page_bytes:
             moved[PAGES] = self.page_bytes
+        for tier, n in sorted(self.traffic.fallbacks.items()):
+            reason = self.traffic.fallback_reasons.get(tier, "away")
+            self.notes.append(f"store tier {tier!r} away ({reason}): {n} store op(s) fell back to the local tiers")
         return Receipt(
             op=self.op,
             forwards=self.ctx.total_forwards() - self._fw0,
@@ -133,5 +190,6 @@ class Meter:
             wall_ms=(time.perf_counter() - self._t0) * 1000.0,
             traffic=self.traffic,
             notes=tuple(self.notes),
+            deferred=tuple((r, served, s) for r, (_, served, s) in self.deferred.items()),
             **fields,
         )

@@ -10,47 +10,59 @@ and conditioning are unchanged keep their page object (no bytes written).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Mapping, Sequence
 
-from ..operator import concat_kv, relocate
+from ..core.kv import concat_kv
 from ..patch import PATCH_KINDS, form_patch
 from ..stores import antecedent_signature, patch_key
+from ..core.cooperative import checkpoint
 from .context import WindowContext
 from .graph import Cascade
-from .policy import CLEAR, KEEP, Decision
+from .policy import CLEAR, KEEP, Decision, PatchPolicy
 from .receipt import Meter
 from .ref import ChunkRef
 from .slot import Conditioning, Slot, Tag
+from .staleness import staleness
 from .store import WindowStore
 
 
 def place(ctx: WindowContext, slot: Slot, start: int, stack: tuple[Conditioning, ...], meter: Meter) -> Slot:
-    """``slot`` at ``start`` with ``stack``; the page is recomputed (relocation from the content
-    frame, plus the stack's patches) only if either changed."""
-    if slot.page is not None and start == slot.start and stack is slot.stack:
+    """``slot`` at ``start`` with ``stack``; a new page (relocation from the content frame, plus the
+    stack's patches; computed when first read) only if either changed."""
+    if slot.placed and start == slot.start and stack is slot.stack:
         return slot
-    patches = [c.patch for c in stack]
-    page = tuple(relocate(slot.chunk, start, layout=ctx.layout, patch=patches or None))
-    out = Slot(ref=slot.ref, chunk=slot.chunk, stack=stack, start=start, page=page, stale=slot.stale)
+    if slot.provisional and stack is not slot.stack:
+        raise AssertionError("a provisional slot cannot take a patch before it is healed")
+    out = Slot(ref=slot.ref, chunk=slot.chunk, stack=stack, start=start, stale=slot.stale, layout=ctx.layout,
+               inline_on=slot.inline_on)
     meter.page(out.page_nbytes)
     return out
 
 
 def patch_store_key(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], kind: str, ranks: tuple[int, int]) -> str:
-    """Store key of the ``kind`` patch for ``slot`` on ``prefix``.
+    """Store key of the ``kind`` patch for ``slot`` on ``prefix`` (see :func:`patch_key_for`)."""
+    return patch_key_for(ctx, slot.chunk, [s.chunk.id for s in prefix], kind, ranks, [p.id for p in slot.patches])
+
+
+def patch_key_for(ctx: WindowContext, chunk, prefix_ids: Sequence[str], kind: str, ranks: tuple[int, int],
+                  base_ids: Sequence[str] = ()) -> str:
+    """Store key of the ``kind`` patch of ``chunk`` on the antecedents ``prefix_ids``.
 
     The signature covers the antecedent chunk ids (ordered, or as a set for orbit patches), the
-    policy's regime, and for a removal patch the patches it is stacked on (its target is
-    relative to them)."""
-    ids = [s.chunk.id for s in prefix]
+    policy's regime, the adaptive rank's target when one is set, and for a removal patch the
+    patches it is stacked on (``base_ids``: its target is relative to them). Exact and recall
+    patches measure the same thing (one conditioned forward on the antecedents) and share one
+    namespace, so a recall behind the antecedents a chunk was first placed after is a store hit."""
+    ids = list(prefix_ids)
     if not PATCH_KINDS[kind].ordered:
         ids = sorted(ids)
     parts = [f"regime:{ctx.policy.regime}", *ids]
+    if ctx.fidelity_target is not None:
+        parts.insert(1, f"energy:{float(ctx.fidelity_target):.6g}")
     if kind == "removal":
-        parts += [f"base:{p.id}" for p in slot.patches]
+        parts += [f"base:{b}" for b in base_ids]
     sig = antecedent_signature(parts, ordered=True)
-    return patch_key(WindowStore.chunk_key(slot.chunk), sig, kind, ranks)
+    return patch_key(WindowStore.chunk_key(chunk), sig, "exact" if kind == "recall" else kind, ranks)
 
 
 def obtain(
@@ -61,6 +73,10 @@ def obtain(
     kind = decision.kind
     assert kind is not None and decision.rank is not None
     rk, rv = ctx.clamp_rank(decision.rank, slot.chunk.n_tokens)
+    energy = None
+    if ctx.fidelity_target is not None and decision.rank != "full":
+        energy = float(ctx.fidelity_target)  # adaptive rank, capped by the byte budget
+        rk, rv = ctx.adaptive_cap(slot.chunk.n_tokens)
     key = patch_store_key(ctx, slot, prefix, kind, (rk, rv))
     patch = ctx.store.get_patch(key, fingerprint=ctx.fingerprint, traffic=meter.traffic)
     reused = patch is not None
@@ -70,7 +86,7 @@ def obtain(
         options = dict(decision.options)
         if kind == "removal":
             options["current"] = list(slot.patches)
-        if all(s.page is not None for s in prefix):
+        if all(s.placed for s in prefix):
             # the antecedents are already placed: hand their pages over instead of re-placing
             options["past"] = concat_kv([ctx.backend.root_kv(), *(s.page for s in prefix)])
         patch = form_patch(
@@ -80,9 +96,12 @@ def obtain(
             rank=rk,
             rank_v=rv,
             kind=kind,
+            energy=energy,
             **options,
         )
         ctx.store.put_patch(key, patch, traffic=meter.traffic)
+        if kind in ("exact", "recall"):  # what the placement scheduler may aim for
+            ctx.patch_index.setdefault(slot.chunk.id, set()).add(tuple(s.chunk.id for s in prefix))
         meter.patches_formed += 1
     else:
         meter.patches_reused += 1
@@ -93,9 +112,22 @@ def obtain(
     return Conditioning(patch=patch, formed_on=formed_on, absolute=absolute, reused=reused, key=key)
 
 
-def execute(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], decision: Decision, meter: Meter) -> tuple[Conditioning, ...]:
-    """The slot's new conditioning stack under ``decision`` (``slot.stack`` itself if unchanged)."""
+def execute(
+    ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], decision: Decision, meter: Meter, reason: str | None = None
+) -> tuple[Conditioning, ...]:
+    """The slot's new conditioning stack under ``decision`` (``slot.stack`` itself if unchanged).
+
+    A ``deferred`` keep/clear (latency-first) is recorded on the meter with what it served."""
     while True:
+        if decision.deferred:
+            stack = slot.stack if decision.action == "keep" or not slot.stack else ()
+            if slot.provisional:  # its own conditioned forward's KV, waiting for its canonical
+                meter.deferred[slot.ref] = (reason, "conditioned", staleness(slot, prefix))
+            elif stack:
+                meter.deferred[slot.ref] = (reason, "stale", staleness(slot, prefix))
+            else:
+                meter.deferred[slot.ref] = (reason, "blind", 1.0 if prefix else 0.0)
+            return stack
         if decision.action == "keep":
             return slot.stack
         if decision.action == "clear":
@@ -108,6 +140,7 @@ def execute(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], decision: De
         if cond is None:
             decision = decision.fallback or KEEP
             continue
+        meter.reconditioned.add(slot.ref)
         return (*slot.stack, cond) if decision.stack else (cond,)
 
 
@@ -119,14 +152,17 @@ def reconcile(
     *,
     recalled: ChunkRef | None = None,
     cascade_candidates: frozenset[ChunkRef] = frozenset(),
+    policy: PatchPolicy | None = None,
 ) -> tuple[tuple[Slot, ...], Cascade | None]:
     """Re-condition and re-place ``slots`` (the window's new order) after an operation.
 
     ``reasons``: why each touched slot is looked at (see ``policy`` module). ``recalled``: the
     slot a recall just re-instated; ``cascade_candidates``: in-window chunks that transitively
     depend on it in the conditioning graph. Returns the new slots and, for a recall, the
-    cascade it implied and how the cascade policy handled it.
+    cascade it implied and how the cascade policy handled it. ``policy``: decide with this
+    policy instead of the window's (``heal`` carries out the eager policy's decisions).
     """
+    policy = policy or ctx.policy
     out: list[Slot] = []
     pos = ctx.root_len
     index = {s.ref: i for i, s in enumerate(slots)}
@@ -136,6 +172,7 @@ def reconcile(
     reformed: list[ChunkRef] = []
     flagged: list[ChunkRef] = []
     for i, slot in enumerate(slots):
+        checkpoint()
         prefix = tuple(out)
         prefix_tags: tuple[Tag, ...] = tuple((s.ref, s.version) for s in prefix)
         reason = reasons.get(slot.ref)
@@ -151,13 +188,14 @@ def reconcile(
                     is_direct = in_cascade = True
                 elif a in implied or (behind and a in cascade_candidates):
                     in_cascade = True
-        decision = ctx.policy.decide(reason, slot, prefix, valid=valid, rank=ctx.rank)
-        if in_cascade and ctx.cascade_policy == "reform" and decision.action == "keep":
-            decision = ctx.policy.decide("cascade", slot, prefix, valid=False, rank=ctx.rank)
-        stack = execute(ctx, slot, prefix, decision, meter)
+        decision = policy.decide(reason, slot, prefix, valid=valid, rank=ctx.rank)
+        if in_cascade and ctx.cascade_policy == "reform" and decision.action == "keep" and not decision.deferred:
+            reason = "cascade"
+            decision = policy.decide(reason, slot, prefix, valid=False, rank=ctx.rank)
+        stack = execute(ctx, slot, prefix, decision, meter, reason)
         new = place(ctx, slot, pos, stack, meter)
         if stack is not slot.stack and new.stale:
-            new = replace(new, stale=False)  # re-conditioned: no longer stale
+            new = new.flagged(False)  # re-conditioned: no longer stale
         if in_cascade:
             implied.append(slot.ref)
             if is_direct:
@@ -165,7 +203,7 @@ def reconcile(
             if stack is not slot.stack:
                 reformed.append(slot.ref)
             elif ctx.cascade_policy == "flag":
-                new = replace(new, stale=True)
+                new = new.flagged(True)
                 flagged.append(slot.ref)
         out.append(new)
         new_version[slot.ref] = new.version

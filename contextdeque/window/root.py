@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..backends.hf import HFBackend
+    from ..model.hf import HFBackend
 
 
 def backend_with_root(backend: "HFBackend", root: str | Sequence[int] | None) -> "HFBackend":

@@ -2,19 +2,25 @@
 
 A slot holds the chunk's canonical (shared with the store and with forks), its conditioning
 stack (the patches it carries and what each was formed on), its start position, and its
-*page*: the KV the model sees, ``relocate(chunk, start, patch=stack)``. Pages are immutable
-tensors, so a fork shares them until it changes a slot (copy-on-write for free).
+*page*: the KV the model sees, ``relocate(chunk, start, patch=stack)``. The page is computed
+on first use (the rotation is deferred out of the window operation: a slide or reorder is
+O(chunks), and the bytes are written once, when the model reads the window) and then cached on
+the slot. Slots and pages are immutable, so a fork shares them until it changes a slot
+(copy-on-write for free).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 
-from ..chunk import Chunk, digest
-from ..operator import LayerKV
+from ..core.chunk import Chunk, digest
+from ..core.cooperative import checkpoint
+from ..core.layout import KVLayout
+from ..core.kv import LayerKV
+from ..core.operator import relocate
 from ..patch import Patch
 from .ref import ChunkRef
 
@@ -58,17 +64,48 @@ class Conditioning:
 class Slot:
     """One chunk in the window.
 
-    ``page``: per layer ``(k [H_k, T, d_k], v [H_v, T, d_v])`` placed at ``start`` in the model's
-    compute dtype (None until computed). ``stale``: flagged by a recall cascade under
-    ``cascade_policy="flag"`` (its patch was formed on an antecedent state that no longer exists).
+    ``layout``: set once the slot is placed (None: not placed yet, no page). ``page`` (lazy): per
+    layer ``(k [H_k, T, d_k], v [H_v, T, d_v])`` placed at ``start`` in the model's compute dtype.
+    ``stale``: flagged by a recall cascade under ``cascade_policy="flag"`` (its patch was formed on
+    an antecedent state that no longer exists).
+    ``inline_on``: non-empty for a *provisional* slot (latency-first append of new content): its
+    ``chunk`` holds ``KV(B | inline_on)`` from the one conditioned forward a prefix cache would
+    also run, not the canonical; ``heal`` computes the canonical and the patch later. A
+    provisional slot carries no patch stack.
     """
 
     ref: ChunkRef
     chunk: Chunk
     stack: tuple[Conditioning, ...] = ()
     start: int = 0
-    page: tuple[LayerKV, ...] | None = None
     stale: bool = False
+    layout: KVLayout | None = field(default=None, repr=False)
+    inline_on: tuple[Tag, ...] = ()
+
+    @property
+    def provisional(self) -> bool:
+        return bool(self.inline_on)
+
+    def flagged(self, stale: bool) -> "Slot":
+        """This slot with ``stale`` set (sharing the page if it was already computed)."""
+        out = Slot(ref=self.ref, chunk=self.chunk, stack=self.stack, start=self.start, stale=stale, layout=self.layout,
+                   inline_on=self.inline_on)
+        if "page" in self.__dict__:
+            out.__dict__["page"] = self.__dict__["page"]
+        return out
+
+    @property
+    def placed(self) -> bool:
+        return self.layout is not None
+
+    @cached_property
+    def page(self) -> tuple[LayerKV, ...] | None:
+        """The KV the model sees for this slot (computed on first access, then shared)."""
+        if self.layout is None:
+            return None
+        checkpoint()
+        patches = self.patches
+        return tuple(relocate(self.chunk, self.start, layout=self.layout, patch=list(patches) or None))
 
     @property
     def patches(self) -> tuple[Patch, ...]:
@@ -90,15 +127,19 @@ class Slot:
     @cached_property
     def version(self) -> str:
         """Identity of the slot's content KV (canonical + stack), independent of position."""
-        return digest(self.chunk.id, [c.describe() for c in self.stack])[:16]
+        inline = [("inline", tuple((r.key, v) for r, v in self.inline_on))] if self.inline_on else []
+        return digest(self.chunk.id, [c.describe() for c in self.stack] + inline)[:16]
 
     @cached_property
     def conditioned_on(self) -> tuple[Tag, ...]:
         """The antecedents whose influence the slot's KV carries, in order (no duplicates).
 
         From the last absolute patch onwards: earlier patches' conditioning was replaced by it.
-        A slot with no patch is blind (the canonical): ``()``.
+        A slot with no patch is blind (the canonical): ``()``; a provisional slot is conditioned
+        on ``inline_on``.
         """
+        if self.inline_on:
+            return self.inline_on
         start = 0
         for i, c in enumerate(self.stack):
             if c.absolute:
@@ -111,9 +152,11 @@ class Slot:
 
     @property
     def page_nbytes(self) -> int:
-        if self.page is None:
+        """Bytes of the placed page (from shapes: does not compute a deferred page)."""
+        if self.layout is None:
             return 0
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.page)
+        item = torch.empty((), dtype=self.layout.torch_compute_dtype).element_size()
+        return (self.chunk.keys.numel() + self.chunk.values.numel()) * item
 
     def positions(self) -> torch.Tensor:
         """``[n_axes, T]`` absolute positions of the slot's tokens."""

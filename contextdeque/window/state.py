@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..errors import UnknownRefError, WindowError
+from ..core.errors import UnknownRefError, WindowError
+from ..core.chunk import Chunk
 from .graph import ConditioningGraph
 from .ref import ChunkRef
 from .slot import Slot, Tag
@@ -30,17 +31,41 @@ class EvictedEntry:
     span: int
     stale_patch_keys: tuple[str, ...]
     formed_on: tuple[Tag, ...]
+    provisional: "Chunk | None" = None  # evicted before healing: the canonical is not stored yet
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A slot whose conditioning a latency-first policy deferred: ``reason`` is why the eager
+    policy would have re-conditioned it (the first deferral's), ``since`` the window generation
+    it was queued at."""
+
+    reason: str | None
+    since: int
 
 
 @dataclass
 class WindowState:
+    """``pending``: in-window slots queued for healing (see ``policy_latency``)."""
+
     slots: tuple[Slot, ...] = ()
     evicted: dict[ChunkRef, EvictedEntry] = field(default_factory=dict)
     graph: ConditioningGraph = field(default_factory=ConditioningGraph)
     generation: int = 0
+    pending: dict[ChunkRef, Pending] = field(default_factory=dict)
 
     def copy(self) -> "WindowState":
-        return WindowState(self.slots, dict(self.evicted), self.graph.copy(), self.generation)
+        return WindowState(self.slots, dict(self.evicted), self.graph.copy(), self.generation, dict(self.pending))
+
+    def settle_pending(self, deferred: dict[ChunkRef, str | None], reconditioned: set[ChunkRef]) -> None:
+        """After an operation: forget slots that left or were re-conditioned, queue the deferred
+        ones (keeping the reason of a slot already queued)."""
+        here = {s.ref for s in self.slots}
+        pending = {r: p for r, p in self.pending.items() if r in here and r not in reconditioned}
+        for ref, reason in deferred.items():
+            if ref in here and ref not in pending:
+                pending[ref] = Pending(reason=reason, since=self.generation)
+        self.pending = pending
 
     @property
     def refs(self) -> tuple[ChunkRef, ...]:
@@ -69,7 +94,8 @@ class WindowState:
         """Store keys the slots hold (canonicals and patches), with multiplicity."""
         c: Counter[str] = Counter()
         for s in self.slots:
-            c[WindowStore.chunk_key(s.chunk)] += 1
+            if not s.provisional:  # a provisional slot's chunk is not in the store
+                c[WindowStore.chunk_key(s.chunk)] += 1
             for cond in s.stack:
                 if cond.key:
                     c[cond.key] += 1

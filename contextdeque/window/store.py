@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from ..chunk import Chunk
-from ..errors import CollisionError
+from ..core.chunk import Chunk
+from ..core.errors import CollisionError
 from ..patch import Patch
 if TYPE_CHECKING:  # pragma: no cover
-    from ..backends.vision import ImageEmbedding
+    from ..model.vision import ImageEmbedding
 
 from ..stores import HostTier, MemoryTier, StoreEntry, Tier, TieredStore, TierTraffic, chunk_key, embeds_key
 
@@ -40,6 +40,11 @@ class WindowStore:
     def __init__(self, store: TieredStore) -> None:
         self.store = store
         self._holds: Counter[str] = Counter()
+        #: (kind, tier that served it or "miss") -> lookups, kind in chunk / patch / embeds
+        self.lookups: Counter[tuple[str, str]] = Counter()
+
+    def _count(self, kind: str, traffic: TierTraffic) -> None:
+        self.lookups[(kind, traffic.served_from or "miss")] += 1
 
     @classmethod
     def wrap(cls, store: Any, device: torch.device | str = "cpu") -> "WindowStore":
@@ -81,6 +86,7 @@ class WindowStore:
 
         Raises FingerprintMismatchError for an entry another model or layout wrote."""
         entry = self.store.get(key, expect_fingerprint=fingerprint, expect_layout=layout, traffic=traffic)
+        self._count("chunk", traffic)
         if entry is None:
             return None
         return Chunk.from_entry(dict(entry.tensors), dict(entry.meta))
@@ -95,9 +101,10 @@ class WindowStore:
     # ------------------------------------------------------------------ encoder embeddings
     def get_embeds(self, fingerprint: str, pixel_key: str, *, traffic: TierTraffic) -> "ImageEmbedding | None":
         """A vision tower's stored output for these pixels + processor settings, or None."""
-        from ..backends.vision import ImageEmbedding
+        from ..model.vision import ImageEmbedding
 
         entry = self.store.get(embeds_key(fingerprint, pixel_key), expect_fingerprint=fingerprint, traffic=traffic)
+        self._count("embeds", traffic)
         return None if entry is None else ImageEmbedding.from_entry(dict(entry.tensors), dict(entry.meta))
 
     def put_embeds(self, fingerprint: str, emb: "ImageEmbedding", *, traffic: TierTraffic) -> None:
@@ -107,6 +114,7 @@ class WindowStore:
     # ------------------------------------------------------------------ patches
     def get_patch(self, key: str, *, fingerprint: str, traffic: TierTraffic) -> Patch | None:
         entry = self.store.get(key, expect_fingerprint=fingerprint, traffic=traffic)
+        self._count("patch", traffic)
         if entry is None:
             return None
         return Patch.from_entry(dict(entry.tensors), dict(entry.meta))

@@ -23,33 +23,56 @@ operation          what happens                                                 
 
 Every operation returns (or, for ``append``, attaches to the returned ref) a :class:`Receipt`;
 ``window.last_receipt`` is the latest. A failed operation raises a typed error
-(``contextdeque.errors``) and leaves the window as it was.
+(``contextdeque.core.errors``) and leaves the window as it was.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import torch
 
-from ..chunk import Chunk, storage_dtype
-from ..errors import BudgetError, FingerprintMismatchError, UnknownRefError, WindowError
-from ..operator import LayerKV
-from ..patch import Patch
-from . import decode
+from ..core.chunk import Chunk, storage_dtype
+from ..core.errors import BudgetError, UnknownRefError, WindowError
+from ..core.kv import LayerKV
+from ..patch import Patch, form_patch
+from . import decode, ingest
 from .context import WindowContext
 from .disposable import Verdict, run_test
 from .graph import Cascade, ConditioningGraph
+from .kvselect import SelectionPolicy, generate_selected
+from .placement import PlacementPolicy, make_placement, window_index
 from .policy import PatchPolicy, make_policy
+from .policy_latency import HealPolicy
 from .receipt import PAGES, Meter, Receipt
-from .reconcile import reconcile
+from .reconcile import patch_store_key, reconcile
 from .ref import ChunkRef, new_ref
 from .root import backend_with_root
 from .slot import Slot
+from .staleness import staleness
 from .state import EvictedEntry, WindowState
 from .store import WindowStore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .healer import Healer
+
+T = TypeVar("T")
+
+
+def _foreground(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a window method as a foreground operation (the idle healer gives way to it)."""
+
+    @functools.wraps(method)
+    def wrapper(self: "ContextWindow", *args: Any, **kwargs: Any) -> Any:
+        with self._ctx.foreground():
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 @dataclass
@@ -84,6 +107,17 @@ class ContextWindow:
             ``"reform"`` their patches, ``"keep"`` them, or ``"flag"`` them stale.
         overflow: ``"slide"`` or ``"error"`` (see ``budget_tokens``).
         storage: dtype canonicals are stored in (float32, bfloat16, float16).
+        placement: where appended and recalled chunks go: ``"arrival"`` (the end, or ``at``),
+            ``"scheduler"`` (``contextdeque.scheduler``: the place that keeps stored patches
+            valid and forms the fewest new ones), another registered name or a
+            ``PlacementPolicy``.
+        fidelity_target: the safety envelope: when set (e.g. 0.99), each patch's rank is chosen
+            per chunk from Δ's singular spectrum — the smallest m capturing this fraction of Δ's
+            energy (K and V separately) — instead of the global ``rank``, capped so a patch
+            never exceeds ``max_patch_fraction`` of its page's bytes.
+        kv_selection: a ``SelectionPolicy``: under memory pressure (more rows per KV head than
+            its threshold) ``generate`` decodes over the rows its selector keeps (MM-ShiftKV,
+            SnapKV, StreamingLLM); None: always the full window.
     """
 
     def __init__(
@@ -98,9 +132,15 @@ class ContextWindow:
         *,
         overflow: str = "slide",
         storage: torch.dtype | str = torch.float32,
+        placement: "str | PlacementPolicy" = "arrival",
+        fidelity_target: float | None = None,
+        max_patch_fraction: float = 0.25,
+        kv_selection: "SelectionPolicy | None" = None,
     ) -> None:
         backend = backend_with_root(backend, root)
-        self._ctx = WindowContext(
+        if kv_selection is not None and not isinstance(kv_selection, SelectionPolicy):
+            raise WindowError(f"kv_selection must be a SelectionPolicy, got {type(kv_selection).__name__}")
+        ctx = WindowContext(
             backend=backend,
             store=WindowStore.wrap(store, backend.device),
             policy=make_policy(patch_policy),
@@ -109,10 +149,19 @@ class ContextWindow:
             cascade_policy=cascade_policy,
             overflow=overflow,
             storage=storage_dtype(storage),
+            placement=make_placement(placement),
+            fidelity_target=None if fidelity_target is None else float(fidelity_target),
+            max_patch_fraction=float(max_patch_fraction),
+            kv_selection=kv_selection,
         )
-        self._state = WindowState()
-        self._parent: ContextWindow | None = None
-        self._base_generation: int | None = None
+        self._setup(ctx, WindowState(), parent=None)
+
+    def _setup(self, ctx: WindowContext, state: WindowState, parent: "ContextWindow | None") -> None:
+        """Every field of a window, in one place: ``__init__`` and ``fork`` both come here."""
+        self._ctx = ctx
+        self._state = state
+        self._parent = parent
+        self._base_generation: int | None = None if parent is None else parent._state.generation
         self._closed = False
         self.last_receipt: Receipt | None = None
         self.receipts: deque[Receipt] = deque(maxlen=1000)
@@ -231,19 +280,24 @@ class ContextWindow:
         if self._closed:
             raise WindowError("this window was committed, discarded or closed")
 
-    def _run(self, op: str, body: Callable[[WindowState, Meter], dict[str, Any]], *, mutates: bool = True) -> Receipt:
-        """Run ``body`` on a copy of the state; swap it in only if it succeeds."""
-        self._check_open()
-        meter = Meter(self._ctx, op)
-        new = self._state.copy() if mutates else self._state
-        fields = body(new, meter)
-        if mutates:
-            self._install(new, meter)
-        receipt = meter.finish(**fields)
-        self._record(receipt)
-        return receipt
+    def _run(
+        self, op: str, body: Callable[[WindowState, Meter], tuple[dict[str, Any], T]], *, mutates: bool = True
+    ) -> tuple[Receipt, T]:
+        """Run ``body`` on a copy of the state; swap it in only if it succeeds. ``body`` returns
+        the receipt's fields and the operation's result; ``_run`` returns the receipt and that result."""
+        with self._ctx.foreground():
+            self._check_open()
+            meter = Meter(self._ctx, op)
+            new = self._state.copy() if mutates else self._state
+            fields, result = body(new, meter)
+            if mutates:
+                self._install(new, meter)
+            receipt = meter.finish(**fields)
+            self._record(receipt)
+            return receipt, result
 
     def _install(self, new: WindowState, meter: Meter) -> None:
+        new.settle_pending({r: d[0] for r, d in meter.deferred.items()}, meter.reconditioned)
         before, after = self._state.held_keys(), new.held_keys()
         self._ctx.store.hold(list((after - before).elements()), meter.traffic)
         self._ctx.store.release(list((before - after).elements()), meter.traffic)
@@ -254,96 +308,6 @@ class ContextWindow:
     def _record(self, receipt: Receipt) -> None:
         self.last_receipt = receipt
         self.receipts.append(receipt)
-
-    def _image_embedding(self, image: Any, processor: Any, meter: Meter) -> Any:
-        """The vision tower's output for ``image``: from the store (keyed by the pixels and the
-        processor settings), or computed once and stored, so the tower never re-runs on pixels it
-        has seen."""
-        from ..backends.vision import image_embedding, pixel_key
-
-        if processor is None:
-            raise WindowError("image= needs the model's image processor (processor=)")
-        ctx = self._ctx
-        key = pixel_key(image, processor)
-        found = ctx.store.get_embeds(ctx.fingerprint, key, traffic=meter.traffic)
-        if found is not None:
-            return found
-        emb = image_embedding(ctx.backend, image, processor)
-        ctx.counters["vision_encodes"] = ctx.counters.get("vision_encodes", 0) + 1
-        meter.notes.append(f"vision tower ran ({emb.embeds.shape[0]} tokens)")
-        ctx.store.put_embeds(ctx.fingerprint, emb, traffic=meter.traffic)
-        return emb
-
-    def _chunk_from_inputs(
-        self,
-        meter: Meter,
-        text: str | None,
-        token_ids: Sequence[int] | torch.Tensor | None,
-        embeds: torch.Tensor | None,
-        chunk: Chunk | None,
-        rel_positions: torch.Tensor | None,
-        span: int | None,
-        modality: str | None,
-        image: Any = None,
-        processor: Any = None,
-    ) -> Chunk:
-        """The canonical for the given content: from the store, or encoded once and stored."""
-        ctx = self._ctx
-        if image is not None:
-            if any(x is not None for x in (text, token_ids, embeds, chunk)):
-                raise WindowError("append needs exactly one of text=, token_ids=, embeds=, image=, chunk=")
-            img = self._image_embedding(image, processor, meter)
-            embeds, rel_positions, span, modality = img.embeds, img.rel_positions, img.span, "image"
-        given = sum(x is not None for x in (text, token_ids, embeds, chunk))
-        if given != 1:
-            raise WindowError("append needs exactly one of text=, token_ids=, embeds=, chunk=")
-        if chunk is not None:
-            if not isinstance(chunk, Chunk):
-                raise WindowError(f"chunk= must be a contextdeque Chunk, got {type(chunk).__name__}")
-            self._check_chunk(chunk)
-            self._check_fits(chunk.n_tokens)
-            key = WindowStore.chunk_key(chunk)
-            if not ctx.store.has(key):
-                ctx.store.put_chunk(chunk, traffic=meter.traffic)
-            stored = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)
-            return stored if stored is not None else chunk
-        if text is not None:
-            token_ids = ctx.backend.tokenize(text)
-        n = int(torch.as_tensor(token_ids).numel()) if token_ids is not None else int(embeds.shape[0])
-        self._check_fits(n)  # before encoding: a chunk that can never fit costs nothing
-        cid = ctx.backend.chunk_id_for(
-            token_ids=token_ids, embeds=embeds, rel_positions=rel_positions, span=span, storage=ctx.storage
-        )
-        key = WindowStore.chunk_key(cid, ctx.fingerprint)
-        found = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)
-        if found is not None:
-            return found
-        encoded = ctx.backend.encode(
-            token_ids=token_ids, embeds=embeds, rel_positions=rel_positions, span=span,
-            storage=ctx.storage, modality=modality,
-        )
-        ctx.counters["encodes"] += 1
-        key = ctx.store.put_chunk(encoded, traffic=meter.traffic)
-        stored = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)
-        return stored if stored is not None else encoded
-
-    def _check_chunk(self, chunk: Chunk) -> None:
-        ctx = self._ctx
-        if chunk.fingerprint != ctx.fingerprint or chunk.layout_signature != ctx.layout.signature:
-            raise FingerprintMismatchError(
-                f"chunk {chunk.id[:12]} was encoded by model {chunk.fingerprint[:12]} (layout "
-                f"{chunk.layout_signature}); this window runs {ctx.fingerprint[:12]} ({ctx.layout.signature})"
-            )
-        if chunk.root_digest != ctx.backend.root_digest:
-            raise FingerprintMismatchError(
-                f"chunk {chunk.id[:12]} was encoded after another root ({chunk.root_digest}) than this "
-                f"window's ({ctx.backend.root_digest}); its canonical would not be KV(B | root)"
-            )
-
-    def _check_fits(self, n_tokens: int) -> None:
-        budget = self._ctx.budget_tokens
-        if budget is not None and n_tokens > budget:
-            raise BudgetError(f"a chunk of {n_tokens} tokens cannot fit a window budget of {budget} tokens")
 
     @staticmethod
     def _evict_at(state: WindowState, slots: list[Slot], idx: int, reasons: dict[ChunkRef, str]) -> ChunkRef:
@@ -357,6 +321,7 @@ class ContextWindow:
             span=s.span,
             stale_patch_keys=tuple(c.key for c in s.stack if c.key),
             formed_on=s.conditioned_on,
+            provisional=s.chunk if s.provisional else None,
         )
         reasons.pop(s.ref, None)
         for later in slots[idx:]:
@@ -405,40 +370,68 @@ class ContextWindow:
             BudgetError: the chunk alone is larger than the budget (or ``overflow="error"``).
             FingerprintMismatchError: ``chunk`` comes from another model, layout or root.
         """
-        out: dict[str, ChunkRef] = {}
-
-        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
-            c = self._chunk_from_inputs(
-                meter, text, token_ids, embeds, chunk, rel_positions, span, modality, image, processor
+        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], ChunkRef]:
+            defer = bool(getattr(self._ctx.policy, "defers_canonical", False))
+            c = ingest.chunk_from_inputs(
+                self._ctx, meter, text=text, token_ids=token_ids, embeds=embeds, chunk=chunk,
+                rel_positions=rel_positions, span=span, modality=modality, image=image, processor=processor,
+                defer_encode=defer,
             )
-            self._check_fits(c.n_tokens)
-            ref = new_ref(c.id, c.n_tokens)
+            ingest.check_fits(self._ctx, c.n_tokens)
             slots = list(state.slots)
             reasons: dict[ChunkRef, str] = {}
             left = self._make_room(state, slots, c.n_tokens, reasons)
-            slots.append(Slot(ref=ref, chunk=c))
+            if isinstance(c, ingest.Unencoded):
+                if slots:  # one conditioned forward after the (re-placed) window, like a prefix cache
+                    slots, _ = reconcile(self._ctx, slots, reasons, meter)
+                    slots, reasons = list(slots), {}
+                    new = ingest.provisional(self._ctx, c, slots, meter)
+                else:  # nothing in front: the canonical is what the model would cache
+                    c = ingest.encode_and_store(self._ctx, meter, **c.inputs)
+                    new = Slot(ref=new_ref(c.id, c.n_tokens), chunk=c)
+            else:
+                new = Slot(ref=new_ref(c.id, c.n_tokens), chunk=c)
+            ref = new.ref
+            at = window_index(self._ctx, state.graph, slots, new, len(slots))
+            slots.insert(at, new)
             reasons[ref] = "append"
+            for later in slots[at + 1 :]:
+                reasons.setdefault(later.ref, "inserted")
             state.slots, _ = reconcile(self._ctx, slots, reasons, meter)
-            out["ref"] = ref
-            return {"refs": (ref,), "left": tuple(left)}
+            return {"refs": (ref,), "left": tuple(left)}, ref
 
-        receipt = self._run("append", body)
-        return out["ref"].with_receipt(receipt)
+        receipt, ref = self._run("append", body)
+        return ref.with_receipt(receipt)
+
+    def extend(self, items: Sequence[Any], *, overlap: bool = True, workers: int = 1) -> Receipt:
+        """Append several chunks, in order, as one operation; ``receipt.refs`` are their refs.
+
+        ``items``: text, encoded ``Chunk`` objects, or dicts of :meth:`append`'s arguments.
+        Canonicals in a slower store tier (host, disk, remote) are loaded on ``workers``
+        background threads while this thread encodes the ones the store lacks and forms the
+        patches (``overlap=False``: one after another, the same result bit for bit). A load
+        that fails is recomputed instead (``receipt.load_fallbacks``); ``receipt.loading``
+        says how loads and compute overlapped. Same budget and policy behaviour as ``append``.
+        """
+        from .overlap import extend_body
+
+        receipt, _ = self._run("extend", lambda state, meter: (extend_body(self, state, meter, items, overlap, workers), None))
+        return receipt
 
     def slide(self, n: int = 1) -> Receipt:
         """The ``n`` oldest chunks leave the window (evicted: recallable); survivors re-rotate to
         their new positions (and get what the patch policy says: nothing by default)."""
 
-        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
             if not isinstance(n, int) or n < 0 or n > len(state.slots):
                 raise WindowError(f"cannot slide {n} chunk(s) out of a window of {len(state.slots)}")
             slots = list(state.slots)
             reasons: dict[ChunkRef, str] = {}
             left = [self._evict_at(state, slots, 0, reasons) for _ in range(n)]
             state.slots, _ = reconcile(self._ctx, slots, reasons, meter)
-            return {"refs": tuple(left), "left": tuple(left)}
+            return {"refs": tuple(left), "left": tuple(left)}, None
 
-        return self._run("slide", body)
+        return self._run("slide", body)[0]
 
     def evict(self, ref: ChunkRef) -> Receipt:
         """Drop ``ref``'s conditioned KV from the window; its canonical and patches move one tier
@@ -449,16 +442,16 @@ class ContextWindow:
             UnknownRefError: ``ref`` is unknown here (or purged). WindowError: already evicted.
         """
 
-        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
             state.check_known(ref)
             idx = state.index(ref)
             slots = list(state.slots)
             reasons: dict[ChunkRef, str] = {}
             self._evict_at(state, slots, idx, reasons)
             state.slots, _ = reconcile(self._ctx, slots, reasons, meter)
-            return {"refs": (ref,), "left": (ref,)}
+            return {"refs": (ref,), "left": (ref,)}, None
 
-        return self._run("evict", body)
+        return self._run("evict", body)[0]
 
     def recall(self, ref: ChunkRef, at: int | None = None) -> Receipt:
         """Re-instate an evicted chunk at index ``at`` (default: the end) from its canonical, with
@@ -475,7 +468,7 @@ class ContextWindow:
             WindowError: ``ref`` is in the window, or ``at`` is out of range.
         """
 
-        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
             ctx = self._ctx
             state.check_known(ref)
             if ref not in state.evicted:
@@ -484,10 +477,13 @@ class ContextWindow:
             pos = len(state.slots) if at is None else at
             if not isinstance(pos, int) or not 0 <= pos <= len(state.slots):
                 raise WindowError(f"recall position {at} is outside 0..{len(state.slots)}")
-            self._check_fits(entry.n_tokens)
-            chunk = ctx.store.get_chunk(
-                entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic
-            )
+            ingest.check_fits(self._ctx, entry.n_tokens)
+            if entry.provisional is not None:  # left before it was healed: its canonical, now
+                chunk = ingest.canonical_of(self._ctx, entry.provisional, meter)
+            else:
+                chunk = ctx.store.get_chunk(
+                    entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic
+                )
             if chunk is None:
                 raise UnknownRefError(
                     f"{ref!r}: its canonical is no longer in the store (dropped by the store's budget); "
@@ -499,16 +495,18 @@ class ContextWindow:
             left = self._make_room(state, slots, entry.n_tokens, reasons)
             pos = max(0, pos - len(left))
             del state.evicted[ref]
-            slots.insert(pos, Slot(ref=ref, chunk=chunk))
+            entering = Slot(ref=ref, chunk=chunk)
+            pos = window_index(ctx, state.graph, slots, entering, pos, entry.formed_on)
+            slots.insert(pos, entering)
             reasons[ref] = "recall"
             for later in slots[pos + 1 :]:
                 reasons[later.ref] = "inserted"
             state.slots, cascade = reconcile(
                 ctx, slots, reasons, meter, recalled=ref, cascade_candidates=candidates - set(left)
             )
-            return {"refs": (ref,), "left": tuple(left), "cascade": cascade}
+            return {"refs": (ref,), "left": tuple(left), "cascade": cascade}, None
 
-        return self._run("recall", body)
+        return self._run("recall", body)[0]
 
     def reorder(self, order: Sequence[ChunkRef]) -> Receipt:
         """Permute the window to ``order`` (every in-window ref exactly once). Slots whose
@@ -519,7 +517,7 @@ class ContextWindow:
             WindowError: ``order`` is not a permutation of the window's refs.
         """
 
-        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
             refs = list(order)
             current = state.refs
             if len(refs) != len(current) or set(refs) != set(current) or len(set(refs)) != len(refs):
@@ -533,39 +531,141 @@ class ContextWindow:
             slots = [by_ref[r] for r in refs]
             reasons = {r: "reorder" for r in refs}
             state.slots, _ = reconcile(self._ctx, slots, reasons, meter)
-            return {"refs": tuple(refs)}
+            return {"refs": tuple(refs)}, None
 
-        return self._run("reorder", body)
+        return self._run("reorder", body)[0]
 
     def purge(self, ref: ChunkRef) -> Receipt:
         """Forget an evicted chunk: it can no longer be recalled (its store entries stay:
         they are content-addressed and may serve other windows)."""
 
-        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
             state.check_known(ref)
             if ref not in state.evicted:
                 raise WindowError(f"{ref!r} is in the window: evict it before purging")
             del state.evicted[ref]
             state.graph.remove(ref)
-            return {"refs": (ref,)}
+            return {"refs": (ref,)}, None
 
-        return self._run("purge", body)
+        return self._run("purge", body)[0]
 
     def refresh(self, refs: Sequence[ChunkRef] | None = None) -> Receipt:
         """Re-condition ``refs`` (default: the chunks flagged stale) on what now precedes them."""
 
-        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
             targets = list(refs) if refs is not None else [s.ref for s in state.slots if s.stale]
             for r in targets:
                 state.check_known(r)
                 state.index(r)
             reasons = {r: "refresh" for r in targets}
             state.slots, _ = reconcile(self._ctx, list(state.slots), reasons, meter)
-            return {"refs": tuple(targets)}
+            return {"refs": tuple(targets)}, None
 
-        return self._run("refresh", body)
+        return self._run("refresh", body)[0]
+
+    # ------------------------------------------------------------------ healing
+    @property
+    def pending_refs(self) -> tuple[ChunkRef, ...]:
+        """In-window chunks a latency-first policy answered with a stale or blind patch, in window
+        order: what :meth:`heal` would work on."""
+        return tuple(s.ref for s in self._state.slots if s.ref in self._state.pending)
+
+    def heal_priority(self, ref: ChunkRef) -> float:
+        """How urgently ``ref`` needs healing: its staleness x its expected reuse."""
+        idx = self._state.index(ref)
+        slots = self._state.slots
+        reuse = self._ctx.expected_reuse(ref) if self._ctx.expected_reuse is not None else 1.0
+        return staleness(slots[idx], slots[:idx]) * float(reuse)
+
+    def heal(self, max_ms: float | None = None, *, max_steps: int | None = None) -> Receipt:
+        """Carry out the conditioning a latency-first policy deferred, most urgent first.
+
+        Each step takes the pending chunk of highest :meth:`heal_priority` and heals it together
+        with the pending chunks in front of it (a patch is formed on its antecedents' current
+        KV, so they go first), running the eager policy's decisions on the window as it stands;
+        each step is one transaction (an error or interruption leaves the window as it was
+        before that step). Stops when nothing is pending, after ``max_steps`` steps, or once
+        ``max_ms`` have passed (checked between steps). Returns one receipt for all steps
+        (``op="heal"``; each step is also in ``receipts``). Under an eager policy nothing is
+        ever pending and this is a no-op.
+        """
+        self._check_open()
+        t0 = time.perf_counter()
+        steps: list[Receipt] = []
+        while self._state.pending or self._unhealed_evicted():
+            if max_steps is not None and len(steps) >= int(max_steps):
+                break
+            if max_ms is not None and (time.perf_counter() - t0) * 1000.0 >= float(max_ms):
+                break
+            steps.append(self._heal_step())
+        return Receipt.merged("heal", steps, wall_ms=(time.perf_counter() - t0) * 1000.0)
+
+    def _unhealed_evicted(self) -> list[ChunkRef]:
+        """Evicted chunks that left before their canonical was computed."""
+        return [r for r, e in self._state.evicted.items() if e.provisional is not None]
+
+    def _heal_step(self) -> Receipt:
+        """One heal transaction (see :meth:`heal`)."""
+
+        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
+            ctx = self._ctx
+            if not state.pending:
+                for ref in self._unhealed_evicted()[:1]:  # canonical of a chunk that left unhealed
+                    entry = state.evicted[ref]
+                    ingest.canonical_of(self._ctx, entry.provisional, meter)
+                    state.evicted[ref] = dataclasses.replace(entry, provisional=None)
+                    return {"refs": (ref,)}, None
+                return {"refs": ()}
+            target = max(state.pending, key=self.heal_priority)
+            idx = state.index(target)
+            batch = [s.ref for s in state.slots[: idx + 1] if s.ref in state.pending]
+            reasons = {r: state.pending[r].reason for r in batch}
+            eager = getattr(ctx.policy, "eager", ctx.policy)
+            slots = list(state.slots)
+            for i, s in enumerate(slots):
+                if s.ref in reasons and s.provisional:
+                    slots[i] = self._canonicalize(s, slots[:i], reasons[s.ref], eager, meter)
+            state.slots, _ = reconcile(ctx, slots, reasons, meter, policy=HealPolicy(eager))
+            for r in batch:
+                state.pending.pop(r, None)
+            return {"refs": tuple(batch)}, None
+
+        return self._run("heal", body)[0]
+
+    def _canonicalize(self, slot: Slot, prefix: Sequence[Slot], reason: str | None, eager: PatchPolicy, meter: Meter) -> Slot:
+        """A provisional slot as its canonical (blind, to be re-conditioned by the eager policy).
+
+        When the prefix is still the one its conditioned forward ran after, the patch the eager
+        policy wants there is the difference between that KV and the canonical: it is formed from
+        the provisional KV (an SVD, no forward) and stored, so re-conditioning finds it."""
+        ctx = self._ctx
+        canonical = ingest.canonical_of(self._ctx, slot.chunk, meter)
+        blind = Slot(ref=slot.ref, chunk=canonical, start=slot.start, layout=ctx.layout)
+        if tuple((p.ref, p.version) for p in prefix) == slot.inline_on:
+            wanted = eager.decide(reason, blind, prefix, valid=False, rank=ctx.rank)
+            if wanted.action == "form" and not wanted.stack:
+                rk, rv = ctx.clamp_rank(wanted.rank, canonical.n_tokens)
+                key = patch_store_key(ctx, blind, prefix, wanted.kind, (rk, rv))
+                if (rk or rv) and not ctx.store.has(key):
+                    patch = form_patch(
+                        ctx.backend, canonical, antecedents=[(p.chunk, list(p.patches)) for p in prefix],
+                        rank=rk, rank_v=rv, kind=wanted.kind, conditioned=(slot.chunk.keys, slot.chunk.values),
+                        **dict(wanted.options),
+                    )
+                    ctx.store.put_patch(key, patch, traffic=meter.traffic)
+        return blind
+
+    def start_healing(self, idle_ms: float = 20.0) -> "Healer":
+        """Heal in the background while the window is idle (no foreground operation for
+        ``idle_ms``): returns the running :class:`~contextdeque.window.healer.Healer` (call
+        ``stop()``, or use it as a context manager). Foreground operations never wait for it
+        longer than the layer in flight."""
+        from .healer import Healer
+
+        return Healer(self, idle_ms=idle_ms).start()
 
     # ------------------------------------------------------------------ forks
+    @_foreground
     def fork(self) -> "ContextWindow":
         """A copy-on-write child: shares canonicals, patches and pages (no tensor is copied),
         has its own order, overlay and evicted set. ``child.commit()`` makes the child's state
@@ -574,19 +674,14 @@ class ContextWindow:
         self._check_open()
         meter = Meter(self._ctx, "fork")
         child = ContextWindow.__new__(ContextWindow)
-        child._ctx = self._ctx
-        child._state = self._state.copy()
-        child._parent = self
-        child._base_generation = self._state.generation
-        child._closed = False
-        child.last_receipt = None
-        child.receipts = deque(maxlen=1000)
+        child._setup(self._ctx, self._state.copy(), parent=self)
         self._ctx.store.hold(list(child._state.held_keys().elements()), meter.traffic)
         receipt = meter.finish(refs=child.refs)
         self._record(receipt)
         child._record(receipt)
         return child
 
+    @_foreground
     def commit(self) -> Receipt:
         """Make this fork's state its parent's and close the fork.
 
@@ -623,6 +718,7 @@ class ContextWindow:
             raise WindowError("discard() is for forks; use close() for a window")
         return self.close(op="discard")
 
+    @_foreground
     def close(self, op: str = "close") -> Receipt:
         """Release everything this window holds in the store; further operations raise."""
         self._check_open()
@@ -642,16 +738,12 @@ class ContextWindow:
         Continue it with ``model.generate(input_ids=window.input_ids_for(q),
         past_key_values=cache, ...)``. Under the exact policy it equals the KV of one forward
         over the root and the chunks (to float rounding)."""
-        box: dict[str, Any] = {}
-
-        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], Any]:
             layers = decode.assemble(self._ctx, state.slots)
-            box["cache"] = decode.to_cache(self._ctx, layers)
             meter.page_bytes += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
-            return {"refs": state.refs}
+            return {"refs": state.refs}, decode.to_cache(self._ctx, layers)
 
-        self._run("materialize", body, mutates=False)
-        return box["cache"]
+        return self._run("materialize", body, mutates=False)[1]
 
     def input_ids_for(self, query: str | Sequence[int] | torch.Tensor, *, chat: bool = True) -> torch.Tensor:
         """``[1, S + Q]`` ids for ``model.generate(input_ids=..., past_key_values=materialize())``:
@@ -677,38 +769,23 @@ class ContextWindow:
         ``model.generate(input_ids=input_ids_for(query), past_key_values=materialize(), **kw)``
         (greedy unless ``kw`` says otherwise); windows with image spans through the window's own
         greedy decoder with explicit positions."""
-        box: dict[str, Any] = {}
-
-        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], Answer]:
             ctx = self._ctx
             q = decode.query_ids(ctx, query, chat=chat)
+            if ctx.kv_selection is not None:
+                new_ids, info = generate_selected(ctx, state.slots, q, max_new_tokens, decode.eos_ids(ctx), ctx.kv_selection)
+                meter.page_bytes += info["bytes_kept"]
+                meter.notes.append(
+                    f"kv selection {info['selector']}@{info['budget']}: kept {info['kept']} of {info['rows']} rows per KV head"
+                    if info["selected"] else f"kv selection {info['selector']}: {info['rows']} rows, under its threshold"
+                )
+                return {"refs": state.refs}, Answer(token_ids=new_ids, text=decode.decode_text(ctx, new_ids))
             layers = decode.assemble(ctx, state.slots)
             meter.page_bytes += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
-            if decode.hf_compatible(state.slots) and not kw.get("_window_decoder"):
-                ids = torch.tensor([decode.prefix_ids(ctx, state.slots) + q], dtype=torch.long, device=ctx.backend.device)
-                gen_kw = {"do_sample": False, "max_new_tokens": int(max_new_tokens)}
-                eos = decode.eos_ids(ctx)
-                gen_kw["pad_token_id"] = eos[0] if eos else decode.filler_id(ctx)
-                gen_kw.update({k: v for k, v in kw.items() if not k.startswith("_")})
-                with torch.no_grad():
-                    out = ctx.backend.model.generate(
-                        input_ids=ids,
-                        attention_mask=torch.ones_like(ids),
-                        past_key_values=decode.to_cache(ctx, layers),
-                        **gen_kw,
-                    )
-                new_ids = [int(t) for t in out[0, ids.shape[1] :].tolist()]
-                ctx.counters["decode_forwards"] += max(1, len(new_ids))
-                ctx.counters["decode_tokens"] += len(q) + max(0, len(new_ids) - 1)
-            else:
-                _, new_ids = decode.greedy(
-                    ctx, layers, decode.next_position(ctx, state.slots), q, max_new_tokens, decode.eos_ids(ctx)
-                )
-            box["answer"] = Answer(token_ids=new_ids, text=decode.decode_text(ctx, new_ids))
-            return {"refs": state.refs}
+            new_ids = decode.generate(ctx, state.slots, layers, q, max_new_tokens, **kw)
+            return {"refs": state.refs}, Answer(token_ids=new_ids, text=decode.decode_text(ctx, new_ids))
 
-        receipt = self._run("generate", body, mutates=False)
-        answer: Answer = box["answer"]
+        receipt, answer = self._run("generate", body, mutates=False)
         answer.receipt = receipt
         return answer
 
@@ -731,19 +808,15 @@ class ContextWindow:
         with ``kl_tol``, a first-token KL(as is || variant) at most ``kl_tol``). The window
         is not changed.
         """
-        box: dict[str, Any] = {}
-
-        def body(state: WindowState, meter: Meter) -> dict[str, Any]:
+        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], dict[str, Any]]:
             state.check_known(ref)
             idx = state.index(ref)
             q = decode.query_ids(self._ctx, query, chat=chat)
-            box["fields"] = run_test(
-                self._ctx, state.slots, idx, q, max_new_tokens=max_new_tokens, drop=drop, kl_tol=kl_tol
-            )
-            return {"refs": (ref,)}
+            found = run_test(self._ctx, state.slots, idx, q, max_new_tokens=max_new_tokens, drop=drop, kl_tol=kl_tol)
+            return {"refs": (ref,)}, found
 
-        receipt = self._run("is_disposable", body, mutates=False)
-        return Verdict(ref=ref, receipt=receipt, **box["fields"])
+        receipt, found = self._run("is_disposable", body, mutates=False)
+        return Verdict(ref=ref, receipt=receipt, **found)
 
 
 __all__ = ["ContextWindow", "Answer", "Verdict", "Cascade", "Receipt", "ChunkRef", "PAGES"]

@@ -1,0 +1,335 @@
+"""What every agent shares: its configuration, a recorded run over one ``ContextWindow`` (every
+window operation goes into the current step's receipts and into a replay trace), the per-step
+report, and the query measurement (answer, next-token KL and time to first token against a full
+re-prefill of the same window, tokens a prefix cache would prefill).
+
+Accounting, the same for every agent:
+
+- contextdeque's tokens and forwards for a step are what the window's receipts say (encodes,
+  patch forms), plus the query's own prefill at a query step;
+- a re-prefill prefills, at every query, the root, every chunk in the window and the query;
+- a prefix cache prefills, at every query, what follows the longest token prefix this request
+  shares with the previous query's;
+- both only pay at queries (reading a page costs them nothing until the model is asked), so run
+  totals compare everything contextdeque spent, reading included, with what they spend at queries.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Hashable, Sequence
+
+from contextdeque.core.errors import WindowError
+from contextdeque.traces import TraceBuilder, TraceHeader, content_hash, write_trace
+from contextdeque.window import ChunkRef, ContextWindow, Receipt
+
+from .measure import common_prefix, kl, reprefill_first_token, window_first_token, window_stream
+
+@dataclass
+class AgentConfig:
+    """How an agent drives its window.
+
+    ``budget_tokens``: the window's token budget (smaller than the document / site / video).
+    ``rank``: patch rank m; ``fidelity_target``: adaptive rank target where the window supports
+    it (``ContextWindow(fidelity_target=)``), else refused. ``patch_policy``: ``default``,
+    ``exact``, ``none`` or another registered name. ``cascade_policy``: see ``ContextWindow``.
+    ``placement``: where the window puts appended and recalled chunks (``"arrival"``,
+    ``"scheduler"``; see ``ContextWindow``). ``max_new_tokens``: answer length. ``measure``: at
+    every query, also measure next-token KL and time to first token against a full re-prefill.
+    ``seed``: seeds the scripted navigation. ``store``: a shared store (default: in memory).
+    """
+
+    budget_tokens: int = 640
+    rank: int = 32
+    fidelity_target: float | None = None
+    patch_policy: Any = "default"
+    cascade_policy: str = "reform"
+    placement: str = "arrival"
+    max_new_tokens: int = 24
+    measure: bool = True
+    seed: int = 0
+    store: Any = None
+
+    def window_kwargs(self) -> dict[str, Any]:
+        return dict(
+            budget_tokens=self.budget_tokens, rank=self.rank, patch_policy=self.patch_policy,
+            cascade_policy=self.cascade_policy, store=self.store, placement=self.placement,
+            fidelity_target=self.fidelity_target,
+        )
+
+
+@dataclass
+class Step:
+    """One row of an agent's report.
+
+    ``op``: what the agent did (``read``, ``visit``, ``watch``, ``query``...); ``detail``: on what,
+    and what the window did (recalls, drops, reorders, slides). ``forwards`` / ``tokens``:
+    contextdeque's model forwards and tokens prefilled for the step (window operations, plus the
+    query's prefill at a query step); ``encodes``: chunks encoded. At a query step also
+    ``reprefill_tokens`` / ``prefix_cache_tokens`` (what those would prefill for this request),
+    ``ms`` (the step's window operations + time to the first answer token) against
+    ``reprefill_ms`` (a full re-prefill of the same window + the query, measured right after),
+    the ``answer`` and ``kl`` (next-token KL(re-prefill ‖ window), nats); ``choice``: the model
+    picked among fixed choices (a yes/no judgement) rather than answering in free text. ``window``: the labels
+    in the window after the step.
+    """
+
+    index: int
+    op: str
+    detail: str = ""
+    forwards: int = 0
+    encodes: int = 0
+    tokens: int = 0
+    ms: float = 0.0
+    reprefill_tokens: int | None = None
+    prefix_cache_tokens: int | None = None
+    reprefill_ms: float | None = None
+    question: str | None = None
+    answer: str | None = None
+    kl: float | None = None
+    choice: bool = False
+    window: tuple[str, ...] = ()
+    receipts: list[Receipt] = field(default_factory=list, repr=False)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index, "op": self.op, "detail": self.detail, "forwards": self.forwards,
+            "encodes": self.encodes, "tokens": self.tokens, "ms": round(self.ms, 3),
+            "reprefill_tokens": self.reprefill_tokens, "prefix_cache_tokens": self.prefix_cache_tokens,
+            "reprefill_ms": None if self.reprefill_ms is None else round(self.reprefill_ms, 3),
+            "question": self.question, "answer": self.answer, "kl": self.kl, "choice": self.choice, "window": list(self.window),
+            "notes": list(self.notes),
+        }
+
+
+def query_ids(backend: Any, question: str) -> list[int]:
+    """The question's token ids, closing the user turn the window root opened (chat template)."""
+    from contextdeque.eval.fidelity.probes import query_suffix, tokenize
+
+    return tokenize(backend, "\n\n" + question + query_suffix(backend))
+
+
+class AgentRun:
+    """One agent's recorded run over its own ``ContextWindow``.
+
+    Every window operation goes through this object: it lands in the open step's receipts and in
+    the replay trace (``contextdeque.traces`` format, ``generator`` = the agent kind). Chunks are
+    named by labels the agent chooses (``p3``, ``page:/topics.html``, ``seg2/f1``...).
+
+    ``on_step``: called with each finished :class:`Step` (the demo's live table).
+    """
+
+    def __init__(self, backend: Any, config: AgentConfig, *, generator: str, agent: str,
+                 on_step: Callable[[Step], None] | None = None) -> None:
+        self.backend = backend
+        self.config = config
+        self.window = ContextWindow(backend, **config.window_kwargs())
+        self.trace = TraceBuilder(TraceHeader(generator=generator, agent=agent, seed=config.seed,
+                                              meta={"model": str(getattr(backend, "name", "")),
+                                                    "budget_tokens": config.budget_tokens}))
+        self.steps: list[Step] = []
+        self.on_step = on_step
+        self.label_of: dict[ChunkRef, str] = {}
+        self.ref_of: dict[str, ChunkRef] = {}
+        self._step: Step | None = None
+        self._t0 = 0.0
+        self._last_query_stream: list[Hashable] = []
+        self._run_t0 = time.perf_counter()
+
+    # ------------------------------------------------------------------ steps
+    def begin(self, op: str, detail: str = "") -> Step:
+        if self._step is not None:
+            raise WindowError("a step is already open")
+        self._step = Step(index=len(self.steps) + 1, op=op, detail=detail)
+        self.trace.step(t=round((time.perf_counter() - self._run_t0) * 1000.0, 3), label=f"{op} {detail}".strip())
+        self._t0 = time.perf_counter()
+        return self._step
+
+    def end(self) -> Step:
+        st = self._need_step()
+        if st.question is None:
+            st.ms = (time.perf_counter() - self._t0) * 1000.0
+        st.window = tuple(self.label_of[r] for r in self.window.refs)
+        self.steps.append(st)
+        self._step = None
+        if self.on_step is not None:
+            self.on_step(st)
+        return st
+
+    def _need_step(self) -> Step:
+        if self._step is None:
+            raise WindowError("no step is open: call begin() first")
+        return self._step
+
+    def _account(self, receipt: Receipt) -> Receipt:
+        st = self._need_step()
+        st.receipts.append(receipt)
+        st.forwards += receipt.forwards
+        st.tokens += receipt.tokens_prefilled
+        st.encodes += receipt.encodes
+        return receipt
+
+    def _left(self, receipt: Receipt) -> None:
+        """Chunks the budget pushed out: the trace says the window slid."""
+        if receipt.left:
+            self.trace.slide(len(receipt.left))
+            self._need_step().notes.append("slid out " + ", ".join(self.label_of[r] for r in receipt.left))
+
+    # ------------------------------------------------------------------ window operations
+    def append(self, label: str, *, modality: str = "text", content_key: str | None = None, **kwargs: Any) -> ChunkRef:
+        """``window.append(**kwargs)`` as chunk ``label`` (a label seen before that left the window
+        should be recalled instead)."""
+        if label in self.ref_of:
+            raise WindowError(f"chunk {label!r} was appended before: recall it")
+        ref = self.window.append(**kwargs)
+        rc = self._account(ref.receipt)  # type: ignore[arg-type]
+        self._left(rc)
+        self.label_of[ref] = label
+        self.ref_of[label] = ref
+        self.trace.arrive(label, ref.n_tokens, content_key or ref.chunk_id[:16], modality=modality,
+                          at=self._placed_at(ref))
+        return ref
+
+    def _placed_at(self, ref: ChunkRef) -> int | None:
+        """Where the window put ``ref`` (None: at the end), for the trace."""
+        i = list(self.window.refs).index(ref)
+        return None if i == len(self.window.refs) - 1 else i
+
+    def recall(self, label: str, at: int | None = None) -> Receipt:
+        ref = self.ref_of[label]
+        rc = self._account(self.window.recall(ref, at=at))
+        self._left(rc)
+        self.trace.recall(label, at=self._placed_at(ref))
+        return rc
+
+    def evict(self, label: str) -> Receipt:
+        rc = self._account(self.window.evict(self.ref_of[label]))
+        self.trace.evict(label)
+        return rc
+
+    def reorder(self, labels: Sequence[str]) -> Receipt:
+        rc = self._account(self.window.reorder([self.ref_of[x] for x in labels]))
+        self.trace.reorder(list(labels))
+        return rc
+
+    def slide(self, n: int = 1) -> Receipt:
+        rc = self._account(self.window.slide(n))
+        self.trace.slide(n)
+        return rc
+
+    def is_disposable(self, label: str, question: str, *, max_new_tokens: int = 4, drop: bool = True) -> Any:
+        """The model decides: does ``question``'s answer change without ``label``'s conditioning
+        (and without the chunk)? A ``Verdict``; its decodes count in the step."""
+        v = self.window.is_disposable(self.ref_of[label], query_ids(self.backend, question),
+                                      max_new_tokens=max_new_tokens, drop=drop, chat=False)
+        self._account(v.receipt)
+        return v
+
+    def in_window(self, label: str) -> bool:
+        ref = self.ref_of.get(label)
+        return ref is not None and ref in self.window
+
+    @property
+    def labels(self) -> list[str]:
+        return [self.label_of[r] for r in self.window.refs]
+
+    # ------------------------------------------------------------------ the query
+    def ask(self, question: str, *, max_new_tokens: int | None = None, choices: Sequence[str] | None = None) -> Step:
+        """Answer ``question`` from the window as it stands; measures (``config.measure``) KL and
+        time to first token against a full re-prefill, and what a prefix cache would prefill.
+
+        ``choices``: the model picks one of these (the one whose first token it ranks highest
+        after the question) instead of generating free text."""
+        st = self._need_step()
+        q = query_ids(self.backend, question)
+        st.question = question
+        ops_ms = (time.perf_counter() - self._t0) * 1000.0
+        stream = window_stream(self.window) + [("query", t) for t in q]
+        st.reprefill_tokens = len(stream)
+        st.prefix_cache_tokens = len(stream) - common_prefix(self._last_query_stream, stream)
+        self._last_query_stream = stream
+        st.tokens += len(q)
+        st.forwards += 1
+        mine = window_first_token(self.window, q)
+        st.ms = ops_ms + mine.ms
+        if self.config.measure:
+            ref = reprefill_first_token(self.window, q)
+            st.reprefill_ms = ref.ms
+            st.kl = kl(ref.logits, mine.logits)
+        if choices:
+            st.choice = True
+            st.answer = pick_choice(self.backend, mine.logits, choices)
+            n_out = 1
+        else:
+            answer = self.window.generate(q, max_new_tokens=max_new_tokens or self.config.max_new_tokens, chat=False)
+            st.answer = (answer.text or "").strip()
+            n_out = len(answer.token_ids)
+        self.trace.query(tokens=len(q), output_tokens=n_out, text=question, answer=st.answer)
+        return st
+
+    # ------------------------------------------------------------------ results
+    def summary(self) -> dict[str, Any]:
+        """Totals over the run (see the module docstring for what each side counts)."""
+        queries = [s for s in self.steps if s.question is not None]
+        cd_tokens = sum(s.tokens for s in self.steps)
+        rp_tokens = sum(s.reprefill_tokens or 0 for s in queries)
+        pc_tokens = sum(s.prefix_cache_tokens or 0 for s in queries)
+        kls = [s.kl for s in queries if s.kl is not None]
+        ratios = [s.reprefill_ms / s.ms for s in queries if s.reprefill_ms and s.ms > 0]
+        out: dict[str, Any] = {
+            "steps": len(self.steps),
+            "queries": len(queries),
+            "forwards": sum(s.forwards for s in self.steps),
+            "encodes": sum(s.encodes for s in self.steps),
+            "tokens_prefilled": cd_tokens,
+            "reprefill_tokens": rp_tokens,
+            "prefix_cache_tokens": pc_tokens,
+            "prefill_avoided_vs_reprefill": None if not rp_tokens else 1.0 - cd_tokens / rp_tokens,
+            "prefill_avoided_vs_prefix_cache": None if not pc_tokens else 1.0 - cd_tokens / pc_tokens,
+            "query_tokens_prefilled": sum(s.tokens for s in queries),
+            "ttft_ms": [round(s.ms, 2) for s in queries],
+            "reprefill_ttft_ms": [None if s.reprefill_ms is None else round(s.reprefill_ms, 2) for s in queries],
+            "ttft_speedup_median": _median(ratios),
+            "kl": kls,
+            "kl_max": max(kls) if kls else None,
+            "kl_median": _median(kls),
+            "answers": [{"question": s.question, "answer": s.answer, "kl": s.kl} for s in queries if not s.choice],
+            "question_kl": [s.kl for s in queries if not s.choice and s.kl is not None],
+            "window_budget_tokens": self.config.budget_tokens,
+            "patch_policy": getattr(self.window.policy, "name", str(self.config.patch_policy)),
+            "rank": self.config.rank,
+        }
+        return out
+
+    def write_trace(self, path: str | Path) -> Path:
+        """Write the recorded trace (validated whole first, as replay reads it)."""
+        trace = self.trace.build()
+        return write_trace(path, trace.header, trace.events)
+
+
+def pick_choice(backend: Any, logits: Any, choices: Sequence[str]) -> str:
+    """The choice whose first token (any of its spellings: as is, capitalized, after a space)
+    has the highest next-token logit."""
+    best, best_v = choices[0], float("-inf")
+    for c in choices:
+        ids = {backend.tokenize(v)[0] for v in (c, c.capitalize(), " " + c, " " + c.capitalize()) if backend.tokenize(v)}
+        v = max(float(logits[i]) for i in ids)
+        if v > best_v:
+            best, best_v = c, v
+    return best
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def chunk_hash(*parts: object) -> str:
+    """A content key for a trace's ``arrive`` (same content, same key)."""
+    return content_hash(*parts)
+
+
+__all__ = ["AgentConfig", "AgentRun", "Step", "query_ids", "chunk_hash", "pick_choice"]

@@ -1,0 +1,63 @@
+"""``contextdeque bench``: the cost measurements of ``contextdeque.eval.bench`` as tables, or one
+JSON object with ``--json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ..eval.bench import DEFAULT_TOKENS, run_bench
+from .model_spec import MODEL_HELP, load_backend
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="chunk sizes, comma-separated")
+    p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=20, help="interleaved timing rounds for the kernel measurements")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    backend = load_backend(args.model)
+    res = run_bench(
+        backend, tuple(int(x) for x in args.tokens.split(",") if x), rank=args.rank, rounds=args.rounds,
+        progress=not args.json,
+    )
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(
+        f"[bold]{res['model']}[/] · {res['threads']} threads · kernel backend [cyan]{res['kernel_backend']}[/] · rank {res['rank']}"
+    )
+    for dt, rows in res["by_dtype"].items():
+        table = Table(
+            "tokens", "re-prefill ms", "apply ms", "apply: x faster", "memcpy ms", "GEMM ms", "apply / floor",
+            "relocate ms", "relocate / memcpy", title=f"storage {dt}",
+        )
+        for T, r in rows.items():
+            table.add_row(
+                T, f"{res['reprefill_s'][T] * 1e3:.0f}", f"{r['apply_s'] * 1e3:.2f}", f"{r['apply_vs_reprefill']:.0f}x",
+                f"{r['memcpy_s'] * 1e3:.2f}", f"{(r['gemm_s'] or 0) * 1e3:.2f}", f"{r['apply_vs_floor']:.2f}x",
+                f"{r['relocate_s'] * 1e3:.2f}", f"{r['relocate_vs_memcpy']:.2f}x",
+            )
+        console.print(table)
+    for T, s in res["operator_apply_s"].items():
+        console.print(f"operator end to end (relocate + patch, {T} tokens, new tensors): {s * 1e3:.2f} ms")
+    console.print(
+        f"forming the rank-{res['rank']} patch: {res['form_patch_s']:.2f} s; repaid after "
+        f"[bold]{res['breakeven_reuses']:.2f}[/] reuses ({res['breakeven_tokens']} tokens)"
+    )
+    console.print(
+        "patch bytes / page bytes: " + ", ".join(f"r{m}: {f:.1%}" for m, f in res["patch_bytes_fraction"].items())
+    )
+    return 0

@@ -1,0 +1,36 @@
+"""``contextdeque calibrate``: measure the replay cost model on this machine's backend
+(``contextdeque.replay.calibrate``) and save it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..replay.calibrate import calibrate
+from ..replay.cost import save_calibration
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="a local checkpoint (default: the embedded default model)")
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--cache-dir", type=Path, default=None, help="cache root (default: $CONTEXTDEQUE_CACHE or ~/.cache/contextdeque)")
+    parser.add_argument("--repeats", type=int, default=2)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..model import load_model
+    from ..core.errors import ContextDequeError
+
+    try:
+        backend = load_model(args.model)
+        model = calibrate(backend, rank=args.rank, repeats=args.repeats)
+        path = save_calibration(model, args.cache_dir)
+    except (ContextDequeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"calibration saved to {path}")
+    for k, v in model.to_json().items():
+        if k != "extra":
+            print(f"  {k}: {v}")
+    return 0

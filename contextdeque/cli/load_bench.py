@@ -1,0 +1,57 @@
+"""``contextdeque load-bench``: ``contextdeque.eval.load_bench`` on the command line (a table, or
+one JSON object with ``--json``): overlapped vs sequential tier loading of a window whose chunks
+are half on disk, half missing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from ..eval.load_bench import run_load_bench
+from .window_bench import _backend
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per mode (median reported)")
+    parser.add_argument("--chunks", type=int, default=8, help="chunks in the window (half on disk, half missing)")
+    parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk")
+    parser.add_argument("--policy", default="default", help="patch policy (default, exact, none)")
+    parser.add_argument("--rank", type=int, default=32, help="patch rank m")
+    parser.add_argument("--workers", type=int, default=1, help="background reader threads")
+    parser.add_argument("--storage", default="float32", help="chunk storage dtype (float32, bfloat16)")
+    parser.add_argument("--dir", default=None, help="disk tier directory (default: a temporary one)")
+    parser.add_argument(
+        "--model", default=None,
+        help="a local model path; default: the embedded default model; 'tiny' for a tiny random llama",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(int(args.threads))
+    if args.chunks < 2:
+        print("error: --chunks must be >= 2 (half on disk, half missing)", file=sys.stderr)
+        return 2
+    res = run_load_bench(_backend(args.model), n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
+                         policy=args.policy, rank=args.rank, workers=args.workers, storage=args.storage,
+                         disk_dir=args.dir)
+    if args.json:
+        sys.stdout.write(json.dumps(res, indent=1, default=str) + "\n")
+        return 0
+    seq, ovl = res["sequential"], res["overlapped"]
+    print(f"model {res['model']}; {res['chunks']} chunks x {res['chunk_tokens']} tokens: {res['on_disk']} on disk "
+          f"({res['disk_bytes'] / 2**20:.1f} MiB), {res['missing']} missing; policy {res['policy']} rank {res['rank']}; "
+          f"{res['threads']} torch thread(s), {res['workers']} reader(s); median of {res['runs']} runs per mode")
+    print(f"{'mode':<12}{'wall s':>9}{'load s':>9}{'compute s':>11}{'waited s':>10}{'fwd':>6}{'enc':>5}{'patches':>9}")
+    for mode, r in (("sequential", seq), ("overlapped", ovl)):
+        print(f"{mode:<12}{r['wall_s']:>9.3f}{r['load_s']:>9.3f}{r['compute_s']:>11.3f}{r['wait_s']:>10.3f}"
+              f"{r['forwards']:>6}{r['encodes']:>5}{r['patches_formed']:>9}")
+    print(f"speed-up of overlapped over sequential: {res['speedup']:.3f}x "
+          f"(perfect overlap of these loads would give {res['ideal_speedup']:.3f}x)")
+    print(f"windows identical bit for bit: {'yes' if res['identical'] else 'NO'}")
+    return 0

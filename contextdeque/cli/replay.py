@@ -1,0 +1,95 @@
+"""``contextdeque replay``: replay traces under placement x eviction x reuse-arm combinations."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..core.errors import ContextDequeError
+
+GiB = 1 << 30
+
+
+def _csv(s: str) -> list[str]:
+    return [x for x in s.split(",") if x]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("traces", nargs="+", type=Path, help="trace files (.jsonl, .jsonl.gz, .jsonl.xz)")
+    parser.add_argument("--policies", nargs="+", metavar="P:E:A", help="combos PLACEMENT:EVICTION:ARM (* = all registered)")
+    parser.add_argument("--placement", type=_csv, default=["arrival", "scheduler"], help="placements (comma list)")
+    parser.add_argument("--eviction", type=_csv, default=["lru"], help="eviction policies (comma list)")
+    parser.add_argument("--arm", type=_csv, default=["patch", "prefix_cache", "reprefill"], help="reuse arms (comma list)")
+    parser.add_argument("--budget-tokens", type=int, default=None, help="window token budget (default: the trace's own)")
+    parser.add_argument("--device-gb", type=float, default=16.0, help="device KV pool budget, GiB")
+    parser.add_argument("--host-gb", type=float, default=64.0, help="host tier budget, GiB")
+    parser.add_argument("--rank", type=int, default=None, help="patch rank m (default: the calibration's)")
+    parser.add_argument("--overlap-loads", action="store_true",
+                        help="host/disk loads of canonicals overlap the model's work of the same admission (MPIC; ContextWindow.extend)")
+    parser.add_argument("--jobs", type=int, default=0, help="worker processes (0: all cores)")
+    parser.add_argument("--calibration", type=Path, default=None, help="a saved calibration (default: the newest saved)")
+    parser.add_argument("--fidelity", type=int, default=0, metavar="N",
+                        help="also drive a real ContextWindow on the default model and measure KL / η / TTFT ratio at N sampled queries per policy")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the fidelity mode's query sample")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG figure here")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (deterministic) instead of tables")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..replay.cost import load_calibration
+    from ..replay.engine import ReplayConfig
+    from ..replay.run import default_jobs, parse_combos, replay_many, to_json
+
+    err = Console(stderr=True)
+    try:
+        combos = parse_combos(args.policies, args.placement, args.eviction, args.arm)
+        cost, note = load_calibration(path=args.calibration)
+        config = ReplayConfig(budget_tokens=args.budget_tokens, device_bytes=int(args.device_gb * GiB),
+                              host_bytes=int(args.host_gb * GiB), rank=args.rank, overlap_loads=args.overlap_loads)
+        jobs = args.jobs or default_jobs()
+        err.print(f"[dim]{note}[/dim]")
+        err.print(f"[dim]replaying {len(args.traces)} trace(s) x {len(combos)} combo(s) on {jobs} process(es)[/dim]")
+        results = replay_many([str(p) for p in args.traces], combos, cost, config, jobs=jobs)
+        extra = {}
+        if args.fidelity:
+            from ..replay.fidelity import run_fidelity_mode
+
+            fid = run_fidelity_mode([str(p) for p in args.traces], combos, args.fidelity, seed=args.seed, console=err)
+            for r in results:
+                r.update(fid.get((r["trace"], r["placement"], r["eviction"], r["arm"]), {}))
+            extra["fidelity"] = {"queries_per_policy": args.fidelity, "seed": args.seed, "model": "SmolLM2-135M-Instruct"}
+    except (ContextDequeError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.plot:
+        from ..traces.io import read_trace
+        from ..replay.plot import write_plot
+
+        traces = {}
+        for p in args.traces:
+            t = read_trace(p)
+            traces[t.name] = t
+        out = write_plot(args.plot, results, traces, cost, config)
+        err.print(f"[dim]plot written to {out}[/dim]")
+    if args.json:
+        print(to_json(results, cost, note, config, extra))
+        return 0
+    table = Table(title="replay (cost model)")
+    cols = ["trace", "placement", "eviction", "arm", "tokens_prefilled", "forwards", "patch_forms", "patch_hits",
+            "device_hits", "device_misses", "est_seconds"]
+    if args.fidelity:
+        cols += ["kl", "eta", "ttft_ratio"]
+    for c in cols:
+        table.add_column(c, justify="right" if c not in ("trace", "placement", "eviction", "arm") else "left")
+    for r in results:
+        row = []
+        for c in cols:
+            v = r.get(c)
+            row.append(f"{v:.4g}" if isinstance(v, float) else str(v))
+        table.add_row(*row)
+    Console().print(table)
+    return 0

@@ -1,0 +1,65 @@
+"""``contextdeque verify-model``: the per-model exactness gate (``contextdeque.eval.verify``) on the
+command line: a table, or one JSON object with ``--json``; exit 1 when the gate fails."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..core.errors import ContextDequeError
+from ..eval.verify import DEFAULT_OFFSETS, verify_backend
+from ..model.hf import HFBackend
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="local HF model dir or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--arch", default=None, help="build a tiny random-weight model of this architecture (with --random)")
+    p.add_argument("--random", action="store_true", help="random weights (required with --arch)")
+    p.add_argument("--offsets", default=",".join(map(str, DEFAULT_OFFSETS)), help="comma-separated position offsets")
+    p.add_argument("--tokens", type=int, default=96, help="tokens of real text to encode")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _backend_from_args(args: argparse.Namespace) -> tuple[HFBackend, str]:
+    if args.arch:
+        if not args.random:
+            raise SystemExit("--arch needs --random (no checkpoints are fetched)")
+        from ..model.testing import build_tiny_model
+
+        model = build_tiny_model(args.arch)
+        return HFBackend(model, None, root_ids=[1, 2, 3], name=f"tiny-random-{args.arch}"), f"tiny-random-{args.arch}"
+    from ..model import load_model
+
+    b = load_model(args.model)
+    return b, b.name
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        backend, name = _backend_from_args(args)
+        report = verify_backend(backend, [int(x) for x in args.offsets.split(",") if x], args.tokens, name)
+    except ContextDequeError as exc:
+        if args.json:
+            print(json.dumps({"model": args.model or args.arch or "default", "ok": False, "error": f"{type(exc).__name__}: {exc}"}))
+        else:
+            print(f"refused: {type(exc).__name__}: {exc}")
+        return 1
+    if args.json:
+        print(json.dumps(report.to_json()))
+        return 0 if report.ok else 1
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{report.model}[/]: {report.layout}")
+    table = Table("chunk", "offset", "key rel err (fp32)", "noise floor", "bf16 key err (ULP)", "worst layer", "ok")
+    for d in report.details:
+        table.add_row(
+            d.chunk, str(d.offset), f"{d.key_rel_err:.2e}", f"{d.noise_floor:.2e}", f"{d.bf16_ulp:.3f}", str(d.worst_layer),
+            "[green]yes[/]" if d.ok else "[red]NO[/]",
+        )
+    console.print(table)
+    for r in report.refused:
+        console.print(f"[yellow]refused[/] {r}")
+    console.print("[bold green]PASS[/]" if report.ok else "[bold red]FAIL[/]")
+    return 0 if report.ok else 1

@@ -1,0 +1,100 @@
+"""``contextdeque window-bench``: ``contextdeque.eval.window_bench`` on the command line (a table,
+or one JSON object with ``--json``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+
+from ..eval.window_bench import run_window_bench
+from .model_spec import load_backend
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--runs", type=int, default=7, help="timed runs per measurement (median reported)")
+    parser.add_argument("--chunks", type=int, default=4, help="chunks in the window")
+    parser.add_argument("--chunk-tokens", type=int, default=512, help="tokens per chunk")
+    parser.add_argument("--policy", default="default", help="patch policy (default, exact, none)")
+    parser.add_argument("--rank", type=int, default=32, help="patch rank m")
+    parser.add_argument(
+        "--model", default=None,
+        help="a local model path; default: the embedded default model; 'tiny' for a tiny random llama",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--no-steps", action="store_true", help="skip the per-step re-read table")
+    parser.add_argument("--step-policies", default="eager,latency", help="policies for the per-step table")
+
+
+def _backend(model: str | None) -> Any:
+    if model == "tiny":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from ..model.hf import HFBackend
+
+        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            m = LlamaForCausalLM(cfg).eval()
+        return HFBackend(m, None, root_ids=[1, 2], name="tiny-bench-llama")
+    return load_backend(model)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(int(args.threads))
+    policies = () if args.no_steps else tuple(p.strip() for p in args.step_policies.split(",") if p.strip())
+    result = run_window_bench(
+        _backend(args.model), n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
+        policy=args.policy, rank=args.rank, step_policies=policies,
+    )
+    steps, healer = result["steps"], result["healer"]
+    if args.json:
+        print(json.dumps({**result, "steps": [r.as_dict() for r in steps]}, sort_keys=True))
+        return 0
+    print(f"window-bench: {result['model']} on {result['device']} ({result['threads']} threads), "
+          f"{result['window']} tokens, policy={args.policy}, rank={args.rank}, median of {result['runs']}")
+    rows = [
+        ("build (4 appends)", f"{result['build_s'] * 1000:.1f} ms", f"{result['build_forwards']} forwards"),
+        ("slide(1)", f"{result['slide_ms']:.3f} ms",
+         f"{result['slide_forwards']} forwards, {result['slide_pages_written']} pages re-placed"),
+        ("fork()", f"{result['fork_ms']:.3f} ms",
+         f"{result['fork_bytes_copied']} B copied, {result['fork_bytes_moved']} B moved"),
+        ("child slide(1)", "", f"child then owns {result['fork_bytes_copied_after_child_slide']} B of its own pages"),
+        ("materialize()", f"{result['materialize_ms']:.3f} ms", "fresh DynamicCache"),
+        ("re-prefill (1 forward)", f"{result['reprefill_ms']:.1f} ms", "for scale"),
+    ]
+    w = max(len(r[0]) for r in rows)
+    for name, val, note in rows:
+        print(f"  {name:<{w}}  {val:>12}  {note}")
+    if steps:
+        _print_steps(steps)
+    if healer:
+        print(f"  idle healer: {healer['probes']} foreground calls waited at most {healer['max_wait_ms']:.2f} ms "
+              f"(median {healer['median_wait_ms']:.2f} ms) = {healer['max_wait_in_layers']:.2f} x one layer's forward "
+              f"({healer['layer_forward_ms']:.2f} ms); {healer['heal_steps']} heal steps done, "
+              f"{healer['heal_steps_abandoned']} abandoned to let the foreground run")
+    sys.stdout.flush()
+    return 0
+
+
+def _print_steps(steps: list[Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="re-read steps: step + first answer token vs re-prefill and prefix cache of the same window")
+    for col in ("policy", "step", "fwd", "step ms", "floor ms", "TTFT ms", "re-prefill ms", "x re-prefill",
+                "prefix-cache ms", "x prefix", "KL answer", "KL healed", "heal ms"):
+        table.add_column(col, justify="right" if col not in ("policy", "step") else "left")
+    for r in steps:
+        table.add_row(
+            r.policy, r.step, str(r.forwards), f"{r.step_ms:.2f}", f"{r.floor_ms:.2f}", f"{r.ttft_ms:.0f}",
+            f"{r.reprefill_ms:.0f}", f"{r.vs_reprefill:.1f}", f"{r.prefix_cache_ms:.0f}", f"{r.vs_prefix_cache:.1f}",
+            f"{r.kl_answer:.2e}", f"{r.kl_healed:.2e}", f"{r.heal_ms:.0f}",
+        )
+    Console(width=200).print(table)

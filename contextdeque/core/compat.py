@@ -1,0 +1,169 @@
+"""The one module that owns every transformers-version difference contextdeque depends on.
+
+Everything else in contextdeque reads caches, RoPE settings and rotary modules through these
+functions, so a transformers upgrade that moves an attribute is fixed here and nowhere else.
+Tested range: transformers 5.17-5.18 (see pyproject). Older layouts handled here:
+- <= 4.55: ``cache.key_cache[i]`` / ``cache.value_cache[i]`` lists instead of ``cache.layers[i]``.
+- 4.x: ``config.rope_theta`` + ``config.rope_scaling`` instead of ``config.rope_parameters``.
+- 4.57 / 5.0 MLA caches hold decompressed per-head K/V; 5.18 holds the latent + rotated k_pe
+  (see :func:`mla_cache_contents`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers
+from packaging.version import Version
+
+TRANSFORMERS_VERSION = Version(transformers.__version__)
+
+
+def text_config(config: Any) -> Any:
+    """The decoder (text) config of a possibly multimodal config."""
+    getter = getattr(config, "get_text_config", None)
+    if getter is not None:
+        try:
+            return getter(decoder=True)
+        except TypeError:
+            return getter()
+    return getattr(config, "text_config", config)
+
+
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """RoPE settings as one flat dict with at least ``rope_type`` and ``rope_theta``.
+
+    5.x keeps them in ``config.rope_parameters`` (keyed by layer type for models like Gemma3);
+    4.x in ``rope_theta`` + ``rope_scaling``.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+        if layer_type is not None and layer_type in params and isinstance(params[layer_type], dict):
+            params = dict(params[layer_type])
+        elif any(isinstance(v, dict) for v in params.values()) and "rope_type" not in params:
+            # per-layer-type dict but no layer type asked: take the first (callers ask per type)
+            params = dict(next(v for v in params.values() if isinstance(v, dict)))
+    else:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    return params
+
+
+def find_rotary_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every rotary-embedding module (has an ``inv_freq`` or ``<type>_inv_freq`` buffer) of the
+    language model, vision towers excluded, in module order."""
+    found = []
+    for name, module in model.named_modules():
+        if "visual" in name.split(".") or "vision" in name.lower():
+            continue
+        bufs = dict(module.named_buffers(recurse=False))
+        if any(b == "inv_freq" or b.endswith("_inv_freq") and not b.endswith("original_inv_freq") for b in bufs):
+            found.append((name, module))
+    return found
+
+
+def rotary_inv_freq(module: torch.nn.Module, layer_type: str | None = None) -> torch.Tensor:
+    """The raw (unscaled-cos/sin) ``inv_freq`` a rotary module multiplies positions with, fp32 ``[n_freq]``.
+
+    Prefers the ``original_inv_freq`` copy: dynamic RoPE kinds overwrite ``inv_freq`` in place
+    once a long sequence has been seen, the original is the short-regime table.
+    """
+    prefix = f"{layer_type}_" if layer_type else ""
+    for name in (f"{prefix}original_inv_freq", f"{prefix}inv_freq"):
+        t = getattr(module, name, None)
+        if isinstance(t, torch.Tensor):
+            return t.detach().to(torch.float32).cpu().clone()
+    raise AttributeError(f"rotary module {type(module).__name__} has no {prefix}inv_freq")
+
+
+def rotary_attention_scaling(module: torch.nn.Module, layer_type: str | None = None) -> float:
+    """The factor the rotary module multiplies cos/sin with (YaRN/LongRoPE != 1)."""
+    prefix = f"{layer_type}_" if layer_type else ""
+    val = getattr(module, f"{prefix}attention_scaling", None)
+    if val is None:
+        val = getattr(module, "attention_scaling", 1.0)
+    if isinstance(val, dict):
+        val = val.get(layer_type, 1.0)
+    return float(val)
+
+
+class GPTJRotaryTable(torch.nn.Module):
+    """GPT-J keeps a sin/cos table per attention layer instead of a rotary module; this stands in
+    for one, holding the ``inv_freq`` that table was built from (same fp32 formula)."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        dim = int(cfg.rotary_dim or cfg.n_embd // cfg.n_head)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim)))
+        self.attention_scaling = 1.0
+        self.max_positions = int(cfg.max_position_embeddings)
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The language model's decoder-layer list (``model.model.layers`` for Llama-like models)."""
+    n = int(text_config(model.config).num_hidden_layers)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n and name.endswith("layers"):
+            if "visual" in name.split(".") or "vision" in name.lower():
+                continue
+            return module
+    from .errors import UnsupportedLayoutError
+
+    raise UnsupportedLayoutError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+
+
+# --------------------------------------------------------------------------- caches
+
+
+def new_cache(config: Any | None = None) -> transformers.DynamicCache:
+    """An empty DynamicCache. Without a config every layer keeps every token (also sliding
+    layers), which is what chunk encoding wants; with one, sliding layers truncate."""
+    if config is None:
+        return transformers.DynamicCache()
+    return transformers.DynamicCache(config=config)
+
+
+def cache_num_layers(cache: Any) -> int:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return len(layers)
+    return len(cache.key_cache)  # <= 4.55
+
+
+def cache_layer(cache: Any, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) of cache layer ``idx``, each ``[batch, heads, seq, dim]``."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        layer = layers[idx]
+        return layer.keys, layer.values
+    return cache.key_cache[idx], cache.value_cache[idx]  # <= 4.55
+
+
+def cache_from_layers(
+    layers: list[tuple[torch.Tensor, torch.Tensor]], config: Any | None = None
+) -> transformers.DynamicCache:
+    """A DynamicCache holding the given per-layer (keys, values), each ``[batch, heads, seq, dim]``.
+
+    Uses the cache's own ``update`` so every bookkeeping field (initialized flag, dtype, device,
+    sliding cumulative length) stays true; sliding layers (when ``config`` is given) keep only
+    their window like a real prefill would.
+    """
+    cache = new_cache(config)
+    for idx, (k, v) in enumerate(layers):
+        cache.update(k, v, idx)
+    return cache
+
+
+def mla_cache_contents() -> str:
+    """What an MLA (DeepSeek-V2/V3) cache layer holds under the installed transformers.
+
+    ``"latent"``: ``.keys`` = normalized latent c_KV ``[B,1,T,kv_lora_rank]``, ``.values`` = rotated
+    k_pe ``[B,1,T,rope_dim]`` (5.18 and later). ``"decompressed"``: ``.keys`` = per-head
+    ``[k_nope | k_pe]``, ``.values`` = per-head V (4.57-5.0).
+    """
+    return "latent" if TRANSFORMERS_VERSION >= Version("5.1") else "decompressed"

@@ -1,0 +1,199 @@
+"""The operator: relocate a chunk exactly, optionally add its conditioning patch. Zero forwards.
+
+``relocate(chunk, start)`` returns per layer ``(k, v)`` exactly as the model would cache the
+chunk's tokens at ``start + rel_positions``: fp32 rotation from the content frame with the
+model's raw ``inv_freq`` (never chained rotations, never the model's cos/sin). The heavy lifting
+is one fused call over all layers into ``contextdeque.kernels`` (a compiled kernel or torch on
+CPU, Triton on CUDA).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from .chunk import Chunk
+from .errors import FingerprintMismatchError, PositionError
+from .kv import LayerKV
+from ..kernels import MAX_RANK, RopeSpec, fused_apply, fused_apply_layers
+from .layout import KVLayout
+from .rotation import TableCache, check_positions
+
+Factors = tuple[torch.Tensor, torch.Tensor]
+
+
+class Conditioning(Protocol):
+    """What the operator needs of a conditioning patch (``contextdeque.patch.Patch`` is one): a
+    check that it was formed for this chunk, and its low-rank factors per layer."""
+
+    def check_fits(self, chunk: Chunk) -> None: ...
+
+    def factors(self, layer: int) -> tuple[Factors | None, Factors | None]:
+        """``((u_K [T, m], w_K [m, F_K]), (u_V, w_V))`` of one layer, None where absent."""
+        ...
+
+
+def rope_spec(layout: KVLayout) -> RopeSpec:
+    """The kernels' description of which channels rotate, from a layout."""
+    return RopeSpec(layout.rope_tensor, layout.rope_start, layout.rope_dim, layout.interleaved)
+
+
+def _stack_factors(factors: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Several patches' factors as one product: concatenate along the rank (``u [T, Σm]``, ``w [Σm, F]``)."""
+    factors = [f for f in factors if f[0].shape[-1]]
+    if not factors:
+        return None
+    if len(factors) == 1:
+        return factors[0]
+    return torch.cat([u for u, _ in factors], dim=1), torch.cat([w for _, w in factors], dim=0)
+
+
+def placement_positions(
+    chunk: Chunk,
+    start: int | None = None,
+    positions: torch.Tensor | None = None,
+    section_shift: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``[n_axes, T]`` absolute positions for a placement.
+
+    Either ``start`` (the chunk's relative grid shifted to start there), an explicit per-token
+    ``positions`` (``[T]`` or ``[n_axes, T]``), and optionally a per-axis ``section_shift``
+    (M-RoPE re-timing, e.g. ``(dt, 0, 0)``) added on top.
+    """
+    if positions is None:
+        if start is None:
+            raise PositionError("give a start position or explicit positions")
+        if int(start) < 0:
+            raise PositionError(f"negative start position {start}")
+        pos = chunk.positions(int(start))
+    else:
+        pos = torch.as_tensor(positions, dtype=torch.long)
+        if pos.dim() == 1:
+            pos = pos.unsqueeze(0).expand(chunk.rel_positions.shape[0], -1)
+        if pos.shape[-1] != chunk.n_tokens:
+            raise PositionError(f"{pos.shape[-1]} positions for a chunk of {chunk.n_tokens} tokens")
+    if section_shift is not None:
+        shift = torch.as_tensor(list(section_shift), dtype=torch.long)
+        if shift.numel() != pos.shape[0]:
+            raise PositionError(f"section_shift needs {pos.shape[0]} entries (one per position axis)")
+        pos = pos + shift.unsqueeze(1)
+    return pos
+
+
+def check_compatible(chunk: Chunk, layout: KVLayout, fingerprint: str | None = None) -> None:
+    if chunk.layout_signature != layout.signature:
+        raise FingerprintMismatchError(
+            f"chunk {chunk.id[:12]} was encoded under layout {chunk.layout_signature}, not {layout.signature}"
+        )
+    if fingerprint is not None and chunk.fingerprint != fingerprint:
+        raise FingerprintMismatchError(
+            f"chunk {chunk.id[:12]} was encoded by model {chunk.fingerprint[:12]}, not {fingerprint[:12]}"
+        )
+
+
+def relocate(
+    chunk: Chunk,
+    start: int | None = None,
+    *,
+    layout: KVLayout | None = None,
+    positions: torch.Tensor | None = None,
+    section_shift: Sequence[int] | None = None,
+    patch: "Conditioning | Sequence[Conditioning] | None" = None,
+    out_dtype: torch.dtype | None = None,
+    fingerprint: str | None = None,
+) -> list[LayerKV]:
+    """The chunk's KV as the model would cache it at the given positions (+ an optional patch).
+
+    Returns per layer ``(k [H_k, T, d_k], v [H_v, T, d_v])`` in ``out_dtype`` (default: the model's
+    compute dtype). ``layout`` defaults to the one registered for the chunk's model.
+    """
+    layout = layout or _layout_for(chunk)
+    check_compatible(chunk, layout, fingerprint)
+    pos = placement_positions(chunk, start, positions, section_shift)
+    check_positions(pos, layout)
+    patches = _as_patch_list(patch)
+    for p in patches:
+        p.check_fits(chunk)
+    dtype = out_dtype or layout.torch_compute_dtype
+    tables = TableCache(layout, pos, device=chunk.keys.device)
+    spec = rope_spec(layout)
+    L = chunk.num_layers
+    tables = [tables.for_layer(layer) for layer in range(L)]
+    cos = [c for c, _ in tables]
+    sin = [t for _, t in tables]
+    if not patches:  # pure relocation: the stacked content in one kernel call
+        return list(fused_apply_layers(chunk.keys, chunk.values, spec, cos, sin, out_dtype=dtype))
+    ks, vs, kfs, vfs = [], [], [], []
+    for layer in range(L):
+        k, v = chunk.layer(layer)
+        fk, fv = [], []
+        for p in patches:
+            pk, pv = p.factors(layer)
+            fk += [pk] if pk is not None else []
+            fv += [pv] if pv is not None else []
+        k_f, v_f = _stack_factors(fk), _stack_factors(fv)
+        # the fused kernel takes ranks up to MAX_RANK; a larger (e.g. full-rank) sum is folded
+        # into the content first, in fp32
+        if k_f is not None and k_f[0].shape[1] > MAX_RANK:
+            k, k_f = _fold(k, k_f), None
+        if v_f is not None and v_f[0].shape[1] > MAX_RANK:
+            v, v_f = _fold(v, v_f), None
+        ks.append(k), vs.append(v), kfs.append(k_f), vfs.append(v_f)
+    return list(fused_apply_layers(ks, vs, spec, cos, sin, kfs, vfs, out_dtype=dtype))
+
+
+def _fold(content: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``content [H,T,d] + u @ w`` in fp32."""
+    H, T, d = content.shape
+    u, w = factors
+    delta = (u.to(torch.float32) @ w.to(torch.float32)).view(T, H, d).transpose(0, 1)
+    return content.to(torch.float32) + delta
+
+
+def _as_patch_list(patch: "Conditioning | Sequence[Conditioning] | None") -> list[Conditioning]:
+    if patch is None:
+        return []
+    if isinstance(patch, (list, tuple)):
+        return list(patch)
+    return [patch]
+
+
+def apply(chunk: Chunk, start: int, patch: "Conditioning | Sequence[Conditioning] | None" = None, **kw) -> list[LayerKV]:
+    """Relocate + conditioning patch: ``K = R(pos)(K_content + U_K V_K^T)``, ``V = V_content + U_V V_V^T``."""
+    return relocate(chunk, start, patch=patch, **kw)
+
+
+def to_content_frame(
+    kv: list[LayerKV], layout: KVLayout, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Un-rotate cached ``kv`` (per layer ``[H, T, d]`` at ``positions [n_axes, T]``) into the content
+    frame. Returns stacked fp32 ``keys [L,H_k,T,d_k]``, ``values [L,H_v,T,d_v]``."""
+    tables = TableCache(layout, positions, device=kv[0][0].device)
+    spec = rope_spec(layout)
+    keys, values = [], []
+    for layer, (k, v) in enumerate(kv):
+        cos, sin = tables.for_layer(layer)
+        k, v = fused_apply(k, v, spec, cos, -sin, out_dtype=torch.float32)  # R(-pos)
+        keys.append(k)
+        values.append(v)
+    return torch.stack(keys), torch.stack(values)
+
+
+# Layouts by signature, registered by backends when they encode, so relocate(chunk, start) works
+# without passing the layout around.
+_LAYOUTS: dict[str, KVLayout] = {}
+
+
+def register_layout(layout: KVLayout) -> None:
+    _LAYOUTS[layout.signature] = layout
+
+
+def _layout_for(chunk: Chunk) -> KVLayout:
+    try:
+        return _LAYOUTS[chunk.layout_signature]
+    except KeyError:
+        raise FingerprintMismatchError(
+            f"no loaded model has layout {chunk.layout_signature}; load the model that encoded this chunk "
+            "or pass layout="
+        ) from None

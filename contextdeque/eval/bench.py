@@ -1,0 +1,147 @@
+"""``contextdeque bench``: what serving a reused chunk costs, measured side by side in one run.
+
+On the default model (or ``--model``), for chunks of 256/512/1024/2048 tokens of real text:
+
+- **apply vs re-prefill**: the fused relocate + rank-32 patch of every layer into a destination
+  cache, against re-prefilling the same chunk after the root (one forward) — "times faster";
+- **apply vs its roofline floor**: the floor is the larger of (a) a plain memory copy of the
+  bytes the apply reads, onto as many bytes, and (b) the same rank-m factor products alone
+  (``addmm`` into the destination) — "times the floor" (see ``contextdeque.kernels.bench_util``);
+- **relocation (rank 0) vs the memory copy**;
+- **break-even reuses**: the one forming forward (+ SVD) divided by what each reuse saves;
+- **patch bytes / page bytes** at ranks 16, 32, 64.
+
+It prints measured ratios; nothing here is a pass/fail threshold.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+DEFAULT_TOKENS = (256, 512, 1024, 2048)
+
+
+def _text_ids(backend: Any, n: int) -> torch.Tensor:
+    from pydoc_data.topics import topics
+
+    ids: list[int] = []
+    for key in sorted(topics):
+        ids += backend.tokenize(topics[key])
+        if len(ids) >= n:
+            break
+    return torch.tensor(ids[:n], dtype=torch.long)
+
+
+def _best_of(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def run_bench(
+    backend: Any,
+    tokens: tuple[int, ...] = DEFAULT_TOKENS,
+    rank: int = 32,
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    rounds: int = 20,
+    progress: bool = True,
+) -> dict:
+    """Measure everything the module docstring lists. Returns one JSON-able dict."""
+    from rich.progress import Progress
+
+    from ..kernels.bench_util import bench_apply
+    from ..kernels.dispatch import select_backend
+    from ..core.operator import relocate
+    from ..patch import form_patch
+
+    lay = backend.layout
+    shape = dict(layers=lay.num_layers, heads=lay.k_heads, head_dim=lay.k_dim)
+    out: dict[str, Any] = {
+        "model": backend.name,
+        "threads": torch.get_num_threads(),
+        "kernel_backend": select_backend("cpu"),
+        "rank": rank,
+        "apply_vs_reprefill": {},
+        "apply_vs_floor": {},
+        "relocate_vs_memcpy": {},
+        "reprefill_s": {},
+        "apply_s": {},
+        "operator_apply_s": {},
+        "floor": {},
+        "by_dtype": {},
+    }
+    steps = len(tokens) * (2 + 2 * len(dtypes)) + 2
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task("bench", total=steps)
+        ids_all = _text_ids(backend, max(tokens) + 256)
+        root = backend.root_kv()
+        chunks = {}
+        for T in tokens:
+            ids = ids_all[:T]
+            pos = backend.text_positions(backend.root_len, T)
+            bar.update(task, description=f"re-prefill {T} tokens")
+            reps = 2 if T <= 512 else 1
+            out["reprefill_s"][str(T)] = _best_of(
+                lambda: backend.forward(input_ids=ids, positions=pos, past=root, logits="last"), reps
+            )
+            chunks[T] = backend.encode(token_ids=ids)
+            bar.advance(task)
+            for dt_name in dtypes:
+                dt = getattr(torch, dt_name)
+                bar.update(task, description=f"apply r{rank} vs floor, {T} tokens, {dt_name}")
+                r = bench_apply(T, rank=rank, dtype=dt, rounds=rounds, **shape)
+                bar.advance(task)
+                bar.update(task, description=f"relocate vs memcpy, {T} tokens, {dt_name}")
+                r0 = bench_apply(T, rank=0, dtype=dt, rounds=rounds, **shape)
+                bar.advance(task)
+                out["by_dtype"].setdefault(dt_name, {})[str(T)] = {
+                    "apply_s": r.apply_s,
+                    "memcpy_s": r.memcpy_s,
+                    "gemm_s": r.gemm_s,
+                    "floor_s": r.floor_s,
+                    "apply_vs_floor": r.ratio,
+                    "relocate_s": r0.apply_s,
+                    "relocate_memcpy_s": r0.memcpy_s,
+                    "relocate_vs_memcpy": r0.ratio,
+                    "apply_vs_reprefill": out["reprefill_s"][str(T)] / r.apply_s,
+                }
+            fp = out["by_dtype"][dtypes[0]][str(T)]
+            out["apply_s"][str(T)] = fp["apply_s"]
+            out["floor"][str(T)] = {"memcpy_s": fp["memcpy_s"], "gemm_s": fp["gemm_s"], "binding": "gemm" if (fp["gemm_s"] or 0) > fp["memcpy_s"] else "memory"}
+            out["apply_vs_floor"][str(T)] = fp["apply_vs_floor"]
+            out["relocate_vs_memcpy"][str(T)] = fp["relocate_vs_memcpy"]
+            out["apply_vs_reprefill"][str(T)] = fp["apply_vs_reprefill"]
+
+        # the operator end to end on a real chunk and patch (tables, allocation, dispatch included)
+        T_mid = 1024 if 1024 in chunks else tokens[len(tokens) // 2]
+        bar.update(task, description=f"form a rank-{rank} patch on {T_mid} tokens")
+        antecedent = backend.encode(token_ids=ids_all[-256:])
+        t0 = time.perf_counter()
+        patch = form_patch(backend, chunks[T_mid], [antecedent], rank=rank)
+        form_s = time.perf_counter() - t0
+        bar.advance(task)
+        start = backend.root_len + antecedent.span
+        for T, chunk in chunks.items():
+            p = patch if T == T_mid else None
+            if p is None:
+                continue
+            out["operator_apply_s"][str(T)] = _best_of(lambda: relocate(chunk, start, patch=p), 5)
+        saved = out["reprefill_s"][str(T_mid)] - out["apply_s"][str(T_mid)]
+        out["form_patch_s"] = form_s
+        out["breakeven_reuses"] = form_s / saved if saved > 0 else float("inf")
+        out["breakeven_tokens"] = T_mid
+        # bytes: patch / page at several ranks, on the real chunk
+        bar.update(task, description="patch bytes at ranks 16/32/64")
+        fractions = {}
+        for m in (16, 32, 64):
+            pm = form_patch(backend, chunks[T_mid], [antecedent], rank=m) if m != rank else patch
+            fractions[str(m)] = pm.bytes_fraction(chunks[T_mid])
+        out["patch_bytes_fraction"] = fractions
+        bar.advance(task)
+    return out

@@ -1,0 +1,262 @@
+"""Per-step cost of re-reads: each window step followed by a one-token answer, against a
+re-prefill and a prefix cache of the same window, measured side by side in one run.
+
+The window holds ``n_pages`` pages of real text (``pydoc_data.topics``) under a budget of
+exactly that many pages; one more page was seen earlier and slid out (it is in the store). For
+each patch policy and step type:
+
+- ``slide``: ``slide(1)``;
+- ``recall``: ``recall(old page)`` at the end (the budget slides the oldest page out);
+- ``look-back``: ``recall(old page, at=0)``: the old page goes back in front;
+- ``reorder``: the window reversed;
+- ``fork+reorder``: ``fork()`` then the child's first two pages swapped (an order no earlier
+  step stored a patch for);
+- ``append``: a page never seen before (the budget slides the oldest out).
+
+``ttft``: the step, ``materialize()`` and the question's forward over the window (its last
+logits are the first answer token). ``reprefill``: one forward over root + window + question.
+``prefix cache``: the forward a prefix cache runs: the tokens after the longest prefix shared
+with the window before the step, attending to that cached prefix. ``kl_answer``: next-token
+KL(re-prefill || window) at answer time; ``kl_healed``: the same after ``heal()`` (latency
+policies; eager windows have nothing to heal). The step's own ``step_ms`` is reported beside
+the floor of the bytes it must place (page bytes ÷ measured copy bandwidth): pages are placed
+lazily, so a re-read step itself is O(chunks) and the rotation is paid once, in ``materialize``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..window.disposable import kl
+from ..window.window import ContextWindow
+
+STEPS = ("slide", "recall", "look-back", "reorder", "fork+reorder", "append")
+
+
+@dataclass
+class StepRow:
+    policy: str
+    step: str
+    forwards: int
+    step_ms: float
+    ttft_ms: float
+    reprefill_ms: float
+    prefix_cache_ms: float
+    kl_answer: float
+    kl_healed: float
+    heal_ms: float
+    heal_forwards: int
+    deferred: int
+    page_mb: float
+    floor_ms: float
+
+    @property
+    def vs_reprefill(self) -> float:
+        return self.reprefill_ms / max(self.ttft_ms, 1e-9)
+
+    @property
+    def vs_prefix_cache(self) -> float:
+        return self.prefix_cache_ms / max(self.ttft_ms, 1e-9)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+        out["ttft_vs_reprefill"] = round(self.vs_reprefill, 3)
+        out["ttft_vs_prefix_cache"] = round(self.vs_prefix_cache, 3)
+        return out
+
+
+def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Measured bytes/s of one ``copy_`` of ``nbytes`` (best of ``repeats``): the floor's unit."""
+    n = max(1, nbytes // 4)
+    src, dst = torch.randn(n), torch.empty(n)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n * 4 / best  # read + write
+
+
+def _window_ids(win: ContextWindow) -> list[int]:
+    ids = list(win.root_ids)
+    for r in win.refs:
+        ids += win.chunk(r).token_ids.tolist()
+    return ids
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t = time.perf_counter()
+    out = fn()
+    return out, (time.perf_counter() - t) * 1000.0
+
+
+def _answer_logits(win: ContextWindow, question: list[int]) -> torch.Tensor:
+    """The first answer token's logits from the window's own KV (materialize + one forward)."""
+    from ..core import compat
+
+    backend = win.backend
+    cache = win.materialize()
+    past = [tuple(t[0] for t in compat.cache_layer(cache, l)) for l in range(compat.cache_num_layers(cache))]
+    start = win.next_position()
+    return backend.forward(input_ids=question, positions=backend.text_positions(start, len(question)), past=past).logits[-1]
+
+
+def _reprefill(backend: Any, ids: list[int]) -> tuple[torch.Tensor, float]:
+    def run() -> torch.Tensor:
+        return backend.forward(input_ids=ids, positions=backend.text_positions(0, len(ids))).logits[-1]
+
+    return _timed(run)
+
+
+def _prefix_cache_ms(backend: Any, before: list[int], after: list[int]) -> float:
+    """A prefix cache's forward for ``after`` when it holds the KV of ``before``."""
+    lcp = 0
+    for a, b in zip(before, after):
+        if a != b:
+            break
+        lcp += 1
+    lcp = min(lcp, len(after) - 1)  # at least the question's last token runs
+    past = backend.forward(input_ids=after[:lcp], positions=backend.text_positions(0, lcp), logits="none").kv if lcp else None
+    _, ms = _timed(lambda: backend.forward(input_ids=after[lcp:], positions=backend.text_positions(lcp, len(after) - lcp), past=past))
+    return ms
+
+
+def run_steps(
+    backend: Any,
+    pages: list[list[int]],
+    question: list[int],
+    *,
+    policies: tuple[str, ...] = ("eager", "latency"),
+    steps: tuple[str, ...] = STEPS,
+    rank: int = 32,
+    n_pages: int = 4,
+    progress: Callable[[str], None] | None = None,
+) -> list[StepRow]:
+    """Measure every ``steps`` x ``policies`` (see the module doc). ``pages`` needs
+    ``n_pages + 1 + len(steps) * len(policies)`` pages (an old one, the window, fresh appends)."""
+    size = len(pages[0])
+    need = n_pages + 1 + len(steps) * len(policies)
+    if len(pages) < need:
+        raise ValueError(f"need {need} pages, got {len(pages)}")
+    old, window_pages, fresh = pages[0], pages[1 : n_pages + 1], iter(pages[n_pages + 1 :])
+    bandwidth = None
+    rows: list[StepRow] = []
+    for policy in policies:
+        # one store per policy: the eager window must not serve the latency one (or back)
+        base = ContextWindow(backend, budget_tokens=n_pages * size, rank=rank, patch_policy=policy)
+        old_ref = base.append(token_ids=old)
+        base.heal()
+        for p in window_pages:
+            base.append(token_ids=p)
+            base.heal()  # built step by step: the eager policy's window
+        for step in steps:
+            if progress:
+                progress(f"{policy}: {step}")
+            win = base.fork()
+            before = _window_ids(win) + question
+            new_page = next(fresh) if step == "append" else None
+            target = win
+            if step == "fork+reorder":
+                target = win.fork()
+
+            def do_step() -> Any:
+                if step == "slide":
+                    return target.slide(1)
+                if step == "recall":
+                    return target.recall(old_ref)
+                if step == "look-back":
+                    return target.recall(old_ref, at=0)
+                if step == "reorder":
+                    return target.reorder(list(reversed(target.refs)))
+                if step == "fork+reorder":  # another order than ``reorder``'s: no patch of it is stored
+                    refs = list(target.refs)
+                    return target.reorder([refs[1], refs[0], *refs[2:]])
+                return target.append(token_ids=new_page).receipt
+
+            t0 = time.perf_counter()
+            receipt = do_step()
+            step_ms = (time.perf_counter() - t0) * 1000.0
+            logits = _answer_logits(target, question)
+            ttft_ms = (time.perf_counter() - t0) * 1000.0
+            after = _window_ids(target) + question
+            ref_logits, reprefill_ms = _reprefill(backend, after)
+            prefix_ms = _prefix_cache_ms(backend, before, after)
+            kl_answer = kl(ref_logits, logits)
+            healed, heal_ms = _timed(target.heal)
+            kl_healed = kl(ref_logits, _answer_logits(target, question)) if healed.refs else kl_answer
+            page_bytes = int(receipt.bytes_moved.get("pages", 0))
+            if bandwidth is None:
+                bandwidth = copy_bandwidth(max(page_bytes, 1 << 24))
+            rows.append(StepRow(
+                policy=policy, step=step, forwards=receipt.forwards, step_ms=step_ms, ttft_ms=ttft_ms,
+                reprefill_ms=reprefill_ms, prefix_cache_ms=prefix_ms, kl_answer=kl_answer, kl_healed=kl_healed,
+                heal_ms=heal_ms if healed.refs else 0.0, heal_forwards=healed.forwards,
+                deferred=len(receipt.deferred), page_mb=page_bytes / 1e6,
+                floor_ms=page_bytes / bandwidth * 1000.0,
+            ))
+            if target is not win:
+                target.discard()
+            win.discard()
+        base.close()
+    return rows
+
+
+def healer_interference(
+    backend: Any, pages: list[list[int]], *, rank: int = 32, probes: int = 8, seed: int = 0
+) -> dict[str, Any]:
+    """How long foreground operations wait for the idle healer.
+
+    A latency-first window of ``pages`` is reversed (every page but the new first one is queued
+    for healing, one conditioned forward each); the healer starts at once; ``probes`` foreground
+    ``materialize()`` calls arrive at seeded random moments while it works. Reports the longest
+    and median wait for the model against one decoder layer's share of a conditioned forward of
+    one page after the rest of the window (the bound the healer promises), and the steps it
+    finished vs abandoned."""
+    import random
+
+    rng = random.Random(seed)
+    size = len(pages[0])
+    win = ContextWindow(backend, budget_tokens=len(pages) * size, rank=rank, patch_policy="latency")
+    for p in pages:
+        win.append(token_ids=p)
+        win.heal()
+    # one layer's share of the forward a heal step runs: a page after the rest of the window
+    past = [tuple(t[0] for t in kv) for kv in _cache_layers(win)]
+    past = [(k[:, : -size], v[:, : -size]) for k, v in past]
+    start = backend.root_len + (len(pages) - 1) * size
+    _, fwd_ms = _timed(lambda: backend.forward(input_ids=pages[-1], positions=backend.text_positions(start, size), past=past, logits="none"))
+    layer_ms = fwd_ms / max(1, backend.layout.num_layers)
+    win.reorder(list(reversed(win.refs)))
+    waits: list[float] = []
+    with win.start_healing(idle_ms=0) as healer:
+        for _ in range(probes):
+            time.sleep(rng.uniform(0.05, 0.6))
+            if not win.pending_refs:
+                break
+            n = len(win.context.foreground_waits_ms)
+            win.materialize()
+            waits.append(list(win.context.foreground_waits_ms)[n])
+        healer.wait_idle(timeout=600)
+    waits.sort()
+    return {
+        "probes": len(waits),
+        "max_wait_ms": round(waits[-1], 3) if waits else 0.0,
+        "median_wait_ms": round(waits[len(waits) // 2], 3) if waits else 0.0,
+        "layer_forward_ms": round(layer_ms, 3),
+        "max_wait_in_layers": round((waits[-1] if waits else 0.0) / max(layer_ms, 1e-9), 3),
+        "heal_steps": healer.steps,
+        "heal_steps_abandoned": healer.yielded,
+        "healer_errors": len(healer.errors),
+        "pending_after": len(win.pending_refs),
+    }
+
+
+def _cache_layers(win: ContextWindow) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    from ..core import compat
+
+    cache = win.materialize()
+    return [compat.cache_layer(cache, l) for l in range(compat.cache_num_layers(cache))]

@@ -1,0 +1,327 @@
+"""The Hugging Face transformers backend: encode canonical chunks, run conditioned forwards, decode.
+
+Every forward goes through :meth:`HFBackend.forward`, which takes explicit positions and an
+explicit past (per-layer KV), so callers can prefill any tokens at any positions after any
+assembled context. That one entry point serves chunk encoding, patch formation, token-recompute
+arms and the re-prefill oracle alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..core import compat
+from ..core.chunk import Chunk, check_representable, chunk_id, digest, storage_dtype
+from ..core.errors import EmptyChunkError, ModelLoadError
+from ..core.layout import KVLayout, detect_layout
+from ..core.kv import LayerKV
+from ..core.operator import register_layout, to_content_frame
+
+DEFAULT_SYSTEM = "You are a helpful AI assistant."
+
+
+@dataclass
+class ForwardResult:
+    """Output of one forward over new tokens.
+
+    ``kv``: per layer ``(k [H_k, T, d_k], v [H_v, T, d_v])`` of the new tokens as cached (rotated);
+    ``logits``: ``[T', vocab]`` fp32 for the kept positions (last only by default) or None.
+    """
+
+    kv: list[LayerKV]
+    logits: torch.Tensor | None
+
+
+@dataclass
+class EncodeInputs:
+    """Normalized inputs of one encode: ``token_ids [T]`` (or None for embeddings),
+    ``rel_positions [n_axes, T]``, span, storage dtype, input digest and the chunk id."""
+
+    token_ids: torch.Tensor | None
+    rel_positions: torch.Tensor
+    span: int
+    dtype: torch.dtype
+    input_digest: str
+    chunk_id: str
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Hash of the config and a sample of every weight: two models share it only if they would
+    produce the same KV."""
+    h = hashlib.sha256()
+    h.update(model.config.to_json_string(use_diff=False).encode())
+    with torch.no_grad():
+        for name, p in sorted(model.state_dict().items()):
+            h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+            flat = p.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 256)][:256].to(torch.float64).cpu()
+            h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def default_root_ids(tokenizer: Any, system: str = DEFAULT_SYSTEM) -> list[int]:
+    """The fixed header every window starts with: the chat template up to the user turn's content
+    (BOS, system prompt, user header), or just BOS for a plain tokenizer."""
+    if tokenizer is None:
+        return [0]
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        marker = "\x00CTXDQ\x00"
+        text = tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": marker}],
+            tokenize=False,
+            add_generation_prompt=False,
+        )
+        head = text.split(marker)[0]
+        ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+        if ids:
+            return list(ids)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return [int(bos)] if bos is not None else [0]
+
+
+class HFBackend:
+    """A transformers causal LM (or VLM) wrapped for position-free KV work.
+
+    Attributes: ``model``, ``tokenizer`` (may be None), ``layout`` (:class:`KVLayout`),
+    ``fingerprint`` (str), ``root_ids`` (the window root's token ids).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
+        *,
+        root_ids: Sequence[int] | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", None) or model.config.model_type
+        self.layout: KVLayout = detect_layout(model)
+        register_layout(self.layout)
+        self.fingerprint = model_fingerprint(model)
+        self.root_ids: tuple[int, ...] = tuple(int(i) for i in (root_ids or default_root_ids(tokenizer)))
+        if not self.root_ids:
+            raise EmptyChunkError("the window root must hold at least one token")
+        self.root_digest = digest(list(self.root_ids))[:16]
+        self._root_kv: list[LayerKV] | None = None
+        self.forwards_run = 0
+        self.tokens_prefilled = 0
+
+    def with_root(self, root_ids: Sequence[int]) -> "HFBackend":
+        """A view of this backend (same model, tokenizer, layout, fingerprint) with another window
+        root. Chunk ids include the root digest, so canonicals of different roots never mix."""
+        ids = tuple(int(i) for i in root_ids)
+        if not ids:
+            raise EmptyChunkError("the window root must hold at least one token")
+        if ids == self.root_ids:
+            return self
+        view = copy.copy(self)
+        view.root_ids = ids
+        view.root_digest = digest(list(ids))[:16]
+        view._root_kv = None
+        return view
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def root_len(self) -> int:
+        return len(self.root_ids)
+
+    @property
+    def n_pos_axes(self) -> int:
+        return self.layout.n_pos_axes
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ModelLoadError("this backend has no tokenizer; pass token_ids")
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def text_positions(self, start: int, n: int) -> torch.Tensor:
+        """``[n_axes, n]`` positions of ``n`` text tokens starting at ``start``."""
+        return (torch.arange(n, dtype=torch.long) + int(start)).unsqueeze(0).expand(self.n_pos_axes, -1).clone()
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[T] -> [T, hidden]`` input embeddings."""
+        return self.model.get_input_embeddings()(token_ids.to(self.device)).detach()
+
+    # ------------------------------------------------------------------ forwards
+    @torch.no_grad()
+    def forward(
+        self,
+        *,
+        input_ids: torch.Tensor | Sequence[int] | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        positions: torch.Tensor,
+        past: list[LayerKV] | None = None,
+        logits: str = "last",
+    ) -> ForwardResult:
+        """Prefill new tokens after ``past`` at explicit ``positions``.
+
+        ``input_ids [T]`` or ``inputs_embeds [T, hidden]``; ``positions [n_axes, T]`` (or ``[T]``);
+        ``past``: per layer ``(k [H,S,d], v [H,S,d])`` as cached (rotated). ``logits``: "last", "all"
+        or "none". Returns the new tokens' cached KV and the requested logits.
+        """
+        if input_ids is not None:
+            ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(1, -1)
+            n = ids.shape[1]
+            kwargs: dict[str, Any] = {"input_ids": ids}
+        elif inputs_embeds is not None:
+            emb = inputs_embeds.to(self.device, self.dtype).reshape(1, -1, inputs_embeds.shape[-1])
+            n = emb.shape[1]
+            kwargs = {"inputs_embeds": emb}
+        else:
+            raise EmptyChunkError("forward needs input_ids or inputs_embeds")
+        if n == 0:
+            raise EmptyChunkError("forward over zero tokens")
+        pos = torch.as_tensor(positions, dtype=torch.long)
+        if pos.dim() == 1:
+            pos = pos.unsqueeze(0)
+        if self.n_pos_axes > 1:
+            if pos.shape[0] == 1:
+                pos = pos.expand(self.n_pos_axes, -1)
+            position_ids = pos.reshape(self.n_pos_axes, 1, -1).to(self.device)
+        else:
+            position_ids = pos[:1].reshape(1, -1).to(self.device)
+        past_len = 0 if not past else past[0][0].shape[-2]
+        cache = compat.cache_from_layers([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in past]) if past else compat.new_cache()
+        # an explicit all-ones mask: without it transformers may read a position gap as packed sequences
+        attention_mask = torch.ones(1, past_len + n, dtype=torch.long, device=self.device)
+        keep = {"last": 1, "all": 0, "none": 1}[logits]
+        out = self.model(
+            **kwargs,
+            position_ids=position_ids,
+            past_key_values=cache,
+            attention_mask=attention_mask,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        self.forwards_run += 1
+        self.tokens_prefilled += n
+        cache = out.past_key_values
+        kv = []
+        for i in range(compat.cache_num_layers(cache)):
+            k, v = compat.cache_layer(cache, i)
+            kv.append((k[0, :, past_len:, :], v[0, :, past_len:, :]))
+        lg = None if logits == "none" else out.logits[0].to(torch.float32)
+        return ForwardResult(kv=kv, logits=lg)
+
+    def root_kv(self) -> list[LayerKV]:
+        """The window root's cached KV at positions ``0..R-1`` (computed once)."""
+        if self._root_kv is None:
+            res = self.forward(
+                input_ids=list(self.root_ids), positions=self.text_positions(0, self.root_len), logits="none"
+            )
+            self._root_kv = [(k.clone(), v.clone()) for k, v in res.kv]
+        return self._root_kv
+
+    # ------------------------------------------------------------------ encode
+    def encode(
+        self,
+        text: str | None = None,
+        *,
+        token_ids: Sequence[int] | torch.Tensor | None = None,
+        embeds: torch.Tensor | None = None,
+        rel_positions: torch.Tensor | None = None,
+        span: int | None = None,
+        storage: torch.dtype | str = torch.float32,
+        modality: str | None = None,
+        meta: dict[str, str] | None = None,
+    ) -> Chunk:
+        """Canonical chunk ``KV(B | root)`` in the content frame.
+
+        Give exactly one of ``text``, ``token_ids [T]`` or ``embeds [T, hidden]`` (an image span's
+        input embeddings). ``rel_positions [n_axes, T]`` and ``span`` describe a multimodal chunk's
+        own position grid (from the model's rope-index logic); text defaults to ``arange(T)``.
+        """
+        inp = self._encode_inputs(text, token_ids, embeds, rel_positions, span, storage)
+        ids_t, rel, span, dt = inp.token_ids, inp.rel_positions, inp.span, inp.dtype
+        start = self.root_len
+        pos = rel + start
+        res = self.forward(
+            input_ids=ids_t, inputs_embeds=embeds if ids_t is None else None, positions=pos, past=self.root_kv(),
+            logits="none",
+        )
+        keys, values = to_content_frame(res.kv, self.layout, pos)
+        check_representable(keys, dt, "keys")
+        check_representable(values, dt, "values")
+        input_digest = inp.input_digest
+        return Chunk(
+            id=inp.chunk_id,
+            fingerprint=self.fingerprint,
+            layout_signature=self.layout.signature,
+            root_digest=self.root_digest,
+            keys=keys.to(dt).contiguous(),
+            values=values.to(dt).contiguous(),
+            rel_positions=rel,
+            span=span,
+            canonical_start=start,
+            token_ids=ids_t,
+            embeds=None if embeds is None else embeds.detach().to("cpu").clone(),
+            modality=modality or ("text" if ids_t is not None else "image"),
+            meta={"input_digest": input_digest, **(meta or {})},
+        )
+
+    def chunk_id_for(
+        self,
+        text: str | None = None,
+        *,
+        token_ids: Sequence[int] | torch.Tensor | None = None,
+        embeds: torch.Tensor | None = None,
+        rel_positions: torch.Tensor | None = None,
+        span: int | None = None,
+        storage: torch.dtype | str = torch.float32,
+    ) -> str:
+        """The id :meth:`encode` would give these inputs, without running the model (a store lookup
+        before encoding means content seen once is never encoded again)."""
+        return self._encode_inputs(text, token_ids, embeds, rel_positions, span, storage).chunk_id
+
+    def _encode_inputs(self, text, token_ids, embeds, rel_positions, span, storage) -> "EncodeInputs":
+        """Normalize encode's inputs: exactly one of text/token_ids/embeds, a position grid, a span,
+        a storage dtype, and the resulting content address."""
+        if sum(x is not None for x in (text, token_ids, embeds)) != 1:
+            raise EmptyChunkError("encode needs exactly one of text, token_ids, embeds")
+        dt = storage_dtype(storage)
+        ids_t: torch.Tensor | None = None
+        if text is not None:
+            ids_t = torch.tensor(self.tokenize(text), dtype=torch.long)
+        elif token_ids is not None:
+            ids_t = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        n = int(ids_t.numel()) if ids_t is not None else int(embeds.shape[0])
+        if n == 0:
+            raise EmptyChunkError("cannot encode an empty chunk")
+        if rel_positions is None:
+            rel = torch.arange(n, dtype=torch.long).unsqueeze(0).expand(self.n_pos_axes, -1).clone()
+        else:
+            rel = torch.as_tensor(rel_positions, dtype=torch.long)
+            if rel.dim() == 1:
+                rel = rel.unsqueeze(0).expand(self.n_pos_axes, -1).clone()
+        span = int(span) if span is not None else int(rel.max()) + 1
+        input_digest = digest(ids_t if ids_t is not None else embeds.to(torch.float32), rel, span)[:32]
+        return EncodeInputs(
+            ids_t, rel, span, dt, input_digest, chunk_id(self.fingerprint, self.root_digest, input_digest, dt)
+        )
+
+    def chunk_inputs(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        """The forward inputs that reproduce ``chunk`` (``input_ids`` or ``inputs_embeds``)."""
+        if chunk.token_ids is not None:
+            return {"input_ids": chunk.token_ids}
+        if chunk.embeds is not None:
+            return {"inputs_embeds": chunk.embeds}
+        raise EmptyChunkError(f"chunk {chunk.id[:12]} carries neither token ids nor embeddings")
+
+    def __repr__(self) -> str:
+        return f"HFBackend({self.name!r}, {self.layout.describe()})"

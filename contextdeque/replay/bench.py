@@ -1,0 +1,154 @@
+"""``contextdeque replay-bench``: the replay's benchmark figures, measured and printed.
+
+1. cost-model throughput, events/s on one core, per (placement, arm) on a generated set;
+2. scheduler vs arrival order: patch forms per agent kind (equal budgets), aggregate;
+3. the scheduler's heuristic over its exact search at every decision of <= 8 chunks;
+4. with ``--mooncake FILE``: the imported trace under every policy combination (process pool),
+   and each online eviction policy's gap to the offline yardstick (Belady, size-aware).
+
+Wall-clock figures depend on the machine and its load: compare them within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..scheduler import EVICTION_POLICIES, SchedulerPlacement, exact, heuristic
+from ..traces import generate, import_mooncake
+from ..window.placement import PlacementView
+from .cost import load_calibration
+from .engine import ReplayConfig, Replayer
+from .reuse import REUSE_COSTS
+from .run import default_jobs, replay_many
+
+GiB = 1 << 30
+
+
+class _RatioProbe(SchedulerPlacement):
+    """The scheduler, also pricing the heuristic against the exact search where both apply."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pairs: list[tuple[float, float]] = []
+
+    def place(self, view: PlacementView, entering):  # type: ignore[override]
+        if view.conditioning and entering and len(view.order) + len(entering) <= self.exact_max:
+            _, hc = heuristic(view, entering, self.weights)
+            _, ec = exact(view, entering, self.weights)
+            self.pairs.append((hc, ec))
+        return super().place(view, entering)
+
+
+def throughput(seeds: int = 2) -> list[dict[str, Any]]:
+    rows = []
+    traces = [generate(k, seed=s) for k in ("web", "video", "doc") for s in range(seeds)]
+    n_events = sum(len(t.events) for t in traces)
+    for placement in ("arrival", "scheduler"):
+        for arm in sorted(REUSE_COSTS):
+            t0 = time.perf_counter()
+            for t in traces:
+                Replayer(t, placement, "lru", arm).run()
+            dt = time.perf_counter() - t0
+            rows.append({"placement": placement, "arm": arm, "events": n_events, "events_per_s": n_events / dt})
+    return rows
+
+
+def scheduler_vs_arrival(seeds: int = 4) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ratios = []
+    for kind in ("web", "video", "doc"):
+        per = {"arrival": [], "scheduler": []}
+        for s in range(seeds):
+            t = generate(kind, seed=s)
+            per["arrival"].append(Replayer(t, "arrival", "lru", "patch").run().patch_forms)
+            probe = _RatioProbe()
+            per["scheduler"].append(Replayer(t, probe, "lru", "patch").run().patch_forms)
+            ratios += [h / e for h, e in probe.pairs if e > 0]
+        out[kind] = {
+            "arrival_forms": per["arrival"], "scheduler_forms": per["scheduler"],
+            "never_more": all(s <= a for s, a in zip(per["scheduler"], per["arrival"])),
+            "aggregate": [sum(per["arrival"]), sum(per["scheduler"])],
+        }
+    out["heuristic_over_exact"] = {
+        "decisions": len(ratios), "mean": statistics.fmean(ratios) if ratios else None,
+        "max": max(ratios) if ratios else None, "share_equal": (sum(1 for r in ratios if r <= 1 + 1e-9) / len(ratios)) if ratios else None,
+    }
+    return out
+
+
+def mooncake(path: str, jobs: int, device_gb: float, limit: int | None) -> dict[str, Any]:
+    cost, note = load_calibration()
+    t = import_mooncake(path, limit=limit)
+    cfg = ReplayConfig(device_bytes=int(device_gb * GiB), host_bytes=int(4 * device_gb * GiB))
+    combos = [(p, e, a) for p in ("arrival", "scheduler") for e in sorted(EVICTION_POLICIES) for a in sorted(REUSE_COSTS)]
+    t0 = time.perf_counter()
+    results = replay_many([t], combos, cost, cfg, jobs=jobs)
+    wall = time.perf_counter() - t0
+    gaps = []
+    for p in ("arrival", "scheduler"):
+        for a in sorted(REUSE_COSTS):
+            by = {r["eviction"]: r for r in results if r["placement"] == p and r["arm"] == a}
+            yard = by["belady"]
+            for e, r in by.items():
+                if e == "belady":
+                    continue
+                gaps.append({"placement": p, "arm": a, "eviction": e,
+                             "misses": r["device_misses"], "belady_misses": yard["device_misses"],
+                             "miss_gap": (r["device_misses"] - yard["device_misses"]) / max(1, yard["device_misses"]),
+                             "seconds_gap": (r["est_seconds"] - yard["est_seconds"]) / max(1e-9, yard["est_seconds"])})
+    return {"requests": t.header.meta.get("requests"), "events": len(t.events), "calibration": note,
+            "device_gb": device_gb, "wall_s": wall, "results": results, "eviction_gaps": gaps}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seeds", type=int, default=4, help="generated traces per agent kind")
+    parser.add_argument("--mooncake", default=None, help="a Mooncake FAST'25 trace file to replay under every policy")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N Mooncake requests")
+    parser.add_argument("--device-gb", type=float, default=16.0)
+    parser.add_argument("--jobs", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="also write every figure here")
+
+
+def run(args: argparse.Namespace) -> int:
+    report: dict[str, Any] = {}
+    report["throughput"] = throughput(max(1, args.seeds // 2))
+    print("cost-model throughput (events/s, one core, in-process):")
+    for r in report["throughput"]:
+        print(f"  {r['placement']:10s} {r['arm']:13s} {r['events_per_s']:10.0f}")
+    report["scheduler"] = scheduler_vs_arrival(args.seeds)
+    print("patch forms, arrival -> scheduler (equal budgets):")
+    for kind in ("web", "video", "doc"):
+        s = report["scheduler"][kind]
+        print(f"  {kind:6s} per trace {s['arrival_forms']} -> {s['scheduler_forms']}  aggregate {s['aggregate'][0]} -> {s['aggregate'][1]}"
+              f"  never more: {s['never_more']}")
+    h = report["scheduler"]["heuristic_over_exact"]
+    print(f"heuristic / exact cost over {h['decisions']} decisions: mean {h['mean']}, max {h['max']}, equal in {h['share_equal']}")
+    if args.mooncake:
+        m = mooncake(args.mooncake, args.jobs or default_jobs(), args.device_gb, args.limit)
+        report["mooncake"] = m
+        print(f"Mooncake: {m['requests']} requests, {m['events']} events, {len(m['results'])} combos in {m['wall_s']:.0f} s wall; {m['calibration']}")
+        for r in m["results"]:
+            print(f"  {r['placement']:10s} {r['eviction']:15s} {r['arm']:13s} tokens_prefilled {r['tokens_prefilled']:>12d} "
+                  f"forms {r['patch_forms']:>7d} hits {r['patch_hits']:>7d} dev_miss {r['device_misses']:>7d} est_s {r['est_seconds']:.4g}")
+        print("eviction gaps to Belady (device misses):")
+        for g in m["eviction_gaps"]:
+            print(f"  {g['placement']:10s} {g['arm']:13s} {g['eviction']:15s} {g['misses']} vs {g['belady_misses']}  gap {g['miss_gap']:+.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="contextdeque replay-bench")
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

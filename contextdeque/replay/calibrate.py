@@ -1,0 +1,98 @@
+"""``contextdeque calibrate``: measure the replay cost model's constants on this machine's backend.
+
+Prefill tokens/s by length (a chunk encode after the root, at several lengths), decode tokens/s,
+apply bandwidth (relocation + a rank-m patch into a page), the per-token cost of forming a patch
+beyond its conditioned forward (factorization), and host / disk tier bandwidth (a tensor copied
+between buffers, a safetensors entry written and read back through the disk tier). Saved with the
+model's fingerprint under ``<cache>/calibration/`` (atomic write); ``replay`` uses it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .cost import CostModel
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank: int = 32, repeats: int = 2,
+              disk_dir: str | None = None) -> CostModel:
+    """Measure a :class:`CostModel` on ``backend`` (an ``HFBackend``)."""
+    from ..core.operator import relocate
+    from ..patch import form_patch
+    from ..stores import DiskTier, StoreEntry
+
+    lay = backend.layout
+    vocab = int(backend.model.config.vocab_size)
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(4, max(5, vocab - 1), (n,), generator=g).tolist()
+
+    prefill = []
+    for n in lengths:
+        x = ids(n)
+        backend.encode(token_ids=x)  # warm
+        s = _timed(lambda: backend.encode(token_ids=x), repeats)
+        prefill.append((int(backend.root_len + n), n / s))
+    ctx_ids, q = ids(256), ids(1)
+    a = backend.encode(token_ids=ctx_ids)
+    b = backend.encode(token_ids=ids(256))
+    patch = form_patch(backend, b, [a], rank=min(rank, b.n_tokens))
+    t_form = _timed(lambda: form_patch(backend, b, [a], rank=min(rank, b.n_tokens)), repeats)
+    t_cond = _timed(lambda: backend.encode(token_ids=ctx_ids + b.token_ids.tolist()), repeats) - _timed(
+        lambda: backend.encode(token_ids=ctx_ids), repeats)
+    svd_per_token = max(0.0, t_form - max(t_cond, 0.0)) / b.n_tokens
+    page = relocate(b, 1000, layout=lay, patch=[patch])
+    page_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in page)
+    t_apply = _timed(lambda: relocate(b, 1000, layout=lay, patch=[patch]), max(3, repeats))
+    # decode: one token after a 256-token cache
+    from ..core.compat import cache_from_layers
+
+    def decode_step() -> None:
+        cache = cache_from_layers([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in page])
+        with torch.no_grad():
+            backend.model(input_ids=torch.tensor([q]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+    t_dec = _timed(decode_step, max(3, repeats))
+    buf = torch.empty(32 << 20, dtype=torch.uint8)
+    t_host = _timed(lambda: buf.clone(), 3)
+    with tempfile.TemporaryDirectory(dir=disk_dir) as d:
+        tier = DiskTier(Path(d), None, name="disk")
+        entry = StoreEntry({"x": torch.zeros(8 << 20, dtype=torch.float32)}, {"kind": "calibration"})
+        n_bytes = 8 << 20 << 2
+        t0 = time.perf_counter()
+        tier.put("calibration:disk", entry)
+        tier.get("calibration:disk")
+        t_disk = time.perf_counter() - t0
+    return CostModel(
+        num_layers=lay.num_layers,
+        kv_width_k=lay.k_heads * lay.k_dim,
+        kv_width_v=lay.v_heads * lay.v_dim,
+        storage_bytes=b.keys.element_size(),
+        prefill=tuple(prefill),
+        decode_tokens_per_s=1.0 / t_dec,
+        apply_bytes_per_s=page_bytes / t_apply,
+        svd_s_per_token=svd_per_token,
+        host_bytes_per_s=buf.numel() / t_host,
+        disk_bytes_per_s=2 * n_bytes / t_disk,
+        rank=rank,
+        source="calibration",
+        fingerprint=backend.fingerprint,
+        model=str(getattr(backend, "name", "")),
+        extra={"threads": torch.get_num_threads(), "torch": torch.__version__},
+    )

@@ -1,0 +1,489 @@
+"""Cost-model replay: one trace under one (placement, eviction, reuse arm) combination.
+
+The engine mirrors a ``ContextWindow`` without a model. The window's order comes from the
+placement policy; its conditioning follows the default patch policy (an entering chunk gets a
+patch on what precedes it — from the store when one was stored on exactly that prefix, else one
+conditioned forward; survivors and chunks something was inserted before keep theirs; a reorder
+takes an orbit patch where stored, else forms one; a recall whose KV changes re-forms the chunks
+conditioned on it: the cascade). Canonicals live in a device pool (byte budget, the eviction
+policy), spilling to a host tier (byte budget, LRU) and then to disk; window-resident canonicals
+are pinned. Costs come from the calibrated :class:`~.cost.CostModel`.
+
+Everything is deterministic: no clock, no randomness, insertion-ordered containers only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+from ..core.errors import BudgetError
+from ..scheduler.eviction import EvictionPolicy, make_eviction
+from ..scheduler.graph import PatchGraph
+from ..traces.io import Trace
+from ..window.placement import ArrivalPlacement, PlacementPolicy, PlacementView, make_placement
+from .cost import CostModel
+from .reuse import ReuseCost, make_reuse
+
+GiB = 1 << 30
+ORBIT_MAX_ANTECEDENTS = 4  # the default policy forms orbit patches for sets of at most 4
+ORBIT_MAX_ORDERINGS = 24
+
+
+@dataclass
+class ReplayConfig:
+    """Budgets: ``budget_tokens`` (the window; None: the trace's own slides only), ``device_bytes``
+    and ``host_bytes`` (the KV pool tiers; disk is unbounded). ``rank``: patch rank m (None: the
+    cost model's). ``overlap_loads``: canonicals read from host or disk load in parallel with the
+    model's work of the same operation (encodes of misses, patch forms), as
+    ``ContextWindow.extend`` does (MPIC): an admission then costs ``max(load, compute)`` instead of
+    ``load + compute``."""
+
+    budget_tokens: int | None = None
+    device_bytes: int = 16 * GiB
+    host_bytes: int = 64 * GiB
+    rank: int | None = None
+    overlap_loads: bool = False
+
+
+@dataclass
+class ReplayResult:
+    """What one run cost. ``bytes`` per tier = bytes read + written there."""
+
+    trace: str
+    placement: str
+    eviction: str
+    arm: str
+    events: int = 0
+    steps: int = 0
+    queries: int = 0
+    tokens_prefilled: int = 0
+    forwards: int = 0
+    encodes: int = 0
+    patch_forms: int = 0
+    patch_hits: int = 0
+    stale_keeps: int = 0
+    cascade_reforms: int = 0
+    device_hits: int = 0
+    device_misses: int = 0
+    window_evictions: int = 0
+    bytes: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    patch_bytes: int = 0
+    est_seconds: float = 0.0
+    load_seconds: float = 0.0  # tier transfers (host/disk reads of canonicals) inside est_seconds
+    overlap_saved_seconds: float = 0.0  # taken off est_seconds by overlapping loads with compute
+    scheduler: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["bytes"] = dict(self.bytes)
+        d["est_seconds"] = round(self.est_seconds, 6)
+        d["load_seconds"] = round(self.load_seconds, 6)
+        d["overlap_saved_seconds"] = round(self.overlap_saved_seconds, 6)
+        d["scheduler"] = dict(self.scheduler)
+        return d
+
+
+class Pool:
+    """The device KV pool (eviction policy, byte budget) over a host tier (LRU) and disk."""
+
+    def __init__(self, device_bytes: int, host_bytes: int, policy: EvictionPolicy, cost: CostModel, r: ReplayResult) -> None:
+        self.budget, self.host_budget = int(device_bytes), int(host_bytes)
+        self.policy, self.cost, self.r = policy, cost, r
+        self.device: dict[Hashable, int] = {}
+        self.used = 0
+        self.host: OrderedDict[Hashable, int] = OrderedDict()
+        self.host_used = 0
+        self.disk: dict[Hashable, int] = {}
+        self.pinned: Counter = Counter()
+        self.i = 0
+        self.log: list[Hashable] | None = None
+
+    def access(self, key: Hashable, size: int) -> str | None:
+        """Bring ``key`` to the device. Returns where it was (``device``/``host``/``disk``) or None
+        (nowhere: the caller computes it; it is then stored on the device)."""
+        i = self.i
+        self.i += 1
+        if self.log is not None:
+            self.log.append(key)
+        r = self.r
+        if key in self.device:
+            r.device_hits += 1
+            self.policy.touch(key, size, i)
+            return "device"
+        r.device_misses += 1
+        where = None
+        if key in self.host:
+            size = self.host.pop(key)
+            self.host_used -= size
+            r.bytes["host"] += size
+            r.est_seconds += size / self.cost.host_bytes_per_s
+            r.load_seconds += size / self.cost.host_bytes_per_s
+            where = "host"
+        elif key in self.disk:
+            size = self.disk.pop(key)
+            r.bytes["disk"] += size
+            r.est_seconds += size / self.cost.disk_bytes_per_s
+            r.load_seconds += size / self.cost.disk_bytes_per_s
+            where = "disk"
+        self._make_room(size)
+        self.device[key] = size
+        self.used += size
+        r.bytes["device"] += size
+        self.policy.touch(key, size, i)
+        return where
+
+    def _make_room(self, size: int) -> None:
+        while self.used + size > self.budget:
+            v = self.policy.victim(self.pinned)
+            if v is None:
+                return  # everything left is pinned by the window: over-commit
+            vs = self.device.pop(v)
+            self.used -= vs
+            self.policy.remove(v)
+            self.host[v] = vs
+            self.host_used += vs
+            self.r.bytes["host"] += vs
+            while self.host_used > self.host_budget and self.host:
+                k, s = self.host.popitem(last=False)
+                self.host_used -= s
+                self.disk[k] = s
+                self.r.bytes["disk"] += s
+
+
+class Replayer:
+    """Runs one trace under one policy combination (see the module doc)."""
+
+    def __init__(self, trace: Trace, placement: "str | PlacementPolicy" = "arrival", eviction: "str | EvictionPolicy" = "lru",
+                 arm: "str | ReuseCost" = "patch", cost: CostModel | None = None, config: ReplayConfig | None = None) -> None:
+        self.trace = trace
+        self.placement = make_placement(placement)
+        self.eviction = make_eviction(eviction)
+        self.arm = make_reuse(arm)
+        self.cost = cost or CostModel()
+        self.cfg = config or ReplayConfig()
+        self.rank = self.cfg.rank if self.cfg.rank is not None else self.cost.rank
+        self.kv_bpt = self.cost.kv_bytes_per_token
+        self.r = ReplayResult(trace=trace.name, placement=self.placement.name, eviction=self.eviction.name, arm=self.arm.name)
+        biggest = max((a.tokens for a in trace.chunks.values()), default=0)
+        if self.cfg.budget_tokens is not None and self.cfg.budget_tokens < biggest:
+            raise BudgetError(f"window budget of {self.cfg.budget_tokens} tokens is below the trace's largest chunk ({biggest} tokens)")
+        if self.cfg.device_bytes < biggest * self.kv_bpt:
+            raise BudgetError(
+                f"device budget of {self.cfg.device_bytes} bytes is below one chunk ({biggest} tokens = {biggest * self.kv_bpt} bytes)"
+            )
+        self.pool = Pool(self.cfg.device_bytes, self.cfg.host_bytes, self.eviction, self.cost, self.r)
+        self.graph = PatchGraph()
+        # window state
+        self.order: list[str] = []
+        self.tokens: dict[str, int] = {cid: a.tokens for cid, a in trace.chunks.items()}
+        self.content: dict[str, str] = {cid: a.hash for cid, a in trace.chunks.items()}
+        self.formed: dict[str, tuple[str, ...]] = {}
+        self._formed_set: dict[str, frozenset] = {}  # lazily built membership sets of `formed`
+        self.window_tokens = 0
+        self._fast = type(self.placement) is ArrivalPlacement
+        self._next_ref: dict[str, list[int]] | None = None
+        self.on_step: Any = None  # called at every step boundary (plots tap the running totals)
+        # the agent's own order (what `slide` and `at` refer to), beside the placed order
+        self.logical: list[str] = []
+
+    # ------------------------------------------------------------------ charges
+    def charge_apply(self, tokens: int) -> None:
+        """Relocate (+ patch) ``tokens`` of canonical KV into the pages a query reads."""
+        if tokens > 0:
+            self.r.est_seconds += tokens * self.kv_bpt / self.cost.apply_bytes_per_s
+
+    def _form(self, key: str, prefix: Sequence[str], kind: str = "exact") -> None:
+        """Conditioning for ``key`` behind ``prefix``: a store hit or one formed patch."""
+        pc = tuple(map(self.content.__getitem__, prefix))
+        c = self.content[key]
+        r = self.r
+        hit = self.graph.has_patch(c, pc) if kind == "exact" else self.graph.has_orbit(c, frozenset(pc))
+        if hit:
+            r.patch_hits += 1
+        else:
+            t = self.tokens[key]
+            ctx = sum(map(self.tokens.__getitem__, prefix))
+            n_fw = 1
+            if kind == "orbit":
+                n_fw = 1
+                for i in range(2, len(prefix) + 1):
+                    n_fw *= i
+                n_fw = min(n_fw, ORBIT_MAX_ORDERINGS)
+            r.patch_forms += 1
+            r.forwards += n_fw
+            r.tokens_prefilled += n_fw * t
+            r.est_seconds += n_fw * self.cost.form_s(t, ctx)
+            pb = self.cost.patch_bytes(t, self.rank)
+            r.patch_bytes += pb
+            r.bytes["device"] += pb
+            self.graph.add(c, pc, kind)
+        self._set_formed(key, tuple(prefix))
+
+    def _set_formed(self, key: str, prefix: tuple[str, ...]) -> None:
+        self.formed[key] = prefix
+        self._formed_set.pop(key, None)
+
+    def dependents(self, key: str) -> list[str]:
+        """Residents whose conditioning was formed with ``key`` among its antecedents (window order)."""
+        out = []
+        fs = self._formed_set
+        for d in self.order:
+            s = fs.get(d)
+            if s is None:
+                s = fs[d] = frozenset(self.formed.get(d, ()))
+            if key in s:
+                out.append(d)
+        return out
+
+    def _enter(self, key: str) -> None:
+        """A chunk enters the window: its canonical from the pool (or encoded)."""
+        self.window_tokens += self.tokens[key]
+        if not self.arm.canonicals:
+            return
+        c = self.content[key]
+        pool = self.pool
+        t = self.tokens[key]
+        if pool.access(("c", c), t * self.kv_bpt) is None:
+            r = self.r
+            r.encodes += 1
+            r.forwards += 1
+            r.tokens_prefilled += t
+            r.est_seconds += self.cost.prefill_s(t, 0)
+        pool.pinned[("c", c)] += 1  # resident in the window: not evictable
+
+    def _leave(self, key: str) -> None:
+        self.window_tokens -= self.tokens[key]
+        if not self.arm.canonicals:
+            return
+        k = ("c", self.content[key])
+        pinned = self.pool.pinned
+        pinned[k] -= 1
+        if pinned[k] <= 0:
+            del pinned[k]
+
+    # ------------------------------------------------------------------ operations
+    def view(self, index: int) -> PlacementView:
+        order = self.order
+        return PlacementView(
+            order=list(order), tokens=self.tokens, content=self.content, formed_on=self.formed,
+            has_patch=self.graph.has_patch if self.arm.patches else (lambda c, p: False),
+            has_orbit=self.graph.has_orbit if self.arm.patches else (lambda c, s: False),
+            stored_prefixes=self.graph.stored_prefixes if self.arm.patches else (lambda c: ()),
+            dependents=self.dependents if self.arm.patches else (lambda k: []),
+            may_hit=self.graph.may_hit, conditioning=self.arm.patches,
+            budget_tokens=self.cfg.budget_tokens,
+            future=_FutureView(self._next_ref, index) if self._next_ref is not None else None,
+        )
+
+    def _remove(self, key: str) -> None:
+        self.order.remove(key)
+        if key in self.logical:
+            self.logical.remove(key)
+        self._leave(key)
+
+    def _admit(self, index: int, entering: list[tuple[str, int | None]], recall: bool) -> None:
+        est0, load0 = self.r.est_seconds, self.r.load_seconds
+        try:
+            self._admit_inner(index, entering, recall)
+        finally:
+            if self.cfg.overlap_loads:
+                # loads ran beside this admission's model work: it costs the longer of the two
+                load = self.r.load_seconds - load0
+                compute = self.r.est_seconds - est0 - load
+                saved = min(load, max(0.0, compute))
+                self.r.est_seconds -= saved
+                self.r.overlap_saved_seconds += saved
+
+    def _admit_inner(self, index: int, entering: list[tuple[str, int | None]], recall: bool) -> None:
+        need = sum(self.tokens[k] for k, _ in entering)
+        budget = self.cfg.budget_tokens
+        if budget is not None and self.window_tokens + need > budget:
+            for k in self.placement.make_room(self.view(index), need):
+                if k in self.order:
+                    self._remove(k)
+                    self.r.window_evictions += 1
+        if self._fast and entering[0][1] is None:
+            # arrival order at the end: only the entering chunk is looked at
+            key = entering[0][0]
+            self._enter(key)
+            self.order.append(key)
+            if self.arm.patches:
+                before = self.formed.get(key, ())
+                prefix = self.order[:-1]
+                if prefix:
+                    self._form(key, prefix)
+                else:
+                    self._set_formed(key, ())
+                if recall and self.formed[key] != before:
+                    self._cascade({key}, {key})
+            return
+        if self._fast:
+            key, at = entering[0]
+            pos = min(at, len(self.order))
+            new_order = self.order[:pos] + [key] + self.order[pos:]
+        else:
+            new_order = self.placement.place(self.view(index), entering)
+        old_pos = {k: i for i, k in enumerate(self.order)}
+        ent = {k for k, _ in entering}
+        for k in ent:
+            self._enter(k)
+        self.order = new_order
+        if not self.arm.patches:
+            return
+        # reconcile: entering chunks get conditioning; residents behind an insertion keep theirs
+        changed: set[str] = set()
+        for i, k in enumerate(new_order):
+            if k in ent:
+                prefix = new_order[:i]
+                before = self.formed.get(k, ())
+                if not prefix:
+                    self._set_formed(k, ())
+                else:
+                    self._form(k, prefix)
+                if recall and self.formed[k] != before:
+                    changed.add(k)
+            elif old_pos.get(k, -1) != i:
+                self.r.stale_keeps += 1
+        self._cascade(changed, ent)
+
+    def _cascade(self, changed: set[str], entering: set[str]) -> None:
+        """Residents conditioned on a recalled chunk whose KV changed are re-formed (window order)."""
+        if not changed:
+            return
+        seen: set[str] = set()
+        for k in sorted(changed, key=self.order.index):
+            for d in self.dependents(k):
+                if d in entering or d in seen:
+                    continue
+                seen.add(d)
+                i = self.order.index(d)
+                self.r.cascade_reforms += 1
+                self._form(d, self.order[:i])
+
+    def _reorder(self, order: list[str]) -> None:
+        resident = set(self.order)
+        present = [k for k in order if k in resident]
+        named = set(present)
+        rest = [k for k in self.order if k not in named]
+        new_order = present + rest
+        old = self.order
+        self.order = new_order
+        if not self.arm.patches:
+            return
+        for i, k in enumerate(new_order):
+            prefix = new_order[:i]
+            if tuple(prefix) == self.formed.get(k, ()) or (i < len(old) and old[:i + 1] == new_order[:i + 1]):
+                continue
+            if not prefix:
+                self._set_formed(k, ())
+                continue
+            pc = frozenset(self.content[p] for p in prefix)
+            if self.graph.has_orbit(self.content[k], pc):
+                self.r.patch_hits += 1
+                self._set_formed(k, tuple(prefix))
+            elif set(self.formed.get(k, ())) == set(prefix) and len(prefix) <= ORBIT_MAX_ANTECEDENTS:
+                self._form(k, prefix, "orbit")
+            else:
+                self._form(k, prefix, "exact")
+
+    def run(self) -> ReplayResult:
+        """Replay the whole trace; returns the result (the engine is single-use)."""
+        if self.eviction.offline:
+            self.eviction.prepare(_access_log(self))
+        self._prepare_future()
+        self._run()
+        return self.r
+
+    def _prepare_future(self) -> None:
+        if not getattr(self.placement, "offline", False):
+            return
+        refs: dict[str, list[int]] = {}
+        for i, ev in enumerate(self.trace.events):
+            for k in _named(ev):
+                refs.setdefault(k, []).append(i)
+        self._next_ref = refs
+
+    def _run(self) -> None:
+        r = self.r
+        cost = self.cost
+        stack: list[tuple] = []
+        for idx, ev in enumerate(self.trace.events):
+            r.events += 1
+            op = ev.op
+            if op == "arrive" or op == "recall":
+                if ev.id in self.order:
+                    continue
+                self.logical.insert(len(self.logical) if ev.at is None else min(ev.at, len(self.logical)), ev.id)
+                self._admit(idx, [(ev.id, ev.at)], op == "recall")
+            elif op == "query":
+                r.queries += 1
+                self.arm.query(self, ev.tokens, ev.output_tokens)
+                r.tokens_prefilled += ev.tokens
+                r.forwards += 1
+                r.est_seconds += cost.prefill_s(ev.tokens, self.window_tokens) + ev.output_tokens / cost.decode_tokens_per_s
+            elif op == "evict":
+                if ev.id in self.order:
+                    self._remove(ev.id)  # survivors keep their KV (relocation only)
+            elif op == "slide":  # the agent's n oldest, wherever placement put them
+                for k in self.logical[: ev.n]:
+                    self._remove(k)
+            elif op == "reorder":
+                self.logical = [k for k in ev.order if k in set(self.order)]
+                self._reorder(list(ev.order))
+            elif op == "step":
+                r.steps += 1
+                if self.on_step is not None:
+                    self.on_step()
+            elif op == "fork":
+                stack.append((list(self.order), list(self.logical), dict(self.formed), self.window_tokens,
+                              Counter(self.pool.pinned)))
+            elif op == "commit":
+                stack.pop()
+            elif op == "discard":
+                order, logical, formed, wt, pinned = stack.pop()
+                self.order, self.logical, self.formed, self.window_tokens = order, logical, formed, wt
+                self._formed_set = {}
+                self.pool.pinned = pinned
+        sched = getattr(self.placement, "decisions", None)
+        if sched:
+            r.scheduler = dict(sched)
+
+
+class _FutureView(dict):
+    """``key -> index of the next event naming it`` after ``index`` (None: never)."""
+
+    def __init__(self, refs: dict[str, list[int]], index: int) -> None:
+        super().__init__()
+        self._refs, self._index = refs, index
+
+    def get(self, key, default=None):  # type: ignore[override]
+        import bisect
+
+        lst = self._refs.get(key)
+        if not lst:
+            return default
+        j = bisect.bisect_right(lst, self._index)
+        return lst[j] if j < len(lst) else default
+
+
+def _named(ev: Any) -> list[str]:
+    if ev.op in ("arrive", "recall", "evict"):
+        return [ev.id]
+    if ev.op == "reorder":
+        return list(ev.order)
+    return []
+
+
+def _access_log(eng: Replayer) -> list[Hashable]:
+    """The pool's access sequence for this trace, placement and arm (it does not depend on the
+    eviction policy: what is read is decided by the trace and the placement)."""
+    from ..scheduler.eviction_lru import LRUEviction
+
+    probe = Replayer(eng.trace, type(eng.placement)(), LRUEviction(), type(eng.arm)(), eng.cost, eng.cfg)
+    probe.pool.log = []
+    probe._prepare_future()
+    probe._run()
+    return probe.pool.log
+

@@ -1,0 +1,172 @@
+"""``replay --fidelity N``: drive a real ``ContextWindow`` through a trace and measure, at N sampled
+queries per policy, next-token KL and η against a full re-prefill of the same window contents and
+the time-to-first-token of the window step against that re-prefill.
+
+Traces carry sizes and content hashes, not content: every chunk becomes real English (a seeded
+slice of CPython's reference manual, ``pydoc_data.topics``, chosen by its content hash, so equal
+hashes give equal text), ``scale`` times its token count (default 1/16, at least 8 tokens) so a
+trace runs in minutes on a CPU. Image and frame chunks become text of their (scaled) size too: the
+window path is the same, the vision tower is not exercised here.
+
+Per (trace, placement, arm): the window runs the trace with ``placement=`` (the scheduler or
+arrival order); its patch policy is ``default`` for the ``patch`` arm and ``none`` for the others.
+At a sampled query the reference is a re-prefill of root + the window's chunks in window order; the
+``patch`` / ``blind`` arms are the window's own materialized KV; the other arms
+(``contextdeque.eval.arms``: prefix cache, CacheBlend, EPIC, VLCache) are run on the same chunks in the
+same order. η = (KL_blind − KL_arm) / KL_blind at that query (None without a measurable gap).
+TTFT: wall time of (assembling the arm's KV + prefilling the query) over (re-prefilling the
+window + the query), measured side by side. The eviction policy does not change what the model
+sees, so its results are shared by every eviction combo.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import statistics
+import time
+from functools import lru_cache
+from typing import Any, Sequence
+
+import torch
+
+from ..traces.io import Trace, read_trace
+
+DEFAULT_SCALE = 1 / 16
+MIN_TOKENS = 8
+
+
+@lru_cache(maxsize=1)
+def _corpus_ids(backend_name: str, tokenizer: Any) -> list[int]:
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if tokenizer is not None else []
+
+
+def chunk_ids(backend: Any, content_hash: str, n: int) -> list[int]:
+    """``n`` token ids of real text for a content hash (deterministic)."""
+    corpus = _corpus_ids(getattr(backend, "name", ""), backend.tokenizer)
+    h = int(hashlib.sha256(content_hash.encode()).hexdigest()[:12], 16)
+    if not corpus:
+        vocab = int(backend.model.get_input_embeddings().weight.shape[0])
+        g = torch.Generator().manual_seed(h % (2**31))
+        return torch.randint(4, vocab, (n,), generator=g).tolist()
+    start = h % max(1, len(corpus) - n)
+    return list(corpus[start : start + n])
+
+
+def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    from ..core.compat import cache_layer, cache_num_layers
+
+    return [tuple(t[0] for t in cache_layer(cache, i)) for i in range(cache_num_layers(cache))]  # type: ignore[misc]
+
+
+def _window_for(backend: Any, placement: str, arm: str) -> Any:
+    from ..window import ContextWindow
+
+    return ContextWindow(backend, placement=placement, patch_policy="default" if arm == "patch" else "none")
+
+
+@torch.no_grad()
+def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *, seed: int = 0,
+                 scale: float = DEFAULT_SCALE) -> dict[str, Any]:
+    """Drive one window through ``trace``; measure at ``n`` sampled queries. Returns medians."""
+    from ..eval.arms import BlindArm, ReprefillArm, ReuseRequest, make_arm
+    from ..eval.fidelity.harness import score_query
+    from ..core.metrics import kl_divergence
+    from ..eval.fidelity.metrics import DEFAULT_MIN_GAP, eta
+
+    queries = [i for i, e in enumerate(trace.events) if e.op == "query"]
+    rng = random.Random(f"{seed}:{trace.name}")
+    sampled = set(rng.sample(queries, min(n, len(queries))))
+    win = _window_for(backend, placement, arm)
+    served = make_arm(arm) if arm not in ("patch", "blind", "reprefill") else None  # one instance: a prefix cache keeps what it saw
+    stack: list[Any] = []
+    refs: dict[str, Any] = {}
+    logical: list[str] = []
+    ids_of: dict[str, list[int]] = {}
+    kls, etas, ttfts = [], [], []
+    for i, ev in enumerate(trace.events):
+        op = ev.op
+        if op == "arrive":
+            if ev.id not in ids_of:
+                ids_of[ev.id] = chunk_ids(backend, ev.hash, max(MIN_TOKENS, int(round(ev.tokens * scale))))
+            if ev.id in refs and refs[ev.id] in win.evicted_refs:
+                win.recall(refs[ev.id])
+            elif ev.id not in refs or refs[ev.id] not in win.refs:
+                refs[ev.id] = win.append(token_ids=ids_of[ev.id])
+            logical.insert(len(logical) if ev.at is None else min(ev.at, len(logical)), ev.id)
+        elif op == "recall":
+            win.recall(refs[ev.id])
+            logical.insert(len(logical) if ev.at is None else min(ev.at, len(logical)), ev.id)
+        elif op == "evict":
+            win.evict(refs[ev.id])
+            logical.remove(ev.id)
+        elif op == "slide":
+            for cid in logical[: ev.n]:
+                win.evict(refs[cid])
+            del logical[: ev.n]
+        elif op == "reorder":
+            win.reorder([refs[c] for c in ev.order])
+            logical = list(ev.order)
+        elif op == "fork":
+            stack.append((win, list(logical)))
+            win = win.fork()
+        elif op == "commit":
+            win.commit()
+            win, _ = stack.pop()
+        elif op == "discard":
+            win.discard()
+            win, logical = stack.pop()
+        elif op == "query" and i in sampled and win.refs:
+            q = chunk_ids(backend, f"query:{i}", max(4, min(32, ev.tokens)))
+            chunks = [win.chunk(r) for r in win.refs]
+            req = ReuseRequest(backend, chunks)
+            start = req.next_position
+            t0 = time.perf_counter()
+            ref_logits, _ = score_query(backend, ReprefillArm().run(req).kv, start, q, 0)
+            t_ref = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            if arm in ("patch", "blind"):
+                kv = _layers(win.materialize())
+            elif arm == "reprefill":
+                kv = ReprefillArm().run(req).kv
+            else:
+                kv = served.run(req).kv
+            logits, _ = score_query(backend, kv, start, q, 0)
+            t_arm = time.perf_counter() - t0
+            blind_logits, _ = score_query(backend, BlindArm().run(req).kv, start, q, 0)
+            kl_blind = kl_divergence(ref_logits, blind_logits)
+            kl = kl_divergence(ref_logits, logits)
+            kls.append(kl)
+            etas.append(eta(kl_blind, kl, DEFAULT_MIN_GAP))
+            ttfts.append(t_arm / t_ref)
+    defined = [e for e in etas if e is not None]
+    return {
+        "kl": statistics.median(kls) if kls else None,
+        "eta": statistics.median(defined) if defined else None,
+        "ttft_ratio": statistics.median(ttfts) if ttfts else None,
+        "fidelity_queries": len(kls),
+    }
+
+
+def run_fidelity_mode(traces: Sequence[str], combos: Sequence[tuple[str, str, str]], n: int, *, seed: int = 0,
+                      scale: float = DEFAULT_SCALE, backend: Any = None, console: Any = None) -> dict[tuple, dict[str, Any]]:
+    """Fidelity figures keyed by ``(trace, placement, eviction, arm)`` for every combo."""
+    if backend is None:
+        from ..model import load_model
+
+        backend = load_model()
+    out: dict[tuple, dict[str, Any]] = {}
+    for path in traces:
+        t = read_trace(path)
+        done: dict[tuple[str, str], dict[str, Any]] = {}
+        for placement, eviction, arm in combos:
+            key = (placement, arm)
+            if key not in done:
+                if console is not None:
+                    console.print(f"[dim]fidelity: {t.name} {placement}/{arm}[/dim]")
+                done[key] = fidelity_run(backend, t, placement, arm, n, seed=seed, scale=scale)
+            out[(t.name, placement, eviction, arm)] = done[key]
+    return out

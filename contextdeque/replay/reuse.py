@@ -1,0 +1,53 @@
+"""Reuse arms in the replay's cost model: what each arm of ``contextdeque.eval.arms`` costs per window
+operation and per query. One small class per file (``reuse_<arm>.py``), registered in
+``REUSE_COSTS`` under the arm's name in ``contextdeque.eval.arms.ARMS`` (a cost rule for an arm that
+does not exist is refused at import).
+
+Hooks: ``canonicals`` (chunks are encoded once into the store and read from it on entry),
+``patches`` (entering chunks get conditioning patches per the window's default patch policy),
+and :meth:`query` (what one read of the window costs beyond that).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..eval.arms import ARMS
+from ..scheduler.eviction import PolicyError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import Replayer
+
+REUSE_COSTS: dict[str, type["ReuseCost"]] = {}
+
+
+class ReuseCost:
+    name: ClassVar[str] = ""
+    canonicals: ClassVar[bool] = True
+    patches: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.name:
+            if cls.name not in ARMS:
+                raise PolicyError(f"reuse cost {cls.name!r} names no arm of contextdeque.eval.arms ({sorted(ARMS)})")
+            REUSE_COSTS[cls.name] = cls
+
+    def query(self, eng: "Replayer", q_tokens: int, out_tokens: int) -> None:
+        """Charge one read of the window (the query's own tokens are charged by the engine)."""
+        eng.charge_apply(eng.window_tokens)
+
+    def recompute(self, eng: "Replayer", tokens: int) -> None:
+        """Charge ``tokens`` recomputed in context at query time (one partial forward)."""
+        if tokens > 0:
+            eng.r.tokens_prefilled += tokens
+            eng.r.forwards += 1
+            eng.r.est_seconds += eng.cost.prefill_s(tokens, eng.window_tokens - tokens)
+
+
+def make_reuse(spec: "str | ReuseCost") -> ReuseCost:
+    if isinstance(spec, ReuseCost):
+        return spec
+    if isinstance(spec, str) and spec in REUSE_COSTS:
+        return REUSE_COSTS[spec]()
+    raise PolicyError(f"no replay cost rule for reuse arm {spec!r}; known: {sorted(REUSE_COSTS)}")

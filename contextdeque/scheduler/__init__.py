@@ -1,0 +1,23 @@
+"""The placement scheduler (issue 11) and eviction policies.
+
+``SchedulerPlacement`` (``placement="scheduler"`` on a ``ContextWindow``, and a replay policy)
+orders and admits chunks so stored patches stay valid; ``PatchGraph`` is the networkx index of
+stored patches it searches; ``exact`` / ``heuristic`` / ``brute_force`` the searches; eviction
+policies (``lru``, ``reuse-distance``, ``belady``) decide what leaves the fast tier.
+"""
+
+from . import eviction_belady, eviction_lru, eviction_reuse  # noqa: F401  (register)
+from .cost import DEFAULT_WEIGHTS, OrderCost, Weights, order_cost
+from .eviction import EVICTION_POLICIES, EvictionPolicy, PolicyError, make_eviction
+from .eviction_belady import BeladyEviction
+from .eviction_lru import LRUEviction
+from .eviction_reuse import ReuseDistanceEviction
+from .graph import PatchGraph
+from .placement import OfflineSchedulerPlacement, SchedulerPlacement
+from .search import EXACT_MAX_CHUNKS, brute_force, exact, heuristic, schedule
+
+__all__ = [
+    "SchedulerPlacement", "OfflineSchedulerPlacement", "PatchGraph", "Weights", "DEFAULT_WEIGHTS", "OrderCost",
+    "order_cost", "exact", "heuristic", "brute_force", "schedule", "EXACT_MAX_CHUNKS", "EVICTION_POLICIES",
+    "EvictionPolicy", "make_eviction", "PolicyError", "LRUEviction", "ReuseDistanceEviction", "BeladyEviction",
+]

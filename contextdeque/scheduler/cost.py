@@ -1,0 +1,124 @@
+"""The placement cost: what an order of the window costs in patch forms, store hits and staleness.
+
+For a candidate order, every chunk is looked at behind its prefix, as the window's default patch
+policy would treat it:
+
+- nothing in front: its canonical is exact (free);
+- an *entering* chunk (append / recall): a stored exact (or recall) patch on exactly this
+  prefix, or an orbit patch on this prefix's set, is a store hit (``hit``); otherwise one
+  conditioned forward forms a patch (``form``). A recall whose new KV differs from the KV it
+  left with (another prefix, or no stored patch) changes its version, and every resident
+  conditioned on it is re-formed (the conditioning graph's recall cascade, ``form`` each);
+- a *resident*: unchanged prefix = still valid (free); a changed prefix is kept as is (the
+  default policy keeps survivors and chunks something was inserted before), paying ``stale`` x
+  its staleness score (``window.staleness``, token-weighted, 0..1).
+
+Weights are in units of one patch form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+from ..window.placement import PlacementView
+from ..window.staleness import staleness_score
+
+Key = Hashable
+
+
+@dataclass(frozen=True)
+class Weights:
+    form: float = 1.0
+    hit: float = 0.02
+    stale: float = 1.0
+    move: float = 1e-3  # a resident whose prefix changes at all (prefers the least churn on ties)
+
+
+DEFAULT_WEIGHTS = Weights()
+
+
+@dataclass
+class OrderCost:
+    total: float
+    forms: int
+    hits: int
+    stale: float
+
+
+def entering_cost(view: PlacementView, key: Key, prefix: Sequence[Key], w: Weights) -> tuple[float, bool, bool]:
+    """``(cost, formed, version_changed)`` of an entering chunk behind ``prefix``."""
+    if not prefix:
+        return 0.0, False, bool(view.formed_on.get(key))
+    c = view.content[key]
+    pc = tuple(view.content[k] for k in prefix)
+    if view.has_patch(c, pc):
+        return w.hit, False, tuple(prefix) != tuple(view.formed_on.get(key, ()))
+    if view.has_orbit(c, frozenset(pc)):
+        return w.hit, False, True
+    return w.form, True, True
+
+
+class Scorer:
+    """Incremental costing of orders over one view: :meth:`add` extends a partial order by one
+    chunk and returns its cost (each chunk's cost depends only on what precedes it), so a search
+    prices a node in O(prefix) instead of re-pricing the whole order."""
+
+    def __init__(self, view: PlacementView, entering: frozenset, w: Weights = DEFAULT_WEIGHTS) -> None:
+        self.view, self.entering, self.w = view, entering, w
+        self.pos = {k: i for i, k in enumerate(view.order)}
+        self._stale_now: dict[Key, float] = {}
+
+    def stale_now(self, k: Key) -> float:
+        """The staleness resident ``k`` already has where it stands."""
+        if k not in self._stale_now:
+            i = self.pos[k]
+            self._stale_now[k] = self.staleness(k, self.view.order[:i])
+        return self._stale_now[k]
+
+    def staleness(self, k: Key, prefix: Sequence[Key]) -> float:
+        v = self.view
+        f = v.formed_on.get(k, ())
+        return staleness_score([(a, v.tokens[a]) for a in f if a in v.tokens], [(a, v.tokens[a]) for a in prefix])
+
+    def add(self, prefix: Sequence[Key], k: Key, state: tuple[frozenset, frozenset]) -> tuple[float, int, int, float, tuple[frozenset, frozenset]]:
+        """Cost of ``k`` behind ``prefix``; ``state`` = (versions changed, cascade-reformed) so far.
+        Returns ``(cost, forms, hits, stale, new state)``."""
+        v, w = self.view, self.w
+        changed, reformed = state
+        if k in self.entering:
+            c, formed, vchanged = entering_cost(v, k, prefix, w)
+            forms, hits = int(formed), int((not formed) and bool(prefix))
+            if vchanged:
+                changed = changed | {k}
+                new = [d for d in v.dependents(k) if d not in reformed and d not in self.entering]
+                if new:
+                    reformed = reformed | set(new)
+                    c += w.form * len(new)
+                    forms += len(new)
+            return c, forms, hits, 0.0, (changed, reformed)
+        if k in reformed:
+            return 0.0, 0, 0, 0.0, state
+        f = v.formed_on.get(k, ())
+        if tuple(prefix) == tuple(f) and not any(a in changed for a in f):
+            return 0.0, 0, 0, 0.0, state
+        i = self.pos.get(k)
+        if i is not None and tuple(prefix) == tuple(v.order[:i]) and not any(a in changed for a in prefix):
+            return 0.0, 0, 0, 0.0, state  # where it stood, behind the same chunks: nothing new
+        s = max(0.0, self.staleness(k, prefix) - (self.stale_now(k) if i is not None else 0.0))
+        return w.stale * s + w.move, 0, 0, s, state
+
+
+def order_cost(view: PlacementView, order: Sequence[Key], entering: frozenset, w: Weights = DEFAULT_WEIGHTS) -> OrderCost:
+    """The cost of ``order`` (residents + ``entering`` keys): forms and hits of the entering
+    chunks, cascade re-forms, and the staleness residents gain (beyond what they already had)."""
+    sc = Scorer(view, entering, w)
+    total, forms, hits, stale = 0.0, 0, 0, 0.0
+    state: tuple[frozenset, frozenset] = (frozenset(), frozenset())
+    for i, k in enumerate(order):
+        c, f, h, s, state = sc.add(order[:i], k, state)
+        total += c
+        forms += f
+        hits += h
+        stale += s
+    return OrderCost(total, forms, hits, stale)

@@ -1,0 +1,128 @@
+"""Searching for the cheapest order: exact branch-and-bound (small windows), brute force (the
+test oracle), and the insertion heuristic (any size).
+
+Exact: a depth-first search over orders, extending a prefix one chunk at a time; every chunk's
+cost depends only on what precedes it, so a partial order's cost never decreases as it grows and
+a branch whose partial cost reaches the best complete order's is cut. Children are tried
+cheapest first (and the heuristic's answer seeds the bound), so most branches die early. The
+result equals the brute-force minimum over all permutations (tested).
+
+Heuristic: residents keep their relative order (moving them only makes them stale); each
+entering chunk, in arrival order, goes to the cheapest of a few candidate slots: where the agent
+asked (or the end), and right after every window prefix on which the store holds a patch of its
+content (from the patch graph) — the only places where it can land without a forward.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Hashable, Sequence
+
+from ..window.placement import PlacementView
+from .cost import DEFAULT_WEIGHTS, Scorer, Weights, order_cost
+
+Key = Hashable
+EXACT_MAX_CHUNKS = 8
+
+
+def brute_force(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: Weights = DEFAULT_WEIGHTS) -> tuple[list[Key], float]:
+    """The minimum over every permutation (the oracle; factorial time)."""
+    keys = list(view.order) + [k for k, _ in entering]
+    ent = frozenset(k for k, _ in entering)
+    best, best_cost = None, float("inf")
+    for perm in itertools.permutations(keys):
+        c = order_cost(view, perm, ent, w).total
+        if c < best_cost - 1e-12:
+            best, best_cost = list(perm), c
+    return best or [], best_cost
+
+
+def exact(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: Weights = DEFAULT_WEIGHTS,
+          seed: Sequence[Key] | None = None) -> tuple[list[Key], float]:
+    """Branch-and-bound minimum over every order of residents + entering chunks.
+
+    Bound: the partial order's cost plus, for every entering chunk still to place that has no
+    stored patch of its content at all, one form (it can only avoid a forward at the very front).
+    """
+    keys = list(view.order) + [k for k, _ in entering]
+    ent = frozenset(k for k, _ in entering)
+    if seed is None:
+        seed, _ = heuristic(view, entering, w)
+    best = [list(seed), order_cost(view, seed, ent, w).total]
+    sc = Scorer(view, ent, w)
+    must_form = {k for k in ent if not view.any_stored(view.content[k])}
+
+    def bound(rest: Sequence[Key], prefix_empty: bool) -> float:
+        forms = sum(1 for k in rest if k in must_form)
+        if prefix_empty and forms:
+            forms -= 1
+        return forms * w.form
+
+    def dfs(order: list[Key], rest: list[Key], cost: float, state) -> None:
+        if cost + bound(rest, not order) >= best[1] - 1e-12:
+            return
+        if not rest:
+            best[0], best[1] = list(order), cost
+            return
+        children = []
+        for i, k in enumerate(rest):
+            c, _, _, _, st = sc.add(order, k, state)
+            children.append((cost + c, i, k, st))
+        children.sort(key=lambda x: (x[0], x[1]))
+        for c, i, k, st in children:
+            order.append(k)
+            dfs(order, rest[:i] + rest[i + 1 :], c, st)
+            order.pop()
+
+    if keys:
+        dfs([], keys, 0.0, (frozenset(), frozenset()))
+    return best[0], best[1]
+
+
+def heuristic(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: Weights = DEFAULT_WEIGHTS) -> tuple[list[Key], float]:
+    """Greedy insertion at candidate slots (see the module doc). Only the inserted chunk and the
+    residents behind it change cost, so each candidate is priced from its slot on, and pricing
+    stops as soon as it cannot beat the best slot so far."""
+    order = list(view.order)
+    ent = frozenset(k for k, _ in entering)
+    sc = Scorer(view, ent, w)
+    placed: list[Key] = []
+    for key, at in entering:
+        asked = len(order) if at is None else min(int(at), len(order))
+        cands = {asked, len(order)}
+        stored = set(view.stored_prefixes(view.content[key]))
+        if stored:
+            pc: list[str] = []
+            if () in stored:
+                cands.add(0)
+            for i, k in enumerate(order):
+                pc.append(view.content[k])
+                if tuple(pc) in stored:
+                    cands.add(i + 1)
+        best, best_cost = asked, float("inf")
+        for pos in sorted(cands, key=lambda p: (p != asked, -p)):
+            trial = order[:pos] + [key] + order[pos:]
+            state = (frozenset(placed), frozenset())
+            cost = 0.0
+            for i in range(pos, len(trial)):
+                c, _, _, _, state = sc.add(trial[:i], trial[i], state)
+                cost += c
+                if cost >= best_cost - 1e-12:
+                    break
+            if cost < best_cost - 1e-12:
+                best, best_cost = pos, cost
+        order.insert(best, key)
+        placed.append(key)
+    return order, order_cost(view, order, ent, w).total
+
+
+def schedule(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: Weights = DEFAULT_WEIGHTS,
+             exact_max: int = EXACT_MAX_CHUNKS) -> tuple[list[Key], float, str]:
+    """The scheduler's order: exact for windows of at most ``exact_max`` chunks, else the heuristic.
+    Returns ``(order, cost, "exact" | "heuristic")``."""
+    n = len(view.order) + len(entering)
+    h, hc = heuristic(view, entering, w)
+    if n <= exact_max:
+        o, c = exact(view, entering, w, seed=h)
+        return o, c, "exact"
+    return h, hc, "heuristic"

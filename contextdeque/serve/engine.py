@@ -1,0 +1,390 @@
+"""The serving engine: one model worker thread with a bounded queue, the sessions (one
+`MessageWindow` each, LRU under a memory budget), the shared store, and the metrics.
+
+Everything that touches the model or a window runs on the worker thread, one request at a
+time; HTTP handlers only enqueue (`Engine.submit`, refused with `QueueFull` when the queue is
+full) and wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..window import decode
+from ..agents import MessageWindow
+from ..agents.messages import ChatTemplate, normalize_messages
+from .conversation import Prompt, check_budget, parse_prompt, prefix_digests, turns_digest
+from .metrics import ServeMetrics
+
+log = logging.getLogger("contextdeque.serve")
+
+
+class QueueFull(Exception):
+    """The worker's queue is full (the HTTP layer answers 429)."""
+
+
+@dataclass
+class Session:
+    """A conversation held in memory, with its id and recency."""
+
+    id: str
+    conversation: MessageWindow
+    digest: str | None = None  # digest of the messages the window holds + the last reply
+    last_used: float = field(default_factory=time.monotonic)
+    busy: bool = False
+
+
+@dataclass
+class GenerationRequest:
+    """One chat completion to run (already validated by the HTTP layer)."""
+
+    messages: list[Any]  # as the client sent them (dicts)
+    max_new_tokens: int
+    session_id: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    on_text: Callable[[str], None] | None = None  # streaming: called with each text delta
+    enqueued: float = field(default_factory=time.perf_counter)
+    prompt: Prompt | None = None  # set by Engine.submit
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    session_id: str
+    prompt_tokens: int
+    tokens_prefilled: int
+    encodes: int
+    patches_formed: int
+    patches_reused: int
+    fallbacks: dict[str, int]
+    ttft_s: float | None
+    restored: bool
+
+    def usage_extra(self) -> dict[str, Any]:
+        return {
+            "session_id": self.session_id,
+            "tokens_prefilled": self.tokens_prefilled,
+            "prefill_avoided": self.prompt_tokens - self.tokens_prefilled,
+            "encodes": self.encodes,
+            "patches_formed": self.patches_formed,
+            "patches_reused": self.patches_reused,
+            "store_fallbacks": self.fallbacks,
+            "restored": self.restored,
+        }
+
+
+class _Streamer:
+    """A transformers streamer: text deltas of the new tokens to ``on_text``; stops on a stop
+    string (via `should_stop`). The first ``put`` is the prompt and is skipped."""
+
+    def __init__(self, tokenizer: Any, on_text: Callable[[str], None] | None, stop: Sequence[str], t0: float) -> None:
+        self.tok = tokenizer
+        self.on_text = on_text
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.sent = ""
+        self.prompt_seen = False
+        self.t0 = t0
+        self.first_token_s: float | None = None
+        self.stopped = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        if self.first_token_s is None:
+            self.first_token_s = time.perf_counter() - self.t0
+        self.ids.extend(int(x) for x in value.reshape(-1).tolist())
+        self._emit(final=False)
+
+    def end(self) -> None:
+        self._emit(final=True)
+
+    def text(self) -> str:
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        for s in self.stop:
+            i = text.find(s)
+            if i >= 0:
+                text = text[:i]
+                self.stopped = True
+        return text
+
+    def _emit(self, final: bool) -> None:
+        text = self.text()
+        if not final and text.endswith("\ufffd"):
+            return  # half of a multi-byte character: wait for the rest
+        # while a stop string may be forming at the end, hold back its possible prefix
+        hold = 0 if final or self.stopped else max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        ready = text[: len(text) - hold]
+        if ready.startswith(self.sent) and len(ready) > len(self.sent):
+            if self.on_text is not None:
+                self.on_text(ready[len(self.sent):])
+            self.sent = ready
+
+    def should_stop(self) -> bool:
+        return bool(self.stop) and self.stopped
+
+
+class _StopOnString:
+    """``stopping_criteria`` entry: stop as soon as the streamer has seen a stop string."""
+
+    def __init__(self, streamer: _Streamer) -> None:
+        self.streamer = streamer
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw: Any) -> torch.Tensor:
+        self.streamer.text()
+        return torch.full((input_ids.shape[0],), self.streamer.should_stop(), dtype=torch.bool, device=input_ids.device)
+
+
+class Engine:
+    """Model, store, sessions and the worker.
+
+    Args:
+        backend: ``HFBackend`` with a chat-template tokenizer.
+        store: the ``TieredStore`` all sessions share (local tiers, optionally a Valkey tier).
+        model_name: the name clients use (``GET /v1/models``).
+        rank / patch_policy: window patch settings.
+        context_tokens: most tokens one request may need (default: the model's maximum positions).
+        max_tokens: default and ceiling of ``max_tokens`` per request.
+        queue_size: requests waiting for the worker beyond the running one; more get 429.
+        session_memory_bytes: budget of the sessions' window pages; least recently used
+            sessions are closed beyond it (their chunks stay in the store: a later request with
+            the same messages restores the window without forwards).
+        plain: the baseline: no windows, every request re-prefills its whole prompt (one
+            ``model.generate`` over root + messages + generation prompt).
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        store: Any,
+        *,
+        model_name: str,
+        rank: int = 32,
+        patch_policy: str = "default",
+        context_tokens: int | None = None,
+        max_tokens: int = 256,
+        queue_size: int = 16,
+        session_memory_bytes: int = 1 << 30,
+        metrics: ServeMetrics | None = None,
+        plain: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.store = store
+        self.model_name = model_name
+        self.template = ChatTemplate(backend.tokenizer)
+        self.rank = rank
+        self.patch_policy = patch_policy
+        cfg = getattr(backend.model, "config", None)
+        self.context_tokens = context_tokens or int(getattr(getattr(cfg, "get_text_config", lambda: cfg)(), "max_position_embeddings", 2048))
+        self.max_tokens = max_tokens
+        lay = backend.layout
+        self.kv_bytes_per_token = lay.num_layers * (lay.k_heads * lay.k_dim + lay.v_heads * lay.v_dim) * 4
+        self.session_memory_bytes = session_memory_bytes
+        self.plain = plain
+        self.sessions: OrderedDict[str, Session] = OrderedDict()
+        self._by_digest: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self.metrics = metrics or ServeMetrics(self)
+        self._queue: queue.Queue[tuple[GenerationRequest, Future] | None] = queue.Queue(maxsize=max(1, queue_size))
+        self._thread = threading.Thread(target=self._run, name="contextdeque-model-worker", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public
+
+    def submit(self, req: GenerationRequest) -> Future:
+        """Queue ``req`` for the worker; a Future of `GenerationResult`.
+
+        Raises:
+            QueueFull: the queue is full.
+            BudgetError: the conversation cannot fit the served context (checked before queueing).
+            AgentInputError: malformed messages (``MessageFormatError``...), checked before queueing.
+        """
+        req.prompt = parse_prompt(self.template, req.messages)
+        check_budget(req.prompt, req.max_new_tokens, self.context_tokens)
+        fut: Future = Future()
+        try:
+            self._queue.put_nowait((req, fut))
+        except queue.Full:
+            raise QueueFull(f"the model worker's queue is full ({self._queue.maxsize} waiting)") from None
+        self.metrics.queue_depth.set(self._queue.qsize())
+        return fut
+
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        with self._lock:
+            for s in self.sessions.values():
+                s.conversation.close()
+            self.sessions.clear()
+
+    def session_bytes(self) -> int:
+        with self._lock:
+            return self.session_bytes_locked()
+
+    # ------------------------------------------------------------------ worker
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            req, fut = item
+            self.metrics.queue_depth.set(self._queue.qsize())
+            self.metrics.queue_wait.observe(time.perf_counter() - req.enqueued)
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(self._generate(req))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting request
+                fut.set_exception(e)
+
+    def _session_for(self, req: GenerationRequest) -> tuple[Session, bool]:
+        """The session to serve ``req``: by id, else the one whose history the request extends."""
+        with self._lock:
+            if req.session_id is not None:
+                s = self.sessions.get(req.session_id)
+                if s is not None and not s.busy:
+                    self.sessions.move_to_end(s.id)
+                    return s, False
+                sid = req.session_id
+            else:
+                sid = None
+                assert req.prompt is not None
+                for d in reversed(prefix_digests([m.key for m in req.prompt.messages])):
+                    cand = self.sessions.get(self._by_digest.get(d, ""))
+                    if cand is not None and not cand.busy:
+                        self.sessions.move_to_end(cand.id)
+                        return cand, False
+            conv = MessageWindow(self.backend, rank=self.rank, patch_policy=self.patch_policy, store=self.store)
+            s = Session(sid or uuid.uuid4().hex, conv)
+            old = self.sessions.pop(s.id, None)
+            if old is not None:
+                old.conversation.close()
+            self.sessions[s.id] = s
+            return s, True
+
+    def _evict_sessions(self, keep: str) -> None:
+        with self._lock:
+            while len(self.sessions) > 1 and self.session_bytes_locked() > self.session_memory_bytes:
+                victim = next((s for s in self.sessions.values() if s.id != keep and not s.busy), None)
+                if victim is None:
+                    break
+                del self.sessions[victim.id]
+                if victim.digest is not None:
+                    self._by_digest.pop(victim.digest, None)
+                victim.conversation.close()
+                self.metrics.sessions_evicted.inc()
+
+    def session_bytes_locked(self) -> int:
+        return sum(_tokens(s.conversation) for s in self.sessions.values()) * self.kv_bytes_per_token
+
+    def _sampling(self, req: GenerationRequest, streamer: "_Streamer") -> dict[str, Any]:
+        kw: dict[str, Any] = {"streamer": streamer}
+        if req.stop:
+            kw["stopping_criteria"] = [_StopOnString(streamer)]
+        if req.temperature is not None and req.temperature > 0:
+            kw.update(do_sample=True, temperature=float(req.temperature))
+            if req.top_p is not None:
+                kw["top_p"] = float(req.top_p)
+            if req.seed is not None:
+                torch.manual_seed(int(req.seed))
+        return kw
+
+    def _finish(self, streamer: "_Streamer", ids: list[int], eos: set[int], max_new: int) -> tuple[str, str]:
+        text = streamer.text()
+        streamer.end()
+        finish = "stop" if streamer.stopped or (ids and ids[-1] in eos) else ("length" if len(ids) >= max_new else "stop")
+        return text, finish
+
+    def _generate_plain(self, req: GenerationRequest, t0: float) -> GenerationResult:
+        prompt = req.prompt or parse_prompt(self.template, req.messages)
+        ids = torch.tensor([prompt.ids()], dtype=torch.long, device=self.backend.device)
+        streamer = _Streamer(self.backend.tokenizer, req.on_text, req.stop, t0)
+        eos = _eos(self.backend)
+        with torch.no_grad():
+            out = self.backend.model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=req.max_new_tokens,
+                do_sample=False, pad_token_id=min(eos) if eos else 0, **self._sampling(req, streamer),
+            )
+        new_ids = [int(t) for t in out[0, ids.shape[1]:].tolist()]
+        text, finish = self._finish(streamer, new_ids, eos, req.max_new_tokens)
+        result = GenerationResult(
+            text=text, token_ids=new_ids, finish_reason=finish, session_id="plain", prompt_tokens=prompt.prompt_tokens,
+            tokens_prefilled=prompt.prompt_tokens, encodes=0, patches_formed=0, patches_reused=0, fallbacks={},
+            ttft_s=streamer.first_token_s, restored=False,
+        )
+        self.metrics.record(result, [], time.perf_counter() - t0)
+        return result
+
+    def _generate(self, req: GenerationRequest) -> GenerationResult:
+        t0 = time.perf_counter()
+        if self.plain:
+            return self._generate_plain(req, t0)
+        session, new = self._session_for(req)
+        session.busy = True
+        try:
+            mw = session.conversation
+            prompt = req.prompt or parse_prompt(self.template, req.messages)
+            rec = mw.sync(list(prompt.raw))  # a transaction: a failure leaves the window as it was
+            streamer = _Streamer(self.backend.tokenizer, req.on_text, req.stop, t0)
+            answer = mw.generate(req.max_new_tokens, **self._sampling(req, streamer))
+            ids = list(answer.token_ids)
+            assert mw.window is not None
+            text, finish = self._finish(streamer, ids, set(decode.eos_ids(mw.window.context)), req.max_new_tokens)
+            receipts = [*(o.receipt for o in rec.ops), answer.receipt]
+            fallbacks: dict[str, int] = {}
+            for r in receipts:
+                for tier, n in r.traffic.fallbacks.items():
+                    fallbacks[tier] = fallbacks.get(tier, 0) + n
+            result = GenerationResult(
+                text=text, token_ids=ids, finish_reason=finish, session_id=session.id,
+                prompt_tokens=prompt.prompt_tokens,
+                tokens_prefilled=rec.tokens_prefilled + len(prompt.cut.generation_ids),
+                encodes=rec.encodes, patches_formed=rec.patches_formed, patches_reused=rec.patches_reused,
+                fallbacks=fallbacks, ttft_s=streamer.first_token_s,
+                restored=new and rec.appended > 0 and rec.encodes == 0,
+            )
+            reply_key = normalize_messages([{"role": "assistant", "content": text}])[0].key
+            with self._lock:
+                if session.digest is not None:
+                    self._by_digest.pop(session.digest, None)
+                session.digest = turns_digest([*(m.key for m in prompt.messages), reply_key])
+                self._by_digest[session.digest] = session.id
+                session.last_used = time.monotonic()
+            self.metrics.record(result, receipts, time.perf_counter() - t0)
+            return result
+        finally:
+            session.busy = False
+            self._evict_sessions(keep=session.id)
+
+
+def _eos(backend: Any) -> set[int]:
+    """End-of-sequence ids of a backend (the window's own rule, without a window)."""
+    from types import SimpleNamespace
+
+    return set(decode.eos_ids(SimpleNamespace(backend=backend)))
+
+
+def _tokens(mw: MessageWindow) -> int:
+    """Tokens a session's window holds (root + messages)."""
+    w = mw.window
+    return 0 if w is None or w.closed else len(w.root_ids) + w.tokens_used

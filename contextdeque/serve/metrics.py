@@ -1,0 +1,119 @@
+"""Prometheus metrics of one serving process (``GET /metrics``, Prometheus text format).
+
+Counters a request adds to (``contextdeque_`` prefix): ``requests_total{endpoint,status}``,
+``prompt_tokens_total`` (what a plain server would prefill), ``tokens_prefilled_total`` (what
+this one did: encodes, patch-forming forwards and the generation prompt),
+``prefill_avoided_tokens_total``, ``completion_tokens_total``, ``encode_forwards_total``,
+``patch_forwards_total``, ``patches_reused_total``, ``store_fallbacks_total{tier}`` (store
+operations answered locally because a remote tier was away), ``sessions_evicted_total``,
+``sessions_restored_total``; histograms ``request_seconds``, ``ttft_seconds``,
+``queue_wait_seconds``. Read at scrape time: ``store_lookups_total{kind,tier}`` (chunk / patch /
+embeds lookups by the tier that served them, ``tier="miss"`` when none did), the Valkey tier's
+``valkey_*_total`` counters (hits, misses, evicted, corrupt, rejected signatures, fallbacks by
+reason, outages) and ``valkey_available``, ``sessions``, ``session_bytes``, ``queue_depth``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+disable_created_metrics()  # no *_created series: they double the page and no dashboard reads them
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import Engine, GenerationResult
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+
+
+class _ScrapeCollector:
+    """Values read from the engine and the store at scrape time."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterable[Any]:
+        from ..window.store import WindowStore
+
+        e = self.engine
+        lookups = CounterMetricFamily("contextdeque_store_lookups", "chunk/patch/embeds lookups by the tier that served them", labels=["kind", "tier"])
+        for (kind, tier), n in sorted(WindowStore.wrap(e.store).lookups.items()):
+            lookups.add_metric([kind, tier], n)
+        yield lookups
+        for t in e.store.tiers:
+            stats = getattr(t, "stats", None)
+            if stats is None or not hasattr(stats, "as_dict"):
+                continue
+            d = stats.as_dict()
+            for name in ("gets", "hits", "misses", "evicted", "corrupt", "rejected", "puts", "bytes_read", "bytes_written", "outages", "recoveries"):
+                c = CounterMetricFamily(f"contextdeque_valkey_{name}", f"Valkey tier: {name}", labels=["tier"])
+                c.add_metric([t.name], d[name])
+                yield c
+            fb = CounterMetricFamily("contextdeque_valkey_fallbacks", "Valkey tier operations answered locally, by reason", labels=["tier", "reason"])
+            for reason, n in sorted(d["fallbacks"].items()):
+                fb.add_metric([t.name, reason], n)
+            yield fb
+            g = GaugeMetricFamily("contextdeque_valkey_available", "1 while the Valkey tier answers", labels=["tier", "signed"])
+            g.add_metric([t.name, str(bool(getattr(t, "signed", False))).lower()], 1.0 if t.available else 0.0)
+            yield g
+        yield GaugeMetricFamily("contextdeque_sessions", "sessions held in memory", value=len(e.sessions))
+        yield GaugeMetricFamily("contextdeque_session_bytes", "bytes of the sessions' window pages", value=e.session_bytes())
+
+
+class ServeMetrics:
+    """The metrics of one engine, in their own registry."""
+
+    def __init__(self, engine: "Engine") -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("contextdeque_requests", "HTTP requests", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("contextdeque_prompt_tokens", "prompt tokens a plain server would prefill", registry=r)
+        self.prefilled = Counter("contextdeque_tokens_prefilled", "tokens this server prefilled (encodes, patch forwards, generation prompt)", registry=r)
+        self.avoided = Counter("contextdeque_prefill_avoided_tokens", "prompt tokens served without a forward", registry=r)
+        self.completion_tokens = Counter("contextdeque_completion_tokens", "tokens generated", registry=r)
+        self.encodes = Counter("contextdeque_encode_forwards", "chunk encode forwards (content the store had never seen)", registry=r)
+        self.patch_forwards = Counter("contextdeque_patch_forwards", "conditioned forwards forming patches", registry=r)
+        self.patches_reused = Counter("contextdeque_patches_reused", "patches served by the store", registry=r)
+        self.fallbacks = Counter("contextdeque_store_fallbacks", "store operations answered locally because a remote tier was away", ["tier"], registry=r)
+        self.sessions_evicted = Counter("contextdeque_sessions_evicted", "sessions closed by the memory budget", registry=r)
+        self.sessions_restored = Counter("contextdeque_sessions_restored", "sessions rebuilt from the store with no encode", registry=r)
+        self.latency = Histogram("contextdeque_request_seconds", "chat completion wall time", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("contextdeque_ttft_seconds", "time to the first generated token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("contextdeque_queue_wait_seconds", "time waiting for the model worker", buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("contextdeque_queue_depth", "requests waiting for the model worker", registry=r)
+        r.register(_ScrapeCollector(engine))
+
+    def record(self, res: "GenerationResult", receipts: list[Any], wall_s: float) -> None:
+        self.prompt_tokens.inc(res.prompt_tokens)
+        self.prefilled.inc(res.tokens_prefilled)
+        self.avoided.inc(max(0, res.prompt_tokens - res.tokens_prefilled))
+        self.completion_tokens.inc(len(res.token_ids))
+        self.encodes.inc(res.encodes)
+        self.patch_forwards.inc(res.patches_formed)
+        self.patches_reused.inc(res.patches_reused)
+        for tier, n in res.fallbacks.items():
+            self.fallbacks.labels(tier).inc(n)
+        if res.restored:
+            self.sessions_restored.inc()
+        self.latency.observe(wall_s)
+        if res.ttft_s is not None:
+            self.ttft.observe(res.ttft_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def parse_text(text: str) -> dict[str, float]:
+    """``{"name{labels}": value}`` of a Prometheus text page (tests, loadtest)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out

@@ -1,0 +1,166 @@
+"""Ingest: from what an agent appends (text, token ids, embeddings, an image, an encoded chunk)
+to a stored canonical chunk, running the encoder (or the vision tower) only for content the
+store has not seen; and, for latency-first appends, a provisional chunk from one conditioned
+forward whose canonical is computed later."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..core.chunk import Chunk
+from ..core.errors import BudgetError, FingerprintMismatchError, WindowError
+from ..core.kv import concat_kv
+from ..core.operator import to_content_frame
+from ..model import vision
+from ..model.vision import pixel_key
+from . import decode
+from .context import WindowContext
+from .receipt import Meter
+from .ref import new_ref
+from .slot import Slot
+from .store import WindowStore
+
+
+@dataclass(frozen=True)
+class Unencoded:
+    """Content the store does not hold yet, not encoded (a latency-first append)."""
+
+    chunk_id: str
+    n_tokens: int
+    inputs: dict[str, Any]
+
+
+def image_embedding(ctx: WindowContext, image: Any, processor: Any, meter: Meter) -> Any:
+    """The vision tower's output for ``image``: from the store (keyed by the pixels and the
+    processor settings), or computed once and stored, so the tower never re-runs on pixels it
+    has seen."""
+    if processor is None:
+        raise WindowError("image= needs the model's image processor (processor=)")
+    key = pixel_key(image, processor)
+    found = ctx.store.get_embeds(ctx.fingerprint, key, traffic=meter.traffic)
+    if found is not None:
+        return found
+    emb = vision.image_embedding(ctx.backend, image, processor)
+    ctx.counters["vision_encodes"] = ctx.counters.get("vision_encodes", 0) + 1
+    meter.notes.append(f"vision tower ran ({emb.embeds.shape[0]} tokens)")
+    ctx.store.put_embeds(ctx.fingerprint, emb, traffic=meter.traffic)
+    return emb
+
+def chunk_from_inputs(
+    ctx: WindowContext,
+    meter: Meter,
+    *,
+    text: str | None = None,
+    token_ids: Sequence[int] | torch.Tensor | None = None,
+    embeds: torch.Tensor | None = None,
+    chunk: Chunk | None = None,
+    rel_positions: torch.Tensor | None = None,
+    span: int | None = None,
+    modality: str | None = None,
+    image: Any = None,
+    processor: Any = None,
+    defer_encode: bool = False,
+) -> "Chunk | Unencoded":
+    """The canonical for the given content: from the store, or encoded once and stored (with
+    ``defer_encode``, content the store lacks comes back unencoded)."""
+    if image is not None:
+        if any(x is not None for x in (text, token_ids, embeds, chunk)):
+            raise WindowError("append needs exactly one of text=, token_ids=, embeds=, image=, chunk=")
+        img = image_embedding(ctx, image, processor, meter)
+        embeds, rel_positions, span, modality = img.embeds, img.rel_positions, img.span, "image"
+    given = sum(x is not None for x in (text, token_ids, embeds, chunk))
+    if given != 1:
+        raise WindowError("append needs exactly one of text=, token_ids=, embeds=, chunk=")
+    if chunk is not None:
+        if not isinstance(chunk, Chunk):
+            raise WindowError(f"chunk= must be a contextdeque Chunk, got {type(chunk).__name__}")
+        check_chunk(ctx, chunk)
+        check_fits(ctx, chunk.n_tokens)
+        key = WindowStore.chunk_key(chunk)
+        if not ctx.store.has(key):
+            ctx.store.put_chunk(chunk, traffic=meter.traffic)
+        stored = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)
+        return stored if stored is not None else chunk
+    if text is not None:
+        token_ids = ctx.backend.tokenize(text)
+    n = int(torch.as_tensor(token_ids).numel()) if token_ids is not None else int(embeds.shape[0])
+    check_fits(ctx, n)  # before encoding: a chunk that can never fit costs nothing
+    cid = ctx.backend.chunk_id_for(
+        token_ids=token_ids, embeds=embeds, rel_positions=rel_positions, span=span, storage=ctx.storage
+    )
+    key = WindowStore.chunk_key(cid, ctx.fingerprint)
+    found = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)
+    if found is not None:
+        return found
+    inputs = {"token_ids": token_ids, "embeds": embeds, "rel_positions": rel_positions, "span": span, "modality": modality}
+    if defer_encode:
+        return Unencoded(cid, n, inputs)
+    return encode_and_store(ctx,meter, **inputs)
+
+def encode_and_store(ctx: WindowContext, meter: Meter, **inputs: Any) -> Chunk:
+    """Encode a canonical (one forward after the root), store it, return the stored copy."""
+    encoded = ctx.backend.encode(storage=ctx.storage, **inputs)
+    ctx.counters["encodes"] += 1
+    key = ctx.store.put_chunk(encoded, traffic=meter.traffic)
+    stored = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)
+    return stored if stored is not None else encoded
+
+def canonical_of(ctx: WindowContext, provisional: Chunk, meter: Meter) -> Chunk:
+    """The canonical of a provisional chunk: from the store, else encoded now."""
+    found = ctx.store.get_chunk(
+        WindowStore.chunk_key(provisional), fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic
+    )
+    if found is not None:
+        return found
+    return encode_and_store(ctx,
+        meter, token_ids=provisional.token_ids, embeds=provisional.embeds, rel_positions=provisional.rel_positions,
+        span=provisional.span, modality=provisional.modality,
+    )
+
+def provisional(ctx: WindowContext, pending: Unencoded, prefix: Sequence[Slot], meter: Meter) -> Slot:
+    """New content placed after ``prefix`` with one conditioned forward (what a prefix cache
+    runs): a provisional slot holding ``KV(B | prefix)`` in the content frame."""
+    backend = ctx.backend
+    inp = pending.inputs
+    start = decode.next_position(ctx, prefix)
+    probe = backend._encode_inputs(None, inp["token_ids"], inp["embeds"], inp["rel_positions"], inp["span"], ctx.storage)
+    pos = probe.rel_positions + start
+    past = concat_kv([backend.root_kv(), *(s.page for s in prefix)])
+    res = backend.forward(
+        input_ids=probe.token_ids, inputs_embeds=inp["embeds"] if probe.token_ids is None else None,
+        positions=pos, past=past, logits="none",
+    )
+    keys, values = to_content_frame(res.kv, ctx.layout, pos)
+    chunk = Chunk(
+        id=pending.chunk_id, fingerprint=ctx.fingerprint, layout_signature=ctx.layout.signature,
+        root_digest=backend.root_digest, keys=keys.to(ctx.storage).contiguous(),
+        values=values.to(ctx.storage).contiguous(), rel_positions=probe.rel_positions, span=probe.span,
+        canonical_start=start, token_ids=probe.token_ids,
+        embeds=None if inp["embeds"] is None else inp["embeds"].detach().to("cpu").clone(),
+        modality=inp["modality"] or ("text" if probe.token_ids is not None else "image"),
+        meta={"input_digest": probe.input_digest, "provisional": "1"},
+    )
+    ref = new_ref(chunk.id, chunk.n_tokens)
+    return Slot(ref=ref, chunk=chunk, inline_on=tuple((s.ref, s.version) for s in prefix))
+
+def check_chunk(ctx: WindowContext, chunk: Chunk) -> None:
+    """Refuse a chunk encoded by another model, layout or root."""
+    if chunk.fingerprint != ctx.fingerprint or chunk.layout_signature != ctx.layout.signature:
+        raise FingerprintMismatchError(
+            f"chunk {chunk.id[:12]} was encoded by model {chunk.fingerprint[:12]} (layout "
+            f"{chunk.layout_signature}); this window runs {ctx.fingerprint[:12]} ({ctx.layout.signature})"
+        )
+    if chunk.root_digest != ctx.backend.root_digest:
+        raise FingerprintMismatchError(
+            f"chunk {chunk.id[:12]} was encoded after another root ({chunk.root_digest}) than this "
+            f"window's ({ctx.backend.root_digest}); its canonical would not be KV(B | root)"
+        )
+
+def check_fits(ctx: WindowContext, n_tokens: int) -> None:
+    """Refuse a chunk that could never fit the window's budget, however much slid out."""
+    budget = ctx.budget_tokens
+    if budget is not None and n_tokens > budget:
+        raise BudgetError(f"a chunk of {n_tokens} tokens cannot fit a window budget of {budget} tokens")

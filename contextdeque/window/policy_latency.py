@@ -1,0 +1,119 @@
+"""The latency-first patch policy: no forward on the critical path of a re-read.
+
+It wraps an eager policy (``"eager"`` by default, or ``"exact"``) and asks it what each slot
+should get. Where the eager answer is "form a patch", it serves the best patch the store
+already has instead, in this order:
+
+1. the patch the eager policy asked for, if the store holds it (valid: same antecedents);
+2. for a pure permutation, an orbit patch of the prefix's chunk set from the store (valid for
+   every ordering of that set);
+3. the slot's own, now stale, conditioning if its :func:`staleness <.staleness.staleness>` is
+   within ``staleness_budget``;
+4. the blind canonical (relocation only).
+
+New content costs what a prefix cache's append costs: one forward of its tokens after the
+window (a *provisional* slot holding ``KV(B | window)``); the canonical ``KV(B | root)`` and the
+patch (the difference, factorized: no second forward for it) are computed when healing.
+
+and queues the slot: ``ContextWindow.heal`` (or the idle healer) later carries out the eager
+policy's decision on the window as it then stands, transactionally. After a full heal the
+window holds what the eager policy would have built for it. New content still needs its
+forward; re-reads (slide, evict, recall, look-back, reorder, fork edits) run none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Sequence
+
+from ..core.errors import WindowError
+from .policy import CLEAR, KEEP, PATCH_POLICIES, Decision, PatchPolicy, make_policy
+from .slot import Slot
+from .staleness import staleness
+
+DEFAULT_STALENESS_BUDGET = 0.5
+
+
+class LatencyPolicy(PatchPolicy):
+    """Latency-first wrapper around an eager ``inner`` policy (a registered name or instance).
+
+    ``staleness_budget``: the largest staleness at which a slot keeps its stale patch rather than
+    falling back to its blind canonical while it waits to be healed (0: never serve stale).
+    """
+
+    name = "latency"
+
+    def __init__(self, inner: "str | PatchPolicy" = "eager", *, staleness_budget: float = DEFAULT_STALENESS_BUDGET, **inner_options: Any) -> None:
+        if isinstance(inner, str) and inner_options:
+            if inner not in PATCH_POLICIES:
+                raise WindowError(f"unknown patch policy {inner!r}; registered: {sorted(PATCH_POLICIES)}")
+            inner = PATCH_POLICIES[inner](**inner_options)
+        self.inner = make_policy(inner)
+        if isinstance(self.inner, LatencyPolicy):
+            raise WindowError("a latency-first policy wraps an eager policy, not another latency-first one")
+        budget = float(staleness_budget)
+        if not 0.0 <= budget <= 1.0:
+            raise WindowError(f"staleness_budget must be within [0, 1], got {staleness_budget!r}")
+        self.staleness_budget = budget
+        # Patches formed while healing are the inner policy's: share its store namespace.
+        self.regime = self.inner.regime
+
+    @property
+    def eager(self) -> PatchPolicy:
+        """The policy ``heal`` carries out."""
+        return self.inner
+
+    defers_canonical = True  # new content: one conditioned forward now, the canonical when healing
+
+    def decide(self, reason: str | None, slot: Slot, prefix: Sequence[Slot], *, valid: bool, rank: int) -> Decision:
+        wanted = self.inner.decide(reason, slot, prefix, valid=valid, rank=rank)
+        if slot.provisional:  # no canonical yet: it keeps its conditioned KV until healed
+            return KEEP if wanted.action == "keep" else replace(KEEP, deferred=True)
+        if wanted.action != "form":
+            return wanted
+        return _store_only(wanted, self._stand_in(slot, prefix, wanted))
+
+    def _stand_in(self, slot: Slot, prefix: Sequence[Slot], wanted: Decision) -> Decision:
+        """What the slot gets now when the store has no valid patch for it."""
+        if wanted.stack:  # a correction on top of what it carries: keep that meanwhile
+            return replace(KEEP, deferred=True)
+        if slot.stack and staleness(slot, prefix) <= self.staleness_budget:
+            return replace(KEEP, deferred=True)
+        return replace(CLEAR if slot.stack else KEEP, deferred=True)
+
+    def describe(self) -> str:
+        return f"latency({self.inner.describe()})"
+
+    def __repr__(self) -> str:
+        return f"LatencyPolicy(inner={self.inner!r}, staleness_budget={self.staleness_budget})"
+
+
+class HealPolicy(PatchPolicy):
+    """What a heal step carries out: the eager policy's decisions, except for provisional slots
+    outside the step (they have no canonical yet: they keep their conditioned KV and stay
+    queued). Not registered: built by ``ContextWindow.heal``."""
+
+    def __init__(self, eager: PatchPolicy) -> None:
+        self.eager = eager
+        self.regime = eager.regime
+
+    def decide(self, reason: str | None, slot: Slot, prefix: Sequence[Slot], *, valid: bool, rank: int) -> Decision:
+        if slot.provisional:
+            return KEEP
+        return self.eager.decide(reason, slot, prefix, valid=valid, rank=rank)
+
+
+def _store_only(decision: Decision, last: Decision) -> Decision:
+    """``decision`` and its fallbacks as store lookups only, then an orbit patch of the same
+    prefix set, then ``last``."""
+    chain: list[Decision] = []
+    d: Decision | None = decision
+    while d is not None and d.action == "form":
+        chain.append(d)
+        d = d.fallback
+    if not any(c.kind == "orbit" for c in chain) and not decision.stack:
+        chain.append(Decision("form", kind="orbit", rank=decision.rank, options=decision.options))
+    out = last
+    for c in reversed(chain):
+        out = replace(c, reuse_only=True, fallback=out)
+    return out

@@ -1,0 +1,132 @@
+"""Cost-model replay: JSON fields, determinism (parallel too), bad input, calibration, plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from contextdeque.cli import main
+from contextdeque.core.errors import BudgetError, TraceError, TraceVersionError
+from contextdeque.replay import CostModel, ReplayConfig, Replayer, load_calibration, save_calibration
+from contextdeque.replay.run import parse_combos, replay_many
+from contextdeque.scheduler import PolicyError
+from contextdeque.traces import generate, write_trace
+
+
+@pytest.fixture(scope="module")
+def trace_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("traces")
+    out = []
+    for kind in ("web", "video", "doc"):
+        t = generate(kind, seed=7)
+        out.append(str(write_trace(d / f"{kind}-7.jsonl", t.header, t.events)))
+    return out
+
+
+def test_json_fields_and_byte_identical_in_parallel(trace_files, capsys):
+    args = ["replay", *trace_files, "--placement", "arrival,scheduler", "--arm", "patch,prefix_cache", "--json"]
+    assert main([*args, "--jobs", "1"]) == 0
+    one = capsys.readouterr().out
+    assert main([*args, "--jobs", "2"]) == 0
+    two = capsys.readouterr().out
+    assert one == two
+    doc = json.loads(one)
+    assert len(doc["results"]) == 3 * 2 * 2
+    for r in doc["results"]:
+        assert isinstance(r["trace"], str) and r["placement"] in ("arrival", "scheduler") and r["eviction"] == "lru"
+        assert isinstance(r["tokens_prefilled"], int) and isinstance(r["patch_forms"], int)
+        assert isinstance(r["est_seconds"], float) and r["est_seconds"] > 0
+        assert set(r["bytes"]) == {"device", "host", "disk"}
+    assert doc["calibration"]["note"]
+
+
+@pytest.mark.parametrize("kind", ["web", "video"])
+def test_patch_arm_prefills_less_than_prefix_cache_and_reprefill(kind):
+    tot = {"patch": 0, "prefix_cache": 0, "reprefill": 0}
+    for seed in range(3):
+        t = generate(kind, seed=seed)
+        for arm in tot:
+            tot[arm] += Replayer(t, "arrival", "lru", arm).run().tokens_prefilled
+    assert tot["patch"] < tot["prefix_cache"] < tot["reprefill"], tot
+
+
+def test_bad_inputs_are_typed_and_nothing_runs(tmp_path, trace_files, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"format": "contextdeque-trace", "version": 1, "generator": "t"}\n{"op": "arrive", "id": "a", "tokens": 5, "hash": "h"}\n{"op": "recall", "id": "zzz"}\n')
+    with pytest.raises(TraceError) as e:
+        replay_many([trace_files[0], str(bad)], [("arrival", "lru", "patch")])
+    assert e.value.line == 3
+    assert main(["replay", trace_files[0], str(bad), "--json"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "bad.jsonl:3" in captured.err  # nothing half-replayed, location given
+    newer = tmp_path / "newer.jsonl"
+    newer.write_text('{"format": "contextdeque-trace", "version": 99, "generator": "t"}\n')
+    with pytest.raises(TraceVersionError):
+        replay_many([str(newer)], [("arrival", "lru", "patch")])
+    with pytest.raises(BudgetError):
+        replay_many(trace_files, [("arrival", "lru", "patch")], config=ReplayConfig(budget_tokens=50))
+    assert main(["replay", trace_files[0], "--budget-tokens", "50"]) == 1
+    assert "budget" in capsys.readouterr().err
+    with pytest.raises(PolicyError):
+        parse_combos(["arrival:lru"], [], [], [])
+    with pytest.raises(PolicyError):
+        parse_combos(None, ["teleport"], ["lru"], ["patch"])
+    assert len(parse_combos(["arrival:*:patch"], [], [], [])) == 3
+
+
+def test_calibration_saved_and_used(tmp_path, tiny_backend_factory, one_thread):
+    from contextdeque.replay.calibrate import calibrate
+
+    be = tiny_backend_factory("llama")
+    model = calibrate(be, lengths=(16, 48), rank=4, repeats=1, disk_dir=str(tmp_path))
+    assert model.source == "calibration" and model.fingerprint == be.fingerprint
+    assert all(tps > 0 for _, tps in model.prefill) and model.apply_bytes_per_s > 0
+    path = save_calibration(model, tmp_path)
+    got, note = load_calibration(be.fingerprint, tmp_path)
+    assert got == model and str(path) in note
+    fallback, why = load_calibration("0" * 32, tmp_path)
+    assert fallback.source == "defaults" and "defaults" in why
+    t = generate("video", seed=0)
+    a = Replayer(t, cost=got).run()
+    b = Replayer(t, cost=CostModel()).run()
+    assert a.patch_forms == b.patch_forms and a.est_seconds != b.est_seconds
+
+
+def test_plot_writes_png(tmp_path, trace_files):
+    out = tmp_path / "r.png"
+    assert main(["replay", trace_files[1], "--arm", "patch,reprefill", "--jobs", "1", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_example_generates_replays_and_plots(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "replay_agents.py"
+    spec = importlib.util.spec_from_file_location("replay_agents", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([str(tmp_path / "out"), "--jobs", "1"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out" / "traces").glob("*.jsonl")) == ["doc-0.jsonl", "video-0.jsonl", "web-0.jsonl"]
+    assert (tmp_path / "out" / "replay.png").read_bytes()[:4] == b"\x89PNG"
+    assert "replay (cost model)" in capsys.readouterr().out
+
+
+def test_fidelity_mode_on_a_tiny_model(tiny_backend_factory, one_thread, tmp_path):
+    from contextdeque.replay.fidelity import run_fidelity_mode
+
+    be = tiny_backend_factory("qwen2")
+    t = generate("video", seed=3, segments=5)
+    p = str(write_trace(tmp_path / f"{t.name}.jsonl", t.header, t.events))
+    combos = [("arrival", "lru", "patch"), ("arrival", "belady", "patch"), ("scheduler", "lru", "blind"),
+              ("arrival", "lru", "prefix_cache")]
+    out = run_fidelity_mode([p], combos, 2, seed=1, scale=1 / 32, backend=be)
+    assert set(out) == {(t.name, *c) for c in combos}
+    patch, blind = out[(t.name, "arrival", "lru", "patch")], out[(t.name, "scheduler", "lru", "blind")]
+    assert patch == out[(t.name, "arrival", "belady", "patch")]  # eviction does not change what the model sees
+    assert patch["fidelity_queries"] == 2 and patch["kl"] >= 0 and patch["ttft_ratio"] > 0
+    assert blind["eta"] in (None, 0.0) or abs(blind["eta"]) < 1e-9
+    if patch["eta"] is not None:
+        assert patch["eta"] > 0  # the patch closes part of blind reuse's gap
+    assert out[(t.name, "arrival", "lru", "prefix_cache")]["kl"] < 1e-6  # exact prefix reuse + re-prefill
