@@ -88,6 +88,11 @@ class BudgetError(WindowError):
     """The token budget cannot hold what was asked (e.g. smaller than one chunk)."""
 
 
+class SessionError(WindowError):
+    """A saved window session cannot be opened: not a session file, an unknown schema version,
+    a corrupt file, or another model / layout / root than the backend it is opened with."""
+
+
 class TraceError(ContextDequeError, ValueError):
     """A trace is malformed or inconsistent. ``path``, ``line`` (1-based; the header is line 1) and
     ``field`` say where; the message names them too."""

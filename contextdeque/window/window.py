@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -165,6 +166,8 @@ class ContextWindow:
         self._closed = False
         self.last_receipt: Receipt | None = None
         self.receipts: deque[Receipt] = deque(maxlen=1000)
+        #: the manifest this window was reopened from (``ContextWindow.open``), else None
+        self.session: Any = None
 
     # ================================================================== introspection
     @property
@@ -663,6 +666,33 @@ class ContextWindow:
         from .healer import Healer
 
         return Healer(self, idle_ms=idle_ms).start()
+
+    # ------------------------------------------------------------------ sessions
+    @_foreground
+    def save(self, path: "str | os.PathLike[str]") -> Receipt:
+        """Save the window to one file at ``path`` (atomic: a crash mid-save leaves what was
+        there): order, refs and labels, positions, canonicals and patch stacks, the evicted set
+        (with the canonicals the store still holds), pending heals, the conditioning graph,
+        policies, budget and a summary of the receipts (``contextdeque.window.session``).
+        Reopen it with :meth:`open`."""
+        from .session import save_window
+
+        return save_window(self, path)
+
+    @classmethod
+    def open(cls, path: "str | os.PathLike[str]", backend: Any, **overrides: Any) -> "ContextWindow":
+        """Reopen a window saved with :meth:`save` over ``backend`` (the same model, layout and
+        root, else ``SessionError``), running no forward: ``materialize()`` is bit-identical to
+        the saved window's, and the session continues (slide, recall, generate...). Refs are
+        fresh (same order and labels); ``overrides`` replace saved settings (e.g. ``store=``,
+        ``patch_policy=``). ``window.session`` is the manifest it was opened from.
+
+        Raises:
+            SessionError: no session there, corrupt, another schema version or another model.
+        """
+        from .session import open_window
+
+        return open_window(cls, path, backend, **overrides)
 
     # ------------------------------------------------------------------ forks
     @_foreground
