@@ -148,9 +148,6 @@ class WindowStore:
                 del self._holds[key]
                 self.demote(key, traffic)
 
-    def holds(self, key: str) -> int:
-        return self._holds.get(key, 0)
-
     def demote(self, key: str, traffic: TierTraffic) -> bool:
         """Move ``key`` one tier down (never dropped; see ``TieredStore.demote``)."""
         return self.store.demote(key, traffic=traffic)
