@@ -1,7 +1,10 @@
 """contextdeque.agents: agents built on the context window (installed inside the contextdeque namespace).
 
 - :class:`MessageWindow` (``agents/messages.py``): a window kept in step with an OpenAI-style
-  chat-messages list.
+  chat-messages list;
+- ``DocAgent`` (``agents/doc.py``), ``WebAgent`` (``agents/web.py``), ``VideoAgent``
+  (``agents/video.py``): agents on the public window API that record replay traces;
+- ``agents/scenarios.py``: what ``contextdeque demo`` runs them on.
 """
 
 # imported as a top-level ``agents`` from a checkout on sys.path: stay an empty shadow
