@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..model.vision import ImageEmbedding
 
 from ..stores import HostTier, MemoryTier, StoreEntry, Tier, TieredStore, TierTraffic, chunk_key, embeds_key
+from ..stores.traffic import recording
 
 _ADAPTERS: "weakref.WeakKeyDictionary[TieredStore, WindowStore]" = weakref.WeakKeyDictionary()
 
@@ -130,23 +131,35 @@ class WindowStore:
 
     # ------------------------------------------------------------------ residency
     def hold(self, keys: Iterable[str], traffic: TierTraffic) -> None:
-        """Count a window slot holding each key; a held key is brought to the fastest tier."""
+        """Count a window slot holding each key; a held key is brought to the fastest tier, and
+        leased in the shared tiers (`TieredStore.lease`) while any window holds it."""
+        first = []
         for key in keys:
             self._holds[key] += 1
             if self._holds[key] == 1:
+                first.append(key)
                 where = self.store.where(key)
                 if where and where[0] != self.store.tiers[0].name:
                     self.store.get(key, traffic=traffic)  # promotes
+        if first:
+            with recording(traffic):  # a shared tier that is away says so in the receipt
+                self.store.lease(first)
 
     def release(self, keys: Iterable[str], traffic: TierTraffic) -> None:
-        """Undo one hold per key; keys nobody holds any more are demoted one tier down."""
+        """Undo one hold per key; keys nobody holds any more are demoted one tier down and their
+        shared-tier leases let go."""
+        last = []
         for key in keys:
             if self._holds[key] <= 0:
                 continue
             self._holds[key] -= 1
             if self._holds[key] == 0:
                 del self._holds[key]
+                last.append(key)
                 self.demote(key, traffic)
+        if last:
+            with recording(traffic):
+                self.store.unlease(last)
 
     def holds(self, key: str) -> int:
         return self._holds.get(key, 0)
