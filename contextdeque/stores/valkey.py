@@ -845,6 +845,8 @@ class ValkeyTier(Tier):
             self._call(lambda c: self._lease_now(c, keys))
         except _Away as a:
             self._fallback(str(a))
+        except Exception:  # noqa: BLE001 - a lease is bookkeeping: never fail the caller; renewal retries
+            log.warning("store tier %r: taking %d leases failed; renewal will retry", self.name, len(keys), exc_info=True)
 
     def unlease(self, keys: "list[str] | tuple[str, ...]") -> None:
         """Let go of this holder's leases on ``keys`` (the entries' own TTL applies again)."""
@@ -864,6 +866,8 @@ class ValkeyTier(Tier):
             self._call(op)
         except _Away as a:
             self._fallback(str(a))  # the lease lapses by itself
+        except Exception:  # noqa: BLE001 - the lease lapses by itself
+            log.warning("store tier %r: letting go of %d leases failed; they lapse", self.name, len(keys), exc_info=True)
 
     def _hold_leases(self, keys: "list[str]") -> None:
         with self._lock:
