@@ -147,3 +147,16 @@ def test_window_budget_slides_and_offline_admission():
     ro = Replayer(t, "scheduler-offline", "lru", "patch", config=cfg).run()
     assert ra.window_evictions > 0 and ro.window_evictions > 0
     assert Replayer(t, "arrival", "lru", "patch", config=cfg).run().as_dict() == ra.as_dict()  # deterministic
+
+
+def test_replay_bench_figures():
+    from contextdeque.replay.bench import scheduler_vs_arrival
+
+    rep = scheduler_vs_arrival(1, budgets=(None, 6000))
+    h = rep["heuristic_over_exact"]
+    assert h["decisions"] > 0 and h["mean"] >= 1.0 - 1e-12 and h["share_equal"] <= 1.0  # exact is a minimum
+    for tag in ("no budget", "budget 6000 tokens"):
+        for kind in ("web", "video", "doc"):
+            s = rep[tag][kind]
+            assert set(s["aggregate"]) == {"arrival", "scheduler", "scheduler-offline"}
+            assert s["tokens_prefilled"]["patch"] < s["tokens_prefilled"]["reprefill"]
