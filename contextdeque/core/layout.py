@@ -197,14 +197,9 @@ def detect_layout(model: torch.nn.Module) -> KVLayout:
     if family == "mla":
         rope_dim = int(cfg.qk_rope_head_dim)
         lora = int(cfg.kv_lora_rank)
-        if compat.mla_cache_contents() == "latent":
-            k_heads, k_dim, v_heads, v_dim = 1, lora, 1, rope_dim
-            rope_tensor, rope_start = "v", 0
-        else:
-            nope = int(cfg.qk_nope_head_dim)
-            k_heads = v_heads = int(cfg.num_key_value_heads or cfg.num_attention_heads)
-            k_dim, v_dim = nope + rope_dim, int(cfg.v_head_dim)
-            rope_tensor, rope_start = "k", nope
+        # the cache holds the latent c_KV (keys) and the rotated k_pe (values): see core.compat
+        k_heads, k_dim, v_heads, v_dim = 1, lora, 1, rope_dim
+        rope_tensor, rope_start = "v", 0
         if model_type == "deepseek_v3" and not getattr(cfg, "rope_interleave", True):
             interleaved = False
     else:

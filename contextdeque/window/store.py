@@ -177,9 +177,6 @@ class WindowStore:
             self._undemoted.discard(key)
         return failed
 
-    def holds(self, key: str) -> int:
-        return self._holds.get(key, 0)
-
     def demote(self, key: str, traffic: TierTraffic) -> bool:
         """Move ``key`` one tier down (never dropped; see ``TieredStore.demote``)."""
         return self.store.demote(key, traffic=traffic)
