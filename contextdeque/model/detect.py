@@ -636,7 +636,7 @@ def prove_layout(backend: Any, *, use_cache: bool = True) -> Proof:
     layout = backend.layout
     key = hashlib.sha256(
         f"{backend.fingerprint}:{layout.signature}:{behavior_digest(backend.model)}:{compat.TRANSFORMERS_VERSION}:"
-        f"{_PROOF_VERSION}".encode()
+        f"{_PROOF_VERSION}:{PROOF_OFFSETS}:{PROOF_TOKENS}:{FP32_FLOOR}".encode()
     ).hexdigest()[:32]
     proof = _load_cached(key) if use_cache else None
     if proof is not None:
