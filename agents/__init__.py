@@ -1,13 +1,14 @@
 """contextdeque.agents: agents built on the context window (installed inside the contextdeque namespace).
 
 - :class:`MessageWindow` (``agents/messages.py``): a window kept in step with an OpenAI-style
-  chat-messages list.
+  chat-messages list;
+- ``DocAgent`` (``agents/doc.py``), ``WebAgent`` (``agents/web.py``), ``VideoAgent``
+  (``agents/video.py``): agents on the public window API that record replay traces;
+- ``agents/scenarios.py``: what ``contextdeque demo`` runs them on.
 """
 
-if not __name__.startswith("contextdeque."):
-    # imported as a top-level ``agents`` from a checkout on sys.path: stay an inert namespace shadow
-    __file__ = None  # noqa: F811
-else:
+# imported as a top-level ``agents`` from a checkout on sys.path: stay an empty shadow
+if __name__.startswith("contextdeque."):
     from .messages import MessageWindow, SyncReceipt, normalize_messages
 
     __all__ = ["MessageWindow", "SyncReceipt", "normalize_messages"]

@@ -180,9 +180,10 @@ class AgentRun:
             self._need_step().notes.append("slid out " + ", ".join(self.label_of[r] for r in receipt.left))
 
     # ------------------------------------------------------------------ window operations
-    def append(self, label: str, *, modality: str = "text", content_key: str | None = None, **kwargs: Any) -> ChunkRef:
+    def append(self, label: str, *, trace_modality: str = "text", content_key: str | None = None, **kwargs: Any) -> ChunkRef:
         """``window.append(**kwargs)`` as chunk ``label`` (a label seen before that left the window
-        should be recalled instead)."""
+        should be recalled instead); the trace records it as ``trace_modality`` (``text``,
+        ``image`` or ``frame``)."""
         if label in self.ref_of:
             raise WindowError(f"chunk {label!r} was appended before: recall it")
         ref = self.window.append(**kwargs)
@@ -190,7 +191,7 @@ class AgentRun:
         self._left(rc)
         self.label_of[ref] = label
         self.ref_of[label] = ref
-        self.trace.arrive(label, ref.n_tokens, content_key or ref.chunk_id[:16], modality=modality,
+        self.trace.arrive(label, ref.n_tokens, content_key or ref.chunk_id[:16], modality=trace_modality,
                           at=self._placed_at(ref))
         return ref
 

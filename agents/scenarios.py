@@ -3,7 +3,9 @@
 
 - doc: twelve sections of the Python language reference (``pydoc_data.topics``, shipped with
   Python) as one document, and four questions about it;
-- web: a tour of Python's own documentation server (``python -m pydoc``).
+- web: a tour of Python's own documentation server (``python -m pydoc``);
+- video: a clip built from scikit-image's photographs (pans, zooms, drifting crops), watched
+  segment by segment with look-backs and comparisons.
 """
 
 from __future__ import annotations
@@ -47,4 +49,17 @@ def run_web(backend: Any, config: AgentConfig, on_step: Callable[[Step], None] |
     return run_tour(backend, config, on_step, topics=topics)
 
 
-AGENTS = ("doc", "web")
+def run_video(backend: Any, config: AgentConfig, on_step: Callable[[Step], None] | None = None, *,
+              segments: int = 4, processor: Any = None, video: Any = None, every: int = 2,
+              frames_per_segment: int = 3, image_tokens: int = 36) -> Any:
+    """Watch ``video`` (default: the clip built from ``skimage.data`` photographs); returns the
+    ``VideoAgent`` (its ``run`` and its ``summary()`` with the vision-tower counts)."""
+    from .video import VideoAgent
+
+    agent = VideoAgent(backend, config, processor=processor, frames_per_segment=frames_per_segment,
+                       image_tokens=image_tokens, on_step=on_step)
+    agent.watch(video, every=every, segments=segments)
+    return agent
+
+
+AGENTS = ("doc", "web", "video")

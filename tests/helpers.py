@@ -25,3 +25,21 @@ def micro_llama(seed: int = 0):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(cfg)
     return model.eval()
+
+
+def replay_agent_trace(path, capsys) -> dict:
+    """Replay a trace an agent recorded through ``contextdeque replay --json`` (every registered
+    placement x the patch / prefix-cache / re-prefill arms); returns the parsed output after
+    checking every combination replayed every query of the trace."""
+    import json
+
+    from contextdeque.cli import main
+    from contextdeque.traces import read_trace
+
+    trace = read_trace(path)
+    queries = sum(1 for e in trace.events if e.op == "query")
+    capsys.readouterr()
+    assert main(["replay", str(path), "--json", "--jobs", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["results"] and all(r["queries"] == queries and r["events"] == len(trace.events) for r in out["results"])
+    return out

@@ -15,6 +15,7 @@ from contextdeque.model.hf import HFBackend
 from contextdeque.model.testing import build_tiny_model
 from contextdeque.core.errors import BudgetError, MediaError, MediaTypeError
 from contextdeque.traces import read_trace
+from helpers import replay_agent_trace
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def check_run(run, pages, budget):
     return summary
 
 
-def test_doc_agent_on_a_tiny_model(chat_backend, tmp_path, one_thread):
+def test_doc_agent_on_a_tiny_model(chat_backend, tmp_path, capsys, one_thread):
     cfg = AgentConfig(budget_tokens=400, rank=8, max_new_tokens=4)
     agent = DocAgent(chat_backend, cfg, page_tokens=120)
     run = agent.answer(demo_document(("pass", "break", "global", "nonlocal", "continue", "del")), list(DOC_QUESTIONS))
@@ -55,6 +56,7 @@ def test_doc_agent_on_a_tiny_model(chat_backend, tmp_path, one_thread):
     ops = [e.op for e in trace.events]
     assert trace.header.generator == "doc" and ops.count("arrive") == len(agent.pages)
     assert "recall" in ops and "query" in ops and "slide" in ops
+    replay_agent_trace(path, capsys)  # the recorded trace replays under every placement x arm
 
 
 def test_exact_policy_answers_equal_a_reprefill(chat_backend, one_thread):

@@ -15,6 +15,7 @@ from contextdeque.model.hf import HFBackend
 from contextdeque.model.testing import build_tiny_model
 from contextdeque.core.errors import BudgetError, ContentTypeError, FetchError
 from contextdeque.traces import read_trace
+from helpers import replay_agent_trace
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def test_fetch_extracts_text_and_links(server):
     assert all(u.startswith(server.url) for u in page.links)
 
 
-def test_tour_slides_pages_and_recalls_revisits(chat_backend, server, tmp_path, one_thread):
+def test_tour_slides_pages_and_recalls_revisits(chat_backend, server, tmp_path, capsys, one_thread):
     cfg = AgentConfig(budget_tokens=520, rank=8, max_new_tokens=6)
     with WebAgent(chat_backend, cfg, pages_in_window=2, max_page_tokens=120) as agent:
         run = agent.tour(server.url, topics=3)
@@ -55,6 +56,7 @@ def test_tour_slides_pages_and_recalls_revisits(chat_backend, server, tmp_path, 
     trace = read_trace(run.write_trace(tmp_path / "web.jsonl"))
     ops = [e.op for e in trace.events]
     assert trace.header.generator == "web" and "recall" in ops and "evict" in ops
+    replay_agent_trace(tmp_path / "web.jsonl", capsys)  # the recorded trace replays
 
 
 def _closed_port() -> int:

@@ -96,6 +96,9 @@ def test_errors_are_openai_shaped_4xx(server) -> None:
         assert err["type"] == "invalid_request_error" and err["message"]
     r = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401 and "error" in r.json()
+    for headers in ({}, {"Authorization": f"Basic {KEY}"}, {"Authorization": KEY}):  # no / wrong auth scheme
+        r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": good}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
     m = server.metrics(KEY)
     assert metric(m, "contextdeque_requests_total", endpoint="/v1/chat/completions", status="401") >= 1
     assert KEY not in server.log and "sk-wrong" not in server.log

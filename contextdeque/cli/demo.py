@@ -6,7 +6,9 @@ shows, per step: what the window did, the forwards run, tokens prefilled by cont
 full re-prefill and a prefix cache, time to first token against a re-prefill measured side by side,
 the answer, and the next-token KL against the re-prefill. Then a summary, and where the replay
 trace was written. ``--agent web`` browses Python's documentation server; ``--agent video``
-``--json`` prints the summary as one object.
+watches a clip built from real photographs (on a text-only model through the image-span
+emulation: no visual understanding; with ``--model`` a local Qwen2-VL checkpoint, through its own
+vision tower); ``--json`` prints the summary as one object.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from contextdeque.agents.base import AgentConfig, Step
-from contextdeque.agents.scenarios import AGENTS, DOC_QUESTIONS, DOC_TOPICS, run_doc, run_web
+from contextdeque.agents.scenarios import AGENTS, DOC_QUESTIONS, DOC_TOPICS, run_doc, run_video, run_web
 
 
 def default_trace_path(agent: str) -> Path:
@@ -36,10 +38,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", type=int, default=None, help="answer only the first N questions")
     p.add_argument("--topics", type=int, default=None,
                    help="doc: use only the first N sections of the document; web: visit N topic pages (default 3)")
+    p.add_argument("--segments", type=int, default=4, help="video: watch the first N segments (default 4)")
+    p.add_argument("--video", default=None, help="video: a video file (default: a clip built from skimage photographs)")
     p.add_argument("--max-new-tokens", type=int, default=24, help="answer length (default 24)")
     p.add_argument("--no-measure", action="store_true", help="skip the side-by-side re-prefill (no KL, no TTFT ratio)")
     p.add_argument("--trace", default=None, help="where to write the replay trace (default: ~/.cache/contextdeque/traces/)")
-    p.add_argument("--model", default=None, help="a local model path instead of the embedded default (needs a chat template)")
+    p.add_argument("--model", default=None,
+                   help="a local model path instead of the embedded default (needs a chat template; a Qwen2-VL "
+                        "directory also needs its image processor), or tiny:<arch> for a tiny random-weight model "
+                        "with the default tokenizer (its answers are noise)")
     p.add_argument("--placement", default="arrival", help="placement policy: arrival or scheduler (default: arrival)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -96,6 +103,28 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     ]
 
 
+def video_line(summary: dict[str, Any]) -> str:
+    what = "vision tower" if summary["image_path"] == "vision" else "pixel projection (image-span emulation: no visual understanding)"
+    return (f"  video: {summary['frames']} frames in {summary['segments']} segments; {what} ran "
+            f"{summary['tower_calls']}x; {summary['frame_recalls']} frames recalled in look-backs, "
+            f"{summary['tower_calls_in_lookbacks']} tower runs there")
+
+
+def image_processor(backend: Any, model: str | None) -> Any:
+    """A Qwen-VL model's image processor: the tiny one for ``tiny:<arch>``, else the one saved
+    beside a local checkpoint; ``None`` for a text-only model."""
+    arch = getattr(backend.model.config, "model_type", "")
+    if arch not in ("qwen2_vl", "qwen2_5_vl"):
+        return None
+    if model and model.startswith("tiny:"):
+        from contextdeque.model.testing import build_tiny_vl_processor
+
+        return build_tiny_vl_processor(arch)
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(model)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -104,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(int(args.threads))
     t0 = time.perf_counter()
-    backend = load_backend(args.model)
+    backend = load_backend(args.model, chat=True)
     load_s = time.perf_counter() - t0
     config = AgentConfig(
         budget_tokens=args.budget or 640, rank=args.rank, patch_policy=args.policy,
@@ -130,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
             live.update(_table(steps, f"{args.agent} agent, step by step"))
 
     t1 = time.perf_counter()
+    video_agent = None
     try:
         if args.agent == "doc":
             qs = DOC_QUESTIONS[: args.questions] if args.questions else DOC_QUESTIONS
@@ -137,13 +167,17 @@ def run(args: argparse.Namespace) -> int:
             agent_run = run_doc(backend, config, on_step, questions=qs, topics=topics)
         elif args.agent == "web":
             agent_run = run_web(backend, config, on_step, topics=args.topics or 3)
+        elif args.agent == "video":
+            video_agent = run_video(backend, config, on_step, segments=args.segments, video=args.video,
+                                    processor=image_processor(backend, args.model))
+            agent_run = video_agent.run
         else:  # pragma: no cover - argparse restricts the choices
             raise SystemExit(f"unknown agent {args.agent}")
     finally:
         if live is not None:
             live.stop()
     trace_path = agent_run.write_trace(args.trace or default_trace_path(args.agent))
-    summary = agent_run.summary()
+    summary = video_agent.summary() if args.agent == "video" else agent_run.summary()
     summary.update({"agent": args.agent, "model": backend.name, "trace": str(trace_path),
                     "seconds": round(time.perf_counter() - t1, 2), "model_load_seconds": round(load_s, 2),
                     "threads": torch.get_num_threads()})
@@ -155,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
     console.print("[bold]summary[/bold]")
     for line in summary_lines(summary):
         console.print("  " + line)
+    if args.agent == "video":
+        console.print(video_line(summary))
     console.print(f"  ran {summary['steps']} steps in {summary['seconds']:.1f} s ({summary['threads']} threads); "
                   f"replay trace written to {trace_path}")
     return 0

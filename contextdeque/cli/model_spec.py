@@ -30,6 +30,8 @@ def load_backend(spec: str | None, *, chat: bool = False) -> Any:
         from ..model.default_model import ensure_default_model
 
         tok = AutoTokenizer.from_pretrained(ensure_default_model(progress=False))
-        model = build_tiny_model(arch, seed=0, vocab_size=len(tok), max_position_embeddings=2048)
+        sizes = {"vocab_size": len(tok), "max_position_embeddings": 2048}
+        vl = arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # their text sizes live in text_config
+        model = build_tiny_model(arch, seed=0, **({"text_config": sizes} if vl else sizes))
         return HFBackend(model, tok, name=f"tiny-{arch}")
     return load_model(spec)

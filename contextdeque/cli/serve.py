@@ -62,7 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-store-mb", type=float, default=4096)
     p.add_argument("--disk-store-mb", type=float, default=None)
     p.add_argument("--rank", type=int, default=32, help="patch rank")
-    p.add_argument("--patch-policy", default="default")
+    p.add_argument("--patch-policy", default="default",
+                   help="window patch policy: default, exact, none, latency (no forward a request can avoid; "
+                        "the skipped conditioning is healed in idle time), or another registered name")
+    p.add_argument("--heal-idle-ms", type=float, default=20.0,
+                   help="heal latency-first windows once no request came for this long (ms)")
+    p.add_argument("--no-heal", action="store_true", help="never heal in idle time (a latency-first window stays as served)")
     p.add_argument("--context-tokens", type=int, default=None, help="most tokens per request (default: the model's)")
     p.add_argument("--max-tokens", type=int, default=256, help="default and ceiling of max_tokens")
     p.add_argument("--queue", type=int, default=16, help="requests waiting for the model worker before 429")
@@ -91,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
             backend, store, model_name=args.model_name or backend.name, rank=args.rank, patch_policy=args.patch_policy,
             context_tokens=args.context_tokens, max_tokens=args.max_tokens, queue_size=args.queue,
             session_memory_bytes=int(args.session_memory_mb * 1024 * 1024), plain=args.plain,
+            heal_idle_ms=None if args.no_heal else args.heal_idle_ms,
         )
     except ContextDequeError as e:
         print(f"contextdeque serve: {type(e).__name__}: {e}", file=sys.stderr)

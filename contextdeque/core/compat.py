@@ -2,11 +2,11 @@
 
 Everything else in contextdeque reads caches, RoPE settings and rotary modules through these
 functions, so a transformers upgrade that moves an attribute is fixed here and nowhere else.
-Tested range: transformers 5.17-5.18 (see pyproject). Older layouts handled here:
-- <= 4.55: ``cache.key_cache[i]`` / ``cache.value_cache[i]`` lists instead of ``cache.layers[i]``.
-- 4.x: ``config.rope_theta`` + ``config.rope_scaling`` instead of ``config.rope_parameters``.
-- 4.57 / 5.0 MLA caches hold decompressed per-head K/V; 5.18 holds the latent + rotated k_pe
-  (see :func:`mla_cache_contents`).
+Supported range: transformers 5.17-5.18 (the pin in pyproject); branches for versions the pin
+excludes are not kept. Seams of the pinned versions handled here:
+- configs without ``rope_parameters`` (GPT-J) take ``rope_theta`` / ``rope_scaling`` or the defaults.
+- an MLA (DeepSeek-V2/V3) cache layer holds the latent c_KV ``[B,1,T,kv_lora_rank]`` as keys and
+  the rotated k_pe ``[B,1,T,rope_dim]`` as values (since 5.1; the structural probe of ``contextdeque.model.detect`` reads it off the cache).
 """
 
 from __future__ import annotations
@@ -15,19 +15,13 @@ from typing import Any
 
 import torch
 import transformers
-from packaging.version import Version
-
-TRANSFORMERS_VERSION = Version(transformers.__version__)
 
 
 def text_config(config: Any) -> Any:
     """The decoder (text) config of a possibly multimodal config."""
     getter = getattr(config, "get_text_config", None)
     if getter is not None:
-        try:
-            return getter(decoder=True)
-        except TypeError:
-            return getter()
+        return getter(decoder=True)
     return getattr(config, "text_config", config)
 
 
@@ -149,19 +143,13 @@ def new_cache(config: Any | None = None) -> transformers.DynamicCache:
 
 
 def cache_num_layers(cache: Any) -> int:
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        return len(layers)
-    return len(cache.key_cache)  # <= 4.55
+    return len(cache.layers)
 
 
 def cache_layer(cache: Any, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys, values) of cache layer ``idx``, each ``[batch, heads, seq, dim]``."""
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        layer = layers[idx]
-        return layer.keys, layer.values
-    return cache.key_cache[idx], cache.value_cache[idx]  # <= 4.55
+    layer = cache.layers[idx]
+    return layer.keys, layer.values
 
 
 def cache_from_layers(
@@ -177,13 +165,3 @@ def cache_from_layers(
     for idx, (k, v) in enumerate(layers):
         cache.update(k, v, idx)
     return cache
-
-
-def mla_cache_contents() -> str:
-    """What an MLA (DeepSeek-V2/V3) cache layer holds under the installed transformers.
-
-    ``"latent"``: ``.keys`` = normalized latent c_KV ``[B,1,T,kv_lora_rank]``, ``.values`` = rotated
-    k_pe ``[B,1,T,rope_dim]`` (5.18 and later). ``"decompressed"``: ``.keys`` = per-head
-    ``[k_nope | k_pe]``, ``.values`` = per-head V (4.57-5.0).
-    """
-    return "latent" if TRANSFORMERS_VERSION >= Version("5.1") else "decompressed"

@@ -131,5 +131,3 @@ def probe_freq_axis(rotary: torch.nn.Module, n_freq: int, interleave_cat: bool =
     if any(a < 0 for a in axes):
         raise UnsupportedLayoutError("could not map every M-RoPE frequency to a position axis")
     return tuple(axes)
-
-

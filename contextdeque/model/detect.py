@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import transformers
 
 from ..core import compat
 from ..core.errors import UnsupportedLayoutError
@@ -580,7 +581,7 @@ def _store(proof: Proof) -> None:
 
 
 def _layout_key(fingerprint: str, model: torch.nn.Module) -> str:
-    raw = f"{fingerprint}:{behavior_digest(model)}:{compat.TRANSFORMERS_VERSION}:{_PROOF_VERSION}"
+    raw = f"{fingerprint}:{behavior_digest(model)}:{transformers.__version__}:{_PROOF_VERSION}"
     return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 
@@ -635,7 +636,7 @@ def prove_layout(backend: Any, *, use_cache: bool = True) -> Proof:
     """
     layout = backend.layout
     key = hashlib.sha256(
-        f"{backend.fingerprint}:{layout.signature}:{behavior_digest(backend.model)}:{compat.TRANSFORMERS_VERSION}:"
+        f"{backend.fingerprint}:{layout.signature}:{behavior_digest(backend.model)}:{transformers.__version__}:"
         f"{_PROOF_VERSION}:{PROOF_OFFSETS}:{PROOF_TOKENS}:{FP32_FLOOR}".encode()
     ).hexdigest()[:32]
     proof = _load_cached(key) if use_cache else None

@@ -29,12 +29,8 @@ def _accepts(cls: type, name: str) -> bool:
 
 def _layer_kv(cache: Any, idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(keys, values) of cache layer ``idx`` or None when that layer holds another kind of state."""
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        layer = layers[idx]
-        k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
-    else:
-        k, v = compat.cache_layer(cache, idx)
+    layer = cache.layers[idx]
+    k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
     if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4 or v.dim() != 4:
         return None
     return k, v
@@ -57,7 +53,7 @@ def cached_kv(out: Any, past_len: int, n_new: int) -> list[LayerKV]:
                 reason="recurrent",
             )
         raise UnsupportedLayoutError("the model returns no KV cache (use_cache gives none)", reason="no-kv-cache")
-    n_layers = compat.cache_num_layers(cache) if hasattr(cache, "layers") or hasattr(cache, "key_cache") else 0
+    n_layers = len(cache.layers) if hasattr(cache, "layers") else 0
     if n_layers == 0:
         raise UnsupportedLayoutError(
             f"the model's cache ({type(cache).__name__}) holds no per-layer keys and values", reason="no-kv-cache"
@@ -66,7 +62,7 @@ def cached_kv(out: Any, past_len: int, n_new: int) -> list[LayerKV]:
     for i in range(n_layers):
         pair = _layer_kv(cache, i)
         if pair is None or pair[0].shape[-2] != past_len + n_new or pair[1].shape[-2] != past_len + n_new:
-            layer = cache.layers[i] if hasattr(cache, "layers") else cache
+            layer = cache.layers[i]
             kinds = sorted(n for n, t in vars(layer).items() if isinstance(t, torch.Tensor)) or ["no tensors"]
             raise UnsupportedLayoutError(
                 f"cache layer {i} ({type(layer).__name__}: {', '.join(kinds)}) holds a recurrent / state-space "

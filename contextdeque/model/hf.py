@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from ..core.chunk import Chunk, check_representable, chunk_id, digest, storage_dtype
-from ..core.errors import EmptyChunkError, ModelLoadError
+from ..core.errors import EmptyChunkError, FingerprintMismatchError, ModelLoadError
 from ..core.layout import KVLayout
 from ..core.kv import LayerKV
 from ..core.operator import register_layout, to_content_frame
@@ -155,6 +155,16 @@ class HFBackend:
         return len(self.root_ids)
 
     @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding table: valid token ids are ``[0, vocab_size)``."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    @property
+    def embed_dim(self) -> int:
+        """Width of the input embeddings (``embeds=`` must be ``[T, embed_dim]``)."""
+        return int(self.model.get_input_embeddings().embedding_dim)
+
+    @property
     def n_pos_axes(self) -> int:
         return self.layout.n_pos_axes
 
@@ -204,6 +214,17 @@ class HFBackend:
             )
             self._root_kv = [(k.clone(), v.clone()) for k, v in res.kv]
         return self._root_kv
+
+    def adopt_root_kv(self, layers: Sequence[LayerKV]) -> bool:
+        """Use ``layers`` (the root's KV as this model cached it, e.g. from a saved session) instead
+        of running the root's forward. Only when the root's KV is not computed yet (returns False
+        otherwise: the one already here stays). Shapes are checked against the layout."""
+        if self._root_kv is not None:
+            return False
+        if len(layers) != self.layout.num_layers or any(k.shape[-2] != self.root_len or v.shape[-2] != self.root_len for k, v in layers):
+            raise FingerprintMismatchError(f"root KV of {len(layers)} layers does not match this root ({self.root_len} tokens, {self.layout.num_layers} layers)")
+        self._root_kv = [(k, v) for k, v in layers]
+        return True
 
     # ------------------------------------------------------------------ encode
     def encode(

@@ -6,7 +6,13 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-from contextdeque.core.errors import CollisionError, CorruptEntryError, StoreCapacityError, StoreUnavailableError
+from contextdeque.core.errors import (
+    CollisionError,
+    CorruptEntryError,
+    StoreCapacityError,
+    StoreError,
+    StoreUnavailableError,
+)
 from contextdeque.stores.base import Evicted, StoreEntry, Tier, check_collision
 from contextdeque.stores.traffic import TierTraffic, recording
 
@@ -315,6 +321,19 @@ class TieredStore:
                 was = t.unpin(key) or was
             return was
 
+    def lease(self, keys: "list[str] | tuple[str, ...]") -> None:
+        """Tell the shared tiers this process holds ``keys`` (see `Tier.lease`); local tiers
+        are untouched (a lease is not a pin: it never blocks local eviction)."""
+        for t in self._tiers:
+            if t.remote:
+                t.lease(list(keys))
+
+    def unlease(self, keys: "list[str] | tuple[str, ...]") -> None:
+        """Undo `lease` for ``keys``."""
+        for t in self._tiers:
+            if t.remote:
+                t.unlease(list(keys))
+
     def is_pinned(self, key: str) -> bool:
         """Whether ``key`` is pinned by this store."""
         with self._lock:
@@ -333,15 +352,29 @@ class TieredStore:
         )
         if res.stored:
             tr.add_written(tier.name, entry.nbytes)
-        for ev in res.evicted:
-            tr.add_evicted(tier.name, ev.nbytes)
-            self._spill(j + 1, ev, tr)
+        pending = list(res.evicted)
+        try:
+            while pending:
+                tr.add_evicted(tier.name, pending[0].nbytes)
+                self._spill(j + 1, pending[0], tr)
+                pending.pop(0)
+        except BaseException:
+            # A lower tier failed (read-only, full disk, I/O error) while taking a victim: undo
+            # this put so that no entry is lost: the new entry leaves tier j again and the
+            # victims not yet placed below come back (they fit: they were there before).
+            if res.stored:
+                tier.delete(key)
+            for ev in pending:
+                if ev.entry is not None and not tier.contains(ev.key):
+                    tier.put(ev.key, ev.entry, priority=ev.priority, copy=False)
+            raise
 
     def _place(self, j: int, key: str, entry: StoreEntry, priority: int, pinned: bool, tr: TierTraffic) -> bool:
-        """Promotion into tier ``j``: best effort (a full or conflicting tier is skipped)."""
+        """Promotion into tier ``j``: best effort (a full, conflicting or failing tier is skipped:
+        the entry is still served from where it was found)."""
         try:
             self._put_into(j, key, entry, priority, pinned, tr, copy=False)
-        except (*_NOT_TAKEN, CollisionError):
+        except (StoreError, OSError):
             return False
         return True
 
@@ -360,6 +393,8 @@ class TieredStore:
             except CollisionError:
                 return  # another version was written there meanwhile; it wins
             return
+        # Any other failure (StorePermissionError, StoreWriteError) propagates: ``_put_into``
+        # undoes the put that evicted this entry rather than lose it.
         tr.dropped.append(ev.key)
 
     def __repr__(self) -> str:

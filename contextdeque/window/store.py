@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from ..core.chunk import Chunk
-from ..core.errors import CollisionError
+from ..core.errors import CollisionError, StoreError
 from ..patch import Patch
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.vision import ImageEmbedding
 
 from ..stores import HostTier, MemoryTier, StoreEntry, Tier, TieredStore, TierTraffic, chunk_key, embeds_key
+from ..stores.traffic import recording
 
 _ADAPTERS: "weakref.WeakKeyDictionary[TieredStore, WindowStore]" = weakref.WeakKeyDictionary()
 
@@ -40,6 +41,8 @@ class WindowStore:
     def __init__(self, store: TieredStore) -> None:
         self.store = store
         self._holds: Counter[str] = Counter()
+        #: keys released by every holder whose demotion a store fault refused (retried on release)
+        self._undemoted: set[str] = set()
         #: (kind, tier that served it or "miss") -> lookups, kind in chunk / patch / embeds
         self.lookups: Counter[tuple[str, str]] = Counter()
 
@@ -119,37 +122,81 @@ class WindowStore:
             return None
         return Patch.from_entry(dict(entry.tensors), dict(entry.meta))
 
-    def put_patch(self, key: str, patch: Patch, *, traffic: TierTraffic) -> None:
+    def put_patch(self, key: str, patch: Patch, *, traffic: TierTraffic) -> str | None:
+        """Store ``patch`` under ``key``. A patch is a cache of one forward: when the store cannot
+        take it (a collision, a read-only or full tier) the window goes on with the patch it has
+        in hand; returns why it was not (fully) stored, else None."""
         tensors, meta = patch.to_entry()
         try:
             self.store.put(key, StoreEntry(tensors, meta), traffic=traffic)
         except CollisionError:
             # Another content under this key (another formation context): keep the first,
             # the window uses the patch it has in hand.
-            pass
+            return None
+        except (StoreError, OSError) as e:
+            return f"patch {key[:24]} not stored ({type(e).__name__}: {e})"
+        return None
 
     # ------------------------------------------------------------------ residency
-    def hold(self, keys: Iterable[str], traffic: TierTraffic) -> None:
-        """Count a window slot holding each key; a held key is brought to the fastest tier."""
+    def hold(self, keys: Iterable[str], traffic: TierTraffic) -> list[str]:
+        """Count a window slot holding each key; a held key is brought to the fastest tier, and
+        leased in the shared tiers (`TieredStore.lease`) while any window holds it.
+
+        Never raises for a store fault: promotion is best effort (a key a faulty tier cannot
+        promote stays where it is, still held). Returns one line per promotion that failed."""
+        failed: list[str] = []
+        first: list[str] = []
         for key in keys:
             self._holds[key] += 1
             if self._holds[key] == 1:
-                where = self.store.where(key)
-                if where and where[0] != self.store.tiers[0].name:
-                    self.store.get(key, traffic=traffic)  # promotes
+                first.append(key)
+                self._undemoted.discard(key)
+                try:
+                    where = self.store.where(key)
+                    if where and where[0] != self.store.tiers[0].name:
+                        self.store.get(key, traffic=traffic)  # promotes
+                except (StoreError, OSError) as e:
+                    failed.append(f"promotion of {key[:24]} failed ({type(e).__name__}: {e}); it stays where it is")
+        failed += self._lease(first, traffic, take=True)
+        return failed
 
-    def release(self, keys: Iterable[str], traffic: TierTraffic) -> None:
-        """Undo one hold per key; keys nobody holds any more are demoted one tier down."""
+    def release(self, keys: Iterable[str], traffic: TierTraffic) -> list[str]:
+        """Undo one hold per key; keys nobody holds any more are demoted one tier down.
+
+        Never raises for a store fault: a demotion a faulty tier refuses leaves the entry where it
+        is (nothing is lost) and is retried at the next release. Shared-tier leases on keys nobody
+        holds any more are let go. Returns one line per failure."""
+        failed: list[str] = []
+        last: list[str] = []
         for key in keys:
             if self._holds[key] <= 0:
                 continue
             self._holds[key] -= 1
             if self._holds[key] == 0:
                 del self._holds[key]
+                self._undemoted.add(key)
+                last.append(key)
+        failed += self._lease(last, traffic, take=False)
+        for key in sorted(self._undemoted):
+            try:
                 self.demote(key, traffic)
+            except (StoreError, OSError) as e:
+                failed.append(f"demotion of {key[:24]} deferred ({type(e).__name__}: {e})")
+                continue
+            self._undemoted.discard(key)
+        return failed
 
-    def holds(self, key: str) -> int:
-        return self._holds.get(key, 0)
+    def _lease(self, keys: list[str], traffic: TierTraffic, *, take: bool) -> list[str]:
+        """Take (or let go of) shared-tier leases on ``keys``; never raises for a store fault (a
+        lease is bookkeeping for other processes: the window works without it)."""
+        if not keys:
+            return []
+        try:
+            with recording(traffic):  # a shared tier that is away says so in the receipt
+                (self.store.lease if take else self.store.unlease)(keys)
+        except (StoreError, OSError) as e:
+            return [f"{'lease' if take else 'unlease'} of {len(keys)} keys failed ({type(e).__name__}: {e})"]
+        return []
 
     def demote(self, key: str, traffic: TierTraffic) -> bool:
         """Move ``key`` one tier down (never dropped; see ``TieredStore.demote``)."""
