@@ -37,7 +37,7 @@ def build_store(args: argparse.Namespace, backend: Any) -> Any:
             secret=os.environ.get(args.store_secret_env) or None,
             password=os.environ.get(args.store_password_env) or None,
             tls_ca_file=args.store_tls_ca, tls_cert_file=args.store_tls_cert, tls_key_file=args.store_tls_key,
-            ttl_s=args.store_ttl, timeout_s=args.store_timeout,
+            ttl_s=args.store_ttl, timeout_s=args.store_timeout, lease_s=args.store_lease,
         ))
     return TieredStore(tiers, write_through=True)
 
@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-tls-cert", default=None)
     p.add_argument("--store-tls-key", default=None)
     p.add_argument("--store-ttl", type=float, default=None, help="expire shared entries this long after their last use (s)")
+    p.add_argument("--store-lease", type=float, default=60.0,
+                   help="sessions lease the shared entries their windows hold for this long, renewed while held (s); "
+                        "a killed replica's leases lapse after it")
     p.add_argument("--store-timeout", type=float, default=5.0, help="Valkey command timeout (s); then local fallback")
     p.add_argument("--store-dir", default=None, help="also keep a local disk tier here")
     p.add_argument("--device-store-mb", type=float, default=1024)

@@ -54,6 +54,7 @@ class Session:
     digest: str | None = None  # digest of the messages the window holds + the last reply
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False
+    heal_stuck: bool = False  # a heal step made no progress: not healed again until its next request
 
 
 @dataclass
@@ -250,10 +251,11 @@ class Engine:
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
-    def pending_chunks(self) -> int:
-        """Chunks the sessions' windows hold that a latency-first policy left to heal."""
+    def pending_chunks(self, *, healable: bool = False) -> int:
+        """Chunks the sessions' windows hold that a latency-first policy left to heal
+        (``healable``: only in sessions the worker would heal now)."""
         with self._lock:
-            return sum(len(_pending(s.conversation)) for s in self.sessions.values())
+            return sum(len(_pending(s.conversation)) for s in self.sessions.values() if not (healable and s.heal_stuck))
 
     def close(self) -> None:
         self._closing.set()
@@ -283,18 +285,20 @@ class Engine:
                 pass
             while self._queue.empty() and not self._closing.is_set() and self._heal_step():
                 pass
-            if self.pending_chunks() == 0:
+            if self.pending_chunks(healable=True) == 0:
                 return self._queue.get()  # nothing to heal until a request comes
 
     def _heal_step(self) -> bool:
         """One heal step of the most recently used session with pending chunks (worker thread).
-        False when nothing is pending (or the step failed)."""
+        False when no session has anything the worker would heal. A session whose step fails or
+        makes no progress is left as served until its next request (never a busy loop)."""
         with self._lock:
-            session = next((s for s in reversed(self.sessions.values()) if _pending(s.conversation)), None)
+            session = next((s for s in reversed(self.sessions.values()) if not s.heal_stuck and _pending(s.conversation)), None)
         if session is None:
             return False
         window = session.conversation.window
         assert window is not None
+        before = len(window.pending_refs)
         t0 = time.perf_counter()
         try:
             with background(lambda: not self._queue.empty() or self._closing.is_set()):
@@ -303,12 +307,15 @@ class Engine:
             self.metrics.heal_interrupted.inc()
             return True
         except Exception:  # noqa: BLE001 - the step was one transaction: the window is unchanged
-            log.exception("heal step failed (session %s); not healing it further", session.id)
+            log.exception("heal step failed (session %s); left as served until its next request", session.id)
             self.metrics.heal_errors.inc()
-            session.conversation.close()  # a window that cannot heal is rebuilt from the store on its next turn
-            return False
+            session.heal_stuck = True
+            return True
         step = window.last_receipt if window.last_receipt is not None and window.last_receipt.op == "heal" else None
         self.metrics.record_heal(rec, step, time.perf_counter() - t0)
+        if len(window.pending_refs) >= before:  # never spin on a window that does not heal
+            log.warning("heal step made no progress (session %s, %d pending); left until its next request", session.id, before)
+            session.heal_stuck = True
         return True
 
     def _run(self) -> None:
@@ -443,6 +450,7 @@ class Engine:
             return result
         finally:
             session.busy = False
+            session.heal_stuck = False
             self._evict_sessions(keep=session.id)
 
 

@@ -93,7 +93,7 @@ class ServeMetrics:
         self.queue_wait = Histogram("contextdeque_queue_wait_seconds", "time waiting for the model worker", buckets=_LATENCY_BUCKETS, registry=r)
         self.heal_steps = Counter("contextdeque_heal_steps", "heal steps completed in idle time", registry=r)
         self.heal_interrupted = Counter("contextdeque_heal_interrupted", "heal steps abandoned because a request arrived", registry=r)
-        self.heal_errors = Counter("contextdeque_heal_errors", "heal steps that failed (the session's window is rebuilt on its next turn)", registry=r)
+        self.heal_errors = Counter("contextdeque_heal_errors", "heal steps that failed (the window stays as served until its next request)", registry=r)
         self.heal_forwards = Counter("contextdeque_heal_forwards", "model forwards run while healing", registry=r)
         self.heal_prefilled = Counter("contextdeque_heal_tokens_prefilled", "tokens prefilled while healing (off the request path)", registry=r)
         self.heal_encodes = Counter("contextdeque_heal_encodes", "canonicals encoded while healing", registry=r)
