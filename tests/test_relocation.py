@@ -247,7 +247,7 @@ def _cli_json(capsys, *argv):
 
 
 def test_verify_model_cli_json(capsys):
-    rc, out = _cli_json(capsys, "verify-model", "--arch", "qwen2_vl", "--random", "--json", "--tokens", "24")
+    rc, out = _cli_json(capsys, "verify-model", "tiny:qwen2_vl", "--json", "--tokens", "24")
     assert rc == 0 and out["ok"] is True
     for key in ("model", "max_rel_err", "noise_floor", "max_ulp_bf16", "layers"):
         assert key in out
@@ -264,5 +264,5 @@ def test_verify_model_gate_fails_on_a_wrong_relocation(capsys, monkeypatch):
         return real(chunk, start + 1, **kw)
 
     monkeypatch.setattr(verify, "relocate", off_by_one)
-    rc, out = _cli_json(capsys, "verify-model", "--arch", "llama", "--random", "--json", "--tokens", "24")
+    rc, out = _cli_json(capsys, "verify-model", "tiny:llama", "--json", "--tokens", "24")
     assert rc == 1 and out["ok"] is False

@@ -8,39 +8,23 @@ import json
 
 from ..core.errors import ContextDequeError
 from ..eval.verify import DEFAULT_OFFSETS, verify_backend
-from ..model.hf import HFBackend
+from .model_spec import MODEL_HELP, load_backend
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="local HF model dir or .gguf (default: the embedded SmolLM2)")
-    p.add_argument("--arch", default=None, help="build a tiny random-weight model of this architecture (with --random)")
-    p.add_argument("--random", action="store_true", help="random weights (required with --arch)")
+    p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     p.add_argument("--offsets", default=",".join(map(str, DEFAULT_OFFSETS)), help="comma-separated position offsets")
     p.add_argument("--tokens", type=int, default=96, help="tokens of real text to encode")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _backend_from_args(args: argparse.Namespace) -> tuple[HFBackend, str]:
-    if args.arch:
-        if not args.random:
-            raise SystemExit("--arch needs --random (no checkpoints are fetched)")
-        from ..model.testing import build_tiny_model
-
-        model = build_tiny_model(args.arch)
-        return HFBackend(model, None, root_ids=[1, 2, 3], name=f"tiny-random-{args.arch}"), f"tiny-random-{args.arch}"
-    from ..model import load_model
-
-    b = load_model(args.model)
-    return b, b.name
-
-
 def run(args: argparse.Namespace) -> int:
     try:
-        backend, name = _backend_from_args(args)
-        report = verify_backend(backend, [int(x) for x in args.offsets.split(",") if x], args.tokens, name)
+        backend = load_backend(args.model)
+        report = verify_backend(backend, [int(x) for x in args.offsets.split(",") if x], args.tokens, backend.name)
     except ContextDequeError as exc:
         if args.json:
-            print(json.dumps({"model": args.model or args.arch or "default", "ok": False, "error": f"{type(exc).__name__}: {exc}"}))
+            print(json.dumps({"model": args.model or "default", "ok": False, "error": f"{type(exc).__name__}: {exc}"}))
         else:
             print(f"refused: {type(exc).__name__}: {exc}")
         return 1

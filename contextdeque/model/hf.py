@@ -21,6 +21,7 @@ from ..core.errors import EmptyChunkError, FingerprintMismatchError, ModelLoadEr
 from ..core.layout import KVLayout, detect_layout
 from ..core.kv import LayerKV
 from ..core.operator import register_layout, to_content_frame
+from . import chat
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant."
 
@@ -69,16 +70,8 @@ def default_root_ids(tokenizer: Any, system: str = DEFAULT_SYSTEM) -> list[int]:
     (BOS, system prompt, user header), or just BOS for a plain tokenizer."""
     if tokenizer is None:
         return [0]
-    template = getattr(tokenizer, "chat_template", None)
-    if template:
-        marker = "\x00CTXDQ\x00"
-        text = tokenizer.apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": marker}],
-            tokenize=False,
-            add_generation_prompt=False,
-        )
-        head = text.split(marker)[0]
-        ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+    if chat.has_template(tokenizer):
+        ids = tokenizer(chat.user_header(tokenizer, system), add_special_tokens=False)["input_ids"]
         if ids:
             return list(ids)
     bos = getattr(tokenizer, "bos_token_id", None)
@@ -164,6 +157,20 @@ class HFBackend:
         """``[n_axes, n]`` positions of ``n`` text tokens starting at ``start``."""
         return (torch.arange(n, dtype=torch.long) + int(start)).unsqueeze(0).expand(self.n_pos_axes, -1).clone()
 
+    def position_ids(self, positions: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """The model's ``position_ids`` for one sequence at ``positions`` (``[T]``, ``[1, T]`` or
+        ``[n_axes, T]``): ``[n_axes, 1, T]`` for M-RoPE models (a 1-D position is the same on every
+        axis), else ``[1, T]``; on the model's device. Every forward (encode, conditioned forward,
+        recompute arms, decode) prepares its positions here."""
+        pos = torch.as_tensor(positions, dtype=torch.long)
+        if pos.dim() == 1:
+            pos = pos.unsqueeze(0)
+        if self.n_pos_axes > 1:
+            if pos.shape[0] == 1:
+                pos = pos.expand(self.n_pos_axes, -1)
+            return pos.reshape(self.n_pos_axes, 1, -1).to(self.device)
+        return pos[:1].reshape(1, -1).to(self.device)
+
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``[T] -> [T, hidden]`` input embeddings."""
         return self.model.get_input_embeddings()(token_ids.to(self.device)).detach()
@@ -197,15 +204,7 @@ class HFBackend:
             raise EmptyChunkError("forward needs input_ids or inputs_embeds")
         if n == 0:
             raise EmptyChunkError("forward over zero tokens")
-        pos = torch.as_tensor(positions, dtype=torch.long)
-        if pos.dim() == 1:
-            pos = pos.unsqueeze(0)
-        if self.n_pos_axes > 1:
-            if pos.shape[0] == 1:
-                pos = pos.expand(self.n_pos_axes, -1)
-            position_ids = pos.reshape(self.n_pos_axes, 1, -1).to(self.device)
-        else:
-            position_ids = pos[:1].reshape(1, -1).to(self.device)
+        position_ids = self.position_ids(positions)
         past_len = 0 if not past else past[0][0].shape[-2]
         cache = compat.cache_from_layers([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in past]) if past else compat.new_cache()
         # an explicit all-ones mask: without it transformers may read a position gap as packed sequences
