@@ -10,12 +10,13 @@ MODEL_HELP = ("a local HF model dir or .gguf file, or tiny:<arch> (tiny = tiny:l
               "random-weight model (default: the embedded SmolLM2-135M-Instruct)")
 
 
-def load_backend(spec: str | None, *, chat: bool = False) -> Any:
+def load_backend(spec: str | None, *, chat: bool = False, verify_at_load: bool = True) -> Any:
     """The ``HFBackend`` named by ``spec`` (see the module docstring; ``tiny`` is ``tiny:llama``).
 
     ``chat=True`` (commands that take chat messages, e.g. ``serve``): a tiny model gets the
     default model's tokenizer and chat template (its vocabulary sized to match), so it can be
-    served; its replies are noise."""
+    served; its replies are noise. ``verify_at_load=False`` skips the load-time layout proof
+    (``verify-model`` runs the full gate itself)."""
     from ..model import load_model
 
     if spec == "tiny" or (spec and spec.startswith("tiny:")):
@@ -23,10 +24,11 @@ def load_backend(spec: str | None, *, chat: bool = False) -> Any:
 
         arch = spec.partition(":")[2] or "llama"
         if not chat:
-            return tiny_backend(arch)
+            return tiny_backend(arch, verify_at_load=verify_at_load)
         from transformers import AutoTokenizer
 
         from ..model.default_model import ensure_default_model
 
-        return tiny_backend(arch, tokenizer=AutoTokenizer.from_pretrained(ensure_default_model(progress=False)))
-    return load_model(spec)
+        tok = AutoTokenizer.from_pretrained(ensure_default_model(progress=False))
+        return tiny_backend(arch, tokenizer=tok, verify_at_load=verify_at_load)
+    return load_model(spec, verify_at_load=verify_at_load)
