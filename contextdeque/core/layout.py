@@ -84,6 +84,10 @@ class KVLayout:
     sliding_windows: tuple[int | None, ...] = ()
     compute_dtype: str = "float32"
     notes: tuple[str, ...] = field(default=())
+    # the model's trained context (config.max_position_embeddings); positions past it raise
+    # PositionError unless the caller opts in. Not part of the signature: it limits where KV may
+    # be placed, not what stored KV means.
+    max_trained_position: int | None = field(default=None, metadata={"signature": False})
 
     @property
     def n_freq(self) -> int:
@@ -106,7 +110,10 @@ class KVLayout:
     @cached_property
     def signature(self) -> str:
         """Stable hash of everything that decides the KV bytes' meaning."""
-        blob = json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, sort_keys=True, default=str).encode()
+        blob = json.dumps(
+            {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("signature", True)},
+            sort_keys=True, default=str,
+        ).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def describe(self) -> str:
@@ -292,4 +299,12 @@ def detect_layout(model: torch.nn.Module) -> KVLayout:
         sliding_windows=sliding,
         compute_dtype=str(dtype).replace("torch.", ""),
         notes=tuple(notes),
+        max_trained_position=_trained_length(cfg),
     )
+
+
+def _trained_length(cfg: Any) -> int | None:
+    """The context length the model was trained for (``max_position_embeddings``; for LongRoPE
+    the extended length it was trained to), or None when the config does not say."""
+    n = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    return int(n) if isinstance(n, int) and n > 0 else None

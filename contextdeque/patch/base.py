@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import torch
 
-from ..core.chunk import Chunk, digest, format_bytes
+from ..core.chunk import FP16_MAX, Chunk, check_finite, digest, format_bytes
 from ..core.cooperative import checkpoint
 from ..core.errors import CorruptEntryError, FingerprintMismatchError, PatchError
 from ..core.kv import LayerKV, concat_kv
@@ -322,6 +322,16 @@ class PatchKind:
         return _stack(ku), _stack(kw), _stack(vu), _stack(vw), None
 
 
+def factor_dtype(storage: torch.dtype, factors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype a patch's factors are stored in: the chunk's storage dtype, except that float16
+    factors that would overflow (``U_m S_m`` carries Δ's singular values, which can pass 65504
+    while every K/V entry is inside float16's range) are kept in float32 instead of turning into
+    inf."""
+    if storage == torch.float16 and any(t.numel() and float(t.abs().amax()) > FP16_MAX for t in factors):
+        return torch.float32
+    return storage
+
+
 def _stack(ts: list[torch.Tensor]) -> torch.Tensor:
     """Stack per-layer factors (equal ranks across layers by construction); ``[0]`` when no layer."""
     return torch.stack(ts) if ts else torch.zeros(0, 0, 0)
@@ -415,7 +425,8 @@ def form_patch(
     if layers:
         # record the rank actually kept (a shared basis may hold fewer directions than asked)
         rk, rv = int(k_u.shape[-1]), int(v_u.shape[-1])
-    sdt = chunk.storage_dtype
+    check_finite([k_u, k_w, v_u, v_w], f"the {kind} patch factors of chunk {chunk.id[:12]}")
+    sdt = factor_dtype(chunk.storage_dtype, (k_u, k_w, v_u, v_w))
     ids = [c.id for c, _ in ants]
     return Patch(
         chunk_id=chunk.id,

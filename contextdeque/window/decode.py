@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from ..core import compat
-from ..core.errors import WindowError
+from ..core.errors import PositionError, WindowError
 from ..core.kv import LayerKV, concat_kv
 from .context import WindowContext
 from .slot import Slot
@@ -54,6 +54,17 @@ def to_cache(ctx: WindowContext, layers: Sequence[LayerKV]) -> Any:
 
 def next_position(ctx: WindowContext, slots: Sequence[Slot]) -> int:
     return ctx.root_len + sum(s.span for s in slots)
+
+
+def check_trained(ctx: WindowContext, end: int, what: str) -> None:
+    """Refuse a window whose positions would reach ``end`` (exclusive) past the model's trained
+    context, unless the window was opened with ``beyond_trained=True``."""
+    limit = ctx.layout.max_trained_position
+    if not ctx.beyond_trained and limit is not None and end > limit:
+        raise PositionError(
+            f"{what} would place tokens up to position {end - 1}, past the model's trained context "
+            f"({limit} positions); slide or evict first, or open the window with beyond_trained=True"
+        )
 
 
 def query_ids(ctx: WindowContext, query: str | Sequence[int] | torch.Tensor, *, chat: bool = True) -> list[int]:

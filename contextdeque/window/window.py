@@ -119,6 +119,9 @@ class ContextWindow:
         kv_selection: a ``SelectionPolicy``: under memory pressure (more rows per KV head than
             its threshold) ``generate`` decodes over the rows its selector keeps (MM-ShiftKV,
             SnapKV, StreamingLLM); None: always the full window.
+        beyond_trained: allow positions past the model's trained context length
+            (``max_position_embeddings``); by default an operation that would place tokens there
+            raises ``PositionError`` and leaves the window as it was.
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class ContextWindow:
         fidelity_target: float | None = None,
         max_patch_fraction: float = 0.25,
         kv_selection: "SelectionPolicy | None" = None,
+        beyond_trained: bool = False,
     ) -> None:
         backend = backend_with_root(backend, root)
         if kv_selection is not None and not isinstance(kv_selection, SelectionPolicy):
@@ -154,6 +158,7 @@ class ContextWindow:
             fidelity_target=None if fidelity_target is None else float(fidelity_target),
             max_patch_fraction=float(max_patch_fraction),
             kv_selection=kv_selection,
+            beyond_trained=bool(beyond_trained),
         )
         self._setup(ctx, WindowState(), parent=None)
 
@@ -294,6 +299,7 @@ class ContextWindow:
             new = self._state.copy() if mutates else self._state
             fields, result = body(new, meter)
             if mutates:
+                decode.check_trained(self._ctx, decode.next_position(self._ctx, new.slots), op)
                 self._install(new, meter)
             receipt = meter.finish(**fields)
             self._record(receipt)
@@ -813,6 +819,7 @@ class ContextWindow:
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], Answer]:
             ctx = self._ctx
             q = decode.query_ids(ctx, query, chat=chat)
+            decode.check_trained(ctx, decode.next_position(ctx, state.slots) + len(q) + int(max_new_tokens), "generate")
             if ctx.kv_selection is not None:
                 new_ids, info = generate_selected(ctx, state.slots, q, max_new_tokens, decode.eos_ids(ctx), ctx.kv_selection)
                 meter.page_bytes += info["bytes_kept"]
