@@ -14,7 +14,8 @@ from typing import Protocol, Sequence
 import torch
 
 from .chunk import Chunk, check_finite
-from .errors import FingerprintMismatchError, PositionError
+from .args import check_instance, check_int
+from .errors import ArgumentTypeError, FingerprintMismatchError, PositionError
 from .kv import LayerKV
 from ..kernels import MAX_RANK, RopeSpec, fused_apply, fused_apply_layers
 from .layout import KVLayout
@@ -117,6 +118,11 @@ def relocate(
             ``beyond_trained``) past the model's trained context length.
         NumericsError: the patched KV holds a non-finite value.
     """
+    check_instance("chunk", chunk, Chunk, "a Chunk")
+    check_int("start", start, none_ok=True, error=PositionError)
+    check_instance("layout", layout, KVLayout, "a KVLayout", none_ok=True)
+    check_instance("positions", positions, torch.Tensor, "an integer [n_axes, T] tensor", none_ok=True)
+    check_instance("out_dtype", out_dtype, torch.dtype, "a torch dtype", none_ok=True)
     layout = layout or _layout_for(chunk)
     check_compatible(chunk, layout, fingerprint)
     pos = placement_positions(chunk, start, positions, section_shift)
@@ -165,9 +171,11 @@ def _fold(content: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor]) -> 
 def _as_patch_list(patch: "Conditioning | Sequence[Conditioning] | None") -> list[Conditioning]:
     if patch is None:
         return []
-    if isinstance(patch, (list, tuple)):
-        return list(patch)
-    return [patch]
+    out = list(patch) if isinstance(patch, (list, tuple)) else [patch]
+    for i, p in enumerate(out):
+        if not (callable(getattr(p, "factors", None)) and callable(getattr(p, "check_fits", None))):
+            raise ArgumentTypeError(f"patch must be a Patch (or a list of them), got {type(p).__name__} at index {i}")
+    return out
 
 
 def apply(chunk: Chunk, start: int, patch: "Conditioning | Sequence[Conditioning] | None" = None, **kw) -> list[LayerKV]:

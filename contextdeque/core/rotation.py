@@ -24,12 +24,6 @@ def check_positions(positions: torch.Tensor, layout: KVLayout, *, beyond_trained
     if positions.numel() == 0:
         return
     lo, hi = int(positions.min()), int(positions.max())
-    limit = layout.max_trained_position
-    if not beyond_trained and limit is not None and hi >= limit and lo >= 0:
-        raise PositionError(
-            f"position {hi} is past the model's trained context ({limit} positions): the model never saw "
-            "it; pass beyond_trained=True (ContextWindow(..., beyond_trained=True)) to place KV there anyway"
-        )
     if lo < 0:
         raise PositionError(f"negative position {lo}")
     if hi >= MAX_POSITION:
@@ -38,6 +32,12 @@ def check_positions(positions: torch.Tensor, layout: KVLayout, *, beyond_trained
         raise PositionError(
             f"position {hi} is past the {layout.rope_type} switch point ({layout.max_exact_position}): the model "
             "would use a different inv_freq there, so relocation cannot be exact"
+        )
+    limit = layout.max_trained_position
+    if not beyond_trained and limit is not None and hi >= limit:
+        raise PositionError(
+            f"position {hi} is past the model's trained context ({limit} positions): the model never saw "
+            "it; pass beyond_trained=True (ContextWindow(..., beyond_trained=True)) to place KV there anyway"
         )
 
 

@@ -16,7 +16,8 @@ import torch
 
 from ..core.chunk import FP16_MAX, Chunk, check_finite, digest, format_bytes
 from ..core.cooperative import checkpoint
-from ..core.errors import CorruptEntryError, FingerprintMismatchError, PatchError
+from ..core.args import check_float, check_instance, check_int, check_str
+from ..core.errors import ArgumentTypeError, CorruptEntryError, FingerprintMismatchError, PatchError
 from ..core.kv import LayerKV, concat_kv
 from ..core.operator import relocate, to_content_frame
 
@@ -353,14 +354,23 @@ def resolve_rank(rank: int | str | None, T: int, F: int, what: str) -> int:
 def _normalize_antecedents(
     antecedents: Sequence[Any], store: Any, backend: "HFBackend"
 ) -> list[tuple[Chunk, list[Patch]]]:
+    if isinstance(antecedents, (str, bytes, Chunk)) or not isinstance(antecedents, Sequence):
+        raise ArgumentTypeError(
+            f"antecedents must be a sequence (of Chunks, stored chunk ids or (Chunk, patches) pairs), "
+            f"got {type(antecedents).__name__}"
+        )
     out: list[tuple[Chunk, list[Patch]]] = []
     for a in antecedents:
         patches: list[Patch] = []
         if isinstance(a, tuple):
+            if len(a) != 2:
+                raise PatchError(f"an antecedent pair is (Chunk, patches), got a tuple of {len(a)}")
             a, ps = a
             if isinstance(ps, Patch):
                 patches = [ps]
             elif ps:
+                if not isinstance(ps, (list, tuple)) or not all(isinstance(x, Patch) for x in ps):
+                    raise ArgumentTypeError(f"an antecedent's patches must be Patches, got {type(ps).__name__}")
                 patches = list(ps)
         if isinstance(a, str):
             found = store.get_chunk(a) if store is not None else None
@@ -400,6 +410,14 @@ def form_patch(
     :func:`energy_rank`; recorded in ``patch.meta``). Costs one conditioned forward
     (orbit: one per ordering).
     """
+    if not all(hasattr(backend, a) for a in ("forward", "layout", "fingerprint")):
+        raise ArgumentTypeError(f"backend must be an HFBackend, got {type(backend).__name__}")
+    check_instance("chunk", chunk, Chunk, "a Chunk")
+    check_str("kind", kind)
+    for name, r in (("rank", rank), ("rank_v", rank_v)):
+        if r is not None and r != "full" and r != FULL_RANK:
+            check_int(name, r, minimum=0, error=PatchError)
+    check_float("energy", energy, minimum=0.0, maximum=1.0, open_min=True, none_ok=True, error=PatchError)
     if kind not in PATCH_KINDS:
         raise PatchError(f"unknown patch kind {kind!r}; known: {sorted(PATCH_KINDS)}")
     if chunk.fingerprint != backend.fingerprint or chunk.layout_signature != backend.layout.signature:

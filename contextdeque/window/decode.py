@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from ..core import compat
+from ..core.args import check_token_ids
 from ..core.errors import PositionError, WindowError
 from ..core.kv import LayerKV, concat_kv
 from .context import WindowContext
@@ -72,10 +73,9 @@ def query_ids(ctx: WindowContext, query: str | Sequence[int] | torch.Tensor, *, 
     has a chat template (and ``chat``), followed by the template's end of the user turn and the
     assistant header (the root opened the user turn)."""
     if not isinstance(query, str):
-        ids = [int(i) for i in torch.as_tensor(query).reshape(-1).tolist()]
-        if not ids:
-            raise WindowError("empty query")
-        return ids
+        if isinstance(query, torch.Tensor) and query.dim() == 2 and query.shape[0] == 1:
+            query = query[0]  # [1, Q], as a tokenizer returns it
+        return check_token_ids("query", query, ctx.backend.vocab_size, error=WindowError).tolist()
     backend = ctx.backend
     tok = backend.tokenizer
     if tok is None:

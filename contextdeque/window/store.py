@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from ..core.chunk import Chunk
-from ..core.errors import CollisionError, StoreError
+from ..core.errors import ArgumentTypeError, CollisionError, StoreError
 from ..patch import Patch
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.vision import ImageEmbedding
@@ -61,7 +61,7 @@ class WindowStore:
         elif isinstance(store, (list, tuple)):
             store = TieredStore(list(store))
         if not isinstance(store, TieredStore):
-            raise TypeError(f"store must be a TieredStore, a Tier or a list of tiers, got {type(store).__name__}")
+            raise ArgumentTypeError(f"store must be a TieredStore, a Tier or a list of tiers, got {type(store).__name__}")
         found = _ADAPTERS.get(store)
         if found is None:
             found = cls(store)

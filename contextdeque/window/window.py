@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 import torch
 
 from ..core.chunk import Chunk, storage_dtype
-from ..core.errors import BudgetError, UnknownRefError, WindowError
+from ..core.args import check_float, check_instance, check_int, check_str, check_token_ids
+from ..core.errors import ArgumentTypeError, BudgetError, UnknownRefError, WindowError
 from ..core.kv import LayerKV
 from ..patch import Patch, form_patch
 from . import decode, ingest
@@ -63,6 +64,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from .healer import Healer
 
 T = TypeVar("T")
+
+
+def check_refs(name: str, refs: Any) -> list[ChunkRef]:
+    """``refs`` as a list of ChunkRefs (a sequence of them; anything else is an ArgumentTypeError)."""
+    if isinstance(refs, (str, bytes, ChunkRef)) or not isinstance(refs, (Sequence, tuple, list)):
+        raise ArgumentTypeError(f"{name} must be a sequence of ChunkRefs, got {type(refs).__name__}")
+    out = list(refs)
+    for i, r in enumerate(out):
+        check_instance(f"{name}[{i}]", r, ChunkRef, "a ChunkRef")
+    return out
 
 
 def _foreground(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -142,23 +153,44 @@ class ContextWindow:
         kv_selection: "SelectionPolicy | None" = None,
         beyond_trained: bool = False,
     ) -> None:
+        if not all(hasattr(backend, a) for a in ("encode", "forward", "layout", "fingerprint", "root_ids")):
+            raise ArgumentTypeError(
+                f"backend must be an HFBackend (e.g. contextdeque.load_model()), got {type(backend).__name__}"
+            )
+        if root is not None:
+            if isinstance(root, str):
+                check_str("root", root)
+            else:
+                root = check_token_ids("root", root, backend.vocab_size, error=WindowError).tolist()
         backend = backend_with_root(backend, root)
         if kv_selection is not None and not isinstance(kv_selection, SelectionPolicy):
-            raise WindowError(f"kv_selection must be a SelectionPolicy, got {type(kv_selection).__name__}")
+            raise ArgumentTypeError(f"kv_selection must be a SelectionPolicy, got {type(kv_selection).__name__}")
+        if not (isinstance(patch_policy, (str, PatchPolicy))):
+            raise ArgumentTypeError(f"patch_policy must be a policy name or a PatchPolicy, got {type(patch_policy).__name__}")
+        if not (isinstance(placement, (str, PlacementPolicy))):
+            raise ArgumentTypeError(f"placement must be a policy name or a PlacementPolicy, got {type(placement).__name__}")
+        check_str("cascade_policy", cascade_policy, error=WindowError)
+        check_str("overflow", overflow, error=WindowError)
+        if not isinstance(storage, (str, torch.dtype)):
+            raise ArgumentTypeError(f"storage must be a dtype or its name, got {type(storage).__name__}")
+        if not isinstance(beyond_trained, bool):
+            raise ArgumentTypeError(f"beyond_trained must be a bool, got {type(beyond_trained).__name__}")
         ctx = WindowContext(
             backend=backend,
             store=WindowStore.wrap(store, backend.device),
             policy=make_policy(patch_policy),
-            rank=int(rank),
-            budget_tokens=None if budget_tokens is None else int(budget_tokens),
+            rank=check_int("rank", rank, minimum=0, error=WindowError),
+            budget_tokens=check_int("budget_tokens", budget_tokens, minimum=1, none_ok=True, error=BudgetError),
             cascade_policy=cascade_policy,
             overflow=overflow,
             storage=storage_dtype(storage),
             placement=make_placement(placement),
-            fidelity_target=None if fidelity_target is None else float(fidelity_target),
-            max_patch_fraction=float(max_patch_fraction),
+            fidelity_target=check_float("fidelity_target", fidelity_target, minimum=0.0, maximum=1.0, open_min=True,
+                                        none_ok=True, error=WindowError),
+            max_patch_fraction=check_float("max_patch_fraction", max_patch_fraction, minimum=0.0, maximum=1.0,
+                                           open_min=True, error=WindowError),
             kv_selection=kv_selection,
-            beyond_trained=bool(beyond_trained),
+            beyond_trained=beyond_trained,
         )
         self._setup(ctx, WindowState(), parent=None)
 
@@ -441,8 +473,9 @@ class ContextWindow:
         their new positions (and get what the patch policy says: nothing by default)."""
 
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
-            if not isinstance(n, int) or n < 0 or n > len(state.slots):
-                raise WindowError(f"cannot slide {n} chunk(s) out of a window of {len(state.slots)}")
+            check_int("n", n, minimum=0, error=WindowError)
+            if n > len(state.slots):
+                raise WindowError(f"n: cannot slide {n} chunk(s) out of a window of {len(state.slots)}")
             slots = list(state.slots)
             reasons: dict[ChunkRef, str] = {}
             left = [self._evict_at(state, slots, 0, reasons) for _ in range(n)]
@@ -492,9 +525,9 @@ class ContextWindow:
             if ref not in state.evicted:
                 raise WindowError(f"{ref!r} is already in the window (use reorder to move it)")
             entry = state.evicted[ref]
-            pos = len(state.slots) if at is None else at
-            if not isinstance(pos, int) or not 0 <= pos <= len(state.slots):
-                raise WindowError(f"recall position {at} is outside 0..{len(state.slots)}")
+            pos = len(state.slots) if at is None else check_int("at", at, error=WindowError)
+            if not 0 <= pos <= len(state.slots):
+                raise WindowError(f"at: recall position {at} is outside 0..{len(state.slots)}")
             ingest.check_fits(self._ctx, entry.n_tokens)
             if entry.provisional is not None:  # left before it was healed: its canonical, now
                 chunk = ingest.canonical_of(self._ctx, entry.provisional, meter)
@@ -536,7 +569,7 @@ class ContextWindow:
         """
 
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
-            refs = list(order)
+            refs = check_refs("order", order)
             current = state.refs
             if len(refs) != len(current) or set(refs) != set(current) or len(set(refs)) != len(refs):
                 missing = [r for r in current if r not in refs]
@@ -571,7 +604,7 @@ class ContextWindow:
         """Re-condition ``refs`` (default: the chunks flagged stale) on what now precedes them."""
 
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
-            targets = list(refs) if refs is not None else [s.ref for s in state.slots if s.stale]
+            targets = check_refs("refs", refs) if refs is not None else [s.ref for s in state.slots if s.stale]
             for r in targets:
                 state.check_known(r)
                 state.index(r)
@@ -608,6 +641,8 @@ class ContextWindow:
         ever pending and this is a no-op.
         """
         self._check_open()
+        check_float("max_ms", max_ms, minimum=0.0, none_ok=True, error=WindowError)
+        check_int("max_steps", max_steps, minimum=0, none_ok=True, error=WindowError)
         t0 = time.perf_counter()
         steps: list[Receipt] = []
         while self._state.pending or self._unhealed_evicted():
@@ -818,6 +853,7 @@ class ContextWindow:
         greedy decoder with explicit positions."""
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], Answer]:
             ctx = self._ctx
+            check_int("max_new_tokens", max_new_tokens, minimum=1, error=WindowError)
             q = decode.query_ids(ctx, query, chat=chat)
             decode.check_trained(ctx, decode.next_position(ctx, state.slots) + len(q) + int(max_new_tokens), "generate")
             if ctx.kv_selection is not None:
@@ -859,6 +895,8 @@ class ContextWindow:
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], dict[str, Any]]:
             state.check_known(ref)
             idx = state.index(ref)
+            check_int("max_new_tokens", max_new_tokens, minimum=1, error=WindowError)
+            check_float("kl_tol", kl_tol, minimum=0.0, none_ok=True, error=WindowError)
             q = decode.query_ids(self._ctx, query, chat=chat)
             found = run_test(self._ctx, state.slots, idx, q, max_new_tokens=max_new_tokens, drop=drop, kl_tol=kl_tol)
             return {"refs": (ref,)}, found
