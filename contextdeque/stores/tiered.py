@@ -148,8 +148,9 @@ class TieredStore:
             expect_fingerprint / expect_layout: refuse an entry recorded for another model
                 fingerprint / layout (`FingerprintMismatchError`).
             expect_digest: refuse an entry with another ``content_digest`` (`CollisionError`).
-            corrupt_ok: a copy failing verification is dropped and the search goes on to
-                slower tiers (None if no good copy); otherwise `CorruptEntryError`.
+            corrupt_ok: a copy failing verification is set aside (a disk tier moves the file into
+                its ``quarantine/`` folder; recorded in the traffic's ``quarantined``) and the
+                search goes on to slower tiers (None if no good copy); otherwise `CorruptEntryError`.
             promote: copy a hit into the faster tiers.
             traffic: a record to add this operation's traffic to.
         """
@@ -157,10 +158,15 @@ class TieredStore:
             entry: StoreEntry | None = None
             found = -1
             for i, tier in enumerate(self._tiers):
-                entry = tier.get(
-                    key, expect_fingerprint=expect_fingerprint, expect_layout=expect_layout,
-                    expect_digest=expect_digest, corrupt_ok=corrupt_ok,
-                )
+                expect = dict(expect_fingerprint=expect_fingerprint, expect_layout=expect_layout, expect_digest=expect_digest)
+                try:
+                    entry = tier.get(key, **expect)
+                except CorruptEntryError:
+                    if not corrupt_ok:
+                        raise
+                    entry = tier.get(key, **expect, corrupt_ok=True)  # the tier sets the bad copy aside
+                    if entry is None:
+                        tr.quarantined.append(f"{tier.name}:{key}")
                 if entry is not None:
                     found = i
                     break

@@ -32,6 +32,9 @@ class EvictedEntry:
     stale_patch_keys: tuple[str, ...]
     formed_on: tuple[Tag, ...]
     provisional: "Chunk | None" = None  # evicted before healing: the canonical is not stored yet
+    # what re-encodes the canonical should the store lose it or hold a corrupt copy: the chunk's
+    # inputs (token_ids / embeds, rel_positions, span, modality), no KV
+    source: "dict | None" = None
 
 
 @dataclass(frozen=True)

@@ -365,6 +365,7 @@ class ContextWindow:
             stale_patch_keys=tuple(c.key for c in s.stack if c.key),
             formed_on=s.conditioned_on,
             provisional=s.chunk if s.provisional else None,
+            source=None if s.provisional else ingest.source_of(s.chunk),
         )
         reasons.pop(s.ref, None)
         for later in slots[idx:]:
@@ -535,10 +536,14 @@ class ContextWindow:
                 chunk = ctx.store.get_chunk(
                     entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic
                 )
+            if chunk is None and entry.source is not None:  # lost or quarantined: rebuild it
+                chunk = ingest.rebuilt(ctx, meter, entry.source, "its canonical was gone from the store")
             if chunk is None:
+                budgeted = any(b is not None for b in ctx.store.store.budget_bytes().values())
+                why = "deleted, quarantined as corrupt, or dropped by a tier's budget" if budgeted else "deleted or quarantined as corrupt"
                 raise UnknownRefError(
-                    f"{ref!r}: its canonical is no longer in the store (dropped by the store's budget); "
-                    "append its content again"
+                    f"{ref!r}: its canonical is no longer in the store ({why}) and this window kept no "
+                    "source to rebuild it; append its content again"
                 )
             candidates = frozenset(state.graph.preview_cascade(ref, state.refs))
             slots = list(state.slots)
