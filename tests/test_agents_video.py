@@ -64,6 +64,8 @@ def test_load_frames_decodes_a_real_clip(clip):
     frames = load_frames(clip, every=2)
     assert len(frames) == 12 and frames[0].shape == (96, 128, 3) and frames[0].dtype == np.uint8
     assert float(np.abs(frames[0].astype(int) - frames[-1].astype(int)).mean()) > 10  # different photographs
+    stacked = load_frames(np.stack(frames), every=3)  # frames given as one [N, H, W, 3] array
+    assert len(stacked) == 4 and np.array_equal(stacked[1], frames[3])
 
 
 def test_video_agent_on_a_tiny_model(chat_backend, clip, tmp_path, capsys, one_thread):
@@ -181,3 +183,16 @@ def test_demo_video_agent_on_a_tiny_qwen2_vl(tmp_path, capsys, one_thread):
     assert out["frame_recalls"] > 0 and out["tower_calls_in_lookbacks"] == 0
     assert 0 < out["tower_calls"] <= out["frames"] and len(out["question_kl"]) == len(out["answers"])
     replay_agent_trace(trace, capsys)
+
+
+def test_agents_take_placement_and_fidelity_target(chat_backend, clip, tmp_path, capsys, one_thread):
+    """An agent's window is configured from AgentConfig: the placement scheduler places appended
+    and recalled chunks (a segment's frames may interleave), the safety envelope picks each
+    patch's rank; look-backs still never run the tower and the trace replays."""
+    cfg = AgentConfig(budget_tokens=360, rank=8, max_new_tokens=2, placement="scheduler", fidelity_target=0.99)
+    agent = VideoAgent(chat_backend, cfg, image_tokens=16)
+    agent.watch(clip, every=2)
+    ctx = agent.run.window.context
+    assert type(ctx.placement).__name__ != "ArrivalPlacement" and ctx.fidelity_target == 0.99
+    check_run(agent, cfg.budget_tokens)
+    replay_agent_trace(agent.run.write_trace(tmp_path / "video-sched.jsonl"), capsys)

@@ -64,3 +64,11 @@ def test_operator_walkthrough_example(default_backend, capsys, one_thread):
     assert "answer (patched cache)" in out
     assert kls["full-rank patch"] <= 1e-4 < kls["blind (relocated only)"]
     assert kls["rank-8 patch"] < kls["blind (relocated only)"] / 10
+
+
+def test_sliding_window_example(default_backend, capsys, one_thread):
+    window = load("sliding_window").main(default_backend, max_new_tokens=4)
+    out = capsys.readouterr().out
+    assert "recall(assert)" in out and "answer:" in out
+    recalls = [r for r in window.receipts if r.op == "recall"]
+    assert len(recalls) == 1 and recalls[0].encodes == 0  # recalled, never re-encoded

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..model.vision import ImageEmbedding
 
 from ..stores import HostTier, MemoryTier, StoreEntry, Tier, TieredStore, TierTraffic, chunk_key, embeds_key
+from ..stores.traffic import recording
 
 _ADAPTERS: "weakref.WeakKeyDictionary[TieredStore, WindowStore]" = weakref.WeakKeyDictionary()
 
@@ -140,14 +141,17 @@ class WindowStore:
 
     # ------------------------------------------------------------------ residency
     def hold(self, keys: Iterable[str], traffic: TierTraffic) -> list[str]:
-        """Count a window slot holding each key; a held key is brought to the fastest tier.
+        """Count a window slot holding each key; a held key is brought to the fastest tier, and
+        leased in the shared tiers (`TieredStore.lease`) while any window holds it.
 
         Never raises for a store fault: promotion is best effort (a key a faulty tier cannot
         promote stays where it is, still held). Returns one line per promotion that failed."""
         failed: list[str] = []
+        first: list[str] = []
         for key in keys:
             self._holds[key] += 1
             if self._holds[key] == 1:
+                first.append(key)
                 self._undemoted.discard(key)
                 try:
                     where = self.store.where(key)
@@ -155,14 +159,17 @@ class WindowStore:
                         self.store.get(key, traffic=traffic)  # promotes
                 except (StoreError, OSError) as e:
                     failed.append(f"promotion of {key[:24]} failed ({type(e).__name__}: {e}); it stays where it is")
+        failed += self._lease(first, traffic, take=True)
         return failed
 
     def release(self, keys: Iterable[str], traffic: TierTraffic) -> list[str]:
         """Undo one hold per key; keys nobody holds any more are demoted one tier down.
 
         Never raises for a store fault: a demotion a faulty tier refuses leaves the entry where it
-        is (nothing is lost) and is retried at the next release. Returns one line per failure."""
+        is (nothing is lost) and is retried at the next release. Shared-tier leases on keys nobody
+        holds any more are let go. Returns one line per failure."""
         failed: list[str] = []
+        last: list[str] = []
         for key in keys:
             if self._holds[key] <= 0:
                 continue
@@ -170,6 +177,8 @@ class WindowStore:
             if self._holds[key] == 0:
                 del self._holds[key]
                 self._undemoted.add(key)
+                last.append(key)
+        failed += self._lease(last, traffic, take=False)
         for key in sorted(self._undemoted):
             try:
                 self.demote(key, traffic)
@@ -179,8 +188,17 @@ class WindowStore:
             self._undemoted.discard(key)
         return failed
 
-    def holds(self, key: str) -> int:
-        return self._holds.get(key, 0)
+    def _lease(self, keys: list[str], traffic: TierTraffic, *, take: bool) -> list[str]:
+        """Take (or let go of) shared-tier leases on ``keys``; never raises for a store fault (a
+        lease is bookkeeping for other processes: the window works without it)."""
+        if not keys:
+            return []
+        try:
+            with recording(traffic):  # a shared tier that is away says so in the receipt
+                (self.store.lease if take else self.store.unlease)(keys)
+        except (StoreError, OSError) as e:
+            return [f"{'lease' if take else 'unlease'} of {len(keys)} keys failed ({type(e).__name__}: {e})"]
+        return []
 
     def demote(self, key: str, traffic: TierTraffic) -> bool:
         """Move ``key`` one tier down (never dropped; see ``TieredStore.demote``)."""
