@@ -131,7 +131,7 @@ class DiskTier(Tier):
         stale_tmp_s: float = 300.0,
     ) -> None:
         super().__init__(name=name, budget_bytes=budget_bytes, policy=policy)
-        self.path = Path(path)
+        self.path = Path(path).expanduser()
         self.fsync = fsync
         self._lock_timeout = lock_timeout
         try:

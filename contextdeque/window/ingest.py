@@ -72,6 +72,8 @@ def check_inputs(
     check_instance("chunk", chunk, Chunk, "a contextdeque Chunk", none_ok=True)
     if text is not None and not text:
         raise WindowError("text is empty: a chunk needs at least one token")
+    if text is not None and ctx.chunk_template != "{text}":
+        text = ctx.chunk_template.format(text=text, label=label or "")
     if token_ids is not None:
         token_ids = check_token_ids("token_ids", token_ids, ctx.backend.vocab_size, error=WindowError)
     if embeds is not None:
@@ -90,6 +92,17 @@ def check_inputs(
     check_int("span", span, minimum=1, none_ok=True, error=WindowError)
     return {"text": text, "token_ids": token_ids, "embeds": embeds, "chunk": chunk,
             "rel_positions": rel_positions, "span": span, "modality": modality}
+
+
+def check_template(template: Any) -> None:
+    """A chunk template: a str holding ``{text}`` (and optionally ``{label}``), nothing else."""
+    check_str("chunk_template", template, error=WindowError)
+    try:
+        probe = template.format(text="\x00", label="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise WindowError(f"chunk_template may use only {{text}} and {{label}}: {template!r} ({e})") from None
+    if probe.count("\x00") != 1:
+        raise WindowError(f"chunk_template must contain {{text}} exactly once, got {template!r}")
 
 
 def chunk_from_inputs(

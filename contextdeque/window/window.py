@@ -66,6 +66,19 @@ if TYPE_CHECKING:  # pragma: no cover
 T = TypeVar("T")
 
 
+def _same_state(old: WindowState, new: WindowState) -> bool:
+    """Whether an operation left the window as it was: the same slot objects in the same order
+    (reconcile keeps a slot object whose start and conditioning did not change), the same evicted
+    entries and the same pending queue."""
+    return (
+        len(old.slots) == len(new.slots)
+        and all(a is b for a, b in zip(old.slots, new.slots))
+        and old.evicted.keys() == new.evicted.keys()
+        and all(old.evicted[r] is new.evicted[r] for r in old.evicted)
+        and old.pending == new.pending
+    )
+
+
 def check_refs(name: str, refs: Any) -> list[ChunkRef]:
     """``refs`` as a list of ChunkRefs (a sequence of them; anything else is an ArgumentTypeError)."""
     if isinstance(refs, (str, bytes, ChunkRef)) or not isinstance(refs, (Sequence, tuple, list)):
@@ -133,6 +146,13 @@ class ContextWindow:
         beyond_trained: allow positions past the model's trained context length
             (``max_position_embeddings``); by default an operation that would place tokens there
             raises ``PositionError`` and leaves the window as it was.
+        chunk_template: how ``text=`` appends are rendered before tokenizing: ``{text}`` is the
+            text, ``{label}`` the append's label (empty when none). The default ``"{text}"`` adds
+            nothing: chunks are concatenated exactly as given, with no separator between them
+            (the model sees ``root + chunk1 + chunk2 ...``). ``"{text}\n\n"`` ends every text
+            chunk with a blank line; ``"<doc title='{label}'>\n{text}\n</doc>\n"`` wraps it.
+            Token ids, embeddings and encoded chunks are taken as given. The template is part
+            of the content: the same text under another template is another chunk.
     """
 
     def __init__(
@@ -152,6 +172,7 @@ class ContextWindow:
         max_patch_fraction: float = 0.25,
         kv_selection: "SelectionPolicy | None" = None,
         beyond_trained: bool = False,
+        chunk_template: str = "{text}",
     ) -> None:
         if not all(hasattr(backend, a) for a in ("encode", "forward", "layout", "fingerprint", "root_ids")):
             raise ArgumentTypeError(
@@ -175,6 +196,7 @@ class ContextWindow:
             raise ArgumentTypeError(f"storage must be a dtype or its name, got {type(storage).__name__}")
         if not isinstance(beyond_trained, bool):
             raise ArgumentTypeError(f"beyond_trained must be a bool, got {type(beyond_trained).__name__}")
+        ingest.check_template(chunk_template)
         ctx = WindowContext(
             backend=backend,
             store=WindowStore.wrap(store, backend.device),
@@ -191,6 +213,7 @@ class ContextWindow:
                                            open_min=True, error=WindowError),
             kv_selection=kv_selection,
             beyond_trained=beyond_trained,
+            chunk_template=chunk_template,
         )
         self._setup(ctx, WindowState(), parent=None)
 
@@ -307,6 +330,39 @@ class ContextWindow:
         would make stale)."""
         return self._state.graph.preview_cascade(ref, self.refs)
 
+    def text(self, *, root: bool = False) -> str:
+        """What the window holds, as text: each chunk's tokens decoded, concatenated exactly as
+        the model sees them (no separator is added: see ``chunk_template``); an image chunk
+        appears as ``[image: N tokens]``. ``root=True`` starts with the root.
+
+        Raises:
+            WindowError: the backend has no tokenizer.
+        """
+        tok = self._ctx.backend.tokenizer
+        if tok is None:
+            raise WindowError("text() needs a tokenizer; this backend has none (read window.chunk(ref).token_ids)")
+        parts = [tok.decode(list(self.root_ids))] if root else []
+        for s in self._state.slots:
+            ids = s.chunk.token_ids
+            parts.append(tok.decode(ids.tolist()) if ids is not None else f"[{s.chunk.modality}: {s.n_tokens} tokens]")
+        return "".join(parts)
+
+    def table(self) -> Any:
+        """The window as a ``rich`` table (see :meth:`show`)."""
+        from .view import window_table
+
+        return window_table(self)
+
+    def show(self, console: Any = None) -> Any:
+        """Print the window as a table: per chunk its position span, tokens, label, conditioning
+        (patch kind@rank, or blind), staleness and the store tier of its canonical; evicted chunks
+        after it. ``console``: a ``rich.console.Console`` (default: stdout). Returns the table."""
+        from rich.console import Console
+
+        t = self.table()
+        (console or Console()).print(t)
+        return t
+
     def __repr__(self) -> str:
         b = "" if self._ctx.budget_tokens is None else f"/{self._ctx.budget_tokens}"
         kind = "fork" if self._parent is not None else "window"
@@ -330,7 +386,9 @@ class ContextWindow:
             meter = Meter(self._ctx, op)
             new = self._state.copy() if mutates else self._state
             fields, result = body(new, meter)
-            if mutates:
+            if mutates and _same_state(self._state, new):
+                meter.notes.append("no change")  # a no-op is not a change: forks may still commit
+            elif mutates:
                 decode.check_trained(self._ctx, decode.next_position(self._ctx, new.slots), op)
                 self._install(new, meter)
             receipt = meter.finish(**fields)
