@@ -11,7 +11,7 @@ import sys
 import torch
 
 from ..eval.load_bench import run_load_bench
-from .window_bench import _backend
+from .model_spec import MODEL_HELP, load_backend
 
 
 def _retention(text: str) -> float:
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep the disk chunks compressed at rest (KVCapsule linear, mean retention RHO in (0, 1])")
     parser.add_argument(
         "--model", default=None,
-        help="a local model path; default: the embedded default model; 'tiny' for a tiny random llama",
+        help=MODEL_HELP,
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
 
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if args.chunks < 2:
         print("error: --chunks must be >= 2 (half on disk, half missing)", file=sys.stderr)
         return 2
-    res = run_load_bench(_backend(args.model), n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
+    res = run_load_bench(load_backend(args.model), n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
                          policy=args.policy, rank=args.rank, workers=args.workers, storage=args.storage,
                          disk_dir=args.dir, capsule=args.capsule)
     if args.json:

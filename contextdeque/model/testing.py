@@ -154,7 +154,7 @@ class TinyArch:
     """One tiny architecture and the RoPE/cache facts verified for it under transformers 5.18.
 
     Attributes:
-        name: registry key (``contextdeque verify-model --arch NAME --random``).
+        name: registry key (``contextdeque verify-model tiny:NAME``).
         model_type: transformers ``config.model_type`` of the built model.
         family: ``"gqa"`` (cache holds per-head K/V), ``"mrope"`` (GQA with 3-axis positions),
             or ``"mla"`` (cache ``.keys`` = latent ``[B, 1, T, kv_lora_rank]``, ``.values`` = rotated
@@ -659,6 +659,30 @@ def build_tiny_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedMo
         torch.manual_seed(seed)
         model = cls._from_config(config, attn_implementation=attn, dtype=torch.float32)
     return model.eval()
+
+
+#: The root of a tiny backend without a tokenizer (token ids of its random vocabulary).
+TINY_ROOT_IDS = (1, 2, 3)
+
+
+def tiny_backend(arch: str = "llama", seed: int = 0, *, tokenizer: Any = None, verify_at_load: bool = True,
+                 **overrides: Any) -> Any:
+    """The one way to put a tiny random-weight model behind an ``HFBackend`` (``--model tiny:<arch>``
+    on the command line, the test fixtures).
+
+    Without a ``tokenizer`` the root is :data:`TINY_ROOT_IDS`. With one (a command that takes chat
+    messages, e.g. ``serve``), the vocabulary is sized to it and the root is its chat header; the
+    model's replies are noise. ``verify_at_load`` goes to ``HFBackend``, ``overrides`` to
+    :func:`build_tiny_model`."""
+    from .hf import HFBackend
+
+    if tokenizer is None:
+        return HFBackend(build_tiny_model(arch, seed=seed, **overrides), None, root_ids=list(TINY_ROOT_IDS),
+                         name=f"tiny-{arch}", verify_at_load=verify_at_load)
+    sizes = {"vocab_size": len(tokenizer), "max_position_embeddings": 2048}
+    vl = arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # their text sizes live in text_config
+    model = build_tiny_model(arch, seed=seed, **({"text_config": sizes} if vl else sizes), **overrides)
+    return HFBackend(model, tokenizer, name=f"tiny-{arch}", verify_at_load=verify_at_load)
 
 
 def _model_class(config: PreTrainedConfig) -> type[PreTrainedModel]:

@@ -19,7 +19,6 @@ from contextdeque.stores.base import (
     check_expectations,
 )
 from contextdeque.stores.policy import EvictionPolicy
-from contextdeque.stores.registry import register_tier
 
 
 @dataclass
@@ -29,7 +28,6 @@ class _Slot:
     priority: int
 
 
-@register_tier("memory")
 def tier_device(device: object) -> torch.device:
     """``device`` as a torch device that exists on this machine, refused up front (not at the
     first put) with a typed error naming the argument."""
@@ -59,6 +57,8 @@ class MemoryTier(Tier):
         policy: eviction policy name or instance (``"lru"``, ``"priority"``).
         name: tier name used in `TierTraffic` (unique within a `TieredStore`).
     """
+
+    kind = "memory"
 
     def __init__(
         self,

@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 
 from ..core.kv import concat_kv
 from ..patch import PATCH_KINDS, form_patch
+from ..patch.rank import FULL, is_full
 from ..stores import antecedent_signature, patch_key
 from ..core.cooperative import checkpoint
 from .context import WindowContext
@@ -74,7 +75,7 @@ def obtain(
     assert kind is not None and decision.rank is not None
     rk, rv = ctx.clamp_rank(decision.rank, slot.chunk.n_tokens)
     energy = None
-    if ctx.fidelity_target is not None and decision.rank != "full":
+    if ctx.fidelity_target is not None and not is_full(decision.rank):
         energy = float(ctx.fidelity_target)  # adaptive rank, capped by the byte budget
         rk, rv = ctx.adaptive_cap(slot.chunk.n_tokens)
     key = patch_store_key(ctx, slot, prefix, kind, (rk, rv))
@@ -111,7 +112,7 @@ def obtain(
             meter.repairs.append(f"re-formed the {kind} patch of #{slot.ref.key} (its stored copy was corrupt)")
     else:
         meter.patches_reused += 1
-    cap_k, cap_v = ctx.clamp_rank("full", slot.chunk.n_tokens)
+    cap_k, cap_v = ctx.clamp_rank(FULL, slot.chunk.n_tokens)
     absolute = kind != "removal" or (rk >= cap_k and rv >= cap_v)
     meter.notes.append(f"#{slot.ref.key}:{kind}@{rk}{'(reused)' if reused else ''}")
     formed_on = tuple((s.ref, s.version) for s in prefix)
