@@ -21,7 +21,7 @@ from ..core.errors import ArgumentTypeError, CorruptEntryError, FingerprintMisma
 from ..core.kv import LayerKV, concat_kv, tensor_nbytes
 from ..core.operator import relocate, to_content_frame
 from ..core.registry import Registered, Registry
-from .rank import resolve_rank
+from .rank import is_full, resolve_rank
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.hf import HFBackend
@@ -449,7 +449,7 @@ def form_patch(
     check_instance("chunk", chunk, Chunk, "a Chunk")
     check_str("kind", kind)
     for name, r in (("rank", rank), ("rank_v", rank_v)):
-        if r is not None and r != "full" and r != FULL_RANK:
+        if not is_full(r):
             check_int(name, r, minimum=0, error=PatchError)
     check_float("energy", energy, minimum=0.0, maximum=1.0, open_min=True, none_ok=True, error=PatchError)
     if kind not in PATCH_KINDS:
