@@ -11,17 +11,8 @@ import sys
 import torch
 
 from ..eval.load_bench import run_load_bench
+from .fidelity import retention
 from .model_spec import MODEL_HELP, load_backend
-
-
-def _retention(text: str) -> float:
-    try:
-        val = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 < val <= 1.0:
-        raise argparse.ArgumentTypeError(f"a retention is a kept fraction in (0, 1], got {text!r}")
-    return val
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="background reader threads")
     parser.add_argument("--storage", default="float32", help="chunk storage dtype (float32, bfloat16)")
     parser.add_argument("--dir", default=None, help="disk tier directory (default: a temporary one)")
-    parser.add_argument("--capsule", type=_retention, default=None, metavar="RHO",
+    parser.add_argument("--capsule", type=retention, default=None, metavar="RHO",
                         help="keep the disk chunks compressed at rest (KVCapsule linear, mean retention RHO in (0, 1])")
     parser.add_argument(
         "--model", default=None,

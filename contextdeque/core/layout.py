@@ -146,3 +146,28 @@ def trained_length(cfg: Any) -> int | None:
     ``n_positions``), or None when its config does not say."""
     n = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+# ---------------------------------------------------------------------------- loaded layouts
+
+#: The layouts of the models loaded in this process, by signature: every ``HFBackend`` registers
+#: its model's layout when it is built (``load_model`` builds one), so ``relocate(chunk, start)``
+#: finds a chunk's layout from the chunk's own ``layout_signature`` without being handed it.
+LOADED_LAYOUTS: dict[str, KVLayout] = {}
+
+
+def register_layout(layout: KVLayout) -> None:
+    """Make ``layout`` known to :func:`layout_for` (a backend does this for its model)."""
+    LOADED_LAYOUTS[layout.signature] = layout
+
+
+def layout_for(signature: str) -> KVLayout:
+    """The loaded layout with ``signature``; refused when no model of that layout is loaded."""
+    from .errors import FingerprintMismatchError
+
+    try:
+        return LOADED_LAYOUTS[signature]
+    except KeyError:
+        raise FingerprintMismatchError(
+            f"no loaded model has layout {signature}; load the model that encoded this chunk or pass layout="
+        ) from None

@@ -18,9 +18,9 @@ import torch
 
 from ..core.chunk import Chunk, check_representable, chunk_id, digest, storage_dtype
 from ..core.errors import EmptyChunkError, FingerprintMismatchError, ModelLoadError
-from ..core.layout import KVLayout
+from ..core.layout import KVLayout, register_layout
 from ..core.kv import LayerKV
-from ..core.operator import register_layout, to_content_frame
+from ..core.operator import to_content_frame
 from . import chat
 from .forward import position_ids, run_forward
 

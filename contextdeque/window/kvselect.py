@@ -502,9 +502,9 @@ def apply_rows(
     ``V_content[h, rows] + sum_p U_p[rows] W_p[:, h]``: the canonical's rows plus the patches'
     left-factor rows, equal (to fp32 rounding) to gathering ``relocate(chunk, start, patch=patches)``.
     """
-    from ..core.operator import _layout_for
+    from ..core.layout import layout_for
 
-    lay = layout or _layout_for(chunk)
+    lay = layout or layout_for(chunk.layout_signature)
     if lay.family != "gqa" or lay.rope_tensor != "k":
         raise UnsupportedLayoutError(f"apply_rows supports MHA/GQA layouts, not {lay.family}")
     if len(rows) != chunk.num_layers:
