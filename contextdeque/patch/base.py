@@ -341,6 +341,18 @@ class PatchKind(Registered):
     registry = PATCH_KINDS
     name: ClassVar[str] = ""
     ordered: ClassVar[bool] = True  # whether the antecedent order is part of the signature
+    #: a correction on top of the chunk's current patches (formed with them as ``current=``, keyed
+    #: by them, stacked on them when applied): it replaces the conditioning only at full rank
+    stacked: ClassVar[bool] = False
+    #: the kind whose stored patches this one shares (None: its own); kinds that measure the same
+    #: thing share one store namespace
+    stored_as: ClassVar[str | None] = None
+    #: measures exactly KV(B | the ordered antecedents): a valid target for placement scheduling
+    exact_on_prefix: ClassVar[bool] = False
+
+    @classmethod
+    def store_kind(cls) -> str:
+        return cls.stored_as or cls.name
 
     def target(self, ctx: FormContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Δ to factorize: ``dK [L, T, F_k]``, ``dV [L, T, F_v]``. Default: one conditioned forward."""
