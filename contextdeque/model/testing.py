@@ -608,6 +608,11 @@ def build_tiny_auto_model(model_type: str, seed: int = 0, **extra: Any) -> PreTr
         try:
             config = tiny_auto_config(model_type, **{**attempt, **extra})
             cls = _model_class(config)
+            want = getattr(cls, "config_class", None)
+            if want is not None and not isinstance(config, want):  # a VL wrapper mapped to its text LM
+                sub = config.get_text_config(decoder=True)
+                if isinstance(sub, want):
+                    config = sub
             with torch.device("meta"):
                 n_params = sum(p.numel() for p in cls._from_config(config).parameters())
             if n_params > AUTO_MAX_PARAMS:
