@@ -2,8 +2,11 @@
 
 Canonicals and patches live in the store, content-addressed (``chunk_key`` / ``patch_key``).
 While any window (or fork) holds a chunk in its slots, its canonical and patches stay in the
-fastest tier; when the last holder lets go (evict, slide), they are *demoted* one tier down
-(device -> host -> disk), never dropped by the window.
+fastest tier and are *pinned* there and in every tier holding them: no budget evicts them. On a
+shared tier (a ``DiskTier`` directory, a Valkey server) a pin is a lease every process sharing
+it respects, and a dead holder's leases lapse (see ``DiskTier``). When the last holder lets go
+(evict, slide), they are unpinned and *demoted* one tier down (device -> host -> disk), never
+dropped by the window.
 """
 
 from __future__ import annotations
@@ -130,22 +133,25 @@ class WindowStore:
 
     # ------------------------------------------------------------------ residency
     def hold(self, keys: Iterable[str], traffic: TierTraffic) -> None:
-        """Count a window slot holding each key; a held key is brought to the fastest tier."""
+        """Count a window slot holding each key; a newly held key is brought to the fastest tier
+        and pinned (a lease on shared tiers) so no budget, this process's or another's, evicts it."""
         for key in keys:
             self._holds[key] += 1
             if self._holds[key] == 1:
                 where = self.store.where(key)
                 if where and where[0] != self.store.tiers[0].name:
                     self.store.get(key, traffic=traffic)  # promotes
+                self.store.pin(key)
 
     def release(self, keys: Iterable[str], traffic: TierTraffic) -> None:
-        """Undo one hold per key; keys nobody holds any more are demoted one tier down."""
+        """Undo one hold per key; keys nobody holds any more are unpinned and demoted one tier down."""
         for key in keys:
             if self._holds[key] <= 0:
                 continue
             self._holds[key] -= 1
             if self._holds[key] == 0:
                 del self._holds[key]
+                self.store.unpin(key)
                 self.demote(key, traffic)
 
     def holds(self, key: str) -> int:
