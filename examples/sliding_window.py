@@ -20,8 +20,8 @@ TOPICS = ["assert", "pass", "del", "break", "continue"]
 TOKENS_PER_TOPIC = 96
 
 
-def main() -> None:
-    backend = cd.load_model()
+def main(backend=None, max_new_tokens: int = 40) -> ContextWindow:
+    backend = backend or cd.load_model()
     tok = backend.tokenizer
     docs = {}
     for name in TOPICS:
@@ -55,9 +55,10 @@ def main() -> None:
           f"cascade: {len(receipt.cascade.implied)} dependent(s) {receipt.cascade.action}ed")
     print("in the window:", [n for n, r in refs.items() if r in window])
 
-    answer = window.generate(question, max_new_tokens=40)
+    answer = window.generate(question, max_new_tokens=max_new_tokens)
     print(f"generate()          {answer.receipt.summary()}")
     print(f"\nanswer: {answer.text.strip()}")
+    return window
 
 
 if __name__ == "__main__":

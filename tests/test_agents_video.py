@@ -181,3 +181,16 @@ def test_demo_video_agent_on_a_tiny_qwen2_vl(tmp_path, capsys, one_thread):
     assert out["frame_recalls"] > 0 and out["tower_calls_in_lookbacks"] == 0
     assert 0 < out["tower_calls"] <= out["frames"] and len(out["question_kl"]) == len(out["answers"])
     replay_agent_trace(trace, capsys)
+
+
+def test_agents_take_placement_and_fidelity_target(chat_backend, clip, tmp_path, capsys, one_thread):
+    """An agent's window is configured from AgentConfig: the placement scheduler places appended
+    and recalled chunks (a segment's frames may interleave), the safety envelope picks each
+    patch's rank; look-backs still never run the tower and the trace replays."""
+    cfg = AgentConfig(budget_tokens=360, rank=8, max_new_tokens=2, placement="scheduler", fidelity_target=0.99)
+    agent = VideoAgent(chat_backend, cfg, image_tokens=16)
+    agent.watch(clip, every=2)
+    ctx = agent.run.window.context
+    assert type(ctx.placement).__name__ != "ArrivalPlacement" and ctx.fidelity_target == 0.99
+    check_run(agent, cfg.budget_tokens)
+    replay_agent_trace(agent.run.write_trace(tmp_path / "video-sched.jsonl"), capsys)

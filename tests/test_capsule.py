@@ -23,6 +23,7 @@ from contextdeque.core.capsule import (
     reconstruction_error,
 )
 from contextdeque.core.errors import CapsuleError, CorruptEntryError, FingerprintMismatchError
+from contextdeque.core.chunk import Chunk
 from contextdeque.core.operator import to_content_frame
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -239,3 +240,120 @@ def test_kvcapsule_arm(be, cal):
         make_arm("kvcapsule-linear", bank=CapsuleBank(0.4), rank=None).run(req)
     with pytest.raises(ReuseArmError):
         make_arm("kvcapsule-linear", bank="not a bank")
+
+
+# ---------------------------------------------------------------------------- compressed at rest in a tier
+
+
+def _entry(c):
+    from contextdeque.stores import StoreEntry
+
+    tensors, meta = c.to_entry()
+    return StoreEntry(tensors, meta)
+
+
+def test_capsule_tier_keeps_chunks_compressed_and_reads_back_reconstructions(tmp_path, be, cal, chunk):
+    from contextdeque.stores import TIERS, CapsuleTier, DiskTier, make_tier
+    from contextdeque.window.store import WindowStore
+
+    assert TIERS["capsule"] is CapsuleTier
+    basis = fit_capsule(cal, 0.4)
+    bank = CapsuleBank()
+    bank.add(basis)
+    tier = make_tier("capsule", inner="disk", bank=bank, path=tmp_path / "d", budget_bytes=None)
+    key = WindowStore.chunk_key(chunk)
+    tier.put(key, _entry(chunk))
+    raw = DiskTier(tmp_path / "d", None).get(key)
+    plain = DiskTier(tmp_path / "plain", None)
+    plain.put(key, _entry(chunk))
+    assert raw.kind == "capsule" and raw.nbytes < _entry(chunk).nbytes  # the capsule is what is stored
+    assert tier.nbytes() < plain.nbytes()  # and what the tier's budget counts
+    got = tier.get(key, expect_fingerprint=chunk.fingerprint, expect_digest=chunk.id)
+    back = Chunk.from_entry(dict(got.tensors), dict(got.meta))
+    want = basis.reconstruct(basis.compress(chunk))
+    assert torch.equal(back.keys, want.keys) and torch.equal(back.values, want.values) and back.id == chunk.id
+    assert dict(tier.peek(key)) == dict(got.meta)  # peek answers as the reconstructed chunk's entry
+    tier.put(key, _entry(chunk))  # the same chunk again: same capsule, no collision
+    tier.put(key, got)  # the reconstruction compresses to the same capsule
+    assert tier.contains(key) and tier.keys() == [key]
+    # what has no basis is stored as it is: another chunk length, a patch
+    other = be.encode(token_ids=seeded_ids(T + 5, 3))
+    tier.put(WindowStore.chunk_key(other), _entry(other))
+    same = tier.get(WindowStore.chunk_key(other))
+    assert torch.equal(same.tensors["keys"], other.keys) and same.meta["content_digest"] == other.id
+    patch = form_patch(be, chunk, antecedents=[other], rank=4)
+    pt, pm = patch.to_entry()
+    from contextdeque.stores import StoreEntry
+
+    tier.put("patch/x", StoreEntry(pt, pm))
+    assert all(torch.equal(tier.get("patch/x").tensors[k], v) for k, v in pt.items())
+    with pytest.raises(FingerprintMismatchError):
+        tier.get(key, expect_fingerprint="another-model")
+
+
+def test_capsule_tier_at_full_retention_is_invisible_to_a_window(tmp_path, be, cal):
+    """A window over [device, capsule(disk)] at full retention: evicted chunks go to disk
+    compressed and come back (recall, extend with overlapped loads) bit for bit."""
+    from contextdeque import ContextWindow
+    from contextdeque.stores import CapsuleTier, DiskTier, MemoryTier, TieredStore
+
+    ids = [seeded_ids(T, 300 + i) for i in range(4)]
+    exact = CapsuleBank(1.0, calibrate=lambda c: cal)
+
+    def store():
+        return TieredStore([MemoryTier("cpu", None, name="device"), CapsuleTier(DiskTier(tmp_path, None), exact)])
+
+    win = ContextWindow(be, rank=8, store=store())
+    refs = [win.append(token_ids=x) for x in ids]
+    plain = ContextWindow(be, rank=8)
+    for x in ids:
+        plain.append(token_ids=x)
+    win.evict(refs[1])
+    s = win.store.store
+    on_disk = {s.tiers[1].inner.get(k).kind for k in s.tiers[1].inner.keys()}
+    assert on_disk == {"capsule", "patch"}  # demoted: the canonical compressed at rest, its patch as it is
+    win.recall(refs[1], at=1)
+    assert len(win.refs) == len(plain.refs) and all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        for r, q in zip(win.refs, plain.refs) for a, b in zip(win.kv(r), plain.kv(q)))
+    # a fresh window over the same disk: half the chunks compressed on disk, loaded in the background
+    fresh = ContextWindow(be, rank=8, store=store())
+    rec = fresh.extend([{"token_ids": x} for x in ids], overlap=True)
+    assert rec.loading["by_tier"] == {"disk": 1} and not rec.load_fallbacks
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+               for r, q in zip(fresh.refs, plain.refs) for a, b in zip(fresh.kv(r), plain.kv(q)))
+
+
+def test_capsule_tier_victims_spill_down_as_chunks_and_bases_persist(tmp_path, be, cal, chunk):
+    from contextdeque.stores import CapsuleTier, DiskTier, HostTier, TieredStore
+    from contextdeque.window.store import WindowStore
+
+    basis = fit_capsule(cal, 0.4)
+    bank = CapsuleBank()
+    bank.add(basis)
+    cap_bytes = CapsuleTier(HostTier(None), bank).encode(_entry(chunk)).nbytes
+    assert cap_bytes < _entry(chunk).nbytes
+    small = CapsuleTier(HostTier(cap_bytes + 10), bank, basis_dir=tmp_path / "bases")  # holds one capsule
+    store = TieredStore([small, DiskTier(tmp_path / "disk", None)])
+    a, b = chunk, be.encode(token_ids=seeded_ids(T, 8))
+    store.put(WindowStore.chunk_key(a), _entry(a))
+    assert store.where(WindowStore.chunk_key(a)) == [small.name]
+    store.put(WindowStore.chunk_key(b), _entry(b))  # evicts a from the small tier: it spills to disk
+    assert store.where(WindowStore.chunk_key(a)) == ["disk"]
+    spilled = DiskTier(tmp_path / "disk", None).get(WindowStore.chunk_key(a))
+    assert spilled.kind == "chunk"  # decoded on the way down: the disk tier holds a chunk entry
+    assert [p.name for p in (tmp_path / "bases").iterdir()] == [f"{basis.id}.safetensors"]
+    # a new process: an empty bank finds the basis in basis_dir; without it the capsule is unreadable
+    inner = small.inner
+    k = WindowStore.chunk_key(b)
+    again = CapsuleTier(inner, CapsuleBank(), basis_dir=tmp_path / "bases").get(k)
+    assert torch.equal(again.tensors["keys"], small.get(k).tensors["keys"])
+    with pytest.raises(CapsuleError, match="no capsule basis"):
+        CapsuleTier(inner, CapsuleBank()).get(k)
+    (tmp_path / "bases" / f"{basis.id}.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CorruptEntryError):
+        CapsuleTier(inner, CapsuleBank(), basis_dir=tmp_path / "bases").get(k)
+    with pytest.raises(TypeError):
+        CapsuleTier(small, bank)
+    with pytest.raises(TypeError):
+        CapsuleTier(inner, "bank")  # type: ignore[arg-type]

@@ -32,3 +32,43 @@ def test_chat_messages_example(chat_backend, capsys, one_thread):
     out = capsys.readouterr().out
     assert "came back: recalled, 0 re-encodes" in out
     assert mw.stats["returned"] == 1 and mw.stats["returned_encodes"] == 0
+
+
+def test_doc_agent_example(chat_backend, capsys, tmp_path, one_thread):
+    run = load("doc_agent").main(chat_backend, max_new_tokens=3, out_dir=tmp_path)
+    out = capsys.readouterr().out
+    assert "prefill avoided vs re-prefill" in out and (tmp_path / "doc.jsonl").exists()
+    assert any(s.op == "query" and s.encodes == 0 for s in run.steps)
+
+
+def test_web_agent_example(chat_backend, capsys, tmp_path, one_thread):
+    run = load("web_agent").main(chat_backend, max_new_tokens=3, out_dir=tmp_path)
+    out = capsys.readouterr().out
+    assert "pydoc serving at http://127.0.0.1:" in out and (tmp_path / "web.jsonl").exists()
+    revisits = [s for s in run.steps if "revisit" in s.detail]
+    assert len(revisits) == 2 and all(s.encodes == 0 for s in revisits)  # recalled, not re-encoded
+
+
+def test_video_agent_example(chat_backend, capsys, tmp_path, one_thread):
+    agent = load("video_agent").main(chat_backend, max_new_tokens=3, out_dir=tmp_path)
+    out = capsys.readouterr().out
+    assert "0 tower runs in look-backs" in out and (tmp_path / "video.jsonl").exists()
+    assert agent.summary()["frame_recalls"] > 0
+
+
+def test_operator_walkthrough_example(default_backend, capsys, one_thread):
+    """The walkthrough on the default model: the rank-m patch closes most of the blind gap, the
+    full-rank patch equals the re-prefill."""
+    kls = load("operator_walkthrough").main(default_backend, max_new_tokens=4)
+    out = capsys.readouterr().out
+    assert "answer (patched cache)" in out
+    assert kls["full-rank patch"] <= 1e-4 < kls["blind (relocated only)"]
+    assert kls["rank-8 patch"] < kls["blind (relocated only)"] / 10
+
+
+def test_sliding_window_example(default_backend, capsys, one_thread):
+    window = load("sliding_window").main(default_backend, max_new_tokens=4)
+    out = capsys.readouterr().out
+    assert "recall(assert)" in out and "answer:" in out
+    recalls = [r for r in window.receipts if r.op == "recall"]
+    assert len(recalls) == 1 and recalls[0].encodes == 0  # recalled, never re-encoded

@@ -275,3 +275,15 @@ def test_harness_select_group(tiny_backend_factory):
         assert arms[f"{m}-4096"]["agreement"] == 1.0
         assert arms[f"{m}-6"]["median_coverage"] < 1.0 and arms[f"{m}-6"]["median_kl"] > 0.0
     assert "patch-r32+allrows" in arms and "mm-shiftkv-6+patch-r32" in arms
+
+
+@pytest.mark.parametrize("argv", [["--select-budgets", "0"], ["--select-budgets", "64,-1"], ["--select-budgets", "x"],
+                                  ["--capsule-retention", "0"], ["--capsule-retention", "1.5"]])
+def test_fidelity_cli_refuses_a_zero_budget_or_retention_before_loading_a_model(argv, capsys):
+    from contextdeque.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["fidelity", "--model", "no/such/model", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert ("integers" in err or "expected a number" in err or "kept fraction" in err) and "Traceback" not in err

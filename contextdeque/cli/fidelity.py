@@ -30,8 +30,18 @@ def _int_list(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError("ranks must be positive integers")
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return vals
+
+
+def _retention(text: str) -> float:
+    try:
+        val = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < val <= 1.0:
+        raise argparse.ArgumentTypeError(f"a retention is a kept fraction in (0, 1], got {text!r}")
+    return val
 
 
 def _arm_list(text: str) -> tuple[str, ...]:
@@ -58,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads (1 is fastest on a machine shared with other jobs)")
     parser.add_argument("--max-chunk-tokens", type=int, default=512, help="cut longer text chunks (test models)")
     parser.add_argument("--image-grid", default=None, metavar="RxC", help="override every image span's patch grid")
-    parser.add_argument("--capsule-retention", type=float, default=0.4,
+    parser.add_argument("--capsule-retention", type=_retention, default=0.4,
                         help="kvcapsule-linear: mean kept fraction of the pyramid schedule (default 0.4)")
     parser.add_argument("--select-budgets", type=_int_list, default=(64, 128, 256, 512),
                         help="KV selection budgets, rows per KV head (default 64,128,256,512)")

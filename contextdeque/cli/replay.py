@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fidelity", type=int, default=0, metavar="N",
                         help="also drive a real ContextWindow on the default model and measure KL / η / TTFT ratio at N sampled queries per policy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fidelity mode's query sample")
+    parser.add_argument("--patch-policy", default="default",
+                        help="the fidelity mode's patch policy for the patch arm (eager, latency, exact, ...); "
+                             "latency-first windows are also measured after heal()")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG figure here")
     parser.add_argument("--json", action="store_true", help="print one JSON object (deterministic) instead of tables")
 
@@ -58,10 +61,12 @@ def run(args: argparse.Namespace) -> int:
         if args.fidelity:
             from ..replay.fidelity import run_fidelity_mode
 
-            fid = run_fidelity_mode([str(p) for p in args.traces], combos, args.fidelity, seed=args.seed, console=err)
+            fid = run_fidelity_mode([str(p) for p in args.traces], combos, args.fidelity, seed=args.seed, console=err,
+                                    patch_policy=args.patch_policy)
             for r in results:
                 r.update(fid.get((r["trace"], r["placement"], r["eviction"], r["arm"]), {}))
-            extra["fidelity"] = {"queries_per_policy": args.fidelity, "seed": args.seed, "model": "SmolLM2-135M-Instruct"}
+            extra["fidelity"] = {"queries_per_policy": args.fidelity, "seed": args.seed, "model": "SmolLM2-135M-Instruct",
+                                 "patch_policy": args.patch_policy}
     except (ContextDequeError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -92,4 +97,27 @@ def run(args: argparse.Namespace) -> int:
             row.append(f"{v:.4g}" if isinstance(v, float) else str(v))
         table.add_row(*row)
     Console().print(table)
+    if args.fidelity:
+        Console().print(_step_table(results))
     return 0
+
+
+def _step_table(results: list[dict]) -> "Table":
+    """Fidelity per step type: the last window operation before each sampled query."""
+    from rich.table import Table
+
+    table = Table(title="fidelity per step type (KL vs re-prefill at answer time; after heal() where work was queued)")
+    for c in ("trace", "placement", "arm", "step", "kl", "kl_healed", "ttft_ratio"):
+        table.add_column(c, justify="left" if c in ("trace", "placement", "arm", "step") else "right")
+    seen = set()
+    for r in results:
+        key = (r["trace"], r["placement"], r["arm"])
+        if key in seen or not r.get("kl_by_step"):
+            continue
+        seen.add(key)
+        for step, kl in r["kl_by_step"].items():
+            healed = r.get("kl_healed_by_step", {}).get(step)
+            ttft = r.get("ttft_ratio_by_step", {}).get(step)
+            table.add_row(*key, step, f"{kl:.3g}", "-" if healed is None else f"{healed:.3g}",
+                          "-" if ttft is None else f"{ttft:.3g}")
+    return table

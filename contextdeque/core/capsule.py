@@ -27,6 +27,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -192,6 +193,23 @@ class CapsuleChunk:
         }
         return tensors, meta
 
+    @staticmethod
+    def chunk_entry_meta(meta: "dict[str, str] | Any") -> dict[str, str]:
+        """The metadata of the reconstructed chunk's store entry (``Chunk.to_entry``), from a
+        capsule entry's metadata alone (what a compressing tier's ``peek`` answers)."""
+        try:
+            if meta.get("kind") != "capsule":
+                raise KeyError("kind")
+            cm = json.loads(meta["chunk"])
+            return {
+                "kind": "chunk", "id": meta["id"], "fingerprint": meta["fingerprint"], "layout": meta["layout"],
+                "root_digest": cm["root_digest"], "span": str(cm["span"]), "canonical_start": str(cm["canonical_start"]),
+                "modality": cm["modality"], "content_digest": meta["id"],
+                "extra": json.dumps({**cm["meta"], "capsule_basis": meta["basis_id"]}, sort_keys=True),
+            }
+        except (KeyError, ValueError, TypeError) as exc:
+            raise CorruptEntryError(f"stored capsule entry is malformed: {exc}") from exc
+
     @classmethod
     def from_entry(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> "CapsuleChunk":
         try:
@@ -240,7 +258,7 @@ class CapsuleBasis:
     def full(self, layer: int) -> bool:
         return self.key_rows[layer].shape[1] == self.n_tokens
 
-    @property
+    @cached_property
     def id(self) -> str:
         """Content hash of the basis (a capsule records the one it was compressed with)."""
         return digest(self.fingerprint, self.layout_signature, self.n_tokens, list(self.retention),
@@ -532,14 +550,26 @@ class CapsuleBank:
         return list(self._bases.values())
 
     def basis_for(self, chunk: Chunk) -> CapsuleBasis:
+        found = self.find(chunk)
+        if found is None:
+            raise CapsuleError(f"no capsule basis for chunks of {chunk.n_tokens} {chunk.modality} tokens")
+        return found
+
+    def find(self, chunk: Chunk) -> CapsuleBasis | None:
+        """The basis for ``chunk``'s shape, fitted now when ``calibrate`` is set; None when the
+        bank has none and cannot fit one."""
         k = self.key(chunk)
         if k not in self._bases:
             if self.calibrate is None:
-                raise CapsuleError(f"no capsule basis for chunks of {chunk.n_tokens} {chunk.modality} tokens")
+                return None
             cal = self.calibrate(chunk)
             basis = fit_capsule(cal if isinstance(cal, CalibrationStats) else list(cal), self.retention, spread=self.spread)
             self._bases[k] = replace(basis, modality=chunk.modality)
         return self._bases[k]
+
+    def by_id(self, basis_id: str) -> CapsuleBasis | None:
+        """The basis a capsule records (``CapsuleChunk.basis_id``), or None."""
+        return next((b for b in self._bases.values() if b.id == basis_id), None)
 
 
 __all__ = [

@@ -90,6 +90,14 @@ class Chunk:
     def n_tokens(self) -> int:
         return int(self.keys.shape[2])
 
+    def __repr__(self) -> str:
+        dt = str(self.keys.dtype).replace("torch.", "")
+        span = "" if self.span == self.n_tokens else f", span {self.span}"
+        return (
+            f"Chunk({self.id[:10]}, {self.modality}, {self.n_tokens} tok{span}, {self.num_layers} layers, "
+            f"{dt}, {format_bytes(self.nbytes)}, model {self.fingerprint[:8]})"
+        )
+
     @property
     def num_layers(self) -> int:
         return int(self.keys.shape[0])
@@ -163,6 +171,11 @@ class Chunk:
             )
         except (KeyError, ValueError) as exc:
             raise CorruptEntryError(f"stored chunk entry is malformed: {exc}") from exc
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes for a human (B, KiB, MiB)."""
+    return f"{n} B" if n < 1024 else f"{n / 1024:.1f} KiB" if n < 1024**2 else f"{n / 1024**2:.1f} MiB"
 
 
 def chunk_id(fingerprint: str, root_digest: str, input_digest: str, dtype: torch.dtype) -> str:

@@ -7,6 +7,21 @@ class ContextDequeError(Exception):
     """Base class of every error contextdeque raises on purpose."""
 
 
+class ArgumentError(ContextDequeError, ValueError):
+    """An argument of a public entry point has a value it cannot take (the message names the
+    argument and what was expected)."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument of a public entry point has the wrong Python type (the message names the
+    argument and the expected type)."""
+
+
+class NumericsError(ContextDequeError, ArithmeticError):
+    """A tensor contextdeque formed or was about to apply holds a non-finite value (inf/NaN), or
+    would overflow its storage dtype: refused before anything is stored or decoded."""
+
+
 class UnsupportedLayoutError(ContextDequeError):
     """The model's KV/RoPE layout cannot be relocated exactly (the message says why)."""
 
@@ -15,7 +30,7 @@ class FingerprintMismatchError(ContextDequeError):
     """A chunk or patch was produced by a different model (or layout) than the one asked to use it."""
 
 
-class StorageDtypeError(ContextDequeError):
+class StorageDtypeError(ContextDequeError, ValueError):
     """The requested storage dtype cannot hold this layout's KV faithfully."""
 
 
@@ -51,6 +66,11 @@ class StorePermissionError(StoreError, PermissionError):
     """The store directory cannot be read or written."""
 
 
+class StoreWriteError(StoreError, OSError):
+    """Writing a store entry failed part-way (disk full, I/O error): nothing was committed under
+    the key; ``errno`` is the operating system's."""
+
+
 class CollisionError(StoreError):
     """Two different contents hashed to one key (the collision guard tripped)."""
 
@@ -66,6 +86,13 @@ class StoreUnavailableError(StoreError):
 
 class StoreConfigError(StoreError, ValueError):
     """A store tier is misconfigured (bad URL, option, or TLS settings); the message never holds a secret."""
+
+
+class UnknownTierError(StoreConfigError, KeyError):
+    """A store has no tier of that name."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
 
 
 class StoreAuthError(StoreError, PermissionError):

@@ -142,6 +142,16 @@ class HFBackend:
         return len(self.root_ids)
 
     @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding table: valid token ids are ``[0, vocab_size)``."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    @property
+    def embed_dim(self) -> int:
+        """Width of the input embeddings (``embeds=`` must be ``[T, embed_dim]``)."""
+        return int(self.model.get_input_embeddings().embedding_dim)
+
+    @property
     def n_pos_axes(self) -> int:
         return self.layout.n_pos_axes
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import torch
 
-from ..core.chunk import Chunk, digest
+from ..core.chunk import Chunk, digest, format_bytes
 from ..core.cooperative import checkpoint
 from ..core.errors import CorruptEntryError, FingerprintMismatchError, PatchError
 from ..core.kv import LayerKV, concat_kv
@@ -55,6 +55,14 @@ class Patch:
     v_shape: tuple[int, int]
     basis_id: str | None = None
     meta: dict[str, str] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        basis = "" if self.basis_id is None else f", basis {self.basis_id[:8]}"
+        return (
+            f"Patch({self.kind}, chunk {self.chunk_id[:10]}, rank {self.rank_k}/{self.rank_v}, "
+            f"{self.n_tokens} tok, {len(self.layers)} layers, on {len(self.antecedents)} antecedents, "
+            f"{format_bytes(self.nbytes)}{basis})"
+        )
 
     @property
     def id(self) -> str:

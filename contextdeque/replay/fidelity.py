@@ -9,11 +9,15 @@ trace runs in minutes on a CPU. Image and frame chunks become text of their (sca
 window path is the same, the vision tower is not exercised here.
 
 Per (trace, placement, arm): the window runs the trace with ``placement=`` (the scheduler or
-arrival order); its patch policy is ``default`` for the ``patch`` arm and ``none`` for the others.
+arrival order); its patch policy is ``patch_policy`` (``default`` unless told, e.g. ``eager`` or
+``latency``) for the ``patch`` arm and ``none`` for the others.
 At a sampled query the reference is a re-prefill of root + the window's chunks in window order; the
 ``patch`` / ``blind`` arms are the window's own materialized KV; the other arms
 (``contextdeque.eval.arms``: prefix cache, CacheBlend, EPIC, VLCache) are run on the same chunks in the
 same order. η = (KL_blind − KL_arm) / KL_blind at that query (None without a measurable gap).
+Every figure is also reported per step type — the last window operation before the query
+(append, slide, evict, recall, look-back = a recall placed inside the window, reorder, fork,
+commit, discard) — and, for a latency-first window with queued work, once more after ``heal()``.
 TTFT: wall time of (assembling the arm's KV + prefilling the query) over (re-prefilling the
 window + the query), measured side by side. The eviction policy does not change what the model
 sees, so its results are shared by every eviction combo.
@@ -62,16 +66,27 @@ def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [tuple(t[0] for t in cache_layer(cache, i)) for i in range(cache_num_layers(cache))]  # type: ignore[misc]
 
 
-def _window_for(backend: Any, placement: str, arm: str) -> Any:
+def _window_for(backend: Any, placement: str, arm: str, patch_policy: str) -> Any:
     from ..window import ContextWindow
 
-    return ContextWindow(backend, placement=placement, patch_policy="default" if arm == "patch" else "none")
+    return ContextWindow(backend, placement=placement, patch_policy=patch_policy if arm == "patch" else "none")
+
+
+def _recall_step(at: int | None, n_in_window: int) -> str:
+    """``recall`` appends at the end; ``look-back`` brings a chunk back inside the window."""
+    return "recall" if at is None or at >= n_in_window else "look-back"
+
+
+def _by_step(samples: dict[str, list[float]]) -> dict[str, float]:
+    return {step: statistics.median(v) for step, v in sorted(samples.items()) if v}
 
 
 @torch.no_grad()
 def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *, seed: int = 0,
-                 scale: float = DEFAULT_SCALE) -> dict[str, Any]:
-    """Drive one window through ``trace``; measure at ``n`` sampled queries. Returns medians."""
+                 scale: float = DEFAULT_SCALE, patch_policy: str = "default") -> dict[str, Any]:
+    """Drive one window through ``trace``; measure at ``n`` sampled queries. Returns medians, overall
+    and per step type (``kl_by_step`` ...; ``kl_healed_by_step`` where a latency-first window had
+    work queued at the query)."""
     from ..eval.arms import BlindArm, ReprefillArm, ReuseRequest, make_arm
     from ..eval.fidelity.harness import score_query
     from ..core.metrics import kl_divergence
@@ -80,24 +95,32 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
     queries = [i for i, e in enumerate(trace.events) if e.op == "query"]
     rng = random.Random(f"{seed}:{trace.name}")
     sampled = set(rng.sample(queries, min(n, len(queries))))
-    win = _window_for(backend, placement, arm)
+    win = _window_for(backend, placement, arm, patch_policy)
     served = make_arm(arm) if arm not in ("patch", "blind", "reprefill") else None  # one instance: a prefix cache keeps what it saw
     stack: list[Any] = []
     refs: dict[str, Any] = {}
     logical: list[str] = []
     ids_of: dict[str, list[int]] = {}
     kls, etas, ttfts = [], [], []
+    step_kl: dict[str, list[float]] = {}
+    step_ttft: dict[str, list[float]] = {}
+    step_healed: dict[str, list[float]] = {}
+    step = "append"
     for i, ev in enumerate(trace.events):
         op = ev.op
+        if op not in ("query", "step"):
+            step = op if op not in ("arrive", "recall") else "append"
         if op == "arrive":
             if ev.id not in ids_of:
                 ids_of[ev.id] = chunk_ids(backend, ev.hash, max(MIN_TOKENS, int(round(ev.tokens * scale))))
             if ev.id in refs and refs[ev.id] in win.evicted_refs:
+                step = _recall_step(ev.at, len(logical))
                 win.recall(refs[ev.id])
             elif ev.id not in refs or refs[ev.id] not in win.refs:
                 refs[ev.id] = win.append(token_ids=ids_of[ev.id])
             logical.insert(len(logical) if ev.at is None else min(ev.at, len(logical)), ev.id)
         elif op == "recall":
+            step = _recall_step(ev.at, len(logical))
             win.recall(refs[ev.id])
             logical.insert(len(logical) if ev.at is None else min(ev.at, len(logical)), ev.id)
         elif op == "evict":
@@ -142,17 +165,27 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
             kls.append(kl)
             etas.append(eta(kl_blind, kl, DEFAULT_MIN_GAP))
             ttfts.append(t_arm / t_ref)
+            step_kl.setdefault(step, []).append(kl)
+            step_ttft.setdefault(step, []).append(t_arm / t_ref)
+            if arm == "patch" and win.pending_refs:  # latency-first: what the answer would be once healed
+                win.heal()
+                healed, _ = score_query(backend, _layers(win.materialize()), start, q, 0)
+                step_healed.setdefault(step, []).append(kl_divergence(ref_logits, healed))
     defined = [e for e in etas if e is not None]
     return {
         "kl": statistics.median(kls) if kls else None,
         "eta": statistics.median(defined) if defined else None,
         "ttft_ratio": statistics.median(ttfts) if ttfts else None,
         "fidelity_queries": len(kls),
+        "kl_by_step": _by_step(step_kl),
+        "ttft_ratio_by_step": _by_step(step_ttft),
+        "kl_healed_by_step": _by_step(step_healed),
     }
 
 
 def run_fidelity_mode(traces: Sequence[str], combos: Sequence[tuple[str, str, str]], n: int, *, seed: int = 0,
-                      scale: float = DEFAULT_SCALE, backend: Any = None, console: Any = None) -> dict[tuple, dict[str, Any]]:
+                      scale: float = DEFAULT_SCALE, backend: Any = None, console: Any = None,
+                      patch_policy: str = "default") -> dict[tuple, dict[str, Any]]:
     """Fidelity figures keyed by ``(trace, placement, eviction, arm)`` for every combo."""
     if backend is None:
         from ..model import load_model
@@ -167,6 +200,7 @@ def run_fidelity_mode(traces: Sequence[str], combos: Sequence[tuple[str, str, st
             if key not in done:
                 if console is not None:
                     console.print(f"[dim]fidelity: {t.name} {placement}/{arm}[/dim]")
-                done[key] = fidelity_run(backend, t, placement, arm, n, seed=seed, scale=scale)
+                done[key] = fidelity_run(backend, t, placement, arm, n, seed=seed, scale=scale,
+                                         patch_policy=patch_policy)
             out[(t.name, placement, eviction, arm)] = done[key]
     return out

@@ -100,10 +100,11 @@ class Scorer:
         if k in reformed:
             return 0.0, 0, 0, 0.0, state
         f = v.formed_on.get(k, ())
-        if tuple(prefix) == tuple(f) and not any(a in changed for a in f):
+        n = len(prefix)
+        if n == len(f) and tuple(prefix) == tuple(f) and (not changed or not any(a in changed for a in f)):
             return 0.0, 0, 0, 0.0, state
         i = self.pos.get(k)
-        if i is not None and tuple(prefix) == tuple(v.order[:i]) and not any(a in changed for a in prefix):
+        if i == n and tuple(prefix) == tuple(v.order[:i]) and (not changed or not any(a in changed for a in prefix)):
             return 0.0, 0, 0, 0.0, state  # where it stood, behind the same chunks: nothing new
         s = max(0.0, self.staleness(k, prefix) - (self.stale_now(k) if i is not None else 0.0))
         return w.stale * s + w.move, 0, 0, s, state

@@ -20,7 +20,8 @@ class PatchGraph:
     """Index of stored patches by content, with the networkx view ``g``."""
 
     def __init__(self) -> None:
-        self.g: nx.DiGraph = nx.DiGraph()
+        self._edges: dict[tuple[str, str], int] = {}  # (a_k, b) -> weight; ``g`` is built from it on demand
+        self._g: nx.DiGraph | None = None
         self._prefixes: dict[str, set[tuple[str, ...]]] = {}
         self._orbits: set[tuple[str, frozenset]] = set()
         self._orbit_contents: set[str] = set()
@@ -36,10 +37,18 @@ class PatchGraph:
             return
         seqs.add(prefix)
         a = prefix[-1] if prefix else ROOT
-        if self.g.has_edge(a, content):
-            self.g[a][content]["weight"] += 1
-        else:
-            self.g.add_edge(a, content, weight=1)
+        self._edges[(a, content)] = self._edges.get((a, content), 0) + 1
+        self._g = None
+
+    @property
+    def g(self) -> nx.DiGraph:
+        """The networkx view (built when asked for: a replay adds patches far more often than it
+        reads the graph whole)."""
+        if self._g is None:
+            g = nx.DiGraph()
+            g.add_weighted_edges_from((a, b, w) for (a, b), w in self._edges.items())
+            self._g = g
+        return self._g
 
     def has_patch(self, content: str, prefix: tuple[str, ...]) -> bool:
         seqs = self._prefixes.get(content)

@@ -36,7 +36,7 @@ class SchedulerPlacement(PlacementPolicy):
             return order
         if not self.offline and view.future is not None:
             view = PlacementView(**{**view.__dict__, "future": None})
-        order, _, how = schedule(view, entering, self.weights, self.exact_max)
+        order, _, how = schedule(view, entering, self.weights, self.exact_max, price=False)
         self.decisions[how] += 1
         return order
 

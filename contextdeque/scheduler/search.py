@@ -41,25 +41,38 @@ def exact(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: We
           seed: Sequence[Key] | None = None) -> tuple[list[Key], float]:
     """Branch-and-bound minimum over every order of residents + entering chunks.
 
-    Bound: the partial order's cost plus, for every entering chunk still to place that has no
-    stored patch of its content at all, one form (it can only avoid a forward at the very front).
+    Lower bound on what the chunks still to place will cost: one form for every entering chunk
+    with no stored patch of its content at all and one hit for every other entering chunk (only
+    the chunk at the very front is free), plus, once something is placed, a full staleness (1) for
+    every resident still to place that carries no conditioning and stands at the front now (behind
+    any chunk its canonical is blind), unless the recall cascade re-forms it.
     """
     keys = list(view.order) + [k for k, _ in entering]
     ent = frozenset(k for k, _ in entering)
     if seed is None:
-        seed, _ = heuristic(view, entering, w)
+        seed, _ = heuristic(view, entering, w, price=False)
     best = [list(seed), order_cost(view, seed, ent, w).total]
     sc = Scorer(view, ent, w)
-    must_form = {k for k in ent if not view.any_stored(view.content[k])}
+    floor = {k: (w.form if not view.any_stored(view.content[k]) else w.hit) for k in ent}
+    blind_front = {k: w.stale * (1.0 - sc.stale_now(k)) + w.move for k in view.order
+                   if not view.formed_on.get(k) and sc.stale_now(k) < 1.0}
+    # an entering chunk whose conditioning was formed on a chunk that is not in this window can
+    # never come back with the KV it left with: its recall cascade (re-forming the residents
+    # conditioned on it) is certain
+    in_window = set(keys)
+    cascade = {k: [d for d in view.dependents(k) if d not in ent] for k in ent
+               if any(a not in in_window for a in view.formed_on.get(k, ()))}
 
-    def bound(rest: Sequence[Key], prefix_empty: bool) -> float:
-        forms = sum(1 for k in rest if k in must_form)
-        if prefix_empty and forms:
-            forms -= 1
-        return forms * w.form
+    def bound(rest: Sequence[Key], prefix_empty: bool, reformed: frozenset) -> float:
+        # the cascades still to come re-form at least the largest of their sets (not yet re-formed)
+        casc = max((sum(1 for d in cascade[k] if d not in reformed) for k in rest if k in cascade), default=0) * w.form
+        if prefix_empty:  # any one chunk may take the front for free
+            lows = [floor[k] if k in floor else blind_front.get(k, 0.0) for k in rest]
+            return casc + (sum(lows) - max(lows) if lows else 0.0)
+        return casc + sum(floor.get(k, 0.0) for k in rest) + sum(blind_front[k] for k in rest if k in blind_front and k not in reformed)
 
     def dfs(order: list[Key], rest: list[Key], cost: float, state) -> None:
-        if cost + bound(rest, not order) >= best[1] - 1e-12:
+        if cost + bound(rest, not order, state[1]) >= best[1] - 1e-12:
             return
         if not rest:
             best[0], best[1] = list(order), cost
@@ -79,10 +92,12 @@ def exact(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: We
     return best[0], best[1]
 
 
-def heuristic(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: Weights = DEFAULT_WEIGHTS) -> tuple[list[Key], float]:
+def heuristic(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: Weights = DEFAULT_WEIGHTS,
+              *, price: bool = True) -> tuple[list[Key], float]:
     """Greedy insertion at candidate slots (see the module doc). Only the inserted chunk and the
     residents behind it change cost, so each candidate is priced from its slot on, and pricing
-    stops as soon as it cannot beat the best slot so far."""
+    stops as soon as it cannot beat the best slot so far. ``price=False`` skips pricing the final
+    order whole (its cost is then NaN): a caller that only wants the order saves O(n^2)."""
     order = list(view.order)
     ent = frozenset(k for k, _ in entering)
     sc = Scorer(view, ent, w)
@@ -100,6 +115,10 @@ def heuristic(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w
                 if tuple(pc) in stored:
                     cands.add(i + 1)
         best, best_cost = asked, float("inf")
+        if len(cands) == 1:  # one slot (the end, nothing stored to aim for): nothing to compare
+            order.insert(asked, key)
+            placed.append(key)
+            continue
         for pos in sorted(cands, key=lambda p: (p != asked, -p)):
             trial = order[:pos] + [key] + order[pos:]
             state = (frozenset(placed), frozenset())
@@ -113,16 +132,17 @@ def heuristic(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w
                 best, best_cost = pos, cost
         order.insert(best, key)
         placed.append(key)
-    return order, order_cost(view, order, ent, w).total
+    return order, (order_cost(view, order, ent, w).total if price else float("nan"))
 
 
 def schedule(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: Weights = DEFAULT_WEIGHTS,
-             exact_max: int = EXACT_MAX_CHUNKS) -> tuple[list[Key], float, str]:
+             exact_max: int = EXACT_MAX_CHUNKS, *, price: bool = True) -> tuple[list[Key], float, str]:
     """The scheduler's order: exact for windows of at most ``exact_max`` chunks, else the heuristic.
-    Returns ``(order, cost, "exact" | "heuristic")``."""
+    Returns ``(order, cost, "exact" | "heuristic")`` (``price=False``: the heuristic's cost is NaN)."""
     n = len(view.order) + len(entering)
-    h, hc = heuristic(view, entering, w)
     if n <= exact_max:
+        h, _ = heuristic(view, entering, w, price=False)
         o, c = exact(view, entering, w, seed=h)
         return o, c, "exact"
+    h, hc = heuristic(view, entering, w, price=price)
     return h, hc, "heuristic"

@@ -1,7 +1,8 @@
 """Tiered, content-addressed storage of tensor bundles (device -> host -> disk).
 
 Sits below the window layer: imports only torch, safetensors, filelock, the standard
-library, `contextdeque.core.errors`, `contextdeque.core.kv` and (inside `ValkeyTier`, when one is made) the ``valkey`` client. A new tier or eviction policy is one file registering
+library, `contextdeque.core.errors`, `contextdeque.core.kv`, `contextdeque.core.capsule` /
+`contextdeque.core.chunk` (in `CapsuleTier`, which keeps chunks compressed at rest) and (inside `ValkeyTier`, when one is made) the ``valkey`` client. A new tier or eviction policy is one file registering
 itself (`register_tier` / `register_policy`) plus one import line here.
 """
 
@@ -28,12 +29,14 @@ from contextdeque.stores.memory import MemoryTier
 from contextdeque.stores.host import HostTier
 from contextdeque.stores.disk import DiskTier
 from contextdeque.stores.valkey import ValkeyTier
+from contextdeque.stores.capsule import CapsuleTier
 from contextdeque.stores.tiered import TieredStore
 from contextdeque.stores.prefetch import Fetched, Prefetcher, fetch, settle
 
 __all__ = [
     "POLICIES",
     "TIERS",
+    "CapsuleTier",
     "DiskTier",
     "EntryStat",
     "Evicted",

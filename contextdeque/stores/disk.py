@@ -34,7 +34,13 @@ from pathlib import Path
 
 import filelock
 
-from contextdeque.core.errors import CorruptEntryError, StoreCapacityError, StoreError, StorePermissionError
+from contextdeque.core.errors import (
+    CorruptEntryError,
+    StoreCapacityError,
+    StoreError,
+    StorePermissionError,
+    StoreWriteError,
+)
 from contextdeque.stores.base import (
     EntryStat,
     Evicted,
@@ -237,6 +243,10 @@ class DiskTier(Tier):
             ) from None
         except PermissionError as e:
             raise StorePermissionError(f"store directory {self.path}: {e}") from None
+        except StoreError:
+            raise
+        except OSError as e:  # disk full, I/O error while committing, evicting or deleting
+            raise StoreWriteError(e.errno, f"store directory {self.path}: {e.strerror or e}") from e
 
     def file_for(self, key: str) -> Path:
         """The entry file of ``key`` (whether or not it exists)."""
@@ -346,9 +356,13 @@ class DiskTier(Tier):
                 f.flush()
                 if self.fsync:
                     os.fsync(f.fileno())
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(OSError):
                 tmp.unlink()
+            if isinstance(e, PermissionError):
+                raise StorePermissionError(f"cannot write into store directory {self.path}: {e.strerror}") from None
+            if isinstance(e, OSError) and not isinstance(e, StoreError):
+                raise StoreWriteError(e.errno, f"writing an entry into {self.path} failed: {e.strerror or e}") from e
             raise
         return tmp
 

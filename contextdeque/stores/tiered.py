@@ -6,7 +6,13 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-from contextdeque.core.errors import CollisionError, CorruptEntryError, StoreCapacityError, StoreUnavailableError
+from contextdeque.core.errors import (
+    CollisionError,
+    CorruptEntryError,
+    StoreCapacityError,
+    StoreError,
+    StoreUnavailableError,
+)
 from contextdeque.stores.base import Evicted, StoreEntry, Tier, check_collision
 from contextdeque.stores.traffic import TierTraffic, recording
 
@@ -333,15 +339,29 @@ class TieredStore:
         )
         if res.stored:
             tr.add_written(tier.name, entry.nbytes)
-        for ev in res.evicted:
-            tr.add_evicted(tier.name, ev.nbytes)
-            self._spill(j + 1, ev, tr)
+        pending = list(res.evicted)
+        try:
+            while pending:
+                tr.add_evicted(tier.name, pending[0].nbytes)
+                self._spill(j + 1, pending[0], tr)
+                pending.pop(0)
+        except BaseException:
+            # A lower tier failed (read-only, full disk, I/O error) while taking a victim: undo
+            # this put so that no entry is lost: the new entry leaves tier j again and the
+            # victims not yet placed below come back (they fit: they were there before).
+            if res.stored:
+                tier.delete(key)
+            for ev in pending:
+                if ev.entry is not None and not tier.contains(ev.key):
+                    tier.put(ev.key, ev.entry, priority=ev.priority, copy=False)
+            raise
 
     def _place(self, j: int, key: str, entry: StoreEntry, priority: int, pinned: bool, tr: TierTraffic) -> bool:
-        """Promotion into tier ``j``: best effort (a full or conflicting tier is skipped)."""
+        """Promotion into tier ``j``: best effort (a full, conflicting or failing tier is skipped:
+        the entry is still served from where it was found)."""
         try:
             self._put_into(j, key, entry, priority, pinned, tr, copy=False)
-        except (*_NOT_TAKEN, CollisionError):
+        except (StoreError, OSError):
             return False
         return True
 
@@ -360,6 +380,8 @@ class TieredStore:
             except CollisionError:
                 return  # another version was written there meanwhile; it wins
             return
+        # Any other failure (StorePermissionError, StoreWriteError) propagates: ``_put_into``
+        # undoes the put that evicted this entry rather than lose it.
         tr.dropped.append(ev.key)
 
     def __repr__(self) -> str:

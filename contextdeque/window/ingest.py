@@ -10,8 +10,9 @@ from typing import Any, Sequence
 
 import torch
 
+from ..core.args import check_instance, check_int, check_str, check_token_ids
 from ..core.chunk import Chunk
-from ..core.errors import BudgetError, FingerprintMismatchError, WindowError
+from ..core.errors import ArgumentTypeError, BudgetError, FingerprintMismatchError, WindowError
 from ..core.kv import concat_kv
 from ..core.operator import to_content_frame
 from ..model import vision
@@ -49,6 +50,48 @@ def image_embedding(ctx: WindowContext, image: Any, processor: Any, meter: Meter
     ctx.store.put_embeds(ctx.fingerprint, emb, traffic=meter.traffic)
     return emb
 
+def check_inputs(
+    ctx: WindowContext,
+    *,
+    text: Any = None,
+    token_ids: Any = None,
+    embeds: Any = None,
+    chunk: Any = None,
+    rel_positions: Any = None,
+    span: Any = None,
+    modality: Any = None,
+    label: Any = None,
+) -> dict[str, Any]:
+    """``append``'s content arguments checked and normalized (``token_ids`` as a 1-D int64
+    tensor of in-vocabulary ids; ``embeds`` as a ``[T, hidden]`` float tensor of the model's
+    width), before any work: a mistake raises ``ArgumentTypeError`` / ``WindowError`` naming the
+    argument."""
+    check_str("text", text, none_ok=True)
+    check_str("label", label, none_ok=True)
+    check_str("modality", modality, none_ok=True)
+    check_instance("chunk", chunk, Chunk, "a contextdeque Chunk", none_ok=True)
+    if text is not None and not text:
+        raise WindowError("text is empty: a chunk needs at least one token")
+    if token_ids is not None:
+        token_ids = check_token_ids("token_ids", token_ids, ctx.backend.vocab_size, error=WindowError)
+    if embeds is not None:
+        check_instance("embeds", embeds, torch.Tensor, "a [T, hidden] float tensor")
+        if not embeds.is_floating_point():
+            raise ArgumentTypeError(f"embeds must be a float tensor, got {embeds.dtype}")
+        width = ctx.backend.embed_dim
+        if embeds.dim() != 2 or embeds.shape[0] == 0 or embeds.shape[1] != width:
+            raise WindowError(f"embeds must be [T >= 1, {width}] (the model's embedding width), got {tuple(embeds.shape)}")
+        if not bool(torch.isfinite(embeds).all()):
+            raise WindowError("embeds holds a non-finite value (inf/NaN)")
+    if rel_positions is not None:
+        check_instance("rel_positions", rel_positions, torch.Tensor, "an integer [n_axes, T] tensor")
+        if rel_positions.is_floating_point() or rel_positions.dim() not in (1, 2):
+            raise WindowError(f"rel_positions must be an integer [n_axes, T] tensor, got {rel_positions.dtype} {tuple(rel_positions.shape)}")
+    check_int("span", span, minimum=1, none_ok=True, error=WindowError)
+    return {"text": text, "token_ids": token_ids, "embeds": embeds, "chunk": chunk,
+            "rel_positions": rel_positions, "span": span, "modality": modality}
+
+
 def chunk_from_inputs(
     ctx: WindowContext,
     meter: Meter,
@@ -63,9 +106,11 @@ def chunk_from_inputs(
     image: Any = None,
     processor: Any = None,
     defer_encode: bool = False,
+    used_tokens: int | None = None,
 ) -> "Chunk | Unencoded":
     """The canonical for the given content: from the store, or encoded once and stored (with
-    ``defer_encode``, content the store lacks comes back unencoded)."""
+    ``defer_encode``, content the store lacks comes back unencoded). ``used_tokens``: the tokens
+    the window holds now, so ``overflow="error"`` refuses before anything is encoded."""
     if image is not None:
         if any(x is not None for x in (text, token_ids, embeds, chunk)):
             raise WindowError("append needs exactly one of text=, token_ids=, embeds=, image=, chunk=")
@@ -78,7 +123,7 @@ def chunk_from_inputs(
         if not isinstance(chunk, Chunk):
             raise WindowError(f"chunk= must be a contextdeque Chunk, got {type(chunk).__name__}")
         check_chunk(ctx, chunk)
-        check_fits(ctx, chunk.n_tokens)
+        check_fits(ctx, chunk.n_tokens, used_tokens)
         key = WindowStore.chunk_key(chunk)
         if not ctx.store.has(key):
             ctx.store.put_chunk(chunk, traffic=meter.traffic)
@@ -87,7 +132,7 @@ def chunk_from_inputs(
     if text is not None:
         token_ids = ctx.backend.tokenize(text)
     n = int(torch.as_tensor(token_ids).numel()) if token_ids is not None else int(embeds.shape[0])
-    check_fits(ctx, n)  # before encoding: a chunk that can never fit costs nothing
+    check_fits(ctx, n, used_tokens)  # before encoding: a chunk that can never fit costs nothing
     cid = ctx.backend.chunk_id_for(
         token_ids=token_ids, embeds=embeds, rel_positions=rel_positions, span=span, storage=ctx.storage
     )
@@ -120,7 +165,7 @@ def canonical_of(ctx: WindowContext, provisional: Chunk, meter: Meter) -> Chunk:
         span=provisional.span, modality=provisional.modality,
     )
 
-def provisional(ctx: WindowContext, pending: Unencoded, prefix: Sequence[Slot], meter: Meter) -> Slot:
+def provisional(ctx: WindowContext, pending: Unencoded, prefix: Sequence[Slot], meter: Meter, label: str | None = None) -> Slot:
     """New content placed after ``prefix`` with one conditioned forward (what a prefix cache
     runs): a provisional slot holding ``KV(B | prefix)`` in the content frame."""
     backend = ctx.backend
@@ -143,7 +188,7 @@ def provisional(ctx: WindowContext, pending: Unencoded, prefix: Sequence[Slot], 
         modality=inp["modality"] or ("text" if probe.token_ids is not None else "image"),
         meta={"input_digest": probe.input_digest, "provisional": "1"},
     )
-    ref = new_ref(chunk.id, chunk.n_tokens)
+    ref = new_ref(chunk.id, chunk.n_tokens, label)
     return Slot(ref=ref, chunk=chunk, inline_on=tuple((s.ref, s.version) for s in prefix))
 
 def check_chunk(ctx: WindowContext, chunk: Chunk) -> None:
@@ -159,8 +204,14 @@ def check_chunk(ctx: WindowContext, chunk: Chunk) -> None:
             f"window's ({ctx.backend.root_digest}); its canonical would not be KV(B | root)"
         )
 
-def check_fits(ctx: WindowContext, n_tokens: int) -> None:
-    """Refuse a chunk that could never fit the window's budget, however much slid out."""
+def check_fits(ctx: WindowContext, n_tokens: int, used_tokens: int | None = None) -> None:
+    """Refuse a chunk that could never fit the window's budget, however much slid out; with
+    ``overflow="error"`` and the tokens in use given, also one that does not fit now."""
     budget = ctx.budget_tokens
     if budget is not None and n_tokens > budget:
         raise BudgetError(f"a chunk of {n_tokens} tokens cannot fit a window budget of {budget} tokens")
+    if budget is not None and used_tokens is not None and ctx.overflow == "error" and used_tokens + n_tokens > budget:
+        raise BudgetError(
+            f"{n_tokens} more tokens exceed the budget ({used_tokens} of {budget} used); "
+            "slide or evict first, or use overflow='slide'"
+        )

@@ -42,7 +42,7 @@ from .store import WindowStore
 if TYPE_CHECKING:  # pragma: no cover
     from .window import ContextWindow
 
-_ITEM_KEYS = {"text", "token_ids", "embeds", "chunk", "rel_positions", "span", "modality", "image", "processor"}
+_ITEM_KEYS = {"text", "token_ids", "embeds", "chunk", "rel_positions", "span", "modality", "image", "processor", "label"}
 
 
 @dataclass
@@ -80,6 +80,7 @@ def _plan(win: "ContextWindow", meter: Meter, item: Any) -> _Plan:
         img = ingest.image_embedding(ctx, spec.pop("image"), spec.pop("processor", None), meter)
         spec.update(embeds=img.embeds, rel_positions=img.rel_positions, span=img.span, modality="image")
     spec.pop("processor", None)
+    spec.update(ingest.check_inputs(ctx, **spec))
     if sum(spec.get(k) is not None for k in ("text", "token_ids", "embeds", "chunk")) != 1:
         raise WindowError("an extend item needs exactly one of text, token_ids, embeds, image, chunk")
     if spec.get("chunk") is not None:
@@ -187,7 +188,7 @@ def extend_body(
             # append it and condition it on what precedes it (patch forms: model work)
             t0 = time.perf_counter()
             c = p.chunk
-            new = Slot(ref=new_ref(c.id, c.n_tokens), chunk=c)
+            new = Slot(ref=new_ref(c.id, c.n_tokens, p.spec.get("label")), chunk=c)
             ref = new.ref
             slots = list(state.slots)
             reasons: dict[ChunkRef, str] = {}

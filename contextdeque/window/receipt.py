@@ -103,6 +103,9 @@ class Receipt:
             out.wall_ms = wall_ms
         return out
 
+    def __repr__(self) -> str:
+        return f"Receipt({self.summary()})"
+
     @property
     def total_bytes_moved(self) -> int:
         return sum(self.bytes_moved.values())

@@ -99,7 +99,9 @@ def obtain(
             energy=energy,
             **options,
         )
-        ctx.store.put_patch(key, patch, traffic=meter.traffic)
+        failed = ctx.store.put_patch(key, patch, traffic=meter.traffic)
+        if failed:
+            meter.notes.append(failed)
         if kind in ("exact", "recall"):  # what the placement scheduler may aim for
             ctx.patch_index.setdefault(slot.chunk.id, set()).add(tuple(s.chunk.id for s in prefix))
         meter.patches_formed += 1

@@ -198,15 +198,6 @@ def policy_spec(policy: Any) -> str:
     return getattr(policy, "name", "") or "default"
 
 
-def _label(ref: ChunkRef) -> str | None:
-    return getattr(ref, "label", None)
-
-
-def _fresh_ref(saved: RefModel) -> ChunkRef:
-    ref = new_ref(saved.chunk_id, saved.n_tokens)
-    if saved.label is not None and any(f.name == "label" for f in dataclasses.fields(ChunkRef)):
-        ref = dataclasses.replace(ref, label=saved.label)
-    return ref
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -290,7 +281,7 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
     refs: dict[int, RefModel] = {}
 
     def note_ref(ref: ChunkRef) -> None:
-        refs.setdefault(ref.key, RefModel(key=ref.key, chunk_id=ref.chunk_id, n_tokens=ref.n_tokens, label=_label(ref)))
+        refs.setdefault(ref.key, RefModel(key=ref.key, chunk_id=ref.chunk_id, n_tokens=ref.n_tokens, label=ref.label))
 
     slots = []
     for s in state.slots:
@@ -466,7 +457,7 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
                 ctx.store.put_patch(cm.key, patches[cm.patch], traffic=meter.traffic)
 
     # Fresh refs (same order, same labels); versions recomputed under them, dependencies first.
-    new_refs = {r.key: _fresh_ref(r) for r in m.refs}
+    new_refs = {r.key: new_ref(r.chunk_id, r.n_tokens, r.label) for r in m.refs}
 
     def ref(key: int) -> ChunkRef:
         try:
@@ -524,7 +515,7 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
         g.add_edge(ref(e.src), ref(e.dst), version=version_of(e.src, e.version))
     state.graph = ConditioningGraph(g)
     state.generation = m.generation
-    ctx.store.hold(list(state.held_keys().elements()), meter.traffic)
+    meter.notes.extend(ctx.store.hold(list(state.held_keys().elements()), meter.traffic))
     win._state = state
     s = m.receipts
     meter.notes.append(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from ..core.chunk import Chunk
-from ..core.errors import CollisionError
+from ..core.errors import CollisionError, StoreError
 from ..patch import Patch
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.vision import ImageEmbedding
@@ -43,6 +43,8 @@ class WindowStore:
     def __init__(self, store: TieredStore) -> None:
         self.store = store
         self._holds: Counter[str] = Counter()
+        #: keys released by every holder whose demotion a store fault refused (retried on release)
+        self._undemoted: set[str] = set()
         #: (kind, tier that served it or "miss") -> lookups, kind in chunk / patch / embeds
         self.lookups: Counter[tuple[str, str]] = Counter()
 
@@ -122,37 +124,70 @@ class WindowStore:
             return None
         return Patch.from_entry(dict(entry.tensors), dict(entry.meta))
 
-    def put_patch(self, key: str, patch: Patch, *, traffic: TierTraffic) -> None:
+    def put_patch(self, key: str, patch: Patch, *, traffic: TierTraffic) -> str | None:
+        """Store ``patch`` under ``key``. A patch is a cache of one forward: when the store cannot
+        take it (a collision, a read-only or full tier) the window goes on with the patch it has
+        in hand; returns why it was not (fully) stored, else None."""
         tensors, meta = patch.to_entry()
         try:
             self.store.put(key, StoreEntry(tensors, meta), traffic=traffic)
         except CollisionError:
             # Another content under this key (another formation context): keep the first,
             # the window uses the patch it has in hand.
-            pass
+            return None
+        except (StoreError, OSError) as e:
+            return f"patch {key[:24]} not stored ({type(e).__name__}: {e})"
+        return None
 
     # ------------------------------------------------------------------ residency
-    def hold(self, keys: Iterable[str], traffic: TierTraffic) -> None:
+    def hold(self, keys: Iterable[str], traffic: TierTraffic) -> list[str]:
         """Count a window slot holding each key; a newly held key is brought to the fastest tier
-        and pinned (a lease on shared tiers) so no budget, this process's or another's, evicts it."""
+        and pinned (a lease on shared tiers) so no budget, this process's or another's, evicts it.
+
+        Never raises for a store fault: promotion is best effort (a key a faulty tier cannot
+        promote stays where it is, still held). Returns one line per promotion or pin that failed."""
+        failed: list[str] = []
         for key in keys:
             self._holds[key] += 1
             if self._holds[key] == 1:
-                where = self.store.where(key)
-                if where and where[0] != self.store.tiers[0].name:
-                    self.store.get(key, traffic=traffic)  # promotes
-                self.store.pin(key)
+                self._undemoted.discard(key)
+                try:
+                    where = self.store.where(key)
+                    if where and where[0] != self.store.tiers[0].name:
+                        self.store.get(key, traffic=traffic)  # promotes
+                except (StoreError, OSError) as e:
+                    failed.append(f"promotion of {key[:24]} failed ({type(e).__name__}: {e}); it stays where it is")
+                try:
+                    self.store.pin(key)
+                except (StoreError, OSError) as e:
+                    failed.append(f"pin of {key[:24]} failed ({type(e).__name__}: {e})")
+        return failed
 
-    def release(self, keys: Iterable[str], traffic: TierTraffic) -> None:
-        """Undo one hold per key; keys nobody holds any more are unpinned and demoted one tier down."""
+    def release(self, keys: Iterable[str], traffic: TierTraffic) -> list[str]:
+        """Undo one hold per key; keys nobody holds any more are unpinned and demoted one tier down.
+
+        Never raises for a store fault: a demotion a faulty tier refuses leaves the entry where it
+        is (nothing is lost) and is retried at the next release. Returns one line per failure."""
+        failed: list[str] = []
         for key in keys:
             if self._holds[key] <= 0:
                 continue
             self._holds[key] -= 1
             if self._holds[key] == 0:
                 del self._holds[key]
-                self.store.unpin(key)
+                self._undemoted.add(key)
+                try:
+                    self.store.unpin(key)
+                except (StoreError, OSError) as e:
+                    failed.append(f"unpin of {key[:24]} failed ({type(e).__name__}: {e})")
+        for key in sorted(self._undemoted):
+            try:
                 self.demote(key, traffic)
+            except (StoreError, OSError) as e:
+                failed.append(f"demotion of {key[:24]} deferred ({type(e).__name__}: {e})")
+                continue
+            self._undemoted.discard(key)
+        return failed
 
     def holds(self, key: str) -> int:
         return self._holds.get(key, 0)

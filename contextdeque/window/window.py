@@ -302,8 +302,10 @@ class ContextWindow:
     def _install(self, new: WindowState, meter: Meter) -> None:
         new.settle_pending({r: d[0] for r, d in meter.deferred.items()}, meter.reconditioned)
         before, after = self._state.held_keys(), new.held_keys()
-        self._ctx.store.hold(list((after - before).elements()), meter.traffic)
-        self._ctx.store.release(list((before - after).elements()), meter.traffic)
+        # Neither raises for a store fault (promotion and demotion are best effort, nothing is
+        # lost): past this point the operation has succeeded and the swap cannot half-happen.
+        meter.notes.extend(self._ctx.store.hold(list((after - before).elements()), meter.traffic))
+        meter.notes.extend(self._ctx.store.release(list((before - after).elements()), meter.traffic))
         new.graph.sync(new.slots, new.evicted)
         new.generation = self._state.generation + 1
         self._state = new
@@ -359,26 +361,33 @@ class ContextWindow:
         modality: str | None = None,
         image: Any = None,
         processor: Any = None,
+        label: str | None = None,
     ) -> ChunkRef:
         """Append a chunk at the end of the window; returns its ref (``ref.receipt`` is the receipt).
 
         Give exactly one of ``text``, ``token_ids [T]``, ``embeds [T, hidden]`` (with the span's
         ``rel_positions [n_axes, T]`` / ``span`` for an image), ``image`` (with the VL model's
         ``processor``: the vision tower runs only for pixels the store has not seen) or an encoded
-        ``chunk``. Content
+        ``chunk``. ``label`` names the ref (``ref.label``; shown by :meth:`show`). Content
         the store already holds is never encoded again. If the budget is full, the oldest
         chunks slide out first (see ``overflow``).
 
         Raises:
-            BudgetError: the chunk alone is larger than the budget (or ``overflow="error"``).
+            BudgetError: the chunk alone is larger than the budget (or, with ``overflow="error"``,
+                does not fit now: refused before anything is encoded).
             FingerprintMismatchError: ``chunk`` comes from another model, layout or root.
+            ArgumentTypeError / WindowError: a content argument of the wrong type or value (ids
+                outside the vocabulary, embeddings of another width, ...), named in the message.
         """
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], ChunkRef]:
             defer = bool(getattr(self._ctx.policy, "defers_canonical", False))
+            inputs = ingest.check_inputs(
+                self._ctx, text=text, token_ids=token_ids, embeds=embeds, chunk=chunk,
+                rel_positions=rel_positions, span=span, modality=modality, label=label,
+            )
             c = ingest.chunk_from_inputs(
-                self._ctx, meter, text=text, token_ids=token_ids, embeds=embeds, chunk=chunk,
-                rel_positions=rel_positions, span=span, modality=modality, image=image, processor=processor,
-                defer_encode=defer,
+                self._ctx, meter, **inputs, image=image, processor=processor,
+                defer_encode=defer, used_tokens=state.tokens_used,
             )
             ingest.check_fits(self._ctx, c.n_tokens)
             slots = list(state.slots)
@@ -388,12 +397,12 @@ class ContextWindow:
                 if slots:  # one conditioned forward after the (re-placed) window, like a prefix cache
                     slots, _ = reconcile(self._ctx, slots, reasons, meter)
                     slots, reasons = list(slots), {}
-                    new = ingest.provisional(self._ctx, c, slots, meter)
+                    new = ingest.provisional(self._ctx, c, slots, meter, label)
                 else:  # nothing in front: the canonical is what the model would cache
                     c = ingest.encode_and_store(self._ctx, meter, **c.inputs)
-                    new = Slot(ref=new_ref(c.id, c.n_tokens), chunk=c)
+                    new = Slot(ref=new_ref(c.id, c.n_tokens, label), chunk=c)
             else:
-                new = Slot(ref=new_ref(c.id, c.n_tokens), chunk=c)
+                new = Slot(ref=new_ref(c.id, c.n_tokens, label), chunk=c)
             ref = new.ref
             at = window_index(self._ctx, state.graph, slots, new, len(slots))
             slots.insert(at, new)
@@ -655,7 +664,9 @@ class ContextWindow:
                         rank=rk, rank_v=rv, kind=wanted.kind, conditioned=(slot.chunk.keys, slot.chunk.values),
                         **dict(wanted.options),
                     )
-                    ctx.store.put_patch(key, patch, traffic=meter.traffic)
+                    failed = ctx.store.put_patch(key, patch, traffic=meter.traffic)
+                    if failed:
+                        meter.notes.append(failed)
         return blind
 
     def start_healing(self, idle_ms: float = 20.0) -> "Healer":
@@ -705,7 +716,7 @@ class ContextWindow:
         meter = Meter(self._ctx, "fork")
         child = ContextWindow.__new__(ContextWindow)
         child._setup(self._ctx, self._state.copy(), parent=self)
-        self._ctx.store.hold(list(child._state.held_keys().elements()), meter.traffic)
+        meter.notes.extend(self._ctx.store.hold(list(child._state.held_keys().elements()), meter.traffic))
         receipt = meter.finish(refs=child.refs)
         self._record(receipt)
         child._record(receipt)
@@ -731,7 +742,7 @@ class ContextWindow:
             )
         meter = Meter(self._ctx, "commit")
         # The child's holds become the parent's; the parent's old state lets go of its own.
-        self._ctx.store.release(list(parent._state.held_keys().elements()), meter.traffic)
+        meter.notes.extend(self._ctx.store.release(list(parent._state.held_keys().elements()), meter.traffic))
         new = self._state
         new.generation = parent._state.generation + 1
         parent._state = new
@@ -753,7 +764,7 @@ class ContextWindow:
         """Release everything this window holds in the store; further operations raise."""
         self._check_open()
         meter = Meter(self._ctx, op)
-        self._ctx.store.release(list(self._state.held_keys().elements()), meter.traffic)
+        meter.notes.extend(self._ctx.store.release(list(self._state.held_keys().elements()), meter.traffic))
         self._closed = True
         receipt = meter.finish(refs=self.refs)
         self._record(receipt)
