@@ -153,6 +153,44 @@ def encode_and_store(ctx: WindowContext, meter: Meter, **inputs: Any) -> Chunk:
     stored = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)
     return stored if stored is not None else encoded
 
+@dataclass(frozen=True)
+class Source:
+    """What a chunk was encoded from (its inputs, no KV): enough to encode its canonical again.
+    A window keeps it for every evicted chunk, so a canonical the store's budget dropped can be
+    rebuilt on recall (one forward, reported in the receipt)."""
+
+    chunk_id: str
+    token_ids: torch.Tensor | None
+    embeds: torch.Tensor | None
+    rel_positions: torch.Tensor
+    span: int
+    modality: str
+
+    @classmethod
+    def of(cls, chunk: Chunk) -> "Source":
+        return cls(chunk.id, chunk.token_ids, chunk.embeds, chunk.rel_positions, chunk.span, chunk.modality)
+
+    def inputs(self) -> dict[str, Any]:
+        return {"token_ids": self.token_ids, "embeds": self.embeds, "rel_positions": self.rel_positions,
+                "span": self.span, "modality": self.modality}
+
+
+def reencode(ctx: WindowContext, source: Source, meter: Meter, why: str) -> Chunk:
+    """The canonical of ``source`` encoded again (one forward) and stored; ``why`` goes into the
+    receipt's notes.
+
+    Raises:
+        WindowError: the encoding does not give the chunk id it had (another model or storage)."""
+    chunk = encode_and_store(ctx, meter, **source.inputs())
+    if chunk.id != source.chunk_id:
+        raise WindowError(
+            f"re-encoding chunk {source.chunk_id[:12]} from its source gave {chunk.id[:12]}: the window's "
+            "model or storage changed since it was encoded"
+        )
+    meter.notes.append(f"canonical {source.chunk_id[:12]} re-encoded from its source ({why}): 1 forward")
+    return chunk
+
+
 def canonical_of(ctx: WindowContext, provisional: Chunk, meter: Meter) -> Chunk:
     """The canonical of a provisional chunk: from the store, else encoded now."""
     found = ctx.store.get_chunk(
@@ -160,10 +198,7 @@ def canonical_of(ctx: WindowContext, provisional: Chunk, meter: Meter) -> Chunk:
     )
     if found is not None:
         return found
-    return encode_and_store(ctx,
-        meter, token_ids=provisional.token_ids, embeds=provisional.embeds, rel_positions=provisional.rel_positions,
-        span=provisional.span, modality=provisional.modality,
-    )
+    return encode_and_store(ctx, meter, **Source.of(provisional).inputs())
 
 def provisional(ctx: WindowContext, pending: Unencoded, prefix: Sequence[Slot], meter: Meter, label: str | None = None) -> Slot:
     """New content placed after ``prefix`` with one conditioned forward (what a prefix cache

@@ -46,6 +46,7 @@ from ..patch import Patch
 from ..stores import StoreEntry
 from ..stores.format import decode_entry, encode_entry
 from .graph import ConditioningGraph
+from .ingest import Source
 from .receipt import Meter, Receipt
 from .ref import ChunkRef, new_ref
 from .slot import Conditioning, Slot
@@ -90,6 +91,17 @@ class SlotModel(_Model):
     version: str  # the slot's version when saved (under the saved refs)
 
 
+class SourceModel(_Model):
+    """An evicted chunk's inputs (re-encoded from them if its canonical is gone): tensors
+    ``<prefix>/<name>``."""
+
+    prefix: str
+    chunk_id: str
+    tensors: list[str]
+    span: int
+    modality: str
+
+
 class EvictedModel(_Model):
     ref: int
     chunk_key: str
@@ -100,6 +112,7 @@ class EvictedModel(_Model):
     formed_on: list[TagModel] = []
     provisional: int | None = None  # chunk index: left before its canonical was computed
     canonical: int | None = None  # chunk index of its canonical (None: not in the store when saved)
+    source: SourceModel | None = None
 
 
 class RefModel(_Model):
@@ -307,11 +320,18 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
                 canonical = tables.chunk(Chunk.from_entry(dict(found.tensors), dict(found.meta)), provisional=False)
             else:
                 meter.notes.append(f"{ref!r}: canonical not in the store; saved without it")
+        source = None
+        if e.source is not None:
+            prefix = f"s{len(evicted)}"
+            named = {n: t for n, t in (("token_ids", e.source.token_ids), ("embeds", e.source.embeds), ("rel_positions", e.source.rel_positions)) if t is not None}
+            for n, tensor in named.items():
+                tables.tensors[f"{prefix}/{n}"] = tensor
+            source = SourceModel(prefix=prefix, chunk_id=e.source.chunk_id, tensors=sorted(named), span=e.source.span, modality=e.source.modality)
         evicted.append(EvictedModel(
             ref=ref.key, chunk_key=e.chunk_key, chunk_id=e.chunk_id, n_tokens=e.n_tokens, span=e.span,
             stale_patch_keys=list(e.stale_patch_keys), formed_on=_tags(e.formed_on),
             provisional=None if e.provisional is None else tables.chunk(e.provisional, provisional=True),
-            canonical=canonical,
+            canonical=canonical, source=source,
         ))
     g = state.graph.g
     nodes, edges = [], []
@@ -501,11 +521,18 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
     def version_of(key: int, v: str | None) -> str | None:
         return new_version[key] if key in in_window and v == saved_version[key] else v
 
+    def _source(sm: SourceModel) -> Source:
+        named = {n: t(f"{sm.prefix}/{n}") for n in sm.tensors}
+        if "rel_positions" not in named:
+            raise SessionError(f"session {path}: source {sm.prefix} lacks rel_positions")
+        return Source(sm.chunk_id, named.get("token_ids"), named.get("embeds"), named["rel_positions"], sm.span, sm.modality)
+
     for e in m.evicted:
         state.evicted[ref(e.ref)] = EvictedEntry(
             ref=ref(e.ref), chunk_key=e.chunk_key, chunk_id=e.chunk_id, n_tokens=e.n_tokens, span=e.span,
             stale_patch_keys=tuple(e.stale_patch_keys), formed_on=tuple(tag(x) for x in e.formed_on),
             provisional=None if e.provisional is None else chunks[e.provisional],
+            source=None if e.source is None else _source(e.source),
         )
     state.pending = {ref(p.ref): Pending(reason=p.reason, since=p.since) for p in m.pending}
     g = nx.DiGraph()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from ..core.errors import UnknownRefError, WindowError
 from ..core.chunk import Chunk
 from .graph import ConditioningGraph
+from .ingest import Source
 from .ref import ChunkRef
 from .slot import Slot, Tag
 from .store import WindowStore
@@ -32,6 +33,7 @@ class EvictedEntry:
     stale_patch_keys: tuple[str, ...]
     formed_on: tuple[Tag, ...]
     provisional: "Chunk | None" = None  # evicted before healing: the canonical is not stored yet
+    source: "Source | None" = None  # its inputs: re-encoded from them if the store dropped the canonical
 
 
 @dataclass(frozen=True)

@@ -327,6 +327,7 @@ class ContextWindow:
             stale_patch_keys=tuple(c.key for c in s.stack if c.key),
             formed_on=s.conditioned_on,
             provisional=s.chunk if s.provisional else None,
+            source=ingest.Source.of(s.chunk),
         )
         reasons.pop(s.ref, None)
         for later in slots[idx:]:
@@ -496,6 +497,8 @@ class ContextWindow:
                 chunk = ctx.store.get_chunk(
                     entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic
                 )
+            if chunk is None and entry.source is not None:  # dropped by the store's budget
+                chunk = ingest.reencode(ctx, entry.source, meter, "no longer in the store: dropped by its budget")
             if chunk is None:
                 raise UnknownRefError(
                     f"{ref!r}: its canonical is no longer in the store (dropped by the store's budget); "
