@@ -7,10 +7,8 @@
 - ``agents/scenarios.py``: what ``contextdeque demo`` runs them on.
 """
 
-if not __name__.startswith("contextdeque."):
-    # imported as a top-level ``agents`` from a checkout on sys.path: stay an inert namespace shadow
-    __file__ = None  # noqa: F811
-else:
+# imported as a top-level ``agents`` from a checkout on sys.path: stay an empty shadow
+if __name__.startswith("contextdeque."):
     from .messages import MessageWindow, SyncReceipt, normalize_messages
 
     __all__ = ["MessageWindow", "SyncReceipt", "normalize_messages"]

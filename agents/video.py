@@ -78,7 +78,8 @@ class Segment:
 def load_frames(video: Any, *, every: int = 1, max_frames: int | None = None) -> list[np.ndarray]:
     """Frames ``[H, W, 3]`` uint8: ``video`` is a path to a video file (decoded with PyAV, every
     ``every``-th frame), ``None`` (a clip built from ``skimage.data`` photographs, decoded back),
-    or a sequence of frames (arrays, PIL images, bytes, paths; each checked by ``load_image``).
+    or a sequence of frames (arrays, PIL images, bytes, paths, or one ``[N, H, W, C]`` array;
+    each checked by ``load_image``).
 
     Raises:
         MediaError: an unreadable video or frame; MediaTypeError: a frame of an unknown type;
@@ -91,6 +92,8 @@ def load_frames(video: Any, *, every: int = 1, max_frames: int | None = None) ->
             return decode_video(build_clip(Path(d) / "clip.mp4"), every=every, max_frames=max_frames)
     if isinstance(video, (str, Path)):
         return decode_video(video, every=every, max_frames=max_frames)
+    if isinstance(video, np.ndarray) and video.ndim == 4:  # [N, H, W, C] frames
+        video = list(video)
     if isinstance(video, Sequence) and not isinstance(video, (bytes, bytearray)):
         frames = [load_image(f, name=f"frame {i}") for i, f in enumerate(video)][::every]
         return frames[:max_frames] if max_frames is not None else frames

@@ -7,12 +7,10 @@ or paged destination cache. Backends: Triton (CUDA), a compiled native kernel (C
 torch, and the reference oracle. Imports nothing from contextdeque but ``contextdeque.core.errors``.
 """
 
-if not __name__.startswith("contextdeque."):
-    # Reached as a top-level ``kernels`` because the repository root is on sys.path (e.g.
-    # ``python -m ...`` from the checkout). Present as a bare namespace shadow, so transformers'
-    # probe for Hugging Face's ``kernels`` package reports it absent instead of importing us.
-    __file__ = None  # noqa: F811
-else:
+# Imported as a top-level ``kernels`` (the checkout's root on sys.path, e.g. ``python -c`` there),
+# this file stays an empty shadow: no version, nothing imported, so transformers' probe for Hugging
+# Face's ``kernels`` package reports it absent (tests/test_packaging.py checks it).
+if __name__.startswith("contextdeque."):
     from .dispatch import BACKENDS, fused_apply, fused_apply_layers, reference_apply, select_backend
     from .spec import (
         MAX_RANK,
@@ -22,7 +20,6 @@ else:
         RopeSpec,
         slot_mapping_from_block_table,
     )
-
 
 __all__ = [
     "BACKENDS",

@@ -24,7 +24,7 @@ import torch
 from ..core.errors import KernelArgumentError
 from . import native, torch_path
 from .reference import job_result, write_job
-from .spec import ContiguousDest, Dest, Factors, PagedDest, RopeSpec, TensorJob, build_jobs
+from .spec import ContiguousDest, Dest, Factors, RopeSpec, TensorJob, build_jobs, layer_arg, stacked_factors
 
 Backend = Literal["auto", "triton", "native", "torch", "reference"]
 BACKENDS = ("auto", "triton", "native", "torch", "reference")
@@ -137,27 +137,6 @@ def reference_apply(
     return fused_apply(k_content, v_content, rope, cos, sin, k_factors, v_factors, dest, out_dtype=out_dtype, backend="reference")
 
 
-def _stacked_factors(f) -> bool:
-    return (
-        isinstance(f, tuple)
-        and len(f) == 2
-        and isinstance(f[0], torch.Tensor)
-        and isinstance(f[1], torch.Tensor)
-        and f[0].dim() == 3
-    )
-
-
-def _layer(arg, i: int, stacked_dim: int):
-    """Layer ``i`` of a per-layer argument: None, shared tensor, stacked tensor, stacked pair, or sequence."""
-    if arg is None:
-        return None
-    if isinstance(arg, torch.Tensor):
-        return arg[i] if arg.dim() == stacked_dim + 1 else arg
-    if _stacked_factors(arg):
-        return (arg[0][i], arg[1][i])
-    return arg[i]
-
-
 def _check_layers(arg, name: str, L: int, stacked_dim: int) -> None:
     """A per-layer argument must provide exactly L layers (stacked, or as a sequence)."""
     if arg is None:
@@ -166,7 +145,7 @@ def _check_layers(arg, name: str, L: int, stacked_dim: int) -> None:
         if arg.dim() != stacked_dim + 1 and (stacked_dim == 3 or arg.dim() != stacked_dim):
             raise KernelArgumentError(f"{name} must be stacked [L, ...] or a per-layer sequence, got {tuple(arg.shape)}")
         counts = [arg.shape[0]] if arg.dim() == stacked_dim + 1 else []  # else: one table for all layers
-    elif _stacked_factors(arg):
+    elif stacked_factors(arg):
         counts = [arg[0].shape[0], arg[1].shape[0]]
     else:
         counts = [len(arg)]
@@ -222,11 +201,11 @@ def fused_apply_layers(
     own = dests is None
     out_k = out_v = None
     if own:
-        k0, v0 = _layer(k_contents, 0, 3), _layer(v_contents, 0, 3)
+        k0, v0 = layer_arg(k_contents, 0, 3), layer_arg(v_contents, 0, 3)
         out_k = torch.empty((L, 1, *k0.shape), dtype=out_dtype or k0.dtype, device=k0.device)
         out_v = torch.empty((L, 1, *v0.shape), dtype=out_dtype or v0.dtype, device=v0.device)
-    chosen = select_backend(_layer(k_contents, 0, 3).device) if backend == "auto" else backend
-    if chosen == "native" and native.available() and _run_layers_native(
+    chosen = select_backend(layer_arg(k_contents, 0, 3).device) if backend == "auto" else backend
+    if chosen == "native" and native.available() and native.run_all_layers(
         k_contents, v_contents, rope, cos, sin, k_factors, v_factors, dests, out_k, out_v, L
     ):
         pass
@@ -236,114 +215,11 @@ def fused_apply_layers(
             d = ContiguousDest(out_k[i], out_v[i]) if own else dests[i]  # type: ignore[index]
             jobs.extend(
                 build_jobs(
-                    _layer(k_contents, i, 3), _layer(v_contents, i, 3), rope, _layer(cos, i, 2),
-                    _layer(sin, i, 2), _layer(k_factors, i, 2), _layer(v_factors, i, 2), d,
+                    layer_arg(k_contents, i, 3), layer_arg(v_contents, i, 3), rope, layer_arg(cos, i, 2),
+                    layer_arg(sin, i, 2), layer_arg(k_factors, i, 2), layer_arg(v_factors, i, 2), d,
                 )
             )
         _run(jobs, chosen)
     if own:
         return [(out_k[i, 0], out_v[i, 0]) for i in range(L)]  # type: ignore[index]
     return None
-
-
-def _sig(t: torch.Tensor) -> tuple:
-    return (t.shape, t.stride(), t.dtype, t.device)
-
-
-def _dest_tensors(d) -> tuple[torch.Tensor, torch.Tensor]:
-    return (d.k, d.v) if isinstance(d, ContiguousDest) else (d.k_cache, d.v_cache)
-
-
-def _same_dests(dests: Sequence[Dest]) -> bool:
-    """Whether every destination is laid out like ``dests[0]`` (checked per layer, so kept lean)."""
-    d0 = dests[0]
-    t0k, t0v = _dest_tensors(d0)
-    if isinstance(d0, ContiguousDest):
-        key = (d0.batch, d0.start)
-        same_key = lambda d: isinstance(d, ContiguousDest) and (d.batch, d.start) == key  # noqa: E731
-    else:
-        same_key = lambda d: isinstance(d, PagedDest) and d.slot_mapping is d0.slot_mapping  # noqa: E731
-    checks = []
-    for t0 in (t0k, t0v):
-        if not t0.is_cpu:
-            return False
-        # contiguous tensors of equal shape have equal strides: skip the (slower) stride tuple
-        checks.append((t0.shape, t0.dtype, t0.is_contiguous(), t0.stride()))
-    for d in dests[1:]:
-        if not same_key(d):
-            return False
-        for t, (shape, dtype, contig, stride) in zip(_dest_tensors(d), checks):
-            if t.shape != shape or t.dtype is not dtype or not t.is_cpu:
-                return False
-            if not (contig and t.is_contiguous()) and t.stride() != stride:
-                return False
-    return True
-
-
-class _Mismatch(Exception):
-    """A layer is laid out differently from layer 0: use the per-layer path."""
-
-
-def _addresses(arg, L: int, stacked_dim: int, ref: torch.Tensor) -> list[int]:
-    """Data address of each layer's tensor of a per-layer argument laid out like ``ref`` (layer 0's)."""
-    if isinstance(arg, torch.Tensor):
-        if arg.dim() == stacked_dim + 1:  # stacked
-            base, step = arg.data_ptr(), arg.stride(0) * arg.element_size()
-            return [base + i * step for i in range(L)]
-        return [arg.data_ptr()] * L  # shared by every layer
-    sig = _sig(ref)
-    out = []
-    for t in arg:
-        if not isinstance(t, torch.Tensor) or _sig(t) != sig:
-            raise _Mismatch
-        out.append(t.data_ptr())
-    return out
-
-
-def _factor_addresses(f, L: int, job: TensorJob) -> tuple[list[int], list[int]]:
-    if job.u is None or job.w is None:  # layer 0 unpatched: so must every layer be
-        if f is not None and not _stacked_factors(f) and any(x is not None for x in f):
-            raise _Mismatch
-        return [0] * L, [0] * L
-    if _stacked_factors(f):
-        return _addresses(f[0], L, 2, job.u), _addresses(f[1], L, 2, job.w)
-    pairs = list(f)
-    if any(x is None for x in pairs):
-        raise _Mismatch
-    return _addresses([x[0] for x in pairs], L, 2, job.u), _addresses([x[1] for x in pairs], L, 2, job.w)
-
-
-def _run_layers_native(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v, L: int) -> bool:
-    """Native path for many layers laid out alike: layer 0 is checked in full, the other layers
-    only for having the same shapes, strides, dtypes and devices; then one kernel call.
-
-    Returns ``False`` (nothing written) when the layers differ, to use the per-layer path."""
-    own = dests is None
-    dest0 = ContiguousDest(out_k[0], out_v[0]) if own else dests[0]
-    jobs0 = build_jobs(
-        _layer(k, 0, 3), _layer(v, 0, 3), rope, _layer(cos, 0, 2), _layer(sin, 0, 2),
-        _layer(kf, 0, 2), _layer(vf, 0, 2), dest0,
-    )
-    if not all(native.supports(j) for j in jobs0):
-        return False
-    try:
-        if own:
-            d_k, d_v = _addresses(out_k, L, 4, out_k[0]), _addresses(out_v, L, 4, out_v[0])
-        else:
-            if not _same_dests(dests):
-                raise _Mismatch
-            d_k = [_dest_tensors(d)[0].data_ptr() for d in dests]
-            d_v = [_dest_tensors(d)[1].data_ptr() for d in dests]
-        jk, jv = jobs0
-        per_tensor = []
-        for job, content, f, dest in ((jk, k, kf, d_k), (jv, v, vf, d_v)):
-            u, w = _factor_addresses(f, L, job)
-            if job.half:
-                c, s_ = _addresses(cos, L, 2, job.cos), _addresses(sin, L, 2, job.sin)  # type: ignore[arg-type]
-            else:
-                c = s_ = [0] * L
-            per_tensor.append((_addresses(content, L, 3, job.content), u, w, c, s_, dest))
-        native.run_layers(jobs0, k=per_tensor[0], v=per_tensor[1])
-    except _Mismatch:
-        return False
-    return True

@@ -1,4 +1,5 @@
-"""Native CPU backend: the fused kernel of :mod:`._native_src`, compiled on first use, via ctypes.
+"""Native CPU backend: the fused kernel of ``csrc/cd_fused.c``, compiled on first use, called via
+ctypes; the marshalling of tensors into its parameter blocks lives here too.
 
 Why a C kernel. On CPU the apply is one memory pass plus a skinny GEMM (``[T, m] @ [m, H*d]``).
 torch can only express it as separate ops, each a pass over memory with fp32 temporaries (the
@@ -28,7 +29,7 @@ starts from a cold cache; ``bench_util``):
 - the pure-torch backend is 2-3x the floor (fp32) and 3-15x (bf16); ``fused_apply`` called per
   layer (30 calls) costs 1.1-1.7x ``fused_apply_layers`` at rank 0 (per-call checks and forks).
 
-Build. The source is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``)
+Build. The source (``kernels/csrc/cd_fused.c``, shipped as package data) is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``)
 with ``-O3 -march=native -fopenmp`` (AVX-512, AVX2+F16C and plain C code paths; the tests build
 the latter two with ``CONTEXTDEQUE_NATIVE_MARCH``) into ``$CONTEXTDEQUE_KERNEL_CACHE`` (default
 ``$XDG_CACHE_HOME/contextdeque/kernels``), keyed by a hash of source, flags and CPU (not the
@@ -50,15 +51,19 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from ._native_src import C_SOURCE
-from .spec import TensorJob
+from .spec import ContiguousDest, Dest, PagedDest, TensorJob, build_jobs, layer_arg, stacked_factors
+
+#: The kernel's C source, shipped as package data beside this module.
+SOURCE_PATH = Path(__file__).resolve().parent / "csrc" / "cd_fused.c"
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 def _flags() -> list[str]:
     # CONTEXTDEQUE_NATIVE_MARCH picks another target (e.g. "haswell", "x86-64"): the tests use it
     # to check the AVX2 and generic code paths on an AVX-512 machine
@@ -102,7 +107,8 @@ def _build() -> ctypes.CDLL:
     # The key ignores the compiler: any successful build of this source with these flags for this
     # CPU is equally valid, so a populated cache works on machines without a compiler.
     flags = _flags()
-    key = hashlib.sha256("\0".join([C_SOURCE, " ".join(flags), platform.machine(), _cpu_signature()]).encode())
+    source = SOURCE_PATH.read_text()
+    key = hashlib.sha256("\0".join([source, " ".join(flags), platform.machine(), _cpu_signature()]).encode())
     target = _cache_dir() / f"cd_fused_{key.hexdigest()[:24]}.so"
     if not target.exists():
         cc = _compiler()
@@ -111,7 +117,7 @@ def _build() -> ctypes.CDLL:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             src = Path(tmp) / "cd_fused.c"
-            src.write_text(C_SOURCE)
+            src.write_text(source)
             so = Path(tmp) / "cd_fused.so"
             proc = subprocess.run([cc, *flags, str(src), "-o", str(so)], capture_output=True, text=True, timeout=300)
             if proc.returncode != 0:
@@ -268,3 +274,106 @@ def run_layers(jobs0: tuple[TensorJob, TensorJob], *, k: tuple[list[int], ...], 
         blocks.append(rows)
         footprint += job.content.numel() * (job.content.element_size() + _DT_SIZE[job.buf.dtype]) * len(addrs[0])
     _call(np.ascontiguousarray(np.concatenate(blocks)), 2 * len(k[0]), footprint)
+
+
+def _sig(t: torch.Tensor) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _dest_tensors(d) -> tuple[torch.Tensor, torch.Tensor]:
+    return (d.k, d.v) if isinstance(d, ContiguousDest) else (d.k_cache, d.v_cache)
+
+
+def _same_dests(dests: Sequence[Dest]) -> bool:
+    """Whether every destination is laid out like ``dests[0]`` (checked per layer, so kept lean)."""
+    d0 = dests[0]
+    t0k, t0v = _dest_tensors(d0)
+    if isinstance(d0, ContiguousDest):
+        key = (d0.batch, d0.start)
+        same_key = lambda d: isinstance(d, ContiguousDest) and (d.batch, d.start) == key  # noqa: E731
+    else:
+        same_key = lambda d: isinstance(d, PagedDest) and d.slot_mapping is d0.slot_mapping  # noqa: E731
+    checks = []
+    for t0 in (t0k, t0v):
+        if not t0.is_cpu:
+            return False
+        # contiguous tensors of equal shape have equal strides: skip the (slower) stride tuple
+        checks.append((t0.shape, t0.dtype, t0.is_contiguous(), t0.stride()))
+    for d in dests[1:]:
+        if not same_key(d):
+            return False
+        for t, (shape, dtype, contig, stride) in zip(_dest_tensors(d), checks):
+            if t.shape != shape or t.dtype is not dtype or not t.is_cpu:
+                return False
+            if not (contig and t.is_contiguous()) and t.stride() != stride:
+                return False
+    return True
+
+
+class _Mismatch(Exception):
+    """A layer is laid out differently from layer 0: use the per-layer path."""
+
+
+def _addresses(arg, L: int, stacked_dim: int, ref: torch.Tensor) -> list[int]:
+    """Data address of each layer's tensor of a per-layer argument laid out like ``ref`` (layer 0's)."""
+    if isinstance(arg, torch.Tensor):
+        if arg.dim() == stacked_dim + 1:  # stacked
+            base, step = arg.data_ptr(), arg.stride(0) * arg.element_size()
+            return [base + i * step for i in range(L)]
+        return [arg.data_ptr()] * L  # shared by every layer
+    sig = _sig(ref)
+    out = []
+    for t in arg:
+        if not isinstance(t, torch.Tensor) or _sig(t) != sig:
+            raise _Mismatch
+        out.append(t.data_ptr())
+    return out
+
+
+def _factor_addresses(f, L: int, job: TensorJob) -> tuple[list[int], list[int]]:
+    if job.u is None or job.w is None:  # layer 0 unpatched: so must every layer be
+        if f is not None and not stacked_factors(f) and any(x is not None for x in f):
+            raise _Mismatch
+        return [0] * L, [0] * L
+    if stacked_factors(f):
+        return _addresses(f[0], L, 2, job.u), _addresses(f[1], L, 2, job.w)
+    pairs = list(f)
+    if any(x is None for x in pairs):
+        raise _Mismatch
+    return _addresses([x[0] for x in pairs], L, 2, job.u), _addresses([x[1] for x in pairs], L, 2, job.w)
+
+
+def run_all_layers(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v, L: int) -> bool:
+    """Native path for many layers laid out alike: layer 0 is checked in full, the other layers
+    only for having the same shapes, strides, dtypes and devices; then one kernel call.
+
+    Returns ``False`` (nothing written) when the layers differ, to use the per-layer path."""
+    own = dests is None
+    dest0 = ContiguousDest(out_k[0], out_v[0]) if own else dests[0]
+    jobs0 = build_jobs(
+        layer_arg(k, 0, 3), layer_arg(v, 0, 3), rope, layer_arg(cos, 0, 2), layer_arg(sin, 0, 2),
+        layer_arg(kf, 0, 2), layer_arg(vf, 0, 2), dest0,
+    )
+    if not all(supports(j) for j in jobs0):
+        return False
+    try:
+        if own:
+            d_k, d_v = _addresses(out_k, L, 4, out_k[0]), _addresses(out_v, L, 4, out_v[0])
+        else:
+            if not _same_dests(dests):
+                raise _Mismatch
+            d_k = [_dest_tensors(d)[0].data_ptr() for d in dests]
+            d_v = [_dest_tensors(d)[1].data_ptr() for d in dests]
+        jk, jv = jobs0
+        per_tensor = []
+        for job, content, f, dest in ((jk, k, kf, d_k), (jv, v, vf, d_v)):
+            u, w = _factor_addresses(f, L, job)
+            if job.half:
+                c, s_ = _addresses(cos, L, 2, job.cos), _addresses(sin, L, 2, job.sin)  # type: ignore[arg-type]
+            else:
+                c = s_ = [0] * L
+            per_tensor.append((_addresses(content, L, 3, job.content), u, w, c, s_, dest))
+        run_layers(jobs0, k=per_tensor[0], v=per_tensor[1])
+    except _Mismatch:
+        return False
+    return True

@@ -277,3 +277,25 @@ def build_jobs(
         cos if on_v else None, sin if on_v else None, bufs[1], batch, start, slots,
     )
     return kj, vj
+
+
+def stacked_factors(f) -> bool:
+    """Whether ``f`` is a stacked factor pair ``(u [L, T, m], w [L, m, H*d])`` for all layers."""
+    return (
+        isinstance(f, tuple)
+        and len(f) == 2
+        and isinstance(f[0], torch.Tensor)
+        and isinstance(f[1], torch.Tensor)
+        and f[0].dim() == 3
+    )
+
+
+def layer_arg(arg, i: int, stacked_dim: int):
+    """Layer ``i`` of a per-layer argument: None, shared tensor, stacked tensor, stacked pair, or sequence."""
+    if arg is None:
+        return None
+    if isinstance(arg, torch.Tensor):
+        return arg[i] if arg.dim() == stacked_dim + 1 else arg
+    if stacked_factors(arg):
+        return (arg[0][i], arg[1][i])
+    return arg[i]

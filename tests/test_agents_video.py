@@ -64,6 +64,8 @@ def test_load_frames_decodes_a_real_clip(clip):
     frames = load_frames(clip, every=2)
     assert len(frames) == 12 and frames[0].shape == (96, 128, 3) and frames[0].dtype == np.uint8
     assert float(np.abs(frames[0].astype(int) - frames[-1].astype(int)).mean()) > 10  # different photographs
+    stacked = load_frames(np.stack(frames), every=3)  # frames given as one [N, H, W, 3] array
+    assert len(stacked) == 4 and np.array_equal(stacked[1], frames[3])
 
 
 def test_video_agent_on_a_tiny_model(chat_backend, clip, tmp_path, capsys, one_thread):

@@ -149,6 +149,10 @@ def test_installed_namespace():
     import contextdeque.agents
     import contextdeque.kernels
 
-    assert contextdeque.kernels.fused_apply is not None
+    from contextdeque.kernels import native
+
     assert Path(contextdeque.kernels.__file__).parent.name == "kernels"
+    # the native kernel's C source is package data beside the module that builds it
+    assert native.SOURCE_PATH.parent == Path(contextdeque.kernels.__file__).parent / "csrc"
+    assert "cd_apply_many" in native.SOURCE_PATH.read_text()
     assert contextdeque.agents.__name__ == "contextdeque.agents"

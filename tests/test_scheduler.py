@@ -80,14 +80,20 @@ def test_exact_finds_a_stored_prefix():
 
 @pytest.mark.parametrize("kind", ["web", "video", "doc"])
 def test_scheduler_never_forms_more_than_arrival(kind):
-    forms = {"arrival": 0, "scheduler": 0}
+    forms = {"arrival": 0, "scheduler": 0, "scheduler-offline": 0}
     for seed in range(2):
         t = generate(kind, seed=seed)
         per = {p: Replayer(t, p, "lru", "patch").run().patch_forms for p in forms}
-        assert per["scheduler"] <= per["arrival"], (seed, per)
+        assert per["scheduler"] <= per["arrival"] and per["scheduler-offline"] <= per["arrival"], (seed, per)
         for p in forms:
             forms[p] += per[p]
     assert forms["scheduler"] <= forms["arrival"]
+
+
+def test_scheduler_refreshes_from_the_store_instead_of_keeping_stale():
+    t = generate("doc", seed=2)
+    arr, sch = (Replayer(t, p, "lru", "patch").run() for p in ("arrival", "scheduler"))
+    assert sch.refreshes > 0 and arr.refreshes == 0  # arrival order keeps every stale patch as it is
 
 
 def test_scheduler_forms_fewer_in_aggregate():
@@ -141,3 +147,16 @@ def test_window_budget_slides_and_offline_admission():
     ro = Replayer(t, "scheduler-offline", "lru", "patch", config=cfg).run()
     assert ra.window_evictions > 0 and ro.window_evictions > 0
     assert Replayer(t, "arrival", "lru", "patch", config=cfg).run().as_dict() == ra.as_dict()  # deterministic
+
+
+def test_replay_bench_figures():
+    from contextdeque.replay.bench import scheduler_vs_arrival
+
+    rep = scheduler_vs_arrival(1, budgets=(None, 6000))
+    h = rep["heuristic_over_exact"]
+    assert h["decisions"] > 0 and h["mean"] >= 1.0 - 1e-12 and h["share_equal"] <= 1.0  # exact is a minimum
+    for tag in ("no budget", "budget 6000 tokens"):
+        for kind in ("web", "video", "doc"):
+            s = rep[tag][kind]
+            assert set(s["aggregate"]) == {"arrival", "scheduler", "scheduler-offline"}
+            assert s["tokens_prefilled"]["patch"] < s["tokens_prefilled"]["reprefill"]

@@ -96,6 +96,9 @@ def test_errors_are_openai_shaped_4xx(server) -> None:
         assert err["type"] == "invalid_request_error" and err["message"]
     r = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401 and "error" in r.json()
+    for headers in ({}, {"Authorization": f"Basic {KEY}"}, {"Authorization": KEY}):  # no / wrong auth scheme
+        r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": good}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
     m = server.metrics(KEY)
     assert metric(m, "contextdeque_requests_total", endpoint="/v1/chat/completions", status="401") >= 1
     assert KEY not in server.log and "sk-wrong" not in server.log
@@ -178,3 +181,65 @@ def test_loadtest_command(server, tmp_path) -> None:
     assert (tmp_path / "load.png").stat().st_size > 10_000
     replies = json.loads((tmp_path / "r.json").read_text())
     assert [len(v) for v in replies.values()] == [2, 2]
+
+
+def test_idle_healing_gives_way_to_a_request_and_resumes() -> None:
+    """In-process engine, latency-first policy, healing as soon as the queue is empty: a request
+    that arrives during a heal step interrupts it at the next decoder layer (the window is left
+    as it was), is answered as a server that never heals answers it, and healing then finishes;
+    the healed window answers as a fresh engine rebuilding the conversation from the store."""
+    import torch
+
+    from contextdeque.cli.model_spec import load_backend
+    from contextdeque.core.cooperative import in_background
+    from contextdeque.serve.engine import Engine, GenerationRequest
+    from contextdeque.serve.metrics import parse_text
+    from contextdeque.window import default_store
+
+    from serve_util import wait_until
+
+    torch.set_num_threads(1)
+    b = load_backend("tiny:llama", chat=True)
+    sys_msg = {"role": "system", "content": "You are brief."}
+    msgs1 = [sys_msg, {"role": "user", "content": "first page: " + "alpha beta gamma " * 12}]
+    other = [sys_msg, {"role": "user", "content": "an unrelated question about delta"}]
+
+    def run(engine: Engine, messages: list, session: str | None = None) -> object:
+        return engine.submit(GenerationRequest(messages=messages, max_new_tokens=6, session_id=session)).result(600)
+
+    ref = Engine(b, default_store(b.device), model_name="t", patch_policy="latency", heal_idle_ms=None)
+    r1 = run(ref, msgs1)
+    msgs2 = msgs1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "second page: " + "epsilon zeta " * 12}]
+    run(ref, msgs2)
+    assert ref.pending_chunks() >= 1  # never healed
+    other_ref = run(ref, other).text
+    ref.close()
+
+    store = default_store(b.device)
+    e = Engine(b, store, model_name="t", patch_policy="latency", heal_idle_ms=0)
+    layer0 = next(m for n, m in b.model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList))[0]
+    box: dict = {}
+
+    def arrive(_m, _a) -> None:  # a request lands while the first heal step runs its first layer
+        if in_background() and "fut" not in box:
+            box["fut"] = e.submit(GenerationRequest(messages=other, max_new_tokens=6))
+
+    hook = layer0.register_forward_pre_hook(arrive)
+    try:
+        assert run(e, msgs1, "s1").text == r1.text
+        run(e, msgs2, "s1")
+        assert wait_until(lambda: "fut" in box, 600)
+        assert box["fut"].result(600).text == other_ref
+        assert wait_until(lambda: e.pending_chunks() == 0, 600)
+    finally:
+        hook.remove()
+    m = parse_text(e.metrics.render().decode())
+    assert m["contextdeque_heal_interrupted_total"] >= 1 and m["contextdeque_heal_steps_total"] >= 1
+    assert m["contextdeque_heal_errors_total"] == 0
+    healed = run(e, msgs2, "s1")  # the healed window itself (nothing to sync)
+    e.close()
+    assert healed.encodes == 0 and healed.patches_formed == 0 and not healed.restored
+    fresh = Engine(b, store, model_name="t", patch_policy="latency", heal_idle_ms=None)
+    again = run(fresh, msgs2)  # rebuilt from what healing stored
+    fresh.close()
+    assert again.encodes == 0 and again.patches_formed == 0 and again.text == healed.text

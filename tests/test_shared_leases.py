@@ -107,7 +107,7 @@ def test_two_processes_never_evict_each_others_held_entries(tmp_path):
     assert sum(r["evicted"] for r in results) > 0, "the budget must be under pressure for this to mean anything"
     tier = DiskTier(path, 96 * 1024)
     assert tier.nbytes() <= 96 * 1024
-    assert tier.leases() == {}, "both processes exited: every lease is reclaimed"
+    assert tier.live_leases() == {}, "both processes exited: every lease is reclaimed"
 
 
 _HOLDER = textwrap.dedent(
@@ -141,7 +141,7 @@ def test_sigkilled_holders_leases_are_reclaimed(tmp_path):
         assert held, proc.stderr.read()
         tier = DiskTier(path, None)
         assert all(tier.is_pinned(k) for k in held), "a live holder's leases hold in another process"
-        holders = {h for hs in tier.leases().values() for h in hs}
+        holders = {h for hs in tier.live_leases().values() for h in hs}
         assert len(holders) == 1 and next(iter(holders)).startswith(f"{proc.pid}-")
         proc.send_signal(signal.SIGKILL)
         deadline = time.monotonic() + 60
@@ -153,7 +153,7 @@ def test_sigkilled_holders_leases_are_reclaimed(tmp_path):
     finally:
         proc.kill()
         proc.wait()
-    assert tier.leases() == {} and list(path.glob(f"*{PIN_SUFFIX}")) == []
+    assert tier.live_leases() == {} and list(path.glob(f"*{PIN_SUFFIX}")) == []
     # and its entries are evictable again: a budget that fits one more entry evicts them
     size = sum(tier.file_for(k).stat().st_size for k in held)
     small = DiskTier(path, size, fsync=False)

@@ -13,6 +13,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("contextdeque.cli.demo", "the main job: an agent answering questions through a window smaller than its material, vs re-prefill"),
     "verify-model": ("contextdeque.cli.verify_model", "exactness gate: relocation vs transformers' own forward, layer by layer"),
+    "zoo": ("contextdeque.cli.zoo", "every causal-LM architecture of the installed transformers, tiny: exact / identity / refused (why) / could not build"),
     "fidelity": ("contextdeque.cli.fidelity", "every reuse arm vs a full re-prefill on the probe set"),
     "bench": ("contextdeque.cli.bench", "apply (relocate+patch) vs re-prefill and vs its roofline floor"),
     "window-bench": ("contextdeque.cli.window_bench", "slide and fork cost on a 4x512-token window"),

@@ -14,6 +14,16 @@ from ..eval.load_bench import run_load_bench
 from .window_bench import _backend
 
 
+def _retention(text: str) -> float:
+    try:
+        val = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < val <= 1.0:
+        raise argparse.ArgumentTypeError(f"a retention is a kept fraction in (0, 1], got {text!r}")
+    return val
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per mode (median reported)")
@@ -24,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="background reader threads")
     parser.add_argument("--storage", default="float32", help="chunk storage dtype (float32, bfloat16)")
     parser.add_argument("--dir", default=None, help="disk tier directory (default: a temporary one)")
+    parser.add_argument("--capsule", type=_retention, default=None, metavar="RHO",
+                        help="keep the disk chunks compressed at rest (KVCapsule linear, mean retention RHO in (0, 1])")
     parser.add_argument(
         "--model", default=None,
         help="a local model path; default: the embedded default model; 'tiny' for a tiny random llama",
@@ -39,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     res = run_load_bench(_backend(args.model), n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
                          policy=args.policy, rank=args.rank, workers=args.workers, storage=args.storage,
-                         disk_dir=args.dir)
+                         disk_dir=args.dir, capsule=args.capsule)
     if args.json:
         sys.stdout.write(json.dumps(res, indent=1, default=str) + "\n")
         return 0
@@ -54,4 +66,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"speed-up of overlapped over sequential: {res['speedup']:.3f}x "
           f"(perfect overlap of these loads would give {res['ideal_speedup']:.3f}x)")
     print(f"windows identical bit for bit: {'yes' if res['identical'] else 'NO'}")
+    cap = res.get("capsule")
+    if cap:
+        print(f"disk chunks compressed at rest (mean retention {cap['retention']}): {cap['stored_entry_bytes'] / 2**20:.2f} "
+              f"MiB stored for {cap['uncompressed_entry_bytes'] / 2**20:.2f} MiB of entries (saved "
+              f"{cap['bytes_saved_fraction']:.3f}; KV bytes saved {cap['kv_bytes_saved_fraction']:.3f}); basis "
+              f"{cap['basis_bytes'] / 2**20:.2f} MiB fitted on {cap['calibration_chunks']} other chunks; reconstruction "
+              f"error (relative Frobenius, max over chunks) K {max(cap['recon_error_k']):.4f} V {max(cap['recon_error_v']):.4f}")
     return 0

@@ -2,11 +2,11 @@
 
 Everything else in contextdeque reads caches, RoPE settings and rotary modules through these
 functions, so a transformers upgrade that moves an attribute is fixed here and nowhere else.
-Tested range: transformers 5.17-5.18 (see pyproject). Older layouts handled here:
-- <= 4.55: ``cache.key_cache[i]`` / ``cache.value_cache[i]`` lists instead of ``cache.layers[i]``.
-- 4.x: ``config.rope_theta`` + ``config.rope_scaling`` instead of ``config.rope_parameters``.
-- 4.57 / 5.0 MLA caches hold decompressed per-head K/V; 5.18 holds the latent + rotated k_pe
-  (see :func:`mla_cache_contents`).
+Supported range: transformers 5.17-5.18 (the pin in pyproject); branches for versions the pin
+excludes are not kept. Seams of the pinned versions handled here:
+- configs without ``rope_parameters`` (GPT-J) take ``rope_theta`` / ``rope_scaling`` or the defaults.
+- an MLA (DeepSeek-V2/V3) cache layer holds the latent c_KV ``[B,1,T,kv_lora_rank]`` as keys and
+  the rotated k_pe ``[B,1,T,rope_dim]`` as values (since 5.1; the structural probe of ``contextdeque.model.detect`` reads it off the cache).
 """
 
 from __future__ import annotations
@@ -15,19 +15,13 @@ from typing import Any
 
 import torch
 import transformers
-from packaging.version import Version
-
-TRANSFORMERS_VERSION = Version(transformers.__version__)
 
 
 def text_config(config: Any) -> Any:
     """The decoder (text) config of a possibly multimodal config."""
     getter = getattr(config, "get_text_config", None)
     if getter is not None:
-        try:
-            return getter(decoder=True)
-        except TypeError:
-            return getter()
+        return getter(decoder=True)
     return getattr(config, "text_config", config)
 
 
@@ -92,16 +86,36 @@ def rotary_attention_scaling(module: torch.nn.Module, layer_type: str | None = N
     return float(val)
 
 
-class GPTJRotaryTable(torch.nn.Module):
-    """GPT-J keeps a sin/cos table per attention layer instead of a rotary module; this stands in
-    for one, holding the ``inv_freq`` that table was built from (same fp32 formula)."""
+def sinusoid_tables(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, int]]:
+    """Precomputed sin/cos position tables kept instead of a rotary module (GPT-J and CodeGen keep
+    one per attention layer), as ``(buffer name, exact fp32 inv_freq, n_positions)``.
 
-    def __init__(self, cfg: Any) -> None:
-        super().__init__()
-        dim = int(cfg.rotary_dim or cfg.n_embd // cfg.n_head)
-        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim)))
-        self.attention_scaling = 1.0
-        self.max_positions = int(cfg.max_position_embeddings)
+    A buffer ``[P, D]`` whose row 0 is ``cat(sin 0, cos 0)`` is such a table; its base is read off
+    row 1 and accepted only if rebuilding the table from it the way transformers does
+    (``fp32(arange(P)) * fp32(1 / base^(2i/D))``) reproduces every entry bit for bit."""
+    found: list[tuple[str, torch.Tensor, int]] = []
+    seen: set[tuple[int, int, int]] = set()
+    for name, buf in model.named_buffers():
+        if buf.dim() != 2 or not buf.is_floating_point() or buf.shape[1] % 2 or buf.shape[0] < 2 or buf.shape[1] < 4:
+            continue
+        table = buf.detach().to(torch.float32).cpu()
+        half = table.shape[1] // 2
+        if not (torch.all(table[0, :half] == 0) and torch.all(table[0, half:] == 1)):
+            continue
+        freq = torch.atan2(table[1, :half].double(), table[1, half:].double())
+        if not 0 < float(freq[1]) < 1:
+            continue
+        dim = table.shape[1]
+        base = round(float(freq[1]) ** (-dim / 2))
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim))
+        angles = torch.einsum("i , j -> i j", torch.arange(table.shape[0], dtype=torch.int64).float(), inv).float()
+        if not torch.equal(torch.cat((torch.sin(angles), torch.cos(angles)), dim=1), table):
+            continue
+        key = (table.shape[0], dim, base)
+        if key not in seen:
+            seen.add(key)
+            found.append((name, inv.to(torch.float32), int(table.shape[0])))
+    return found
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -129,19 +143,13 @@ def new_cache(config: Any | None = None) -> transformers.DynamicCache:
 
 
 def cache_num_layers(cache: Any) -> int:
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        return len(layers)
-    return len(cache.key_cache)  # <= 4.55
+    return len(cache.layers)
 
 
 def cache_layer(cache: Any, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys, values) of cache layer ``idx``, each ``[batch, heads, seq, dim]``."""
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        layer = layers[idx]
-        return layer.keys, layer.values
-    return cache.key_cache[idx], cache.value_cache[idx]  # <= 4.55
+    layer = cache.layers[idx]
+    return layer.keys, layer.values
 
 
 def cache_from_layers(
@@ -157,13 +165,3 @@ def cache_from_layers(
     for idx, (k, v) in enumerate(layers):
         cache.update(k, v, idx)
     return cache
-
-
-def mla_cache_contents() -> str:
-    """What an MLA (DeepSeek-V2/V3) cache layer holds under the installed transformers.
-
-    ``"latent"``: ``.keys`` = normalized latent c_KV ``[B,1,T,kv_lora_rank]``, ``.values`` = rotated
-    k_pe ``[B,1,T,rope_dim]`` (5.18 and later). ``"decompressed"``: ``.keys`` = per-head
-    ``[k_nope | k_pe]``, ``.values`` = per-head V (4.57-5.0).
-    """
-    return "latent" if TRANSFORMERS_VERSION >= Version("5.1") else "decompressed"

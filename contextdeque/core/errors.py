@@ -23,7 +23,21 @@ class NumericsError(ContextDequeError, ArithmeticError):
 
 
 class UnsupportedLayoutError(ContextDequeError):
-    """The model's KV/RoPE layout cannot be relocated exactly (the message says why)."""
+    """The model's KV/RoPE layout cannot be relocated exactly (the message says why).
+
+    ``reason`` names the kind of refusal (see ``contextdeque.model.detect.REFUSAL_REASONS``):
+    e.g. ``"learned-positions"``, ``"recurrent"``, ``"proof-failed"``; ``measured`` is the
+    relocation error that decided it, where one was measured; ``evidence`` names the parts of the
+    model the reason rests on (e.g. the position-embedding modules).
+    """
+
+    def __init__(
+        self, message: str, *, reason: str = "unsupported", measured: float | None = None, evidence: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.measured = measured
+        self.evidence = tuple(evidence)
 
 
 class FingerprintMismatchError(ContextDequeError):

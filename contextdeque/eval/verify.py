@@ -1,4 +1,5 @@
-"""``contextdeque verify-model``: the per-model exactness gate.
+"""``contextdeque verify-model``: the per-model exactness gate (the oracle itself,
+:func:`contextdeque.model.detect.check_chunk`, is the one the proof at load runs on a shorter chunk).
 
 Encodes real text (and, for M-RoPE models, an image-span emulation with a genuine t/h/w grid),
 relocates it to several offsets (one ≥ 4,000 positions away) and compares, layer by layer, with
@@ -22,23 +23,10 @@ import torch
 
 from ..model.hf import HFBackend
 from ..core.chunk import Chunk
-from ..core.metrics import ulp, ulp_error_at_scale
-from ..core.layout import KVLayout
-from ..core.operator import relocate
+from ..core.metrics import ulp
+from ..model.detect import FP32_FLOOR, OffsetReport, check_chunk  # noqa: F401  (FP32_FLOOR re-exported)
 
-FP32_FLOOR = 1e-5
 DEFAULT_OFFSETS = (1, 37, 999, 4099)
-
-
-@dataclass
-class OffsetReport:
-    chunk: str
-    offset: int
-    key_rel_err: float  # rotated channels, fp32 storage
-    noise_floor: float  # non-rotated channels: forward at target vs at canonical
-    bf16_ulp: float  # rotated channels, bf16 storage, in bf16 ULPs of the tensor's scale (max |x|)
-    worst_layer: int
-    ok: bool
 
 
 @dataclass
@@ -59,74 +47,9 @@ class VerifyReport:
         return d
 
 
-def _split(kv: tuple[torch.Tensor, torch.Tensor], layout: KVLayout) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(rotated channels, [non-rotated tensors]) of one layer's ``(k, v)``."""
-    k, v = kv
-    rot_t, other_t = (k, v) if layout.rope_tensor == "k" else (v, k)
-    a, n = layout.rope_start, layout.rope_dim
-    rot = rot_t[..., a : a + n]
-    rest = [other_t]
-    if a > 0:
-        rest.append(rot_t[..., :a])
-    if a + n < rot_t.shape[-1]:
-        rest.append(rot_t[..., a + n :])
-    return rot, rest
-
-
 def bf16_ulp(scale: float) -> float:
     """Spacing of bfloat16 numbers at ``scale`` (8 significand bits): 2^(floor(log2 scale) - 7)."""
     return float(ulp(torch.tensor([scale]), torch.bfloat16)[0])
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = float(b.abs().max())
-    if scale == 0.0:
-        return float((a - b).abs().max())
-    return float((a.to(torch.float64) - b.to(torch.float64)).abs().max()) / scale
-
-
-def _oracle(backend: HFBackend, chunk: Chunk, offset: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """transformers' own forward of [root, chunk] with every position shifted by ``offset``;
-    returns the chunk's cached KV per layer ``[H, T, d]``."""
-    R = backend.root_len
-    root_pos = backend.text_positions(offset, R)
-    pos = torch.cat([root_pos, chunk.positions(chunk.canonical_start + offset)], dim=1)
-    if chunk.token_ids is not None:
-        res = backend.forward(
-            input_ids=torch.cat([torch.tensor(backend.root_ids), chunk.token_ids]), positions=pos, logits="none"
-        )
-    else:
-        root_emb = backend.embed_tokens(torch.tensor(backend.root_ids))
-        emb = torch.cat([root_emb.to(chunk.embeds.dtype), chunk.embeds.to(root_emb.device)], dim=0)
-        res = backend.forward(inputs_embeds=emb, positions=pos, logits="none")
-    return [(k[:, R:], v[:, R:]) for k, v in res.kv]
-
-
-def check_chunk(backend: HFBackend, chunk: Chunk, offsets: list[int], label: str) -> list[OffsetReport]:
-    """Relocation of ``chunk`` (fp32 and bf16 storage) vs the shifted forward at each offset."""
-    layout = backend.layout
-    canonical = _oracle(backend, chunk, 0)
-    chunk_bf16 = chunk.to(torch.bfloat16)
-    out = []
-    for off in offsets:
-        oracle = canonical if off == 0 else _oracle(backend, chunk, off)
-        fp32 = relocate(chunk, chunk.canonical_start + off, layout=layout, out_dtype=torch.float32)
-        bf16 = relocate(chunk_bf16, chunk.canonical_start + off, layout=layout, out_dtype=torch.float32)
-        key_err = floor = ulps = 0.0
-        worst = 0
-        for l in range(layout.num_layers):
-            rot_o, rest_o = _split(oracle[l], layout)
-            rot_c, rest_c = _split(canonical[l], layout)
-            rot_r, _ = _split(fp32[l], layout)
-            rot_b, _ = _split(bf16[l], layout)
-            e = _rel(rot_r, rot_o)
-            if e > key_err:
-                key_err, worst = e, l
-            floor = max([floor] + [_rel(a, b) for a, b in zip(rest_c, rest_o)])
-            ulps = max(ulps, ulp_error_at_scale(rot_b, rot_o, torch.bfloat16))
-        ok = key_err <= max(2 * floor, FP32_FLOOR) and ulps <= 1.0
-        out.append(OffsetReport(label, off, key_err, floor, ulps, worst, ok))
-    return out
 
 
 def real_text_ids(backend: HFBackend, n_tokens: int) -> torch.Tensor:

@@ -15,12 +15,12 @@ from typing import Any, Sequence
 
 import torch
 
-from ..core import compat
 from ..core.chunk import Chunk, check_representable, chunk_id, digest, storage_dtype
 from ..core.errors import EmptyChunkError, FingerprintMismatchError, ModelLoadError
-from ..core.layout import KVLayout, detect_layout
+from ..core.layout import KVLayout
 from ..core.kv import LayerKV
 from ..core.operator import register_layout, to_content_frame
+from .forward import run_forward
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant."
 
@@ -88,8 +88,14 @@ def default_root_ids(tokenizer: Any, system: str = DEFAULT_SYSTEM) -> list[int]:
 class HFBackend:
     """A transformers causal LM (or VLM) wrapped for position-free KV work.
 
-    Attributes: ``model``, ``tokenizer`` (may be None), ``layout`` (:class:`KVLayout`),
-    ``fingerprint`` (str), ``root_ids`` (the window root's token ids).
+    Attributes: ``model``, ``tokenizer`` (may be None), ``layout`` (:class:`KVLayout`, read off the
+    model's structure by :func:`contextdeque.model.detect.read_layout`), ``fingerprint`` (str),
+    ``root_ids`` (the window root's token ids), ``proof`` (the relocation oracle's verdict at load,
+    :class:`contextdeque.model.detect.Proof`; None with ``verify_at_load=False``).
+
+    Raises:
+        UnsupportedLayoutError: the model's cache cannot be relocated exactly (``reason`` says why),
+            or its layout fails the proof at load.
     """
 
     def __init__(
@@ -99,13 +105,15 @@ class HFBackend:
         *,
         root_ids: Sequence[int] | None = None,
         name: str | None = None,
+        verify_at_load: bool = True,
     ) -> None:
+        from .detect import cached_layout, prove_layout
+
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", None) or model.config.model_type
-        self.layout: KVLayout = detect_layout(model)
-        register_layout(self.layout)
         self.fingerprint = model_fingerprint(model)
+        self.layout: KVLayout = cached_layout(model, self.fingerprint)
         self.root_ids: tuple[int, ...] = tuple(int(i) for i in (root_ids or default_root_ids(tokenizer)))
         if not self.root_ids:
             raise EmptyChunkError("the window root must hold at least one token")
@@ -113,6 +121,11 @@ class HFBackend:
         self._root_kv: list[LayerKV] | None = None
         self.forwards_run = 0
         self.tokens_prefilled = 0
+        # the proof at load: relocation vs the model's own shifted forward (cached per fingerprint)
+        self.proof = prove_layout(self) if verify_at_load else None
+        self.forwards_run = 0
+        self.tokens_prefilled = 0
+        register_layout(self.layout)
 
     def with_root(self, root_ids: Sequence[int]) -> "HFBackend":
         """A view of this backend (same model, tokenizer, layout, fingerprint) with another window
@@ -185,48 +198,12 @@ class HFBackend:
         ``past``: per layer ``(k [H,S,d], v [H,S,d])`` as cached (rotated). ``logits``: "last", "all"
         or "none". Returns the new tokens' cached KV and the requested logits.
         """
-        if input_ids is not None:
-            ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(1, -1)
-            n = ids.shape[1]
-            kwargs: dict[str, Any] = {"input_ids": ids}
-        elif inputs_embeds is not None:
-            emb = inputs_embeds.to(self.device, self.dtype).reshape(1, -1, inputs_embeds.shape[-1])
-            n = emb.shape[1]
-            kwargs = {"inputs_embeds": emb}
-        else:
-            raise EmptyChunkError("forward needs input_ids or inputs_embeds")
-        if n == 0:
-            raise EmptyChunkError("forward over zero tokens")
-        pos = torch.as_tensor(positions, dtype=torch.long)
-        if pos.dim() == 1:
-            pos = pos.unsqueeze(0)
-        if self.n_pos_axes > 1:
-            if pos.shape[0] == 1:
-                pos = pos.expand(self.n_pos_axes, -1)
-            position_ids = pos.reshape(self.n_pos_axes, 1, -1).to(self.device)
-        else:
-            position_ids = pos[:1].reshape(1, -1).to(self.device)
-        past_len = 0 if not past else past[0][0].shape[-2]
-        cache = compat.cache_from_layers([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in past]) if past else compat.new_cache()
-        # an explicit all-ones mask: without it transformers may read a position gap as packed sequences
-        attention_mask = torch.ones(1, past_len + n, dtype=torch.long, device=self.device)
-        keep = {"last": 1, "all": 0, "none": 1}[logits]
-        out = self.model(
-            **kwargs,
-            position_ids=position_ids,
-            past_key_values=cache,
-            attention_mask=attention_mask,
-            use_cache=True,
-            logits_to_keep=keep,
+        kv, lg = run_forward(
+            self.model, self.n_pos_axes, input_ids=input_ids, inputs_embeds=inputs_embeds, positions=positions,
+            past=past, logits=logits,
         )
         self.forwards_run += 1
-        self.tokens_prefilled += n
-        cache = out.past_key_values
-        kv = []
-        for i in range(compat.cache_num_layers(cache)):
-            k, v = compat.cache_layer(cache, i)
-            kv.append((k[0, :, past_len:, :], v[0, :, past_len:, :]))
-        lg = None if logits == "none" else out.logits[0].to(torch.float32)
+        self.tokens_prefilled += kv[0][0].shape[-2]
         return ForwardResult(kv=kv, logits=lg)
 
     def root_kv(self) -> list[LayerKV]:

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..scheduler import EVICTION_POLICIES, SchedulerPlacement, exact, heuristic
 from ..traces import generate, import_mooncake
-from ..window.placement import PlacementView
+from ..window.placement import PLACEMENT_POLICIES, PlacementView
 from .cost import load_calibration
 from .engine import ReplayConfig, Replayer
 from .reuse import REUSE_COSTS
@@ -45,39 +45,59 @@ class _RatioProbe(SchedulerPlacement):
         return super().place(view, entering)
 
 
-def throughput(seeds: int = 2) -> list[dict[str, Any]]:
+def throughput(seeds: int = 2, min_cpu_s: float = 1.0) -> list[dict[str, Any]]:
+    """Events/s of the cost-model replay per (placement, arm) over ``seeds`` generated traces per
+    kind, repeated until at least ``min_cpu_s`` CPU seconds were spent (a steadier figure)."""
     rows = []
     traces = [generate(k, seed=s) for k in ("web", "video", "doc") for s in range(seeds)]
     n_events = sum(len(t.events) for t in traces)
-    for placement in ("arrival", "scheduler", "scheduler-offline"):
+    for placement in sorted(PLACEMENT_POLICIES):
         for arm in sorted(REUSE_COSTS):
             t0, c0 = time.perf_counter(), time.process_time()
-            for t in traces:
-                Replayer(t, placement, "lru", arm).run()
+            events = 0
+            while True:
+                for t in traces:
+                    Replayer(t, placement, "lru", arm).run()
+                events += n_events
+                if time.process_time() - c0 >= min_cpu_s:
+                    break
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
             # CPU seconds of this (single-threaded) process: one core's throughput, much less
             # sensitive than wall time to other processes sharing the machine
-            rows.append({"placement": placement, "arm": arm, "events": n_events, "events_per_s": n_events / dt,
-                         "events_per_cpu_s": n_events / max(dc, 1e-9)})
+            rows.append({"placement": placement, "arm": arm, "events": events, "events_per_s": events / dt,
+                         "events_per_cpu_s": events / max(dc, 1e-9)})
     return rows
 
 
-def scheduler_vs_arrival(seeds: int = 4) -> dict[str, Any]:
+def scheduler_vs_arrival(seeds: int = 4, budgets: tuple[int | None, ...] = (None,)) -> dict[str, Any]:
+    """Patch forms per generated trace under arrival order, the scheduler and the offline scheduler
+    (equal budgets), tokens prefilled per reuse arm, and the heuristic's cost over the exact
+    search's at every decision of at most 8 chunks."""
     out: dict[str, Any] = {}
     ratios = []
-    for kind in ("web", "video", "doc"):
-        per = {"arrival": [], "scheduler": []}
-        for s in range(seeds):
-            t = generate(kind, seed=s)
-            per["arrival"].append(Replayer(t, "arrival", "lru", "patch").run().patch_forms)
-            probe = _RatioProbe()
-            per["scheduler"].append(Replayer(t, probe, "lru", "patch").run().patch_forms)
-            ratios += [h / e for h, e in probe.pairs if e > 0]
-        out[kind] = {
-            "arrival_forms": per["arrival"], "scheduler_forms": per["scheduler"],
-            "never_more": all(s <= a for s, a in zip(per["scheduler"], per["arrival"])),
-            "aggregate": [sum(per["arrival"]), sum(per["scheduler"])],
-        }
+    for budget in budgets:
+        cfg = ReplayConfig(budget_tokens=budget)
+        tag = "no budget" if budget is None else f"budget {budget} tokens"
+        out[tag] = {}
+        for kind in ("web", "video", "doc"):
+            per: dict[str, list[int]] = {"arrival": [], "scheduler": [], "scheduler-offline": []}
+            prefill = {"patch": 0, "prefix_cache": 0, "reprefill": 0}
+            for s in range(seeds):
+                t = generate(kind, seed=s)
+                per["arrival"].append(Replayer(t, "arrival", "lru", "patch", config=cfg).run().patch_forms)
+                probe = _RatioProbe()
+                per["scheduler"].append(Replayer(t, probe, "lru", "patch", config=cfg).run().patch_forms)
+                per["scheduler-offline"].append(Replayer(t, "scheduler-offline", "lru", "patch", config=cfg).run().patch_forms)
+                ratios += [h / e for h, e in probe.pairs if e > 0]
+                for arm in prefill:
+                    prefill[arm] += Replayer(t, "arrival", "lru", arm, config=cfg).run().tokens_prefilled
+            out[tag][kind] = {
+                **{f"{p}_forms": v for p, v in per.items()},
+                "more_than_arrival": {p: [(s, f, a) for s, (f, a) in enumerate(zip(per[p], per["arrival"])) if f > a]
+                                      for p in ("scheduler", "scheduler-offline")},
+                "aggregate": {p: sum(v) for p, v in per.items()},
+                "tokens_prefilled": prefill,
+            }
     out["heuristic_over_exact"] = {
         "decisions": len(ratios), "mean": statistics.fmean(ratios) if ratios else None,
         "max": max(ratios) if ratios else None, "share_equal": (sum(1 for r in ratios if r <= 1 + 1e-9) / len(ratios)) if ratios else None,
@@ -89,12 +109,12 @@ def mooncake(path: str, jobs: int, device_gb: float, limit: int | None) -> dict[
     cost, note = load_calibration()
     t = import_mooncake(path, limit=limit)
     cfg = ReplayConfig(device_bytes=int(device_gb * GiB), host_bytes=int(4 * device_gb * GiB))
-    combos = [(p, e, a) for p in ("arrival", "scheduler") for e in sorted(EVICTION_POLICIES) for a in sorted(REUSE_COSTS)]
+    combos = [(p, e, a) for p in sorted(PLACEMENT_POLICIES) for e in sorted(EVICTION_POLICIES) for a in sorted(REUSE_COSTS)]
     t0 = time.perf_counter()
     results = replay_many([t], combos, cost, cfg, jobs=jobs)
     wall = time.perf_counter() - t0
     gaps = []
-    for p in ("arrival", "scheduler"):
+    for p in sorted(PLACEMENT_POLICIES):
         for a in sorted(REUSE_COSTS):
             by = {r["eviction"]: r for r in results if r["placement"] == p and r["arm"] == a}
             yard = by["belady"]
@@ -111,6 +131,7 @@ def mooncake(path: str, jobs: int, device_gb: float, limit: int | None) -> dict[
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=4, help="generated traces per agent kind")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[0], help="window token budgets to compare at (0: none)")
     parser.add_argument("--mooncake", default=None, help="a Mooncake FAST'25 trace file to replay under every policy")
     parser.add_argument("--limit", type=int, default=None, help="only the first N Mooncake requests")
     parser.add_argument("--device-gb", type=float, default=16.0)
@@ -124,12 +145,16 @@ def run(args: argparse.Namespace) -> int:
     print("cost-model throughput (events/s, one process; per wall second and per CPU second of its core):")
     for r in report["throughput"]:
         print(f"  {r['placement']:17s} {r['arm']:13s} {r['events_per_s']:10.0f} /wall-s {r['events_per_cpu_s']:10.0f} /cpu-s")
-    report["scheduler"] = scheduler_vs_arrival(args.seeds)
-    print("patch forms, arrival -> scheduler (equal budgets):")
-    for kind in ("web", "video", "doc"):
-        s = report["scheduler"][kind]
-        print(f"  {kind:6s} per trace {s['arrival_forms']} -> {s['scheduler_forms']}  aggregate {s['aggregate'][0]} -> {s['aggregate'][1]}"
-              f"  never more: {s['never_more']}")
+    report["scheduler"] = scheduler_vs_arrival(args.seeds, tuple(None if b <= 0 else b for b in args.budgets))
+    print(f"patch forms over {args.seeds} generated traces per kind, arrival -> scheduler / scheduler-offline (equal budgets):")
+    for tag, kinds in report["scheduler"].items():
+        if tag == "heuristic_over_exact":
+            continue
+        for kind in ("web", "video", "doc"):
+            s = kinds[kind]
+            agg = s["aggregate"]
+            print(f"  {tag:20s} {kind:6s} aggregate {agg['arrival']} -> {agg['scheduler']} / {agg['scheduler-offline']}"
+                  f"  traces with more forms than arrival: {s['more_than_arrival']}  tokens prefilled {s['tokens_prefilled']}")
     h = report["scheduler"]["heuristic_over_exact"]
     print(f"heuristic / exact cost over {h['decisions']} decisions: mean {h['mean']}, max {h['max']}, equal in {h['share_equal']}")
     if args.mooncake:

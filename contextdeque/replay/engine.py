@@ -64,6 +64,7 @@ class ReplayResult:
     patch_forms: int = 0
     patch_hits: int = 0
     stale_keeps: int = 0
+    refreshes: int = 0  # residents given new conditioning by the placement's staleness rule (store hits + forms)
     cascade_reforms: int = 0
     device_hits: int = 0
     device_misses: int = 0
@@ -183,6 +184,7 @@ class Replayer:
         self._formed_set: dict[str, frozenset] = {}  # lazily built membership sets of `formed`
         self.window_tokens = 0
         self._fast = type(self.placement) is ArrivalPlacement
+        self._upkeep = getattr(self.placement, "upkeep", None)
         self._next_ref: dict[str, list[int]] | None = None
         self.on_step: Any = None  # called at every step boundary (plots tap the running totals)
         # the agent's own order (what `slide` and `at` refer to), beside the placed order
@@ -199,7 +201,9 @@ class Replayer:
         pc = tuple(map(self.content.__getitem__, prefix))
         c = self.content[key]
         r = self.r
-        hit = self.graph.has_patch(c, pc) if kind == "exact" else self.graph.has_orbit(c, frozenset(pc))
+        # (a removal patch is a correction stacked on this slot's own patches: never a store hit)
+        hit = (self.graph.has_patch(c, pc) if kind == "exact" else self.graph.has_orbit(c, frozenset(pc)) if kind == "orbit"
+               else False)
         if hit:
             r.patch_hits += 1
         else:
@@ -218,7 +222,8 @@ class Replayer:
             pb = self.cost.patch_bytes(t, self.rank)
             r.patch_bytes += pb
             r.bytes["device"] += pb
-            self.graph.add(c, pc, kind)
+            if kind != "removal":
+                self.graph.add(c, pc, kind)
         self._set_formed(key, tuple(prefix))
 
     def _set_formed(self, key: str, prefix: tuple[str, ...]) -> None:
@@ -274,14 +279,42 @@ class Replayer:
             dependents=self.dependents if self.arm.patches else (lambda k: []),
             may_hit=self.graph.may_hit, conditioning=self.arm.patches,
             budget_tokens=self.cfg.budget_tokens,
-            future=_FutureView(self._next_ref, index) if self._next_ref is not None else None,
+            future=_FutureView(self._next_ref, index, self._ops) if self._next_ref is not None else None,
         )
 
-    def _remove(self, key: str) -> None:
-        self.order.remove(key)
+    def _remove(self, key: str, index: int = -1) -> None:
+        before = self.order
+        i = before.index(key)
+        self.order = before[:i] + before[i + 1:]
         if key in self.logical:
             self.logical.remove(key)
         self._leave(key)
+        if not self.arm.patches or i >= len(self.order):
+            return
+        if self._upkeep is None:  # survivors behind the departed chunk keep their KV as it is
+            formed = self.formed
+            self.r.stale_keeps += sum(1 for k in self.order[i:] if formed.get(k))
+            return
+        view = self.view(index)  # survivors behind the departed chunk: keep, clear or refresh
+        for j in range(i, len(self.order)):
+            self._resident_upkeep(view, self.order[j], self.order[:j], before[:j + 1])
+
+    def _resident_upkeep(self, view: PlacementView, key: str, prefix: list[str], before: list[str]) -> None:
+        """A resident whose prefix changed: the placement policy's upkeep decision (the scheduler's
+        staleness rule), else keep (the default patch policy: survivors keep their KV)."""
+        action = "keep" if self._upkeep is None else self._upkeep(view, key, prefix, before)
+        r = self.r
+        if action == "keep":
+            r.stale_keeps += 1
+        elif action == "clear":
+            self._set_formed(key, ())
+        elif action == "refresh-hit":
+            r.patch_hits += 1
+            r.refreshes += 1
+            self._set_formed(key, tuple(prefix))
+        else:  # "refresh" / "removal": one conditioned forward
+            r.refreshes += 1
+            self._form(key, prefix, "removal" if action == "removal" else "exact")
 
     def _admit(self, index: int, entering: list[tuple[str, int | None]], recall: bool) -> None:
         est0, load0 = self.r.est_seconds, self.r.load_seconds
@@ -302,7 +335,7 @@ class Replayer:
         if budget is not None and self.window_tokens + need > budget:
             for k in self.placement.make_room(self.view(index), need):
                 if k in self.order:
-                    self._remove(k)
+                    self._remove(k, index)
                     self.r.window_evictions += 1
         if self._fast and entering[0][1] is None:
             # arrival order at the end: only the entering chunk is looked at
@@ -325,14 +358,17 @@ class Replayer:
             new_order = self.order[:pos] + [key] + self.order[pos:]
         else:
             new_order = self.placement.place(self.view(index), entering)
-        old_pos = {k: i for i, k in enumerate(self.order)}
+        old_order = self.order
+        old_pos = {k: i for i, k in enumerate(old_order)}
         ent = {k for k, _ in entering}
         for k in ent:
             self._enter(k)
         self.order = new_order
         if not self.arm.patches:
             return
+        view = self.view(index) if self._upkeep is not None else None
         # reconcile: entering chunks get conditioning; residents behind an insertion keep theirs
+        # (or, under the scheduler, whatever its staleness rule decides)
         changed: set[str] = set()
         for i, k in enumerate(new_order):
             if k in ent:
@@ -345,7 +381,7 @@ class Replayer:
                 if recall and self.formed[k] != before:
                     changed.add(k)
             elif old_pos.get(k, -1) != i:
-                self.r.stale_keeps += 1
+                self._resident_upkeep(view, k, new_order[:i], old_order[:old_pos[k]])
         self._cascade(changed, ent)
 
     def _cascade(self, changed: set[str], entering: set[str]) -> None:
@@ -404,6 +440,7 @@ class Replayer:
             for k in _named(ev):
                 refs.setdefault(k, []).append(i)
         self._next_ref = refs
+        self._ops = [ev.op for ev in self.trace.events]
 
     def _run(self) -> None:
         r = self.r
@@ -425,10 +462,10 @@ class Replayer:
                 r.est_seconds += cost.prefill_s(ev.tokens, self.window_tokens) + ev.output_tokens / cost.decode_tokens_per_s
             elif op == "evict":
                 if ev.id in self.order:
-                    self._remove(ev.id)  # survivors keep their KV (relocation only)
+                    self._remove(ev.id, idx)  # survivors keep their KV (relocation only) unless the placement refreshes them
             elif op == "slide":  # the agent's n oldest, wherever placement put them
                 for k in self.logical[: ev.n]:
-                    self._remove(k)
+                    self._remove(k, idx)
             elif op == "reorder":
                 self.logical = [k for k in ev.order if k in set(self.order)]
                 self._reorder(list(ev.order))
@@ -452,11 +489,16 @@ class Replayer:
 
 
 class _FutureView(dict):
-    """``key -> index of the next event naming it`` after ``index`` (None: never)."""
+    """``key -> index of the next event naming it`` after ``index`` (None: never); ``next_op(key)``
+    names that event's op."""
 
-    def __init__(self, refs: dict[str, list[int]], index: int) -> None:
+    def __init__(self, refs: dict[str, list[int]], index: int, ops: Sequence[str] = ()) -> None:
         super().__init__()
-        self._refs, self._index = refs, index
+        self._refs, self._index, self._ops = refs, index, ops
+
+    def next_op(self, key) -> str | None:
+        i = self.get(key)
+        return self._ops[i] if i is not None and i < len(self._ops) else None
 
     def get(self, key, default=None):  # type: ignore[override]
         import bisect

@@ -57,9 +57,12 @@ def _cached_trace(path: str) -> Trace:
     return read_trace(path)
 
 
+_SHARED: list[Trace] = []  # traces handed to forked workers by index (inherited, never pickled)
+
+
 def _one(task: tuple[Any, Combo, dict, dict]) -> dict[str, Any]:
     trace, (p, e, a), cost_d, cfg_d = task
-    t = _cached_trace(trace) if isinstance(trace, str) else trace
+    t = _cached_trace(trace) if isinstance(trace, str) else _SHARED[trace] if isinstance(trace, int) else trace
     eng = Replayer(t, p, e, a, CostModel.from_json(cost_d), ReplayConfig(**cfg_d))
     return eng.run().as_dict()
 
@@ -78,14 +81,25 @@ def replay_many(traces: Sequence["str | Trace"], combos: Sequence[Combo], cost: 
     config = config or ReplayConfig()
     loaded = [_cached_trace(str(t)) if not isinstance(t, Trace) else t for t in traces]  # validate all first
     check_budgets(loaded, cost, config)
-    tasks = [(str(t) if not isinstance(t, Trace) else lt, c, cost.to_json(), asdict(config))
-             for t, lt in zip(traces, loaded) for c in combos]
-    if jobs > 1 and len(tasks) > 1:
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            results = list(pool.map(_one, tasks, chunksize=1))
+    fork = "fork" in mp.get_all_start_methods()
+    parallel = jobs > 1 and len(traces) * len(combos) > 1
+    if parallel and fork:
+        # forked workers inherit the validated traces: a task names one by index instead of
+        # pickling it (a Mooncake trace is half a million events) or re-reading its file
+        _SHARED[:] = loaded
+        refs: list[Any] = list(range(len(loaded)))
     else:
-        results = [_one(t) for t in tasks]
+        refs = [str(t) if not isinstance(t, Trace) else lt for t, lt in zip(traces, loaded)]
+    tasks = [(ref, c, cost.to_json(), asdict(config)) for ref in refs for c in combos]
+    try:
+        if parallel:
+            ctx = mp.get_context("fork" if fork else "spawn")
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+                results = list(pool.map(_one, tasks, chunksize=1))
+        else:
+            results = [_one(t) for t in tasks]
+    finally:
+        _SHARED.clear()
     return sorted(results, key=lambda r: (r["trace"], r["placement"], r["eviction"], r["arm"]))
 
 

@@ -59,6 +59,12 @@ def entering_cost(view: PlacementView, key: Key, prefix: Sequence[Key], w: Weigh
     return w.form, True, True
 
 
+def staleness_of(view: PlacementView, k: Key, prefix: Sequence[Key]) -> float:
+    """The staleness score (``window.staleness``) of ``k``'s conditioning behind ``prefix``."""
+    f = view.formed_on.get(k, ())
+    return staleness_score([(a, view.tokens[a]) for a in f if a in view.tokens], [(a, view.tokens[a]) for a in prefix])
+
+
 class Scorer:
     """Incremental costing of orders over one view: :meth:`add` extends a partial order by one
     chunk and returns its cost (each chunk's cost depends only on what precedes it), so a search
@@ -77,9 +83,7 @@ class Scorer:
         return self._stale_now[k]
 
     def staleness(self, k: Key, prefix: Sequence[Key]) -> float:
-        v = self.view
-        f = v.formed_on.get(k, ())
-        return staleness_score([(a, v.tokens[a]) for a in f if a in v.tokens], [(a, v.tokens[a]) for a in prefix])
+        return staleness_of(self.view, k, prefix)
 
     def add(self, prefix: Sequence[Key], k: Key, state: tuple[frozenset, frozenset]) -> tuple[float, int, int, float, tuple[frozenset, frozenset]]:
         """Cost of ``k`` behind ``prefix``; ``state`` = (versions changed, cascade-reformed) so far.
@@ -107,7 +111,40 @@ class Scorer:
         if i == n and tuple(prefix) == tuple(v.order[:i]) and (not changed or not any(a in changed for a in prefix)):
             return 0.0, 0, 0, 0.0, state  # where it stood, behind the same chunks: nothing new
         s = max(0.0, self.staleness(k, prefix) - (self.stale_now(k) if i is not None else 0.0))
-        return w.stale * s + w.move, 0, 0, s, state
+        action, c = upkeep(v, k, prefix, s, w)
+        if action == "keep":
+            return c, 0, 0, s, state
+        return c, int(action in ("refresh", "removal")), int(action == "refresh-hit"), 0.0, state
+
+
+UPKEEP_ACTIONS = ("keep", "clear", "refresh-hit", "removal", "refresh")
+
+
+def is_subsequence(short: Sequence[Key], long: Sequence[Key]) -> bool:
+    """Whether ``short`` is ``long`` with some items left out (order kept)."""
+    it = iter(long)
+    return all(any(x == y for y in it) for x in short)
+
+
+def upkeep(view: PlacementView, key: Key, prefix: Sequence[Key], gained: float, w: Weights = DEFAULT_WEIGHTS) -> tuple[str, float]:
+    """What a resident whose prefix changed should do with its conditioning, and its cost.
+
+    ``gained``: the staleness it would gain by keeping its patch. The choices (DESIGN §4, the
+    safety envelope's staleness score deciding): ``keep`` (``stale x gained``); ``clear`` (at the
+    front the canonical is exact: free); ``refresh-hit`` (the store holds an exact patch of its
+    content on exactly this prefix: a hit); ``removal`` (only departures from the antecedents it
+    was formed on: a removal patch, one conditioned forward) or ``refresh`` (a new exact patch,
+    one conditioned forward). A move costs ``w.move`` on top whatever is chosen; ties keep.
+    """
+    keep = w.stale * gained + w.move
+    if not prefix:
+        return ("clear", w.move) if view.formed_on.get(key) else ("keep", keep)
+    if view.any_stored(view.content[key]) and view.has_patch(view.content[key], tuple(view.content[a] for a in prefix)):
+        if w.hit + w.move < keep:
+            return "refresh-hit", w.hit + w.move
+    if w.form + w.move < keep:
+        return ("removal" if is_subsequence(prefix, view.formed_on.get(key, ())) else "refresh"), w.form + w.move
+    return "keep", keep
 
 
 def order_cost(view: PlacementView, order: Sequence[Key], entering: frozenset, w: Weights = DEFAULT_WEIGHTS) -> OrderCost:

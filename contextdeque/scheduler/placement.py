@@ -2,11 +2,13 @@
 
 Each time chunks enter the window it searches for the order of residents + entering chunks
 that keeps stored patches valid and forms the fewest new ones (exact branch-and-bound up to
-``exact_max`` chunks, the insertion heuristic beyond). Admission under a token budget: online
-(``offline=False``) it lets go first of the oldest residents nothing is conditioned on (their
-departure invalidates no stored patch); offline (``offline=True``, knowing the trace through
+``exact_max`` chunks, the insertion heuristic beyond). Residents whose prefix changes keep,
+clear or refresh their conditioning by the staleness they would gain (:meth:`upkeep`, used by the
+replay). Admission under a token budget: online (``offline=False``) the oldest residents leave
+first, as under arrival order; offline (``offline=True``, knowing the trace through
 ``PlacementView.future``) the resident the trace names farthest in the future leaves first
-(Belady's rule applied to admission).
+(Belady's rule applied to admission), and a chunk the agent will reorder before it leaves goes
+where the agent asked (its reorder decides every prefix then).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..window.placement import Key, PlacementPolicy, PlacementView
-from .cost import DEFAULT_WEIGHTS, Weights
+from .cost import DEFAULT_WEIGHTS, Weights, staleness_of, upkeep
 from .search import EXACT_MAX_CHUNKS, schedule
 
 
@@ -36,9 +38,25 @@ class SchedulerPlacement(PlacementPolicy):
             return order
         if not self.offline and view.future is not None:
             view = PlacementView(**{**view.__dict__, "future": None})
+        next_op = getattr(view.future, "next_op", None) if self.offline else None
+        if next_op is not None and any(next_op(k) == "reorder" for k, _ in entering):
+            # offline: the agent reorders the window before this chunk leaves it; the order it asks
+            # for then decides every prefix, and a chunk placed off the agent's order only adds forms
+            self.decisions["deferred"] = self.decisions.get("deferred", 0) + 1
+            order = list(view.order)
+            for key, at in entering:
+                order.insert(len(order) if at is None else min(int(at), len(order)), key)
+            return order
         order, _, how = schedule(view, entering, self.weights, self.exact_max, price=False)
         self.decisions[how] += 1
         return order
+
+    def upkeep(self, view: PlacementView, key: Key, prefix: Sequence[Key], before: Sequence[Key]) -> str:
+        """What resident ``key`` does with its conditioning now that ``prefix`` precedes it instead
+        of ``before``: ``keep`` / ``clear`` / ``refresh-hit`` / ``removal`` / ``refresh``
+        (``cost.upkeep``, decided by the staleness it would gain)."""
+        gained = max(0.0, staleness_of(view, key, prefix) - staleness_of(view, key, before))
+        return upkeep(view, key, prefix, gained, self.weights)[0]
 
     def make_room(self, view: PlacementView, need: int) -> list[Key]:
         if view.budget_tokens is None:
@@ -46,12 +64,14 @@ class SchedulerPlacement(PlacementPolicy):
         used = sum(view.tokens[k] for k in view.order)
         if used + need <= view.budget_tokens:
             return []
+        if not (self.offline and view.future is not None):
+            # online: the oldest first, as arrival order does. (Sparing the residents something is
+            # conditioned on evicts the newest chunks, the ones most likely to be read again: it
+            # formed more patches than arrival order on the generated sets.)
+            return super().make_room(view, need)
         age = {k: i for i, k in enumerate(view.order)}
-        if self.offline and view.future is not None:
-            far = float("inf")
-            rank = sorted(view.order, key=lambda k: (-(view.future.get(k) if view.future.get(k) is not None else far), age[k]))
-        else:
-            rank = sorted(view.order, key=lambda k: (len(view.dependents(k)) > 0, age[k]))
+        far = float("inf")
+        rank = sorted(view.order, key=lambda k: (-(view.future.get(k) if view.future.get(k) is not None else far), age[k]))
         out: list[Key] = []
         for k in rank:
             if used + need <= view.budget_tokens:

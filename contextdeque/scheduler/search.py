@@ -43,9 +43,10 @@ def exact(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: We
 
     Lower bound on what the chunks still to place will cost: one form for every entering chunk
     with no stored patch of its content at all and one hit for every other entering chunk (only
-    the chunk at the very front is free), plus, once something is placed, a full staleness (1) for
-    every resident still to place that carries no conditioning and stands at the front now (behind
-    any chunk its canonical is blind), unless the recall cascade re-forms it.
+    the chunk at the very front is free), plus, once something is placed, for every resident still
+    to place that carries no conditioning and stands at the front now, the cheaper of a full
+    staleness (behind any chunk its canonical is blind) and its refresh (a hit where the store
+    holds any patch of its content, else a form), unless the recall cascade re-forms it.
     """
     keys = list(view.order) + [k for k, _ in entering]
     ent = frozenset(k for k, _ in entering)
@@ -54,8 +55,8 @@ def exact(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: We
     best = [list(seed), order_cost(view, seed, ent, w).total]
     sc = Scorer(view, ent, w)
     floor = {k: (w.form if not view.any_stored(view.content[k]) else w.hit) for k in ent}
-    blind_front = {k: w.stale * (1.0 - sc.stale_now(k)) + w.move for k in view.order
-                   if not view.formed_on.get(k) and sc.stale_now(k) < 1.0}
+    blind_front = {k: min(w.stale * (1.0 - sc.stale_now(k)), w.hit if view.any_stored(view.content[k]) else w.form) + w.move
+                   for k in view.order if not view.formed_on.get(k) and sc.stale_now(k) < 1.0}
     # an entering chunk whose conditioning was formed on a chunk that is not in this window can
     # never come back with the KV it left with: its recall cascade (re-forming the residents
     # conditioned on it) is certain

@@ -415,6 +415,14 @@ class Tier(ABC):
     def is_pinned(self, key: str) -> bool:
         """Whether ``key`` is pinned."""
 
+    def lease(self, keys: "list[str] | tuple[str, ...]") -> None:
+        """Announce that this process holds ``keys`` (stored or not yet) until `unlease`. A shared
+        tier keeps them for other processes to see and its expiry to respect (`ValkeyTier`: a
+        lease with expiry, renewed while held); a local tier has nobody to tell: a no-op."""
+
+    def unlease(self, keys: "list[str] | tuple[str, ...]") -> None:
+        """Undo `lease` for ``keys`` (a no-op for a local tier)."""
+
     def verify(self, key: str) -> bool:
         """True iff ``key`` is present and passes verification (a corrupt copy counts as absent)."""
         from contextdeque.core.errors import CorruptEntryError

@@ -200,6 +200,7 @@ class DiskTier(Tier):
         self._holder_pid = -1
         self._holder_name = ""
         self._renewer: threading.Thread | None = None
+        self._leased: set[str] = set()
         self.fsync = fsync
         self._lock_timeout = lock_timeout
         try:
@@ -587,6 +588,7 @@ class DiskTier(Tier):
             self._holder_pid = pid
             self._holder_name = f"{pid}-{_proc_start(pid)}-{host_id()}-{secrets.token_hex(4)}"
             self._renewer = None
+            self._leased = set()  # a forked child holds none of its parent's leases
         return self._holder_name
 
     def _marker(self, stem: str) -> Path:
@@ -615,8 +617,42 @@ class DiskTier(Tier):
                     n += 1
         return n
 
-    def leases(self) -> dict[str, list[str]]:
-        """Live leases: entry file stem -> holders (dead holders' leases are removed)."""
+    def lease(self, keys: "list[str] | tuple[str, ...]") -> None:
+        """Hold ``keys`` for this process (stored here or not yet: a window's entry may be
+        demoted into this directory later) until `unlease`: no process sharing the directory
+        evicts them while this process lives (see the module docstring). Separate from `pin`."""
+        holder = self.holder + "L"  # first: a forked child starts with no leases
+        keys = [k for k in keys if k not in self._leased]
+        if not keys:
+            return
+        with self._locked():
+            for key in keys:
+                marker = self.path / f"{key_digest(key)}.{holder}{PIN_SUFFIX}"
+                with open(marker, "a"):
+                    pass
+                self._leased.add(key)
+        if self.lease_ttl_s is not None and self._renewer is None:
+            self._renewer = _start_renewer(self)
+
+    def unlease(self, keys: "list[str] | tuple[str, ...]") -> None:
+        """Let go of this process's leases on ``keys``."""
+        holder = self.holder + "L"
+        keys = [k for k in keys if k in self._leased]
+        if not keys:
+            return
+        with self._locked():
+            for key in keys:
+                with contextlib.suppress(FileNotFoundError):
+                    (self.path / f"{key_digest(key)}.{holder}{PIN_SUFFIX}").unlink()
+                self._leased.discard(key)
+
+    def leased(self) -> set[str]:
+        """Keys this tier instance leases."""
+        return set(self._leased)
+
+    def live_leases(self) -> dict[str, list[str]]:
+        """Live leases and pins of every holder: entry file stem -> holders (dead holders'
+        leases are removed)."""
         with self._locked():
             _, pins, _ = self._scan()
             live = self._live_pinned(pins)

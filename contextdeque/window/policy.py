@@ -116,7 +116,3 @@ def make_policy(spec: "str | PatchPolicy") -> PatchPolicy:
         if name in PATCH_POLICIES:
             return PATCH_POLICIES[name](arg) if arg else PATCH_POLICIES[name]()
     raise WindowError(f"unknown patch policy {spec!r}; registered: {sorted(PATCH_POLICIES)}")
-
-
-def same_ids(a: Sequence[Slot], b_ids: Sequence[str]) -> bool:
-    return [s.chunk.id for s in a] == list(b_ids)

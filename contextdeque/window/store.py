@@ -2,11 +2,11 @@
 
 Canonicals and patches live in the store, content-addressed (``chunk_key`` / ``patch_key``).
 While any window (or fork) holds a chunk in its slots, its canonical and patches stay in the
-fastest tier and are *pinned* there and in every tier holding them: no budget evicts them. On a
-shared tier (a ``DiskTier`` directory, a Valkey server) a pin is a lease every process sharing
-it respects, and a dead holder's leases lapse (see ``DiskTier``). When the last holder lets go
-(evict, slide), they are unpinned and *demoted* one tier down (device -> host -> disk), never
-dropped by the window.
+fastest tier, and are *leased* in the tiers other processes share (a ``DiskTier`` directory, a
+Valkey server): no process's budget evicts a leased entry there, and a dead holder's leases
+lapse (see ``DiskTier`` and ``ValkeyTier``). When the last holder lets go (evict, slide), the
+leases go and the entries are *demoted* one tier down (device -> host -> disk), never dropped by
+the window.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..model.vision import ImageEmbedding
 
 from ..stores import DiskTier, HostTier, MemoryTier, StoreEntry, Tier, TieredStore, TierTraffic, chunk_key, embeds_key
+from ..stores.traffic import recording
 
 _ADAPTERS: "weakref.WeakKeyDictionary[TieredStore, WindowStore]" = weakref.WeakKeyDictionary()
 
@@ -257,15 +258,17 @@ class WindowStore:
 
     # ------------------------------------------------------------------ residency
     def hold(self, keys: Iterable[str], traffic: TierTraffic) -> list[str]:
-        """Count a window slot holding each key; a newly held key is brought to the fastest tier
-        and pinned (a lease on shared tiers) so no budget, this process's or another's, evicts it.
+        """Count a window slot holding each key; a held key is brought to the fastest tier, and
+        leased in the shared tiers (`TieredStore.lease`) while any window holds it.
 
         Never raises for a store fault: promotion is best effort (a key a faulty tier cannot
         promote stays where it is, still held). Returns one line per promotion or pin that failed."""
         failed: list[str] = []
+        first: list[str] = []
         for key in keys:
             self._holds[key] += 1
             if self._holds[key] == 1:
+                first.append(key)
                 self._undemoted.discard(key)
                 try:
                     where = self.store.where(key)
@@ -273,18 +276,17 @@ class WindowStore:
                         self.store.get(key, traffic=traffic)  # promotes
                 except (StoreError, OSError) as e:
                     failed.append(f"promotion of {key[:24]} failed ({type(e).__name__}: {e}); it stays where it is")
-                try:
-                    self.store.pin(key)
-                except (StoreError, OSError) as e:
-                    failed.append(f"pin of {key[:24]} failed ({type(e).__name__}: {e})")
+        failed += self._lease(first, traffic, take=True)
         return failed
 
     def release(self, keys: Iterable[str], traffic: TierTraffic) -> list[str]:
         """Undo one hold per key; keys nobody holds any more are unpinned and demoted one tier down.
 
         Never raises for a store fault: a demotion a faulty tier refuses leaves the entry where it
-        is (nothing is lost) and is retried at the next release. Returns one line per failure."""
+        is (nothing is lost) and is retried at the next release. Shared-tier leases on keys nobody
+        holds any more are let go. Returns one line per failure."""
         failed: list[str] = []
+        last: list[str] = []
         for key in keys:
             if self._holds[key] <= 0:
                 continue
@@ -292,10 +294,8 @@ class WindowStore:
             if self._holds[key] == 0:
                 del self._holds[key]
                 self._undemoted.add(key)
-                try:
-                    self.store.unpin(key)
-                except (StoreError, OSError) as e:
-                    failed.append(f"unpin of {key[:24]} failed ({type(e).__name__}: {e})")
+                last.append(key)
+        failed += self._lease(last, traffic, take=False)
         for key in sorted(self._undemoted):
             try:
                 self.demote(key, traffic)
@@ -305,8 +305,17 @@ class WindowStore:
             self._undemoted.discard(key)
         return failed
 
-    def holds(self, key: str) -> int:
-        return self._holds.get(key, 0)
+    def _lease(self, keys: list[str], traffic: TierTraffic, *, take: bool) -> list[str]:
+        """Take (or let go of) shared-tier leases on ``keys``; never raises for a store fault (a
+        lease is bookkeeping for other processes: the window works without it)."""
+        if not keys:
+            return []
+        try:
+            with recording(traffic):  # a shared tier that is away says so in the receipt
+                (self.store.lease if take else self.store.unlease)(keys)
+        except (StoreError, OSError) as e:
+            return [f"{'lease' if take else 'unlease'} of {len(keys)} keys failed ({type(e).__name__}: {e})"]
+        return []
 
     def demote(self, key: str, traffic: TierTraffic) -> bool:
         """Move ``key`` one tier down (never dropped; see ``TieredStore.demote``)."""

@@ -1,7 +1,3 @@
-"""C source of the native CPU kernel (compiled on first use by :mod:`.native`; kept as a string so
-the package needs no data files)."""
-
-C_SOURCE = r"""
 /* contextdeque fused relocate + rank-m patch on CPU.
  *
  * A call runs a list of jobs (one job = one cache tensor [H, T, D] of one layer) in one OpenMP
@@ -629,4 +625,3 @@ int cd_apply_many(const int64_t *params, int64_t njobs, int64_t nthreads, int64_
     free(first);
     return failed;
 }
-"""
