@@ -3,7 +3,8 @@
 Two processes run random window operations on one budgeted ``DiskTier`` directory (the only
 tier, so every held canonical and patch lives there and the other process's budget is what
 could evict it): after every operation each checks that every entry it holds is still stored.
-A SIGKILLed holder's leases are reclaimed (also while it is an unreaped zombie); a recycled pid
+(An entry the window holds but that never got stored, e.g. a patch the full disk refused, is
+not an eviction and is not counted.) A SIGKILLed holder's leases are reclaimed (also while it is an unreaped zombie); a recycled pid
 does not keep a dead holder's lease; another host's leases follow a TTL its holder renews.
 """
 
@@ -44,7 +45,8 @@ _WORKER = textwrap.dedent(
     win = ContextWindow(backend, budget_tokens=24, rank=2, store=store)
     rng = random.Random({seed})
     pool = [seeded_ids(3 + i % 6, 1000 + i, vocab=60).tolist() for i in range(40)]
-    ops = errors = violations = 0
+    ops = errors = violations = unstored = 0
+    present = set()
     kinds = {{}}
     t_end = time.monotonic() + {max_s}
     while ops < {n_ops} and time.monotonic() < t_end:
@@ -68,11 +70,14 @@ _WORKER = textwrap.dedent(
             errors += 1
             kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
         ops += 1
-        held = [k for k, n in win.store._holds.items() if n > 0]
-        violations += sum(1 for k in held if not tier.contains(k))
+        held = {{k for k, n in win.store._holds.items() if n > 0}}
+        # an eviction of a held entry: held and stored at the last check, still held, gone now
+        violations += sum(1 for k in held & present if not tier.contains(k))
+        present = {{k for k in held if tier.contains(k)}}
+        unstored = max(unstored, len(held - present))
     ev = store.total_traffic
     print(json.dumps({{"ops": ops, "errors": errors, "kinds": kinds, "violations": violations,
-                      "evicted": sum(ev.evicted.values()), "dropped": len(ev.dropped),
+                      "evicted": sum(ev.evicted.values()), "dropped": len(ev.dropped), "unstored": unstored,
                       "holds": len([k for k, n in win.store._holds.items() if n > 0])}}), flush=True)
     """
 )

@@ -162,6 +162,9 @@ class WindowStore:
         self._holds: Counter[str] = Counter()
         #: keys released by every holder whose demotion a store fault refused (retried on release)
         self._undemoted: set[str] = set()
+        # keys an operation in progress looked up or wrote: leased at once, so no other process
+        # evicts them between the lookup and the operation's end (when held keys are leased)
+        self._in_flight: set[str] = set()
         #: (kind, tier that served it or "miss") -> lookups, kind in chunk / patch / embeds
         self.lookups: Counter[tuple[str, str]] = Counter()
 
@@ -207,6 +210,7 @@ class WindowStore:
         """The canonical under ``key`` (promoted to the fastest tier), or None.
 
         Raises FingerprintMismatchError for an entry another model or layout wrote."""
+        self._lease_in_flight(key, traffic)
         entry = self.store.get(key, expect_fingerprint=fingerprint, expect_layout=layout, traffic=traffic)
         self._count("chunk", traffic)
         if entry is None:
@@ -217,6 +221,7 @@ class WindowStore:
         """Store ``chunk`` (a no-op when already there); returns its key."""
         key = self.chunk_key(chunk)
         tensors, meta = chunk.to_entry()
+        self._lease_in_flight(key, traffic)
         self.store.put(key, StoreEntry(tensors, meta), traffic=traffic)
         return key
 
@@ -235,6 +240,7 @@ class WindowStore:
 
     # ------------------------------------------------------------------ patches
     def get_patch(self, key: str, *, fingerprint: str, traffic: TierTraffic) -> Patch | None:
+        self._lease_in_flight(key, traffic)
         entry = self.store.get(key, expect_fingerprint=fingerprint, traffic=traffic)
         self._count("patch", traffic)
         if entry is None:
@@ -246,6 +252,7 @@ class WindowStore:
         take it (a collision, a read-only or full tier) the window goes on with the patch it has
         in hand; returns why it was not (fully) stored, else None."""
         tensors, meta = patch.to_entry()
+        self._lease_in_flight(key, traffic)
         try:
             self.store.put(key, StoreEntry(tensors, meta), traffic=traffic)
         except CollisionError:
@@ -280,7 +287,7 @@ class WindowStore:
         return failed
 
     def release(self, keys: Iterable[str], traffic: TierTraffic) -> list[str]:
-        """Undo one hold per key; keys nobody holds any more are unpinned and demoted one tier down.
+        """Undo one hold per key; keys nobody holds any more are demoted one tier down.
 
         Never raises for a store fault: a demotion a faulty tier refuses leaves the entry where it
         is (nothing is lost) and is retried at the next release. Shared-tier leases on keys nobody
@@ -295,7 +302,9 @@ class WindowStore:
                 del self._holds[key]
                 self._undemoted.add(key)
                 last.append(key)
-        failed += self._lease(last, traffic, take=False)
+        stale = [k for k in self._in_flight if k not in self._holds]
+        self._in_flight.clear()
+        failed += self._lease(last + [k for k in stale if k not in last], traffic, take=False)
         for key in sorted(self._undemoted):
             try:
                 self.demote(key, traffic)
@@ -304,6 +313,14 @@ class WindowStore:
                 continue
             self._undemoted.discard(key)
         return failed
+
+    def _lease_in_flight(self, key: str, traffic: TierTraffic) -> None:
+        """Lease ``key`` now for the operation in progress (settled by the next ``release``: kept
+        if the operation ended up holding it, else let go)."""
+        if key in self._holds or key in self._in_flight:
+            return
+        self._in_flight.add(key)
+        self._lease([key], traffic, take=True)
 
     def _lease(self, keys: list[str], traffic: TierTraffic, *, take: bool) -> list[str]:
         """Take (or let go of) shared-tier leases on ``keys``; never raises for a store fault (a
