@@ -251,7 +251,7 @@ def _cli_json(capsys, *argv):
 
 
 def test_verify_model_cli_json(capsys):
-    rc, out = _cli_json(capsys, "verify-model", "--arch", "qwen2_vl", "--random", "--json", "--tokens", "24")
+    rc, out = _cli_json(capsys, "verify-model", "tiny:qwen2_vl", "--json", "--tokens", "24")
     assert rc == 0 and out["ok"] is True
     for key in ("model", "max_rel_err", "noise_floor", "max_ulp_bf16", "layers"):
         assert key in out

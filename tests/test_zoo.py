@@ -35,6 +35,17 @@ def test_sweep_covers_every_architecture_and_reports_counts(verdicts, capsys):
     assert counts["exact"] >= 60  # the RoPE decoders of transformers 5.18 (83 when written)
 
 
+def test_docs_counts_are_the_sweeps(verdicts):
+    """docs/zoo.md and the README carry the counts of this sweep (regenerate with
+    ``contextdeque zoo --write-docs .``), not hand-written ones."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    counts = zoo.counts(list(verdicts.values()))
+    assert zoo.docs_counts((root / "docs" / "zoo.md").read_text()) == json.loads(json.dumps(counts))
+    assert zoo.counts_line(counts) in (root / "README.md").read_text()
+
+
 def test_every_refusal_reason_holds(verdicts):
     """Each refusal's reason is confirmed by an independent check (e.g. learned positions: zeroing
     the named position module's output makes the keys position-free)."""
@@ -60,6 +71,8 @@ def test_verdicts_of_known_architectures(verdicts):
         assert (verdicts[mt].verdict, verdicts[mt].reason) == ("refused", "learned-positions"), verdicts[mt]
     for mt in ("mamba", "rwkv", "qwen3_next"):
         assert (verdicts[mt].verdict, verdicts[mt].reason) == ("refused", "recurrent"), verdicts[mt]
+    for mt in ("bart", "trocr"):  # learned positions taken from the cache length, position_ids ignored
+        assert (verdicts[mt].verdict, verdicts[mt].reason) == ("refused", "positions-ignored"), verdicts[mt]
     assert "NoPE" in verdicts["smollm3"].layout
 
 

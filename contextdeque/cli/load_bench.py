@@ -11,17 +11,8 @@ import sys
 import torch
 
 from ..eval.load_bench import run_load_bench
-from .window_bench import _backend
-
-
-def _retention(text: str) -> float:
-    try:
-        val = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 < val <= 1.0:
-        raise argparse.ArgumentTypeError(f"a retention is a kept fraction in (0, 1], got {text!r}")
-    return val
+from .fidelity import retention
+from .model_spec import MODEL_HELP, load_backend
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,11 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="background reader threads")
     parser.add_argument("--storage", default="float32", help="chunk storage dtype (float32, bfloat16)")
     parser.add_argument("--dir", default=None, help="disk tier directory (default: a temporary one)")
-    parser.add_argument("--capsule", type=_retention, default=None, metavar="RHO",
+    parser.add_argument("--capsule", type=retention, default=None, metavar="RHO",
                         help="keep the disk chunks compressed at rest (KVCapsule linear, mean retention RHO in (0, 1])")
     parser.add_argument(
         "--model", default=None,
-        help="a local model path; default: the embedded default model; 'tiny' for a tiny random llama",
+        help=MODEL_HELP,
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
 
@@ -49,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if args.chunks < 2:
         print("error: --chunks must be >= 2 (half on disk, half missing)", file=sys.stderr)
         return 2
-    res = run_load_bench(_backend(args.model), n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
+    res = run_load_bench(load_backend(args.model), n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
                          policy=args.policy, rank=args.rank, workers=args.workers, storage=args.storage,
                          disk_dir=args.dir, capsule=args.capsule)
     if args.json:

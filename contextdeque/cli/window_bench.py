@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..eval.window_bench import run_window_bench
-from .model_spec import load_backend
+from .model_spec import MODEL_HELP, load_backend
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, default=32, help="patch rank m")
     parser.add_argument(
         "--model", default=None,
-        help="a local model path; default: the embedded default model; 'tiny' for a tiny random llama",
+        help=MODEL_HELP,
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--no-steps", action="store_true", help="skip the per-step re-read table")
@@ -34,26 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--append-only", action="store_true", help="run only the append-only flow")
 
 
-def _backend(model: str | None) -> Any:
-    if model == "tiny":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        from ..model.hf import HFBackend
-
-        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            m = LlamaForCausalLM(cfg).eval()
-        return HFBackend(m, None, root_ids=[1, 2], name="tiny-bench-llama")
-    return load_backend(model)
-
-
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(int(args.threads))
     policies = () if args.no_steps else tuple(p.strip() for p in args.step_policies.split(",") if p.strip())
-    backend = _backend(args.model)
+    backend = load_backend(args.model)
     if args.append_only:
         return _append_only(args, backend)
     result = run_window_bench(

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .errors import CorruptEntryError, EmptyChunkError, StorageDtypeError
+from .kv import tensor_nbytes
 
 STORAGE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -109,7 +110,7 @@ class Chunk:
     @property
     def nbytes(self) -> int:
         """Bytes of the stored page (K and V, all layers)."""
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return tensor_nbytes(self.keys) + tensor_nbytes(self.values)
 
     def positions(self, start: int) -> torch.Tensor:
         """``[n_axes, T]`` absolute positions when the chunk starts at ``start``."""

@@ -131,3 +131,28 @@ def probe_freq_axis(rotary: torch.nn.Module, n_freq: int, interleave_cat: bool =
     if any(a < 0 for a in axes):
         raise UnsupportedLayoutError("could not map every M-RoPE frequency to a position axis")
     return tuple(axes)
+
+
+# ---------------------------------------------------------------------------- loaded layouts
+
+#: The layouts of the models loaded in this process, by signature: every ``HFBackend`` registers
+#: its model's layout when it is built (``load_model`` builds one), so ``relocate(chunk, start)``
+#: finds a chunk's layout from the chunk's own ``layout_signature`` without being handed it.
+LOADED_LAYOUTS: dict[str, KVLayout] = {}
+
+
+def register_layout(layout: KVLayout) -> None:
+    """Make ``layout`` known to :func:`layout_for` (a backend does this for its model)."""
+    LOADED_LAYOUTS[layout.signature] = layout
+
+
+def layout_for(signature: str) -> KVLayout:
+    """The loaded layout with ``signature``; refused when no model of that layout is loaded."""
+    from .errors import FingerprintMismatchError
+
+    try:
+        return LOADED_LAYOUTS[signature]
+    except KeyError:
+        raise FingerprintMismatchError(
+            f"no loaded model has layout {signature}; load the model that encoded this chunk or pass layout="
+        ) from None

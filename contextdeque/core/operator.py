@@ -17,7 +17,7 @@ from .chunk import Chunk
 from .errors import FingerprintMismatchError, PositionError
 from .kv import LayerKV
 from ..kernels import MAX_RANK, RopeSpec, fused_apply, fused_apply_layers
-from .layout import KVLayout
+from .layout import KVLayout, layout_for
 from .rotation import TableCache, check_positions
 
 Factors = tuple[torch.Tensor, torch.Tensor]
@@ -106,9 +106,10 @@ def relocate(
     """The chunk's KV as the model would cache it at the given positions (+ an optional patch).
 
     Returns per layer ``(k [H_k, T, d_k], v [H_v, T, d_v])`` in ``out_dtype`` (default: the model's
-    compute dtype). ``layout`` defaults to the one registered for the chunk's model.
+    compute dtype). ``layout`` defaults to the one a loaded backend registered for the chunk's
+    layout signature (:func:`.layout.layout_for`).
     """
-    layout = layout or _layout_for(chunk)
+    layout = layout or layout_for(chunk.layout_signature)
     check_compatible(chunk, layout, fingerprint)
     pos = placement_positions(chunk, start, positions, section_shift)
     check_positions(pos, layout)
@@ -178,22 +179,3 @@ def to_content_frame(
         keys.append(k)
         values.append(v)
     return torch.stack(keys), torch.stack(values)
-
-
-# Layouts by signature, registered by backends when they encode, so relocate(chunk, start) works
-# without passing the layout around.
-_LAYOUTS: dict[str, KVLayout] = {}
-
-
-def register_layout(layout: KVLayout) -> None:
-    _LAYOUTS[layout.signature] = layout
-
-
-def _layout_for(chunk: Chunk) -> KVLayout:
-    try:
-        return _LAYOUTS[chunk.layout_signature]
-    except KeyError:
-        raise FingerprintMismatchError(
-            f"no loaded model has layout {chunk.layout_signature}; load the model that encoded this chunk "
-            "or pass layout="
-        ) from None

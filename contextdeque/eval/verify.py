@@ -25,6 +25,7 @@ from ..model.hf import HFBackend
 from ..core.chunk import Chunk
 from ..core.metrics import ulp
 from ..model.detect import FP32_FLOOR, OffsetReport, check_chunk  # noqa: F401  (FP32_FLOOR re-exported)
+from .fidelity.probes import embedding_norm, image_span_embeddings, tokenize
 
 DEFAULT_OFFSETS = (1, 37, 999, 4099)
 
@@ -54,51 +55,26 @@ def bf16_ulp(scale: float) -> float:
 
 def real_text_ids(backend: HFBackend, n_tokens: int) -> torch.Tensor:
     """``[n_tokens]`` ids of real English (CPython's pydoc topics). Without a tokenizer (random tiny
-    models) the UTF-8 bytes are folded into the vocabulary."""
+    models) the UTF-8 bytes are folded into the vocabulary (see :func:`.fidelity.probes.tokenize`)."""
     from pydoc_data.topics import topics
 
     text = " ".join(topics[k] for k in ("lambda", "if", "while", "for", "try", "with"))
-    if backend.tokenizer is not None:
-        ids = backend.tokenize(text)[:n_tokens]
-    else:
-        vocab = backend.model.get_input_embeddings().weight.shape[0]
-        ids = [4 + (b % (vocab - 4)) for b in text.encode()[:n_tokens]]
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(tokenize(backend, text)[:n_tokens], dtype=torch.long)
 
 
-def image_span_chunk(backend: HFBackend, grid: tuple[int, int] = (4, 6), seed: int = 0) -> Chunk:
+def image_span_chunk(backend: HFBackend, grid: tuple[int, int] = (4, 6), image: str = "astronaut") -> Chunk:
     """An image-span chunk with a genuine M-RoPE grid: t fixed, h and w walking the grid, next
-    position = start + max(h, w) extent (the Qwen2-VL rule). Embeddings come from real pixels
-    (scikit-image) through a fixed seeded projection — an emulation, no vision tower involved."""
+    position = start + max(h, w) extent (the Qwen2-VL rule). Embeddings are the project's one
+    image-span emulation (:func:`.fidelity.probes.image_span_embeddings`: real pixels through a
+    fixed seeded projection), no vision tower involved."""
     h, w = grid
-    emb = pixel_embeddings(backend, h * w, seed)
+    hidden = int(backend.model.get_input_embeddings().weight.shape[1])
+    emb = image_span_embeddings(image, grid, hidden, embedding_norm(backend)).to(backend.dtype)
     t_ax = torch.zeros(h * w, dtype=torch.long)
     h_ax = torch.arange(h).repeat_interleave(w)
     w_ax = torch.arange(w).repeat(h)
     rel = torch.stack([t_ax, h_ax, w_ax])
     return backend.encode(embeds=emb, rel_positions=rel, span=max(h, w), modality="image")
-
-
-def pixel_embeddings(backend: HFBackend, n_tokens: int, seed: int = 0) -> torch.Tensor:
-    """``[n_tokens, hidden]`` embeddings from a real photo's patches via a seeded random projection,
-    scaled to the model's token-embedding norm (an emulation of a vision tower's output)."""
-    import numpy as np
-    from skimage import data
-
-    img = data.astronaut().astype(np.float32) / 255.0  # [512, 512, 3]
-    side = int(np.ceil(np.sqrt(n_tokens)))
-    ps = img.shape[0] // side
-    patches = [
-        img[i * ps : (i + 1) * ps, j * ps : (j + 1) * ps].reshape(-1) for i in range(side) for j in range(side)
-    ][:n_tokens]
-    x = torch.tensor(np.stack(patches))
-    x = x - x.mean(dim=1, keepdim=True)
-    emb_w = backend.model.get_input_embeddings().weight.detach()
-    g = torch.Generator().manual_seed(seed)
-    proj = torch.randn(x.shape[1], emb_w.shape[1], generator=g) / x.shape[1] ** 0.5
-    e = x @ proj
-    e = e / e.norm(dim=1, keepdim=True).clamp_min(1e-6) * emb_w.norm(dim=1).mean()
-    return e.to(emb_w.dtype)
 
 
 def verify_backend(backend: HFBackend, offsets: list[int] | None = None, n_tokens: int = 96, name: str | None = None) -> VerifyReport:

@@ -55,6 +55,7 @@ REFUSAL_REASONS: dict[str, str] = {
     "recurrent": "recurrent / state-space / linear-attention layers cache a running state, not per-token keys",
     "no-kv-cache": "the model returns no per-token KV cache",
     "no-positions": "the forward takes no explicit position ids",
+    "positions-ignored": "the model holds positions (embeddings or rotary tables) but takes them from the cache length, not position_ids",
     "layer-shapes": "layers cache differently shaped K/V (a chunk stacks all layers in one tensor)",
     "not-a-rotation": "cached keys move with position in a way no rotation by the model's own tables explains",
     "rope-regime": "the rotary table switches with sequence length below any usable position",
@@ -347,6 +348,18 @@ def read_layout(model: torch.nn.Module) -> KVLayout:
             reason="not-a-rotation",
             measured=fit.err,
         )
+    if all(ti < 0 for ti in fit.per_layer):
+        # nothing moved with position_ids: position-free (NoPE / ALiBi), unless the model does hold a
+        # position signal, which then is not driven by position_ids (taken from the cache length)
+        pos_mods = _position_embeddings(model) + [t.name for t in tables if not t.name.startswith("-")]
+        if pos_mods:
+            raise UnsupportedLayoutError(
+                f"{display}: cached keys ignore position_ids although the model holds positions "
+                f"({', '.join(pos_mods)}): it takes them from the cache length, so a chunk's keys depend on where it "
+                "was encoded and cannot be placed elsewhere",
+                reason="positions-ignored",
+                evidence=tuple(pos_mods),
+            )
     spec = fit.spec
     n_freq = spec.dim // 2
     zero = tuple([0.0] * n_freq)

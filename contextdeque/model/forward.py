@@ -75,6 +75,20 @@ def cached_kv(out: Any, past_len: int, n_new: int) -> list[LayerKV]:
     return kv
 
 
+def position_ids(positions: Any, n_pos_axes: int, device: Any) -> torch.Tensor:
+    """A model's ``position_ids`` for one sequence at ``positions`` (``[T]``, ``[1, T]`` or
+    ``[n_axes, T]``): ``[n_axes, 1, T]`` for M-RoPE models (a 1-D position is the same on every
+    axis), else ``[1, T]``; on ``device``."""
+    pos = torch.as_tensor(positions, dtype=torch.long)
+    if pos.dim() == 1:
+        pos = pos.unsqueeze(0)
+    if n_pos_axes > 1:
+        if pos.shape[0] == 1:
+            pos = pos.expand(n_pos_axes, -1)
+        return pos.reshape(n_pos_axes, 1, -1).to(device)
+    return pos[:1].reshape(1, -1).to(device)
+
+
 @torch.no_grad()
 def run_forward(
     model: torch.nn.Module,
@@ -103,15 +117,7 @@ def run_forward(
         raise EmptyChunkError("forward needs input_ids or inputs_embeds")
     if n == 0:
         raise EmptyChunkError("forward over zero tokens")
-    pos = torch.as_tensor(positions, dtype=torch.long)
-    if pos.dim() == 1:
-        pos = pos.unsqueeze(0)
-    if n_pos_axes > 1:
-        if pos.shape[0] == 1:
-            pos = pos.expand(n_pos_axes, -1)
-        position_ids = pos.reshape(n_pos_axes, 1, -1).to(device)
-    else:
-        position_ids = pos[:1].reshape(1, -1).to(device)
+    pos_ids = position_ids(positions, n_pos_axes, device)
     cls = type(model)
     if not _accepts(cls, "position_ids"):
         raise UnsupportedLayoutError(
@@ -124,7 +130,7 @@ def run_forward(
     kwargs["attention_mask"] = torch.ones(1, past_len + n, dtype=torch.long, device=device)
     if _accepts(cls, "logits_to_keep"):
         kwargs["logits_to_keep"] = {"last": 1, "all": 0, "none": 1}[logits]
-    out = model(**kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True)
+    out = model(**kwargs, position_ids=pos_ids, past_key_values=cache, use_cache=True)
     kv = cached_kv(out, past_len, n)
     lg = None
     if logits != "none":

@@ -17,10 +17,11 @@ import torch
 
 from ..core.chunk import Chunk, check_representable, chunk_id, digest, storage_dtype
 from ..core.errors import EmptyChunkError, FingerprintMismatchError, ModelLoadError
-from ..core.layout import KVLayout
+from ..core.layout import KVLayout, register_layout
 from ..core.kv import LayerKV
-from ..core.operator import register_layout, to_content_frame
-from .forward import run_forward
+from ..core.operator import to_content_frame
+from . import chat
+from .forward import position_ids, run_forward
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant."
 
@@ -69,16 +70,8 @@ def default_root_ids(tokenizer: Any, system: str = DEFAULT_SYSTEM) -> list[int]:
     (BOS, system prompt, user header), or just BOS for a plain tokenizer."""
     if tokenizer is None:
         return [0]
-    template = getattr(tokenizer, "chat_template", None)
-    if template:
-        marker = "\x00CTXDQ\x00"
-        text = tokenizer.apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": marker}],
-            tokenize=False,
-            add_generation_prompt=False,
-        )
-        head = text.split(marker)[0]
-        ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+    if chat.has_template(tokenizer):
+        ids = tokenizer(chat.user_header(tokenizer, system), add_special_tokens=False)["input_ids"]
         if ids:
             return list(ids)
     bos = getattr(tokenizer, "bos_token_id", None)
@@ -176,6 +169,11 @@ class HFBackend:
     def text_positions(self, start: int, n: int) -> torch.Tensor:
         """``[n_axes, n]`` positions of ``n`` text tokens starting at ``start``."""
         return (torch.arange(n, dtype=torch.long) + int(start)).unsqueeze(0).expand(self.n_pos_axes, -1).clone()
+
+    def position_ids(self, positions: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """The model's ``position_ids`` for ``positions`` (see :func:`.forward.position_ids`, the
+        one preparation every forward uses: encode, conditioned forwards, recompute arms, decode)."""
+        return position_ids(positions, self.n_pos_axes, self.device)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``[T] -> [T, hidden]`` input embeddings."""

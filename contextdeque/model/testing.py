@@ -154,7 +154,7 @@ class TinyArch:
     """One tiny architecture and the RoPE/cache facts verified for it under transformers 5.18.
 
     Attributes:
-        name: registry key (``contextdeque verify-model --arch NAME --random``).
+        name: registry key (``contextdeque verify-model tiny:NAME``).
         model_type: transformers ``config.model_type`` of the built model.
         family: ``"gqa"`` (cache holds per-head K/V), ``"mrope"`` (GQA with 3-axis positions),
             or ``"mla"`` (cache ``.keys`` = latent ``[B, 1, T, kv_lora_rank]``, ``.values`` = rotated
@@ -529,7 +529,7 @@ _AUTO_SIZES: dict[str, Any] = dict(
     num_key_value_heads=2, head_dim=16, max_position_embeddings=_MAX_POS,
     n_embd=64, n_layer=4, n_head=4, n_positions=_MAX_POS, n_inner=128, n_ctx=_MAX_POS,
     d_model=64, ffn_dim=128, decoder_layers=4, decoder_attention_heads=4, decoder_ffn_dim=128,
-    encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
+    encoder_layers=4, encoder_attention_heads=4, encoder_ffn_dim=128,
     num_layers=4, num_heads=4, d_ff=128, n_layers=4, n_heads=4,
     moe_intermediate_size=64, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
     n_shared_experts=1, shared_expert_intermediate_size=64,
@@ -563,7 +563,7 @@ def _shrunk_kwargs(cfg: PreTrainedConfig, extra: dict[str, Any]) -> dict[str, An
         if isinstance(getattr(cfg, name, None), int):
             old_layers = getattr(cfg, name)
             break
-    new_layers = 4
+    new_layers = int(sizes.get("num_hidden_layers", 4))
     for name, val in cfg.to_dict().items():
         if name not in params or name in kw:
             continue
@@ -598,14 +598,16 @@ def tiny_auto_config(model_type: str, **extra: Any) -> PreTrainedConfig:
 def build_tiny_auto_model(model_type: str, seed: int = 0, **extra: Any) -> PreTrainedModel:
     """A tiny random-weight fp32 causal LM of any ``model_type`` in the auto mapping (see
     :func:`tiny_auto_config`), in eval mode. MLA-style models that need as many KV heads as query
-    heads are retried that way.
+    heads, and hybrids whose first attention layer comes late, are retried that way.
 
     Raises:
         TinyBuildError: no config, more than :data:`AUTO_MAX_PARAMS` parameters, or the model
             cannot be built or run one forward.
     """
     errors = []
-    for attempt in ({}, {"num_key_value_heads": 4}):
+    # retries: MLA-style models need as many KV heads as query heads; hybrids whose first attention
+    # layer comes after layer 4 need more layers
+    for attempt in ({}, {"num_key_value_heads": 4}, {"num_hidden_layers": 8, "n_layer": 8, "num_layers": 8}):
         try:
             config = tiny_auto_config(model_type, **{**attempt, **extra})
             cls = _model_class(config)
@@ -659,6 +661,30 @@ def build_tiny_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedMo
         torch.manual_seed(seed)
         model = cls._from_config(config, attn_implementation=attn, dtype=torch.float32)
     return model.eval()
+
+
+#: The root of a tiny backend without a tokenizer (token ids of its random vocabulary).
+TINY_ROOT_IDS = (1, 2, 3)
+
+
+def tiny_backend(arch: str = "llama", seed: int = 0, *, tokenizer: Any = None, verify_at_load: bool = True,
+                 **overrides: Any) -> Any:
+    """The one way to put a tiny random-weight model behind an ``HFBackend`` (``--model tiny:<arch>``
+    on the command line, the test fixtures).
+
+    Without a ``tokenizer`` the root is :data:`TINY_ROOT_IDS`. With one (a command that takes chat
+    messages, e.g. ``serve``), the vocabulary is sized to it and the root is its chat header; the
+    model's replies are noise. ``verify_at_load`` goes to ``HFBackend``, ``overrides`` to
+    :func:`build_tiny_model`."""
+    from .hf import HFBackend
+
+    if tokenizer is None:
+        return HFBackend(build_tiny_model(arch, seed=seed, **overrides), None, root_ids=list(TINY_ROOT_IDS),
+                         name=f"tiny-{arch}", verify_at_load=verify_at_load)
+    sizes = {"vocab_size": len(tokenizer), "max_position_embeddings": 2048}
+    vl = arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # their text sizes live in text_config
+    model = build_tiny_model(arch, seed=seed, **({"text_config": sizes} if vl else sizes), **overrides)
+    return HFBackend(model, tokenizer, name=f"tiny-{arch}", verify_at_load=verify_at_load)
 
 
 def _model_class(config: PreTrainedConfig) -> type[PreTrainedModel]:

@@ -196,8 +196,9 @@ class Replayer:
         if tokens > 0:
             self.r.est_seconds += tokens * self.kv_bpt / self.cost.apply_bytes_per_s
 
-    def _form(self, key: str, prefix: Sequence[str], kind: str = "exact") -> None:
-        """Conditioning for ``key`` behind ``prefix``: a store hit or one formed patch."""
+    def _form(self, key: str, prefix: Sequence[str], kind: str = "exact", ctx: int | None = None) -> None:
+        """Conditioning for ``key`` behind ``prefix`` (``ctx``: its tokens, when the caller knows
+        them): a store hit or one formed patch."""
         pc = tuple(map(self.content.__getitem__, prefix))
         c = self.content[key]
         r = self.r
@@ -208,7 +209,8 @@ class Replayer:
             r.patch_hits += 1
         else:
             t = self.tokens[key]
-            ctx = sum(map(self.tokens.__getitem__, prefix))
+            if ctx is None:
+                ctx = sum(map(self.tokens.__getitem__, prefix))
             n_fw = 1
             if kind == "orbit":
                 n_fw = 1
@@ -346,7 +348,7 @@ class Replayer:
                 before = self.formed.get(key, ())
                 prefix = self.order[:-1]
                 if prefix:
-                    self._form(key, prefix)
+                    self._form(key, prefix, ctx=self.window_tokens - self.tokens[key])
                 else:
                     self._set_formed(key, ())
                 if recall and self.formed[key] != before:

@@ -13,9 +13,9 @@ import itertools
 import json
 import multiprocessing as mp
 import os
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..scheduler import EVICTION_POLICIES
 from ..scheduler.eviction import PolicyError
@@ -74,9 +74,10 @@ def check_budgets(traces: Sequence[Trace], cost: CostModel, config: ReplayConfig
 
 
 def replay_many(traces: Sequence["str | Trace"], combos: Sequence[Combo], cost: CostModel | None = None,
-                config: ReplayConfig | None = None, jobs: int = 1) -> list[dict[str, Any]]:
+                config: ReplayConfig | None = None, jobs: int = 1, progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
     """Every (trace, combo) result, sorted. ``traces``: paths (validated whole, once per worker)
-    or :class:`Trace` objects. ``jobs``: worker processes (1: in this process)."""
+    or :class:`Trace` objects. ``jobs``: worker processes (1: in this process). ``progress(done,
+    total)`` is called as runs finish (their order of finishing does not change the result)."""
     cost = cost or CostModel()
     config = config or ReplayConfig()
     loaded = [_cached_trace(str(t)) if not isinstance(t, Trace) else t for t in traces]  # validate all first
@@ -91,13 +92,22 @@ def replay_many(traces: Sequence["str | Trace"], combos: Sequence[Combo], cost: 
     else:
         refs = [str(t) if not isinstance(t, Trace) else lt for t, lt in zip(traces, loaded)]
     tasks = [(ref, c, cost.to_json(), asdict(config)) for ref in refs for c in combos]
+    results: list[dict[str, Any]] = []
+
+    def done(r: dict[str, Any]) -> None:
+        results.append(r)
+        if progress is not None:
+            progress(len(results), len(tasks))
+
     try:
         if parallel:
             ctx = mp.get_context("fork" if fork else "spawn")
             with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-                results = list(pool.map(_one, tasks, chunksize=1))
+                for fut in as_completed([pool.submit(_one, t) for t in tasks]):
+                    done(fut.result())
         else:
-            results = [_one(t) for t in tasks]
+            for t in tasks:
+                done(_one(t))
     finally:
         _SHARED.clear()
     return sorted(results, key=lambda r: (r["trace"], r["placement"], r["eviction"], r["arm"]))

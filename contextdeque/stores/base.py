@@ -28,6 +28,8 @@ import torch
 
 from contextdeque.core.errors import CollisionError, FingerprintMismatchError, InvalidEntryError
 from contextdeque.core.kv import tensor_nbytes
+from contextdeque.core.registry import Registered
+from contextdeque.stores.registry import TIERS
 
 if TYPE_CHECKING:  # pragma: no cover
     from contextdeque.stores.policy import EvictionPolicy
@@ -298,7 +300,7 @@ class PutResult:
     evicted: tuple[Evicted, ...] = ()
 
 
-class Tier(ABC):
+class Tier(ABC, Registered):
     """One storage level with a byte budget and an eviction policy.
 
     Pinned entries are never evicted while pinned; `delete` still removes them.
@@ -309,7 +311,9 @@ class Tier(ABC):
     with `contextdeque.stores.traffic.report_fallback`.
     """
 
-    #: registry name (set by `register_tier`)
+    registry = TIERS
+    registry_key = "kind"
+    #: registry name: a subclass that sets it is registered under it (contextdeque.core.registry)
     kind: str = "abstract"
     #: True when entries survive the process (write-through targets)
     persistent: bool = False

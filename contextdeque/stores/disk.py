@@ -52,7 +52,6 @@ from contextdeque.stores.base import (
 )
 from contextdeque.stores.format import Header, decode_entry, encode_entry, parse_header
 from contextdeque.stores.policy import EvictionPolicy
-from contextdeque.stores.registry import register_tier
 
 SUFFIX = ".safetensors"
 PIN_SUFFIX = ".pin"
@@ -156,7 +155,6 @@ class _FileInfo:
     ino: int
 
 
-@register_tier("disk")
 class DiskTier(Tier):
     """Entries as safetensors files in ``path``; the budget counts whole file sizes.
 
@@ -177,6 +175,8 @@ class DiskTier(Tier):
     Raises:
         StorePermissionError: the directory cannot be created, read or written.
     """
+
+    kind = "disk"
 
     persistent = True
 

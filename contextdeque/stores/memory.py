@@ -19,7 +19,6 @@ from contextdeque.stores.base import (
     check_expectations,
 )
 from contextdeque.stores.policy import EvictionPolicy
-from contextdeque.stores.registry import register_tier
 
 
 @dataclass
@@ -29,7 +28,6 @@ class _Slot:
     priority: int
 
 
-@register_tier("memory")
 class MemoryTier(Tier):
     """Entries as tensors on ``device``, budgeted in payload bytes.
 
@@ -42,6 +40,8 @@ class MemoryTier(Tier):
         policy: eviction policy name or instance (``"lru"``, ``"priority"``).
         name: tier name used in `TierTraffic` (unique within a `TieredStore`).
     """
+
+    kind = "memory"
 
     def __init__(
         self,

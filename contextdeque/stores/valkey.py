@@ -63,7 +63,6 @@ from contextdeque.core.errors import (
 )
 from contextdeque.stores.base import PutResult, StoreEntry, Tier, check_collision, check_expectations
 from contextdeque.stores.format import decode_entry, encode_entry
-from contextdeque.stores.registry import register_tier
 from contextdeque.stores.traffic import report_fallback
 
 log = logging.getLogger("contextdeque.stores.valkey")
@@ -238,7 +237,6 @@ def _classify(exc: BaseException) -> str | None:
     return None
 
 
-@register_tier("valkey")
 class ValkeyTier(Tier):
     """Entries in a Valkey server or cluster, shared by every process that points at it.
 
@@ -278,6 +276,8 @@ class ValkeyTier(Tier):
     An unreachable server at construction is *not* an error: the tier starts away and
     begins sharing when the server answers.
     """
+
+    kind = "valkey"
 
     persistent = True
     remote = True

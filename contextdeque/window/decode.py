@@ -19,10 +19,10 @@ import torch
 from ..core import compat
 from ..core.errors import WindowError
 from ..core.kv import LayerKV, concat_kv
+from ..model import chat as chat_template
 from .context import WindowContext
 from .slot import Slot
 
-_QUERY_MARK = "\x00CTXDQ-QUERY\x00"
 
 
 def assemble(ctx: WindowContext, slots: Sequence[Slot], pages: dict[int, tuple[LayerKV, ...] | None] | None = None) -> list[LayerKV]:
@@ -70,13 +70,8 @@ def query_ids(ctx: WindowContext, query: str | Sequence[int] | torch.Tensor, *, 
     if tok is None:
         raise WindowError("this backend has no tokenizer: pass the query as token ids")
     text = query
-    if chat and getattr(tok, "chat_template", None):
-        rendered = tok.apply_chat_template(
-            [{"role": "system", "content": "s"}, {"role": "user", "content": _QUERY_MARK}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        text = query + rendered.split(_QUERY_MARK, 1)[1]
+    if chat and chat_template.has_template(tok):
+        text = query + chat_template.user_turn_suffix(tok)
     ids = backend.tokenize(text)
     if not ids:
         raise WindowError("empty query")
@@ -157,11 +152,7 @@ def greedy(
     eos = {int(e) for e in eos_ids}
     for step in range(max(1, int(max_new_tokens))):
         n = step_ids.shape[1]
-        positions = backend.text_positions(pos, n)
-        if backend.n_pos_axes > 1:
-            position_ids = positions.reshape(backend.n_pos_axes, 1, -1).to(backend.device)
-        else:
-            position_ids = positions[:1].reshape(1, -1).to(backend.device)
+        position_ids = backend.position_ids(backend.text_positions(pos, n))
         mask = torch.ones(1, past_len + n, dtype=torch.long, device=backend.device)
         out = model(
             input_ids=step_ids,

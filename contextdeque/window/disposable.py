@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-import torch
-
+from ..core.metrics import kl_divergence
 from ..core.operator import relocate
 from . import decode
 from .receipt import Receipt
@@ -52,13 +51,6 @@ class Verdict:
         return self.disposable
 
 
-def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """KL(softmax(p) || softmax(q)) in nats, fp64."""
-    lp = torch.log_softmax(p_logits.to(torch.float64), dim=-1)
-    lq = torch.log_softmax(q_logits.to(torch.float64), dim=-1)
-    return float(torch.sum(lp.exp() * (lp - lq)).clamp_min(0.0))
-
-
 def run_test(
     ctx: "WindowContext",
     slots: Sequence["Slot"],
@@ -82,7 +74,7 @@ def run_test(
     fields: dict = {
         "answer_as_is": ans,
         "answer_unconditioned": ans_off,
-        "kl_unconditioned": kl(p_logits, q_logits),
+        "kl_unconditioned": kl_divergence(p_logits, q_logits),
         "had_conditioning": bool(slot.stack),
         "text_as_is": decode.decode_text(ctx, ans),
         "text_unconditioned": decode.decode_text(ctx, ans_off),
@@ -98,7 +90,7 @@ def run_test(
         drop_layers = decode.assemble(ctx, slots, pages)  # type: ignore[arg-type]
         d_logits, ans_drop = decode.greedy(ctx, drop_layers, start - shift, query_ids, max_new_tokens, eos)
         fields["answer_dropped"] = ans_drop
-        fields["kl_dropped"] = kl(p_logits, d_logits)
+        fields["kl_dropped"] = kl_divergence(p_logits, d_logits)
         fields["text_dropped"] = decode.decode_text(ctx, ans_drop)
         same = same and ans_drop == ans and (kl_tol is None or fields["kl_dropped"] <= kl_tol)
     fields["disposable"] = bool(same)

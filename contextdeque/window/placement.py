@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Hashable, Iterable, Mapping, Sequence
 
 from ..core.errors import WindowError
+from ..core.registry import Registered, Registry
 
-PLACEMENT_POLICIES: dict[str, type["PlacementPolicy"]] = {}
+PLACEMENT_POLICIES: Registry["PlacementPolicy"] = Registry("placement policy")
 
 Key = Hashable
 
@@ -69,16 +70,12 @@ class PlacementView:
         return any(True for _ in self.stored_prefixes(content))
 
 
-class PlacementPolicy:
+class PlacementPolicy(Registered):
     """Base class. Subclasses set ``name`` and implement :meth:`place` (and may override
     :meth:`make_room`)."""
 
+    registry = PLACEMENT_POLICIES
     name: ClassVar[str] = ""
-
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        if cls.name:
-            PLACEMENT_POLICIES[cls.name] = cls
 
     def place(self, view: PlacementView, entering: Sequence[tuple[Key, int | None]]) -> list[Key]:
         """The window's new order: ``view.order`` with every entering ``(key, at)`` placed (``at``:

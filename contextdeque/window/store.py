@@ -286,6 +286,10 @@ class WindowStore:
         failed += self._lease(first, traffic, take=True)
         return failed
 
+    def holds(self, key: str) -> int:
+        """How many holds ``key`` has (0: nobody holds it)."""
+        return self._holds.get(key, 0)
+
     def release(self, keys: Iterable[str], traffic: TierTraffic) -> list[str]:
         """Undo one hold per key; keys nobody holds any more are demoted one tier down.
 

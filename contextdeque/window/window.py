@@ -40,7 +40,7 @@ import torch
 
 from ..core.chunk import Chunk, storage_dtype
 from ..core.errors import BudgetError, UnknownRefError, WindowError
-from ..core.kv import LayerKV
+from ..core.kv import LayerKV, kv_nbytes
 from ..patch import Patch, form_patch
 from . import decode, ingest
 from .context import WindowContext
@@ -784,7 +784,7 @@ class ContextWindow:
         over the root and the chunks (to float rounding)."""
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], Any]:
             layers = decode.assemble(self._ctx, state.slots)
-            meter.page_bytes += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+            meter.page_bytes += kv_nbytes(layers)
             return {"refs": state.refs}, decode.to_cache(self._ctx, layers)
 
         return self._run("materialize", body, mutates=False)[1]
@@ -825,7 +825,7 @@ class ContextWindow:
                 )
                 return {"refs": state.refs}, Answer(token_ids=new_ids, text=decode.decode_text(ctx, new_ids))
             layers = decode.assemble(ctx, state.slots)
-            meter.page_bytes += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+            meter.page_bytes += kv_nbytes(layers)
             new_ids = decode.generate(ctx, state.slots, layers, q, max_new_tokens, **kw)
             return {"refs": state.refs}, Answer(token_ids=new_ids, text=decode.decode_text(ctx, new_ids))
 
