@@ -36,3 +36,18 @@ def load_backend(spec: str | None, *, chat: bool = False, verify_at_load: bool =
         tok = AutoTokenizer.from_pretrained(ensure_default_model(progress=False))
         return tiny_backend(arch, tokenizer=tok, verify_at_load=verify_at_load)
     return load_model(spec, verify_at_load=verify_at_load)
+
+
+def image_processor(backend: Any, model: str | None) -> Any:
+    """A Qwen-VL model's image processor: the tiny one for ``tiny:<arch>``, else the one saved
+    beside a local checkpoint; ``None`` for a text-only model."""
+    arch = getattr(backend.model.config, "model_type", "")
+    if arch not in ("qwen2_vl", "qwen2_5_vl"):
+        return None
+    if model and model.startswith("tiny:"):
+        from ..model.testing import build_tiny_vl_processor
+
+        return build_tiny_vl_processor(arch)
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(model)
