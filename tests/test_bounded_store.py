@@ -83,7 +83,7 @@ def test_a_dropped_canonical_is_re_encoded_from_its_source(backend, tmp_path):
     key = win._state.evicted[win.evicted_refs[0]].chunk_key
     assert win.store.store.delete(key), "as a budget would drop it"
     receipt = win.recall(win.evicted_refs[0])
-    assert receipt.encodes == 1 and any("re-encoded from its source" in n for n in receipt.notes), receipt.notes
+    assert receipt.encodes == 1 and any("re-encoded" in n and "from its source" in n for n in receipt.repairs), receipt.repairs
     twin.recall(twin.evicted_refs[0])
     assert same_cache(win.materialize(), twin.materialize()), "the re-encoded canonical is the one it had"
 
@@ -93,4 +93,4 @@ def test_a_dropped_canonical_is_re_encoded_from_its_source(backend, tmp_path):
     win.save(tmp_path / "s.cdq")
     opened = ContextWindow.open(tmp_path / "s.cdq", backend, store=TieredStore([MemoryTier("cpu", None)]))
     r = opened.recall(opened.evicted_refs[0])
-    assert r.encodes == 1 and any("re-encoded" in n for n in r.notes)
+    assert r.encodes == 1 and any("re-encoded" in n for n in r.repairs)

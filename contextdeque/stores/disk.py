@@ -64,6 +64,9 @@ _clock_lock = threading.Lock()
 _last_ns = 0
 
 
+QUARANTINE_DIR = "quarantine"
+QUARANTINE_KEEP = 32  # corrupt files kept for inspection; older ones are removed
+
 def _now_ns() -> int:
     """Wall-clock ns, strictly increasing within this process (recency stamps across processes)."""
     global _last_ns
@@ -195,7 +198,7 @@ class DiskTier(Tier):
         super().__init__(name=name, budget_bytes=budget_bytes, policy=policy)
         if lease_ttl_s is not None and not (isinstance(lease_ttl_s, (int, float)) and lease_ttl_s > 0):
             raise ValueError(f"lease_ttl_s must be a positive number of seconds or None, got {lease_ttl_s!r}")
-        self.path = Path(path)
+        self.path = Path(path).expanduser()
         self.lease_ttl_s = None if lease_ttl_s is None else float(lease_ttl_s)
         self._holder_pid = -1
         self._holder_name = ""
@@ -407,6 +410,8 @@ class DiskTier(Tier):
         return entry
 
     def _discard_if_same(self, path: Path, st: os.stat_result) -> bool:
+        """Set a corrupt entry file aside into ``quarantine/`` (kept for inspection, the newest
+        ``QUARANTINE_KEEP``; never read back), unless a writer replaced it since it was read."""
         with self._locked():
             try:
                 now = os.stat(path)
@@ -414,7 +419,17 @@ class DiskTier(Tier):
                 return False
             if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                 return False  # replaced by a writer since we read it
-            path.unlink()
+            qdir = self.path / QUARANTINE_DIR
+            try:
+                qdir.mkdir(exist_ok=True)
+                os.replace(path, qdir / f"{path.name}.{_now_ns()}")
+                kept = sorted(qdir.iterdir(), key=lambda p: p.name.rsplit(".", 1)[-1])
+                for old in kept[:-QUARANTINE_KEEP]:
+                    with contextlib.suppress(OSError):
+                        old.unlink()
+            except OSError:
+                path.unlink()  # cannot keep it: at least never serve it again
+            self._hdr_cache.pop(path.name[:_HASH_LEN], None)
             self._fsync_dir()
             return True
 
@@ -708,7 +723,8 @@ class DiskTier(Tier):
         return removed
 
     def scrub(self) -> list[str]:
-        """Fully verify every entry file; remove corrupt ones. Returns removed file names."""
+        """Fully verify every entry file; set corrupt ones aside (``quarantine/``). Returns their
+        file names."""
         removed = []
         with self._locked():
             files, _, _ = self._scan()

@@ -80,7 +80,9 @@ def obtain(
         energy = float(ctx.fidelity_target)  # adaptive rank, capped by the byte budget
         rk, rv = ctx.adaptive_cap(slot.chunk.n_tokens)
     key = patch_store_key(ctx, slot, prefix, kind, (rk, rv))
+    q0 = len(meter.traffic.quarantined)
     patch = ctx.store.get_patch(key, fingerprint=ctx.fingerprint, traffic=meter.traffic)
+    healed = patch is None and len(meter.traffic.quarantined) > q0
     reused = patch is not None
     if patch is None:
         if decision.reuse_only:
@@ -107,6 +109,8 @@ def obtain(
         if PATCH_KINDS[kind].exact_on_prefix:  # what the placement scheduler may aim for
             ctx.patch_index.setdefault(slot.chunk.id, set()).add(tuple(s.chunk.id for s in prefix))
         meter.patches_formed += 1
+        if healed:
+            meter.repairs.append(f"re-formed the {kind} patch of #{slot.ref.key} (its stored copy was corrupt)")
     else:
         meter.patches_reused += 1
     cap_k, cap_v = ctx.clamp_rank(FULL, slot.chunk.n_tokens)

@@ -46,7 +46,6 @@ from ..patch import Patch
 from ..stores import StoreEntry
 from ..stores.format import decode_entry, encode_entry
 from .graph import ConditioningGraph
-from .ingest import Source
 from .receipt import Meter, Receipt
 from .ref import ChunkRef, new_ref
 from .slot import Conditioning, Slot
@@ -323,10 +322,11 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
         source = None
         if e.source is not None:
             prefix = f"s{len(evicted)}"
-            named = {n: t for n, t in (("token_ids", e.source.token_ids), ("embeds", e.source.embeds), ("rel_positions", e.source.rel_positions)) if t is not None}
+            named = {n: e.source.get(n) for n in ("token_ids", "embeds", "rel_positions") if e.source.get(n) is not None}
             for n, tensor in named.items():
                 tables.tensors[f"{prefix}/{n}"] = tensor
-            source = SourceModel(prefix=prefix, chunk_id=e.source.chunk_id, tensors=sorted(named), span=e.source.span, modality=e.source.modality)
+            source = SourceModel(prefix=prefix, chunk_id=e.chunk_id, tensors=sorted(named), span=int(e.source["span"]),
+                                 modality=str(e.source.get("modality") or "text"))
         evicted.append(EvictedModel(
             ref=ref.key, chunk_key=e.chunk_key, chunk_id=e.chunk_id, n_tokens=e.n_tokens, span=e.span,
             stale_patch_keys=list(e.stale_patch_keys), formed_on=_tags(e.formed_on),
@@ -521,11 +521,12 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
     def version_of(key: int, v: str | None) -> str | None:
         return new_version[key] if key in in_window and v == saved_version[key] else v
 
-    def _source(sm: SourceModel) -> Source:
-        named = {n: t(f"{sm.prefix}/{n}") for n in sm.tensors}
+    def _source(sm: SourceModel) -> dict[str, Any]:
+        named = {n: tensors[f"{sm.prefix}/{n}"] for n in sm.tensors if f"{sm.prefix}/{n}" in tensors}
         if "rel_positions" not in named:
             raise SessionError(f"session {path}: source {sm.prefix} lacks rel_positions")
-        return Source(sm.chunk_id, named.get("token_ids"), named.get("embeds"), named["rel_positions"], sm.span, sm.modality)
+        return {"token_ids": named.get("token_ids"), "embeds": named.get("embeds"), "rel_positions": named["rel_positions"],
+                "span": sm.span, "modality": sm.modality}
 
     for e in m.evicted:
         state.evicted[ref(e.ref)] = EvictedEntry(

@@ -108,7 +108,8 @@ class Slot:
             return None
         checkpoint()
         patches = self.patches
-        return tuple(relocate(self.chunk, self.start, layout=self.layout, patch=list(patches) or None))
+        # the window checked its positions against the trained length (or was told to go beyond)
+        return tuple(relocate(self.chunk, self.start, layout=self.layout, patch=list(patches) or None, beyond_trained=True))
 
     @property
     def patches(self) -> tuple[Patch, ...]:
