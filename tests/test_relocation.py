@@ -91,7 +91,7 @@ def test_real_vision_tower_image_chunk(arch, tiny_backend_factory):
         )
         outs[delta] = [(l.keys[0, :, backend.root_len :], l.values[0, :, backend.root_len :]) for l in out.past_key_values.layers]
     for delta in (0, 4099):
-        kv = relocate(chunk, backend.root_len + delta)
+        kv = relocate(chunk, backend.root_len + delta, beyond_trained=True)  # the tiny model's trained range is 512
         for l, (k, v) in enumerate(outs[delta]):
             scale = float(k.abs().max())
             err = float((kv[l][0] - k).abs().max()) / scale
@@ -186,7 +186,7 @@ def test_bad_inputs_are_typed(tiny_backend_factory):
     with pytest.raises(PositionError):
         relocate(chunk, -1)
     with pytest.raises(PositionError):
-        relocate(chunk, MAX_POSITION)
+        relocate(chunk, MAX_POSITION, beyond_trained=True)
     with pytest.raises(PositionError):
         relocate(chunk, 0, positions=torch.arange(3))
     with pytest.raises(EmptyChunkError):

@@ -124,6 +124,9 @@ class WindowError(ContextDequeError, ValueError):
 class UnknownRefError(WindowError, KeyError):
     """The chunk reference is unknown to this window, or was evicted and purged."""
 
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
 
 class BudgetError(WindowError):
     """The token budget cannot hold what was asked (e.g. smaller than one chunk)."""

@@ -19,6 +19,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field, fields
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -59,6 +60,10 @@ class KVLayout:
     sliding_windows: tuple[int | None, ...] = ()
     compute_dtype: str = "float32"
     notes: tuple[str, ...] = field(default=())
+    # the model's trained context (config.max_position_embeddings); positions past it raise
+    # PositionError unless the caller opts in. Not part of the signature: it limits where KV may
+    # be placed, not what stored KV means.
+    max_trained_position: int | None = field(default=None, metadata={"signature": False})
 
     @property
     def identity_layers(self) -> tuple[bool, ...]:
@@ -87,7 +92,10 @@ class KVLayout:
     @cached_property
     def signature(self) -> str:
         """Stable hash of everything that decides the KV bytes' meaning."""
-        blob = json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, sort_keys=True, default=str).encode()
+        blob = json.dumps(
+            {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("signature", True)},
+            sort_keys=True, default=str,
+        ).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def describe(self) -> str:
@@ -131,6 +139,13 @@ def probe_freq_axis(rotary: torch.nn.Module, n_freq: int, interleave_cat: bool =
     if any(a < 0 for a in axes):
         raise UnsupportedLayoutError("could not map every M-RoPE frequency to a position axis")
     return tuple(axes)
+
+
+def trained_length(cfg: Any) -> int | None:
+    """The context length a model was trained for (``max_position_embeddings``, or GPT-style
+    ``n_positions``), or None when its config does not say."""
+    n = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 # ---------------------------------------------------------------------------- loaded layouts

@@ -42,7 +42,7 @@ import transformers
 from ..core import compat
 from ..core.errors import UnsupportedLayoutError
 from ..core.kv import LayerKV
-from ..core.layout import REGIME_ROPE_TYPES, KVLayout, probe_freq_axis
+from ..core.layout import REGIME_ROPE_TYPES, KVLayout, probe_freq_axis, trained_length
 from ..core.metrics import ulp_error_at_scale
 from ..core.operator import relocate
 from ..core.rotation import rope_tables
@@ -407,6 +407,7 @@ def read_layout(model: torch.nn.Module) -> KVLayout:
         sliding_windows=sliding,
         compute_dtype=str(dtype).replace("torch.", ""),
         notes=tuple(notes),
+        max_trained_position=trained_length(cfg),
     )
 
 
@@ -467,8 +468,11 @@ def check_chunk(
     out = []
     for off in offsets:
         oracle = canonical if off == 0 else shifted_forward(backend, chunk, off)
-        same = reloc(chunk, chunk.canonical_start + off, layout=layout, out_dtype=torch.float32)
-        bf16 = reloc(chunk_bf16, chunk.canonical_start + off, layout=layout, out_dtype=torch.float32)
+        # an exactness proof against the model's own shifted forward: the offsets may pass the
+        # trained context on purpose (the oracle runs there too)
+        kw = {"beyond_trained": True} if reloc is relocate else {}
+        same = reloc(chunk, chunk.canonical_start + off, layout=layout, out_dtype=torch.float32, **kw)
+        bf16 = reloc(chunk_bf16, chunk.canonical_start + off, layout=layout, out_dtype=torch.float32, **kw)
         key_err = floor = ulps = 0.0
         worst = 0
         for l in range(layout.num_layers):

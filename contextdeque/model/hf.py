@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -51,18 +52,47 @@ class EncodeInputs:
     chunk_id: str
 
 
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """Hash of the config and a sample of every weight: two models share it only if they would
-    produce the same KV."""
+FINGERPRINT_SCHEME = "2"
+"""Version of :func:`model_fingerprint`'s definition (part of cached fingerprints' keys)."""
+
+_FINGERPRINTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[tuple[int, int], ...], str]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _weights_state(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """Identity and in-place-modification counter of every tensor: changes whenever a weight
+    does (assignment or in-place edit), costs no hashing."""
+    return tuple((id(t), t._version) for t in model.state_dict(keep_vars=True).values())
+
+
+def hash_weights(model: torch.nn.Module) -> str:
+    """sha256 of the config and every tensor of the state dict, every byte of it (names, shapes,
+    dtypes, values): any weight that can change a K or V changes it."""
     h = hashlib.sha256()
+    h.update(f"scheme:{FINGERPRINT_SCHEME}|".encode())
     h.update(model.config.to_json_string(use_diff=False).encode())
     with torch.no_grad():
         for name, p in sorted(model.state_dict().items()):
-            h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
-            flat = p.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // 256)][:256].to(torch.float64).cpu()
-            h.update(sample.numpy().tobytes())
+            t = p.detach()
+            h.update(f"|{name}{tuple(t.shape)}{t.dtype}|".encode())
+            if t.numel():
+                t = t.to("cpu").contiguous()
+                h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()[:32]
+
+
+def model_fingerprint(model: torch.nn.Module, *, known: str | None = None) -> str:
+    """The model's fingerprint: :func:`hash_weights`, computed once per loaded model (recomputed
+    only when a weight was replaced or edited in place since). ``known``: a fingerprint cached
+    for exactly these weights (the default model's, keyed by its file digest), used as is."""
+    state = _weights_state(model)
+    hit = _FINGERPRINTS.get(model)
+    if hit is not None and hit[0] == state:
+        return hit[1]
+    fp = known if known is not None else hash_weights(model)
+    _FINGERPRINTS[model] = (state, fp)
+    return fp
 
 
 def default_root_ids(tokenizer: Any, system: str = DEFAULT_SYSTEM) -> list[int]:
@@ -98,6 +128,7 @@ class HFBackend:
         *,
         root_ids: Sequence[int] | None = None,
         name: str | None = None,
+        fingerprint: str | None = None,
         verify_at_load: bool = True,
     ) -> None:
         from .detect import cached_layout, prove_layout
@@ -105,7 +136,7 @@ class HFBackend:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", None) or model.config.model_type
-        self.fingerprint = model_fingerprint(model)
+        self.fingerprint = model_fingerprint(model, known=fingerprint)
         self.layout: KVLayout = cached_layout(model, self.fingerprint)
         self.root_ids: tuple[int, ...] = tuple(int(i) for i in (root_ids or default_root_ids(tokenizer)))
         if not self.root_ids:

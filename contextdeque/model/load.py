@@ -11,7 +11,7 @@ import torch
 
 from ..core.errors import ModelLoadError
 from .gguf import load_gguf
-from .default_model import DEFAULT_MODEL_NAME, ensure_default_model, is_default_gguf, pin_default_special_tokens
+from .default_model import DEFAULT_MODEL_NAME, default_fingerprint, ensure_default_model, is_default_gguf, pin_default_special_tokens
 from .hf import HFBackend
 from .progress import quiet_transformers
 
@@ -42,7 +42,8 @@ def load_model(
         return HFBackend(source, tokenizer, root_ids=root_ids, verify_at_load=verify_at_load)
     model, tok = load_hf_model(source, dtype=dtype, attn_implementation=attn_implementation)
     name = DEFAULT_MODEL_NAME if source is None else str(source)
-    return HFBackend(model, tokenizer or tok, root_ids=root_ids, name=name, verify_at_load=verify_at_load)
+    fingerprint = default_fingerprint(ensure_default_model(progress=False), model) if source is None else None
+    return HFBackend(model, tokenizer or tok, root_ids=root_ids, name=name, fingerprint=fingerprint, verify_at_load=verify_at_load)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")

@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import torch
 
-from ..core.chunk import Chunk, digest, format_bytes
+from ..core.chunk import FP16_MAX, Chunk, check_finite, digest, format_bytes
 from ..core.cooperative import checkpoint
-from ..core.errors import CorruptEntryError, FingerprintMismatchError, PatchError
+from ..core.args import check_float, check_instance, check_int, check_str
+from ..core.errors import ArgumentTypeError, CorruptEntryError, FingerprintMismatchError, PatchError
 from ..core.kv import LayerKV, concat_kv, tensor_nbytes
 from ..core.operator import relocate, to_content_frame
 from ..core.registry import Registered, Registry
-from .rank import resolve_rank
+from .rank import is_full, resolve_rank
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.hf import HFBackend
@@ -197,13 +198,18 @@ def new_patch(
     """The one construction of a :class:`Patch` from factors: the chunk's identity (id, model
     fingerprint, layout signature, token count) comes from ``source`` (the chunk, or a patch of
     it), the factor shapes from ``layout`` (else from ``source``, a patch); the factors
-    ``(k_u, k_w, v_u, v_w)`` are cast to ``dtype`` (the chunk's storage dtype)."""
+    ``(k_u, k_w, v_u, v_w)`` are cast to ``dtype`` (the chunk's storage dtype; float16 factors
+    that would overflow stay float32: :func:`factor_dtype`). Non-finite factors raise
+    ``NumericsError``."""
     if isinstance(source, Patch):
         chunk_id, n_tokens, k_shape, v_shape = source.chunk_id, source.n_tokens, source.k_shape, source.v_shape
     else:
         chunk_id, n_tokens = source.id, source.n_tokens
     if layout is not None:
         k_shape, v_shape = (layout.k_heads, layout.k_dim), (layout.v_heads, layout.v_dim)
+    check_finite(list(factors), f"the {kind} patch factors of chunk {chunk_id[:12]}")
+    if dtype is not None:
+        dtype = factor_dtype(dtype, factors)
     k_u, k_w, v_u, v_w = (t if dtype is None else t.to(dtype) for t in factors)
     return Patch(
         chunk_id=chunk_id,
@@ -335,6 +341,18 @@ class PatchKind(Registered):
     registry = PATCH_KINDS
     name: ClassVar[str] = ""
     ordered: ClassVar[bool] = True  # whether the antecedent order is part of the signature
+    #: a correction on top of the chunk's current patches (formed with them as ``current=``, keyed
+    #: by them, stacked on them when applied): it replaces the conditioning only at full rank
+    stacked: ClassVar[bool] = False
+    #: the kind whose stored patches this one shares (None: its own); kinds that measure the same
+    #: thing share one store namespace
+    stored_as: ClassVar[str | None] = None
+    #: measures exactly KV(B | the ordered antecedents): a valid target for placement scheduling
+    exact_on_prefix: ClassVar[bool] = False
+
+    @classmethod
+    def store_kind(cls) -> str:
+        return cls.stored_as or cls.name
 
     def target(self, ctx: FormContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Δ to factorize: ``dK [L, T, F_k]``, ``dV [L, T, F_v]``. Default: one conditioned forward."""
@@ -364,6 +382,16 @@ class PatchKind(Registered):
         return _stack(ku), _stack(kw), _stack(vu), _stack(vw), None
 
 
+def factor_dtype(storage: torch.dtype, factors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype a patch's factors are stored in: the chunk's storage dtype, except that float16
+    factors that would overflow (``U_m S_m`` carries Δ's singular values, which can pass 65504
+    while every K/V entry is inside float16's range) are kept in float32 instead of turning into
+    inf."""
+    if storage == torch.float16 and any(t.numel() and float(t.abs().amax()) > FP16_MAX for t in factors):
+        return torch.float32
+    return storage
+
+
 def _stack(ts: list[torch.Tensor]) -> torch.Tensor:
     """Stack per-layer factors (equal ranks across layers by construction); ``[0]`` when no layer."""
     return torch.stack(ts) if ts else torch.zeros(0, 0, 0)
@@ -372,14 +400,23 @@ def _stack(ts: list[torch.Tensor]) -> torch.Tensor:
 def _normalize_antecedents(
     antecedents: Sequence[Any], store: Any, backend: "HFBackend"
 ) -> list[tuple[Chunk, list[Patch]]]:
+    if isinstance(antecedents, (str, bytes, Chunk)) or not isinstance(antecedents, Sequence):
+        raise ArgumentTypeError(
+            f"antecedents must be a sequence (of Chunks, stored chunk ids or (Chunk, patches) pairs), "
+            f"got {type(antecedents).__name__}"
+        )
     out: list[tuple[Chunk, list[Patch]]] = []
     for a in antecedents:
         patches: list[Patch] = []
         if isinstance(a, tuple):
+            if len(a) != 2:
+                raise PatchError(f"an antecedent pair is (Chunk, patches), got a tuple of {len(a)}")
             a, ps = a
             if isinstance(ps, Patch):
                 patches = [ps]
             elif ps:
+                if not isinstance(ps, (list, tuple)) or not all(isinstance(x, Patch) for x in ps):
+                    raise ArgumentTypeError(f"an antecedent's patches must be Patches, got {type(ps).__name__}")
                 patches = list(ps)
         if isinstance(a, str):
             found = store.get_chunk(a) if store is not None else None
@@ -419,6 +456,14 @@ def form_patch(
     :func:`energy_rank`; recorded in ``patch.meta``). Costs one conditioned forward
     (orbit: one per ordering).
     """
+    if not all(hasattr(backend, a) for a in ("forward", "layout", "fingerprint")):
+        raise ArgumentTypeError(f"backend must be an HFBackend, got {type(backend).__name__}")
+    check_instance("chunk", chunk, Chunk, "a Chunk")
+    check_str("kind", kind)
+    for name, r in (("rank", rank), ("rank_v", rank_v)):
+        if not is_full(r):
+            check_int(name, r, minimum=0, error=PatchError)
+    check_float("energy", energy, minimum=0.0, maximum=1.0, open_min=True, none_ok=True, error=PatchError)
     if kind not in PATCH_KINDS:
         raise PatchError(f"unknown patch kind {kind!r}; known: {sorted(PATCH_KINDS)}")
     if chunk.fingerprint != backend.fingerprint or chunk.layout_signature != backend.layout.signature:

@@ -26,7 +26,8 @@ from urllib.parse import quote, unquote
 
 import torch
 
-from contextdeque.core.errors import CollisionError, FingerprintMismatchError, InvalidEntryError
+from contextdeque.core.args import check_int, check_str
+from contextdeque.core.errors import CollisionError, FingerprintMismatchError, InvalidEntryError, StoreConfigError
 from contextdeque.core.kv import tensor_nbytes
 from contextdeque.core.registry import Registered
 from contextdeque.stores.registry import TIERS
@@ -323,8 +324,10 @@ class Tier(ABC, Registered):
     def __init__(self, *, name: str, budget_bytes: int | None, policy: str | EvictionPolicy = "lru") -> None:
         from contextdeque.stores.registry import make_policy
 
-        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
-            raise ValueError(f"budget_bytes must be a non-negative int or None, got {budget_bytes!r}")
+        check_int("budget_bytes", budget_bytes, minimum=0, none_ok=True, error=StoreConfigError)
+        check_str("name", name, error=StoreConfigError)
+        if not name:
+            raise StoreConfigError("name must be a non-empty tier name")
         self.name = name
         self._budget = budget_bytes
         self.policy = make_policy(policy)

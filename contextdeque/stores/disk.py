@@ -57,6 +57,9 @@ _clock_lock = threading.Lock()
 _last_ns = 0
 
 
+QUARANTINE_DIR = "quarantine"
+QUARANTINE_KEEP = 32  # corrupt files kept for inspection; older ones are removed
+
 def _now_ns() -> int:
     """Wall-clock ns, strictly increasing within this process (recency stamps across processes)."""
     global _last_ns
@@ -128,7 +131,7 @@ class DiskTier(Tier):
         stale_tmp_s: float = 300.0,
     ) -> None:
         super().__init__(name=name, budget_bytes=budget_bytes, policy=policy)
-        self.path = Path(path)
+        self.path = Path(path).expanduser()
         self.fsync = fsync
         self._lock_timeout = lock_timeout
         try:
@@ -330,6 +333,8 @@ class DiskTier(Tier):
         return entry
 
     def _discard_if_same(self, path: Path, st: os.stat_result) -> bool:
+        """Set a corrupt entry file aside into ``quarantine/`` (kept for inspection, the newest
+        ``QUARANTINE_KEEP``; never read back), unless a writer replaced it since it was read."""
         with self._locked():
             try:
                 now = os.stat(path)
@@ -337,7 +342,17 @@ class DiskTier(Tier):
                 return False
             if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                 return False  # replaced by a writer since we read it
-            path.unlink()
+            qdir = self.path / QUARANTINE_DIR
+            try:
+                qdir.mkdir(exist_ok=True)
+                os.replace(path, qdir / f"{path.name}.{_now_ns()}")
+                kept = sorted(qdir.iterdir(), key=lambda p: p.name.rsplit(".", 1)[-1])
+                for old in kept[:-QUARANTINE_KEEP]:
+                    with contextlib.suppress(OSError):
+                        old.unlink()
+            except OSError:
+                path.unlink()  # cannot keep it: at least never serve it again
+            self._hdr_cache.pop(path.name[:_HASH_LEN], None)
             self._fsync_dir()
             return True
 
@@ -557,7 +572,8 @@ class DiskTier(Tier):
         return removed
 
     def scrub(self) -> list[str]:
-        """Fully verify every entry file; remove corrupt ones. Returns removed file names."""
+        """Fully verify every entry file; set corrupt ones aside (``quarantine/``). Returns their
+        file names."""
         removed = []
         with self._locked():
             files, _, _ = self._scan()

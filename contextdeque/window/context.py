@@ -58,6 +58,8 @@ class WindowContext:
     placement: Any = None  # a window.placement.PlacementPolicy (None: arrival order)
     fidelity_target: float | None = None  # adaptive patch rank (the safety envelope); None: fixed rank
     max_patch_fraction: float = 0.25  # adaptive rank's byte cap: patch bytes / page bytes
+    beyond_trained: bool = False  # allow positions past the model's trained context length
+    chunk_template: str = "{text}"  # how text appends are rendered (see ContextWindow)
     patch_index: dict = field(default_factory=dict, repr=False)  # chunk id -> antecedent id tuples stored
     op_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _waiting: list[int] = field(default_factory=lambda: [0], repr=False)

@@ -17,7 +17,8 @@ from typing import Any, Sequence
 import torch
 
 from ..core import compat
-from ..core.errors import WindowError
+from ..core.args import check_token_ids
+from ..core.errors import PositionError, WindowError
 from ..core.kv import LayerKV, concat_kv
 from ..model import chat as chat_template
 from .context import WindowContext
@@ -56,15 +57,25 @@ def next_position(ctx: WindowContext, slots: Sequence[Slot]) -> int:
     return ctx.root_len + sum(s.span for s in slots)
 
 
+def check_trained(ctx: WindowContext, end: int, what: str) -> None:
+    """Refuse a window whose positions would reach ``end`` (exclusive) past the model's trained
+    context, unless the window was opened with ``beyond_trained=True``."""
+    limit = ctx.layout.max_trained_position
+    if not ctx.beyond_trained and limit is not None and end > limit:
+        raise PositionError(
+            f"{what} would place tokens up to position {end - 1}, past the model's trained context "
+            f"({limit} positions); slide or evict first, or open the window with beyond_trained=True"
+        )
+
+
 def query_ids(ctx: WindowContext, query: str | Sequence[int] | torch.Tensor, *, chat: bool = True) -> list[int]:
     """Token ids of ``query``: ids are taken as given; text is tokenized and, when the tokenizer
     has a chat template (and ``chat``), followed by the template's end of the user turn and the
     assistant header (the root opened the user turn)."""
     if not isinstance(query, str):
-        ids = [int(i) for i in torch.as_tensor(query).reshape(-1).tolist()]
-        if not ids:
-            raise WindowError("empty query")
-        return ids
+        if isinstance(query, torch.Tensor) and query.dim() == 2 and query.shape[0] == 1:
+            query = query[0]  # [1, Q], as a tokenizer returns it
+        return check_token_ids("query", query, ctx.backend.vocab_size, error=WindowError).tolist()
     backend = ctx.backend
     tok = backend.tokenizer
     if tok is None:

@@ -68,7 +68,7 @@ def run_test(
     p_logits, ans = decode.greedy(ctx, base_layers, start, query_ids, max_new_tokens, eos)
 
     slot = slots[index]
-    bare = tuple(relocate(slot.chunk, slot.start, layout=ctx.layout)) if slot.stack else slot.page
+    bare = tuple(relocate(slot.chunk, slot.start, layout=ctx.layout, beyond_trained=True)) if slot.stack else slot.page
     off_layers = decode.assemble(ctx, slots, {index: bare})
     q_logits, ans_off = decode.greedy(ctx, off_layers, start, query_ids, max_new_tokens, eos)
     fields: dict = {
@@ -86,7 +86,7 @@ def run_test(
         shift = slot.span
         for j in range(index + 1, len(slots)):
             s = slots[j]
-            pages[j] = tuple(relocate(s.chunk, s.start - shift, layout=ctx.layout, patch=list(s.patches) or None))
+            pages[j] = tuple(relocate(s.chunk, s.start - shift, layout=ctx.layout, patch=list(s.patches) or None, beyond_trained=True))
         drop_layers = decode.assemble(ctx, slots, pages)  # type: ignore[arg-type]
         d_logits, ans_drop = decode.greedy(ctx, drop_layers, start - shift, query_ids, max_new_tokens, eos)
         fields["answer_dropped"] = ans_drop

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from ..core.chunk import Chunk
-from ..core.errors import CollisionError, StoreError
+from ..core.errors import ArgumentTypeError, CollisionError, StoreError
 from ..patch import Patch
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.vision import ImageEmbedding
@@ -62,7 +62,7 @@ class WindowStore:
         elif isinstance(store, (list, tuple)):
             store = TieredStore(list(store))
         if not isinstance(store, TieredStore):
-            raise TypeError(f"store must be a TieredStore, a Tier or a list of tiers, got {type(store).__name__}")
+            raise ArgumentTypeError(f"store must be a TieredStore, a Tier or a list of tiers, got {type(store).__name__}")
         found = _ADAPTERS.get(store)
         if found is None:
             found = cls(store)
@@ -87,8 +87,10 @@ class WindowStore:
     def get_chunk(self, key: str, *, fingerprint: str, layout: str, traffic: TierTraffic) -> Chunk | None:
         """The canonical under ``key`` (promoted to the fastest tier), or None.
 
+        A copy failing verification is quarantined (``traffic.quarantined``) and the next tier's
+        copy served, or None: the window then rebuilds it from its source.
         Raises FingerprintMismatchError for an entry another model or layout wrote."""
-        entry = self.store.get(key, expect_fingerprint=fingerprint, expect_layout=layout, traffic=traffic)
+        entry = self.store.get(key, expect_fingerprint=fingerprint, expect_layout=layout, corrupt_ok=True, traffic=traffic)
         self._count("chunk", traffic)
         if entry is None:
             return None
@@ -106,7 +108,7 @@ class WindowStore:
         """A vision tower's stored output for these pixels + processor settings, or None."""
         from ..model.vision import ImageEmbedding
 
-        entry = self.store.get(embeds_key(fingerprint, pixel_key), expect_fingerprint=fingerprint, traffic=traffic)
+        entry = self.store.get(embeds_key(fingerprint, pixel_key), expect_fingerprint=fingerprint, corrupt_ok=True, traffic=traffic)
         self._count("embeds", traffic)
         return None if entry is None else ImageEmbedding.from_entry(dict(entry.tensors), dict(entry.meta))
 
@@ -116,7 +118,7 @@ class WindowStore:
 
     # ------------------------------------------------------------------ patches
     def get_patch(self, key: str, *, fingerprint: str, traffic: TierTraffic) -> Patch | None:
-        entry = self.store.get(key, expect_fingerprint=fingerprint, traffic=traffic)
+        entry = self.store.get(key, expect_fingerprint=fingerprint, corrupt_ok=True, traffic=traffic)
         self._count("patch", traffic)
         if entry is None:
             return None
