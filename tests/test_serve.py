@@ -243,3 +243,50 @@ def test_idle_healing_gives_way_to_a_request_and_resumes() -> None:
     again = run(fresh, msgs2)  # rebuilt from what healing stored
     fresh.close()
     assert again.encodes == 0 and again.patches_formed == 0 and again.text == healed.text
+
+
+def _png_data_url(seed: int, shape=(60, 80, 3)) -> str:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    img = (np.random.default_rng(seed).random(shape) * 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_image_parts_refused_by_a_text_only_model(server) -> None:
+    c = server.client(KEY)
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_data_url(0)}},
+                                         {"type": "text", "text": "what is this?"}]}]
+    with pytest.raises(openai.BadRequestError) as ei:
+        c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)
+    assert "vision" in ei.value.body["message"] and ei.value.body["param"] == "messages"
+
+
+def test_image_parts_through_a_vision_model() -> None:
+    """``serve --model tiny:qwen2_vl``: image parts (OpenAI ``image_url`` data URLs) go through the
+    model's own vision tower and image processor; the picture is a chunk of the session's window,
+    counted in the prompt at its grid size; another session with the same messages is rebuilt
+    from the store with no encode; an unreadable image is a 400."""
+    with ServeProcess("--model", "tiny:qwen2_vl", "--max-tokens", "8") as s:
+        c = s.client()
+        name = c.models.list().data[0].id
+        msgs = [{"role": "system", "content": "You describe pictures."},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_data_url(1)}},
+                                             {"type": "text", "text": "What is in the picture?"}]}]
+        r1 = c.chat.completions.create(model=name, messages=msgs, max_tokens=6)
+        u1 = r1.usage.model_extra["contextdeque"]
+        assert u1["encodes"] >= 2  # the text before the picture, the picture (through the tower), the text after
+        text_only = [msgs[0], {"role": "user", "content": "What is in the picture?"}]
+        r_text = c.chat.completions.create(model=name, messages=text_only, max_tokens=6, extra_headers={"X-Session-Id": "t"})
+        assert r1.usage.prompt_tokens > r_text.usage.prompt_tokens + 4  # the picture's grid counts
+        r2 = c.chat.completions.create(model=name, messages=msgs, max_tokens=6, extra_headers={"X-Session-Id": "again"})
+        u2 = r2.usage.model_extra["contextdeque"]
+        assert u2["encodes"] == 0 and u2["restored"] and r2.choices[0].message.content == r1.choices[0].message.content
+        bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model=name, messages=bad, max_tokens=4)

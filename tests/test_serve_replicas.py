@@ -110,6 +110,24 @@ def test_wrong_valkey_auth_refuses_to_start_and_logs_no_secret(tmp_path: Path) -
         try:
             assert httpx.get(ok.url + "/healthz").json()["store"][-1]["available"]
             assert pw not in ok.log and SECRET not in ok.log
+            # the password is rotated while serving: requests are still answered (locally), the
+            # tier reports itself away for "auth", and no password reaches the log
+            rotated = "rotated-" + uuid.uuid4().hex
+            admin = srv.client(password=pw)
+            admin.config_set("requirepass", rotated)
+            admin = srv.client(password=rotated)
+            admin.client_kill_filter(_type="normal", skipme=True)
+            from serve_util import wait_until
+
+            def away_for_auth() -> bool:
+                r = ok.client().chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": uuid.uuid4().hex}], max_tokens=2)
+                assert r.choices[0].message.content is not None
+                h = httpx.get(ok.url + "/healthz").json()
+                return h["status"] == "degraded" and h["store"][-1]["away_reason"] == "auth"
+
+            assert wait_until(away_for_auth, 60, step=0.5)
+            assert metric(ok.metrics(), "contextdeque_valkey_fallbacks_total", reason="auth", tier="valkey") >= 1
+            assert pw not in ok.log and rotated not in ok.log and SECRET not in ok.log
         finally:
             ok.stop()
     finally:

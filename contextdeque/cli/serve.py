@@ -15,7 +15,7 @@ import socket
 import sys
 from typing import Any
 
-from .model_spec import MODEL_HELP, load_backend
+from .model_spec import MODEL_HELP, image_processor, load_backend
 
 log = logging.getLogger("contextdeque.serve")
 
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             backend, store, model_name=args.model_name or backend.name, rank=args.rank, patch_policy=args.patch_policy,
             context_tokens=args.context_tokens, max_tokens=args.max_tokens, queue_size=args.queue,
             session_memory_bytes=int(args.session_memory_mb * 1024 * 1024), plain=args.plain,
-            heal_idle_ms=None if args.no_heal else args.heal_idle_ms,
+            heal_idle_ms=None if args.no_heal else args.heal_idle_ms, processor=image_processor(backend, args.model),
         )
     except ContextDequeError as e:
         print(f"contextdeque serve: {type(e).__name__}: {e}", file=sys.stderr)

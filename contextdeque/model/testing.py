@@ -242,28 +242,37 @@ def _gemma3_text(over: dict[str, Any]) -> PreTrainedConfig:
     return Gemma3TextConfig(**kw)
 
 
-def _deepseek_v3(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import DeepseekV3Config
-
-    kw = _common(
+def _mla_common(**kw: Any) -> dict[str, Any]:
+    """What the tiny DeepSeek-V2 / V3 (MLA + MoE) configs share: 4 KV heads (one per query head),
+    a 4-expert MoE after a dense layer 0, latent rank 32, rope / nope dims 16 / 32."""
+    base = _common(
         num_key_value_heads=_HEADS,
         moe_intermediate_size=64,
         n_shared_experts=1,
         n_routed_experts=4,
         num_experts_per_tok=2,
-        # The grouped router needs n_group | n_routed_experts and topk_group <= n_group.
-        n_group=1,
-        topk_group=1,
         first_k_dense_replace=1,  # layer 0 dense MLP, layer 1 MoE
         kv_lora_rank=32,
-        q_lora_rank=48,
         qk_rope_head_dim=16,
         qk_nope_head_dim=32,
         v_head_dim=32,
-        rope_interleave=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
     )
-    kw.pop("head_dim")  # DeepseekV3Config sets head_dim = qk_rope_head_dim itself
+    base.pop("head_dim")  # the DeepSeek configs set head_dim = qk_rope_head_dim themselves
+    base.update(kw)
+    return base
+
+
+def _deepseek_v3(over: dict[str, Any]) -> PreTrainedConfig:
+    from transformers import DeepseekV3Config
+
+    kw = _mla_common(
+        # The grouped router needs n_group | n_routed_experts and topk_group <= n_group.
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=48,
+        rope_interleave=True,
+    )
     kw.update(over)
     return DeepseekV3Config(**kw)
 
@@ -271,22 +280,10 @@ def _deepseek_v3(over: dict[str, Any]) -> PreTrainedConfig:
 def _deepseek_v2(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import DeepseekV2Config
 
-    kw = _common(
-        num_key_value_heads=_HEADS,
-        moe_intermediate_size=64,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
+    kw = _mla_common(
         topk_method="greedy",
-        first_k_dense_replace=1,
-        kv_lora_rank=32,
         q_lora_rank=None,  # V2-Lite has no query compression
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
     )
-    kw.pop("head_dim")
     kw.update(over)
     return DeepseekV2Config(**kw)
 
@@ -611,6 +608,11 @@ def build_tiny_auto_model(model_type: str, seed: int = 0, **extra: Any) -> PreTr
         try:
             config = tiny_auto_config(model_type, **{**attempt, **extra})
             cls = _model_class(config)
+            want = getattr(cls, "config_class", None)
+            if want is not None and not isinstance(config, want):  # a VL wrapper mapped to its text LM
+                sub = config.get_text_config(decoder=True)
+                if isinstance(sub, want):
+                    config = sub
             with torch.device("meta"):
                 n_params = sum(p.numel() for p in cls._from_config(config).parameters())
             if n_params > AUTO_MAX_PARAMS:

@@ -167,13 +167,16 @@ class Replayer:
         self.rank = self.cfg.rank if self.cfg.rank is not None else self.cost.rank
         self.kv_bpt = self.cost.kv_bytes_per_token
         self.r = ReplayResult(trace=trace.name, placement=self.placement.name, eviction=self.eviction.name, arm=self.arm.name)
-        biggest = max((a.tokens for a in trace.chunks.values()), default=0)
-        if self.cfg.budget_tokens is not None and self.cfg.budget_tokens < biggest:
-            raise BudgetError(f"window budget of {self.cfg.budget_tokens} tokens is below the trace's largest chunk ({biggest} tokens)")
-        if self.cfg.device_bytes < biggest * self.kv_bpt:
-            raise BudgetError(
-                f"device budget of {self.cfg.device_bytes} bytes is below one chunk ({biggest} tokens = {biggest * self.kv_bpt} bytes)"
-            )
+        big = max(trace.chunks.values(), key=lambda a: a.tokens, default=None)
+        biggest = big.tokens if big is not None else 0
+        if big is not None:
+            line = next((i + 2 for i, ev in enumerate(trace.events) if ev.op == "arrive" and ev.id == big.id), None)
+            where = f"{trace.path or trace.name}:{line}: chunk {big.id!r}" if line else f"{trace.name}: chunk {big.id!r}"
+            if self.cfg.budget_tokens is not None and self.cfg.budget_tokens < biggest:
+                raise BudgetError(f"window budget of {self.cfg.budget_tokens} tokens is below one chunk ({where} has {biggest} tokens)")
+            if self.cfg.device_bytes < biggest * self.kv_bpt:
+                raise BudgetError(f"device budget of {self.cfg.device_bytes} bytes is below one chunk "
+                                  f"({where} has {biggest} tokens = {biggest * self.kv_bpt} bytes)")
         self.pool = Pool(self.cfg.device_bytes, self.cfg.host_bytes, self.eviction, self.cost, self.r)
         self.graph = PatchGraph()
         # window state

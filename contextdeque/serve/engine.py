@@ -30,11 +30,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..core.errors import AgentInputError
 from ..core.cooperative import Interrupted, background, install_layer_checkpoints
 from ..window import decode
 from ..window.policy import make_policy
 from ..agents import MessageWindow
-from ..agents.messages import ChatTemplate, normalize_messages
+from ..agents.messages import normalize_messages
 from .conversation import Prompt, check_budget, parse_prompt, prefix_digests, turns_digest
 from .metrics import ServeMetrics
 
@@ -182,6 +183,9 @@ class Engine:
             ``model.generate`` over root + messages + generation prompt).
         heal_idle_ms: heal the sessions' windows once the queue has been empty this long (None:
             never). Only a latency-first policy leaves anything to heal.
+        processor: a Qwen-VL backend's image processor: image parts of messages go through its
+            vision tower (once per distinct picture: the store keeps the tower's output). None:
+            image parts are refused (400).
     """
 
     def __init__(
@@ -199,11 +203,14 @@ class Engine:
         metrics: ServeMetrics | None = None,
         plain: bool = False,
         heal_idle_ms: float | None = 20.0,
+        processor: Any = None,
     ) -> None:
         self.backend = backend
         self.store = store
         self.model_name = model_name
-        self.template = ChatTemplate(backend.tokenizer)
+        self.processor = processor
+        # the template MessageWindow cuts with (image parts wrapped in the model's vision tokens)
+        self.template = MessageWindow(backend, processor=processor).template
         self.rank = rank
         make_policy(patch_policy)  # an unknown name is refused now (WindowError), not on the first request
         self.patch_policy = patch_policy
@@ -238,7 +245,9 @@ class Engine:
             BudgetError: the conversation cannot fit the served context (checked before queueing).
             AgentInputError: malformed messages (``MessageFormatError``...), checked before queueing.
         """
-        req.prompt = parse_prompt(self.template, req.messages)
+        req.prompt = parse_prompt(self.template, req.messages, self.processor)
+        if self.plain and req.prompt.has_images:
+            raise AgentInputError("the --plain baseline re-prefills text only; image parts are served with windows")
         check_budget(req.prompt, req.max_new_tokens, self.context_tokens)
         fut: Future = Future()
         try:
@@ -350,7 +359,8 @@ class Engine:
                     if cand is not None and not cand.busy:
                         self.sessions.move_to_end(cand.id)
                         return cand, False
-            conv = MessageWindow(self.backend, rank=self.rank, patch_policy=self.patch_policy, store=self.store)
+            conv = MessageWindow(self.backend, rank=self.rank, patch_policy=self.patch_policy, store=self.store,
+                                 processor=self.processor)
             s = Session(sid or uuid.uuid4().hex, conv)
             old = self.sessions.pop(s.id, None)
             if old is not None:
@@ -392,7 +402,7 @@ class Engine:
         return text, finish
 
     def _generate_plain(self, req: GenerationRequest, t0: float) -> GenerationResult:
-        prompt = req.prompt or parse_prompt(self.template, req.messages)
+        prompt = req.prompt or parse_prompt(self.template, req.messages, self.processor)
         ids = torch.tensor([prompt.ids()], dtype=torch.long, device=self.backend.device)
         streamer = _Streamer(self.backend.tokenizer, req.on_text, req.stop, t0)
         eos = _eos(self.backend)
@@ -419,7 +429,7 @@ class Engine:
         session.busy = True
         try:
             mw = session.conversation
-            prompt = req.prompt or parse_prompt(self.template, req.messages)
+            prompt = req.prompt or parse_prompt(self.template, req.messages, self.processor)
             rec = mw.sync(list(prompt.raw))  # a transaction: a failure leaves the window as it was
             streamer = _Streamer(self.backend.tokenizer, req.on_text, req.stop, t0)
             answer = mw.generate(req.max_new_tokens, **self._sampling(req, streamer))
