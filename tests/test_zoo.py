@@ -172,3 +172,17 @@ def test_verify_model_cli_refusal_names_the_reason(capsys):
     rc = main(["verify-model", "--arch", "gpt2", "--random", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 1 and out["ok"] is False and "learned-positions" in out["error"]
+
+
+def test_proof_in_a_16bit_compute_dtype(monkeypatch, one_thread):
+    """A bf16 model is proven in bf16 (a few ULPs of the keys' scale), and the bound still refuses
+    a relocation that is one position off."""
+    model = build_tiny_model("olmo2").to(torch.bfloat16)
+    with detect.memory_only():
+        backend = cd.load_model(model, root_ids=[1, 3])
+    assert backend.proof.ok and backend.layout.compute_dtype == "bfloat16"
+    real = detect.relocate
+    monkeypatch.setattr(detect, "relocate", lambda chunk, start, **kw: real(chunk, start + 1, **kw))
+    with detect.memory_only(), pytest.raises(UnsupportedLayoutError) as info:
+        cd.load_model(build_tiny_model("olmo2", seed=1).to(torch.bfloat16), root_ids=[1, 3])
+    assert info.value.reason == "proof-failed" and info.value.measured > 0.1

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-MODEL_HELP = ("a local HF model dir or .gguf file, or tiny:<arch> (tiny = tiny:llama) for a tiny "
-              "random-weight model (default: the embedded SmolLM2-135M-Instruct)")
+MODEL_HELP = ("a local HF model dir or .gguf file, or tiny:<arch> (tiny: a tiny llama with a long context) "
+              "for a tiny random-weight model (default: the embedded SmolLM2-135M-Instruct)")
 
 
 def load_backend(spec: str | None, *, chat: bool = False, verify_at_load: bool = True) -> Any:
-    """The ``HFBackend`` named by ``spec`` (see the module docstring; ``tiny`` is ``tiny:llama``).
+    """The ``HFBackend`` named by ``spec`` (see the module docstring; ``tiny``: a tiny llama).
 
     ``chat=True`` (commands that take chat messages, e.g. ``serve``): a tiny model gets the
     default model's tokenizer and chat template (its vocabulary sized to match), so it can be
@@ -22,9 +22,13 @@ def load_backend(spec: str | None, *, chat: bool = False, verify_at_load: bool =
     if spec == "tiny" or (spec and spec.startswith("tiny:")):
         from ..model.testing import tiny_backend
 
-        arch = spec.partition(":")[2] or "llama"
+        arch = spec.partition(":")[2]
+        # a bare ``tiny`` is the tiny llama with an 8192-position trained context, long enough for
+        # the benchmarks' default windows (``tiny:llama`` keeps the tiny models' 512)
+        sizes = {} if arch else {"max_position_embeddings": 8192}
+        arch = arch or "llama"
         if not chat:
-            return tiny_backend(arch, verify_at_load=verify_at_load)
+            return tiny_backend(arch, verify_at_load=verify_at_load, **sizes)
         from transformers import AutoTokenizer
 
         from ..model.default_model import ensure_default_model

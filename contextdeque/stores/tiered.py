@@ -338,17 +338,16 @@ class TieredStore:
             return was
 
     def lease(self, keys: "list[str] | tuple[str, ...]") -> None:
-        """Tell the shared tiers this process holds ``keys`` (see `Tier.lease`); local tiers
-        are untouched (a lease is not a pin: it never blocks local eviction)."""
+        """Tell the shared tiers this process holds ``keys`` (see `Tier.lease`: a `ValkeyTier` or
+        a `DiskTier` keeps them for other processes to respect); local tiers are untouched (a
+        lease is not a pin: it never blocks local eviction)."""
         for t in self._tiers:
-            if t.remote:
-                t.lease(list(keys))
+            t.lease(list(keys))
 
     def unlease(self, keys: "list[str] | tuple[str, ...]") -> None:
         """Undo `lease` for ``keys``."""
         for t in self._tiers:
-            if t.remote:
-                t.unlease(list(keys))
+            t.unlease(list(keys))
 
     def is_pinned(self, key: str) -> bool:
         """Whether ``key`` is pinned by this store."""
