@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from .core.chunk import Chunk
 from .core.errors import *  # noqa: F401,F403  (typed errors are public)
-from .core.layout import KVLayout, detect_layout
+from .core.layout import KVLayout
 from .core.operator import apply, relocate
 from .model import HFBackend, load_model
+from .model.detect import detect_layout
 from .patch import Patch, SharedBasis, form_patch
 from .window import ChunkRef, ContextWindow, Receipt
 from . import scheduler as _scheduler  # noqa: F401,E402  (registers placement="scheduler" for ContextWindow)

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
+
+# The default window store spills to a disk tier under the user's cache directory; tests keep it
+# in a private temporary directory instead (tests that care pass their own store).
+if "CONTEXTDEQUE_STORE_DIR" not in os.environ:
+    os.environ["CONTEXTDEQUE_STORE_DIR"] = _store_dir = tempfile.mkdtemp(prefix="cdq-test-store-")
+    atexit.register(shutil.rmtree, _store_dir, True)
 
 
 @pytest.fixture(scope="session")
@@ -18,15 +29,14 @@ def default_backend():
 @pytest.fixture(scope="session")
 def tiny_backend_factory():
     """``factory(arch="llama", seed=0)`` -> HFBackend over a tiny random-weight model (cached per args)."""
-    from contextdeque.model.hf import HFBackend
-    from contextdeque.model.testing import build_tiny_model
+    from contextdeque.model.testing import tiny_backend
 
     cache: dict = {}
 
     def factory(arch: str = "llama", seed: int = 0, **overrides):
         key = (arch, seed, tuple(sorted(overrides.items())))
         if key not in cache:
-            cache[key] = HFBackend(build_tiny_model(arch, seed=seed, **overrides), None, root_ids=[1, 2, 3], name=f"tiny-{arch}")
+            cache[key] = tiny_backend(arch, seed, **overrides)
         return cache[key]
 
     return factory

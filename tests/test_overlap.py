@@ -182,6 +182,29 @@ def test_load_bench_cli_smoke(capsys):
     assert out["speedup"] > 0 and out["ideal_speedup"] >= 1.0
 
 
+@pytest.mark.parametrize("rho", [1.0, 0.4])
+def test_load_bench_with_chunks_compressed_at_rest(capsys, rho):
+    import json
+
+    from contextdeque.cli import main
+
+    rc = main(["load-bench", "--model", "tiny", "--chunks", "4", "--chunk-tokens", "64", "--runs", "1", "--json",
+               "--capsule", str(rho)])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    cap = out["capsule"]
+    assert out["identical"] is True and out["sequential"]["by_tier"] == {"disk": 2} and out["sequential"]["fallbacks"] == 0
+    assert len(cap["recon_error_k"]) == 2 and cap["calibration_chunks"] == 16
+    if rho == 1.0:  # the identity basis: nothing saved, nothing lost
+        assert cap["recon_error_k"] == [0.0, 0.0] and cap["recon_error_v"] == [0.0, 0.0]
+        assert cap["kv_bytes_saved_fraction"] < 0.0
+    else:
+        assert all(0.0 < e < 1.0 for e in cap["recon_error_k"] + cap["recon_error_v"])
+        assert 0.4 < cap["kv_bytes_saved_fraction"] < 0.7 and 0.0 < cap["bytes_saved_fraction"] < cap["kv_bytes_saved_fraction"]
+    with pytest.raises(SystemExit):
+        main(["load-bench", "--capsule", "0"])
+
+
 def test_replay_cost_model_learns_the_overlap():
     """An admission whose canonicals come from host/disk costs max(load, compute), not their sum,
     when loads overlap; everything else the replay counts is unchanged."""

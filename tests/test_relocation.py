@@ -91,7 +91,7 @@ def test_real_vision_tower_image_chunk(arch, tiny_backend_factory):
         )
         outs[delta] = [(l.keys[0, :, backend.root_len :], l.values[0, :, backend.root_len :]) for l in out.past_key_values.layers]
     for delta in (0, 4099):
-        kv = relocate(chunk, backend.root_len + delta)
+        kv = relocate(chunk, backend.root_len + delta, beyond_trained=True)  # the tiny model's trained range is 512
         for l, (k, v) in enumerate(outs[delta]):
             scale = float(k.abs().max())
             err = float((kv[l][0] - k).abs().max()) / scale
@@ -186,7 +186,7 @@ def test_bad_inputs_are_typed(tiny_backend_factory):
     with pytest.raises(PositionError):
         relocate(chunk, -1)
     with pytest.raises(PositionError):
-        relocate(chunk, MAX_POSITION)
+        relocate(chunk, MAX_POSITION, beyond_trained=True)
     with pytest.raises(PositionError):
         relocate(chunk, 0, positions=torch.arange(3))
     with pytest.raises(EmptyChunkError):
@@ -208,18 +208,22 @@ def test_unsupported_layout_refused():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64))
-    with pytest.raises(UnsupportedLayoutError, match="gpt2"):
+    with pytest.raises(UnsupportedLayoutError, match="gpt2") as info:
         cd.load_model(model)
+    assert info.value.reason == "learned-positions"
+
+
+def test_unlisted_rope_kind_is_accepted_by_proof_not_by_list():
+    """A RoPE kind no list names (``proportional``) is used because the proof at load shows it exact."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, rope_parameters={"rope_type": "proportional", "rope_theta": 10000.0, "factor": 2.0})
-    try:
-        model = LlamaForCausalLM(cfg)
-    except Exception:  # this transformers has no such kind: nothing to refuse
-        return
-    with pytest.raises(UnsupportedLayoutError):
-        cd.load_model(model)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, rope_parameters={"rope_type": "proportional", "rope_theta": 10000.0,
+                                                              "factor": 2.0, "partial_rotary_factor": 1.0})
+    torch.manual_seed(0)
+    backend = cd.load_model(LlamaForCausalLM(cfg).eval(), root_ids=[1])
+    assert backend.proof.ok and "proportional" in backend.layout.rope_type
+    assert verify_backend(backend, offsets=[3, 1999], n_tokens=12).ok
 
 
 def test_bf16_ulp_definition():
@@ -247,7 +251,7 @@ def _cli_json(capsys, *argv):
 
 
 def test_verify_model_cli_json(capsys):
-    rc, out = _cli_json(capsys, "verify-model", "--arch", "qwen2_vl", "--random", "--json", "--tokens", "24")
+    rc, out = _cli_json(capsys, "verify-model", "tiny:qwen2_vl", "--json", "--tokens", "24")
     assert rc == 0 and out["ok"] is True
     for key in ("model", "max_rel_err", "noise_floor", "max_ulp_bf16", "layers"):
         assert key in out
@@ -256,13 +260,13 @@ def test_verify_model_cli_json(capsys):
 
 def test_verify_model_gate_fails_on_a_wrong_relocation(capsys, monkeypatch):
     """The gate can fail: a relocation off by one position is caught and exits non-zero."""
-    import contextdeque.eval.verify as verify
+    import contextdeque.model.detect as detect
 
-    real = verify.relocate
+    real = detect.relocate
 
     def off_by_one(chunk, start, **kw):
         return real(chunk, start + 1, **kw)
 
-    monkeypatch.setattr(verify, "relocate", off_by_one)
+    monkeypatch.setattr(detect, "relocate", off_by_one)
     rc, out = _cli_json(capsys, "verify-model", "--arch", "llama", "--random", "--json", "--tokens", "24")
     assert rc == 1 and out["ok"] is False

@@ -67,7 +67,8 @@ def test_bad_inputs_are_typed_and_nothing_runs(tmp_path, trace_files, capsys):
     with pytest.raises(BudgetError):
         replay_many(trace_files, [("arrival", "lru", "patch")], config=ReplayConfig(budget_tokens=50))
     assert main(["replay", trace_files[0], "--budget-tokens", "50"]) == 1
-    assert "budget" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "budget" in err and "web-7.jsonl:" in err and "chunk '" in err  # where the too-large chunk arrives
     with pytest.raises(PolicyError):
         parse_combos(["arrival:lru"], [], [], [])
     with pytest.raises(PolicyError):

@@ -160,3 +160,22 @@ def test_replay_bench_figures():
             s = rep[tag][kind]
             assert set(s["aggregate"]) == {"arrival", "scheduler", "scheduler-offline"}
             assert s["tokens_prefilled"]["patch"] < s["tokens_prefilled"]["reprefill"]
+
+
+def test_upkeep_decides_by_staleness():
+    from contextdeque.scheduler.cost import Weights, upkeep
+
+    tokens = {k: 100 for k in "ABCX"}
+    content = {k: k for k in "ABCX"}
+    g = PatchGraph()
+    g.add("C", ("A", "X"))  # C has an exact patch stored behind [A, X]
+    view = PlacementView(order=["A", "B", "C"], tokens=tokens, content=content,
+                         formed_on={"A": (), "B": ("A",), "C": ("A", "B")}, has_patch=g.has_patch,
+                         stored_prefixes=g.stored_prefixes, may_hit=g.may_hit)
+    assert upkeep(view, "C", ["A", "X"], 0.4)[0] == "refresh-hit"  # the store has it: cheaper than staying stale
+    assert upkeep(view, "C", ["A", "B", "X"], 0.2)[0] == "keep"  # nothing stored there, a form costs more
+    assert upkeep(view, "B", [], 1.0)[0] == "clear"  # at the front the canonical is exact
+    assert upkeep(view, "A", [], 0.0)[0] == "keep"
+    eager = Weights(stale=10.0)  # staleness priced above a forward: re-form, a removal when only antecedents left
+    assert upkeep(view, "C", ["A"], 0.5, eager)[0] == "removal"
+    assert upkeep(view, "C", ["X", "A"], 0.5, eager)[0] == "refresh"

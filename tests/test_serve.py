@@ -96,6 +96,9 @@ def test_errors_are_openai_shaped_4xx(server) -> None:
         assert err["type"] == "invalid_request_error" and err["message"]
     r = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401 and "error" in r.json()
+    for headers in ({}, {"Authorization": f"Basic {KEY}"}, {"Authorization": KEY}):  # no / wrong auth scheme
+        r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": good}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
     m = server.metrics(KEY)
     assert metric(m, "contextdeque_requests_total", endpoint="/v1/chat/completions", status="401") >= 1
     assert KEY not in server.log and "sk-wrong" not in server.log
@@ -178,3 +181,112 @@ def test_loadtest_command(server, tmp_path) -> None:
     assert (tmp_path / "load.png").stat().st_size > 10_000
     replies = json.loads((tmp_path / "r.json").read_text())
     assert [len(v) for v in replies.values()] == [2, 2]
+
+
+def test_idle_healing_gives_way_to_a_request_and_resumes() -> None:
+    """In-process engine, latency-first policy, healing as soon as the queue is empty: a request
+    that arrives during a heal step interrupts it at the next decoder layer (the window is left
+    as it was), is answered as a server that never heals answers it, and healing then finishes;
+    the healed window answers as a fresh engine rebuilding the conversation from the store."""
+    import torch
+
+    from contextdeque.cli.model_spec import load_backend
+    from contextdeque.core.cooperative import in_background
+    from contextdeque.serve.engine import Engine, GenerationRequest
+    from contextdeque.serve.metrics import parse_text
+    from contextdeque.window import default_store
+
+    from serve_util import wait_until
+
+    torch.set_num_threads(1)
+    b = load_backend("tiny:llama", chat=True)
+    sys_msg = {"role": "system", "content": "You are brief."}
+    msgs1 = [sys_msg, {"role": "user", "content": "first page: " + "alpha beta gamma " * 12}]
+    other = [sys_msg, {"role": "user", "content": "an unrelated question about delta"}]
+
+    def run(engine: Engine, messages: list, session: str | None = None) -> object:
+        return engine.submit(GenerationRequest(messages=messages, max_new_tokens=6, session_id=session)).result(600)
+
+    ref = Engine(b, default_store(b.device), model_name="t", patch_policy="latency", heal_idle_ms=None)
+    r1 = run(ref, msgs1)
+    msgs2 = msgs1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "second page: " + "epsilon zeta " * 12}]
+    run(ref, msgs2)
+    assert ref.pending_chunks() >= 1  # never healed
+    other_ref = run(ref, other).text
+    ref.close()
+
+    store = default_store(b.device)
+    e = Engine(b, store, model_name="t", patch_policy="latency", heal_idle_ms=0)
+    layer0 = next(m for n, m in b.model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList))[0]
+    box: dict = {}
+
+    def arrive(_m, _a) -> None:  # a request lands while the first heal step runs its first layer
+        if in_background() and "fut" not in box:
+            box["fut"] = e.submit(GenerationRequest(messages=other, max_new_tokens=6))
+
+    hook = layer0.register_forward_pre_hook(arrive)
+    try:
+        assert run(e, msgs1, "s1").text == r1.text
+        run(e, msgs2, "s1")
+        assert wait_until(lambda: "fut" in box, 600)
+        assert box["fut"].result(600).text == other_ref
+        assert wait_until(lambda: e.pending_chunks() == 0, 600)
+    finally:
+        hook.remove()
+    m = parse_text(e.metrics.render().decode())
+    assert m["contextdeque_heal_interrupted_total"] >= 1 and m["contextdeque_heal_steps_total"] >= 1
+    assert m["contextdeque_heal_errors_total"] == 0
+    healed = run(e, msgs2, "s1")  # the healed window itself (nothing to sync)
+    e.close()
+    assert healed.encodes == 0 and healed.patches_formed == 0 and not healed.restored
+    fresh = Engine(b, store, model_name="t", patch_policy="latency", heal_idle_ms=None)
+    again = run(fresh, msgs2)  # rebuilt from what healing stored
+    fresh.close()
+    assert again.encodes == 0 and again.patches_formed == 0 and again.text == healed.text
+
+
+def _png_data_url(seed: int, shape=(60, 80, 3)) -> str:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    img = (np.random.default_rng(seed).random(shape) * 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_image_parts_refused_by_a_text_only_model(server) -> None:
+    c = server.client(KEY)
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_data_url(0)}},
+                                         {"type": "text", "text": "what is this?"}]}]
+    with pytest.raises(openai.BadRequestError) as ei:
+        c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)
+    assert "vision" in ei.value.body["message"] and ei.value.body["param"] == "messages"
+
+
+def test_image_parts_through_a_vision_model() -> None:
+    """``serve --model tiny:qwen2_vl``: image parts (OpenAI ``image_url`` data URLs) go through the
+    model's own vision tower and image processor; the picture is a chunk of the session's window,
+    counted in the prompt at its grid size; another session with the same messages is rebuilt
+    from the store with no encode; an unreadable image is a 400."""
+    with ServeProcess("--model", "tiny:qwen2_vl", "--max-tokens", "8") as s:
+        c = s.client()
+        name = c.models.list().data[0].id
+        msgs = [{"role": "system", "content": "You describe pictures."},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_data_url(1)}},
+                                             {"type": "text", "text": "What is in the picture?"}]}]
+        r1 = c.chat.completions.create(model=name, messages=msgs, max_tokens=6)
+        u1 = r1.usage.model_extra["contextdeque"]
+        assert u1["encodes"] >= 2  # the text before the picture, the picture (through the tower), the text after
+        text_only = [msgs[0], {"role": "user", "content": "What is in the picture?"}]
+        r_text = c.chat.completions.create(model=name, messages=text_only, max_tokens=6, extra_headers={"X-Session-Id": "t"})
+        assert r1.usage.prompt_tokens > r_text.usage.prompt_tokens + 4  # the picture's grid counts
+        r2 = c.chat.completions.create(model=name, messages=msgs, max_tokens=6, extra_headers={"X-Session-Id": "again"})
+        u2 = r2.usage.model_extra["contextdeque"]
+        assert u2["encodes"] == 0 and u2["restored"] and r2.choices[0].message.content == r1.choices[0].message.content
+        bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model=name, messages=bad, max_tokens=4)

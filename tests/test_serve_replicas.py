@@ -63,7 +63,10 @@ def test_cluster_replicas_share_too(valkey_cluster3) -> None:
         text_a, ua = ask(a, "tiny-llama")
         text_b, ub = ask(b, "tiny-llama")
         assert ua["encodes"] == 3 and ub["encodes"] == 0 and ub["patches_formed"] == 0 and text_a == text_b
-        assert metric(b.metrics(), "contextdeque_encode_forwards_total") == 0
+        mb = b.metrics()
+        assert metric(mb, "contextdeque_encode_forwards_total") == 0
+        # B's session holds leases on what its window holds (3 chunks and their patches)
+        assert metric(mb, "contextdeque_valkey_leases") >= 3
 
 
 def test_planted_unsigned_entries_are_never_used(valkey_single) -> None:
@@ -107,7 +110,51 @@ def test_wrong_valkey_auth_refuses_to_start_and_logs_no_secret(tmp_path: Path) -
         try:
             assert httpx.get(ok.url + "/healthz").json()["store"][-1]["available"]
             assert pw not in ok.log and SECRET not in ok.log
+            # the password is rotated while serving: requests are still answered (locally), the
+            # tier reports itself away for "auth", and no password reaches the log
+            rotated = "rotated-" + uuid.uuid4().hex
+            admin = srv.client(password=pw)
+            admin.config_set("requirepass", rotated)
+            admin = srv.client(password=rotated)
+            admin.client_kill_filter(_type="normal", skipme=True)
+            from serve_util import wait_until
+
+            def away_for_auth() -> bool:
+                r = ok.client().chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": uuid.uuid4().hex}], max_tokens=2)
+                assert r.choices[0].message.content is not None
+                h = httpx.get(ok.url + "/healthz").json()
+                return h["status"] == "degraded" and h["store"][-1]["away_reason"] == "auth"
+
+            assert wait_until(away_for_auth, 60, step=0.5)
+            assert metric(ok.metrics(), "contextdeque_valkey_fallbacks_total", reason="auth", tier="valkey") >= 1
+            assert pw not in ok.log and rotated not in ok.log and SECRET not in ok.log
         finally:
             ok.stop()
     finally:
         srv.stop()
+
+
+def test_latency_first_replica_heals_in_idle_time_and_b_reuses_what_it_healed(valkey_single) -> None:
+    """``--patch-policy latency``: A's request runs no patch forward (the new messages get one
+    prefix-cache-style forward each); A heals once idle and the canonicals and patches it
+    computed reach Valkey, so B then serves the conversation with no forward at all."""
+    from serve_util import wait_until
+
+    trust = "l" + uuid.uuid4().hex[:8]
+    args = ("--model", "tiny:llama", "--store", valkey_single.url, "--trust-domain", trust, "--patch-policy", "latency")
+    a, b = ServeProcess(*args, env=ENV).launch(), ServeProcess(*args, "--no-heal", env=ENV).launch()
+    with a.wait_ready(), b.wait_ready():
+        _, ua = ask(a, "tiny-llama")
+        assert ua["patches_formed"] == 0  # nothing formed on the request path
+        assert wait_until(lambda: metric(a.metrics(), "contextdeque_heal_pending_chunks") == 0, 300)
+        ma = a.metrics()
+        assert metric(ma, "contextdeque_heal_steps_total") >= 1 and metric(ma, "contextdeque_heal_encodes_total") >= 1
+        assert metric(ma, "contextdeque_heal_tokens_prefilled_total") > 0
+        text_b, ub = ask(b, "tiny-llama")
+        assert ub["encodes"] == 0 and ub["patches_formed"] == 0 and ub["patches_reused"] >= 1
+        mb = b.metrics()
+        assert metric(mb, "contextdeque_encode_forwards_total") == 0 and metric(mb, "contextdeque_patch_forwards_total") == 0
+        assert metric(mb, "contextdeque_heal_pending_chunks") == 0  # nothing left to heal: B got the healed state
+        # A rebuilt from the store (a new session) builds the same window: the same greedy reply
+        text_a2, ua2 = ask(a, "tiny-llama", session="again")
+        assert ua2["encodes"] == 0 and text_a2 == text_b

@@ -417,6 +417,31 @@ def test_two_windows_share_chunks_and_patches_through_valkey(url: str, tiny_back
             assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
+def test_a_window_leases_what_it_holds_past_the_entries_ttl(valkey_single, tiny_backend_factory, one_thread) -> None:
+    """Entries a live window holds are leased (seen by other processes, kept past their TTL);
+    evicted from the window, the lease goes and the TTL applies again."""
+    from contextdeque import ContextWindow
+
+    n = ns()
+    t = ValkeyTier(valkey_single.url, namespace=n, secret=SECRET, ttl_s=0.5, lease_s=1.5)
+    other = ValkeyTier(valkey_single.url, namespace=n, secret=SECRET)
+    w = ContextWindow(tiny_backend_factory("llama", seed=5), rank=4, store=TieredStore([MemoryTier("cpu", None), t], write_through=True))
+    kept = w.append(token_ids=list(range(60, 80)))
+    gone = w.append(token_ids=list(range(90, 110)))
+    stored = [k for k in t.keys() if k.startswith("chunk/")]
+    assert len(stored) == 2 and set(stored) <= t.leased() and all(other.is_pinned(k) for k in stored)
+    w.evict(gone)
+    gone_key = next(k for k in stored if w.chunk(kept).id not in k)
+    kept_key = next(k for k in stored if k != gone_key)
+    assert gone_key not in t.leased() and not other.is_pinned(gone_key) and other.is_pinned(kept_key)
+    time.sleep(2.5)  # past the TTL and the let-go lease's end: only a renewed lease keeps an entry
+    assert other.get(kept_key) is not None and other.get(gone_key) is None
+    assert other.stats.corrupt == 0
+    w.close()
+    assert not other.is_pinned(kept_key) and not t.leased()
+    t.close()
+
+
 def test_window_receipt_says_when_the_store_fell_back(tmp_path: Path, tiny_backend_factory, one_thread) -> None:
     from contextdeque import ContextWindow
 

@@ -409,7 +409,7 @@ def test_is_disposable_verdict(backend):
     v = win.is_disposable(a, QUERY, max_new_tokens=4, drop=True)
     # a has nothing in front of it: its conditioning is the canonical, toggling is a no-op
     assert not v.had_conditioning and v.kl_unconditioned == 0.0 and v.answer_unconditioned == v.answer_as_is
-    assert v.answer_dropped is not None and v.kl_dropped is not None and v.kl_dropped >= 0.0
+    assert v.answer_dropped is not None and v.kl_dropped is not None and v.kl_dropped > 0.0  # dropping a changes the context
     assert v.receipt.forwards >= 3 and v.receipt.op == "is_disposable"
     w = win.is_disposable(c, QUERY, max_new_tokens=4)
     assert w.had_conditioning and w.kl_unconditioned > 0.0
@@ -493,7 +493,7 @@ def test_receipt_fields(backend):
     rc = r.receipt
     assert isinstance(rc, Receipt) and rc.op == "append" and rc.refs == (r,)
     assert rc.encodes == 1 and rc.forwards >= 1 and rc.tokens_prefilled >= len(A)
-    assert rc.bytes_moved.get("device", 0) > 0 and rc.bytes_moved.get("pages", 0) > 0 and rc.wall_ms >= 0
+    assert rc.bytes_moved.get("device", 0) > 0 and rc.bytes_moved.get("pages", 0) > 0 and rc.wall_ms > 0
     d = rc.as_dict()
     assert d["op"] == "append" and d["refs"] == [r.key]
     assert "append" in rc.summary()
@@ -539,7 +539,7 @@ def test_window_bench_reports_a_copy_free_fork(capsys):
     assert out["slide_forwards"] == 0 and out["slide_pages_written"] == 2
     assert out["fork_bytes_copied_after_child_slide"] == out["child_slide_pages_bytes"] > 0
     for key in ("slide_ms", "fork_ms", "materialize_ms", "reprefill_ms"):
-        assert out[key] >= 0
+        assert out[key] > 0  # each was measured (a duration, no threshold)
 
 
 # ----------------------------------------------------------------------------- embeddings chunks

@@ -121,7 +121,7 @@ def test_readonly_slide_keeps_holds_and_demotes_later(tmp_path, backend, one_thr
         rec = win.slide(1)
         assert rec.left == (a,)
         assert any("deferred" in n for n in rec.notes), rec.notes
-        assert win.store.holds(key_a) == 0
+        assert holds(win)[key_a] == 0
         assert store.where(key_a) == ["device"]  # not demoted, not lost
         assert holds(win) == +win._state.held_keys()
         win.recall(a)  # served from the device tier; nothing needs the disk

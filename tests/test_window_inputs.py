@@ -97,3 +97,58 @@ def test_overflow_error_refuses_before_encoding(backend):
         win.append(token_ids=[40, 41, 42])
     assert backend.forwards_run == fwd and win.context.counters["encodes"] == enc
     assert state(win) == before
+
+
+def test_noop_operations_are_not_changes(backend):
+    """The issue's reproducer: a no-op ``slide(0)`` or a same-order ``reorder`` counted as a change
+    and blocked a fork's ``commit``."""
+    win = ContextWindow(backend, rank=2)
+    for ids in (A, B, [12, 13, 14]):
+        win.append(token_ids=ids)
+    child = win.fork()
+    gen = win.generation
+    assert "no change" in win.slide(0).notes
+    win.reorder(list(win.refs))
+    win.refresh()  # nothing is stale
+    assert win.generation == gen
+    child.slide(1)
+    child.commit()  # the parent did not change since the fork
+    assert len(win) == 2 and win.generation == gen + 1
+    win.reorder(list(reversed(win.refs)))  # a real change still counts
+    assert win.generation == gen + 2
+
+
+def test_show_lists_spans_labels_conditioning_and_tiers(backend):
+    import io
+
+    from rich.console import Console
+
+    win = ContextWindow(backend, rank=2)
+    win.append(token_ids=A, label="notes")
+    win.append(token_ids=B, label="tool")
+    c = win.append(token_ids=[12, 13, 14], label="old")
+    win.evict(c)
+    buf = io.StringIO()
+    table = win.show(Console(file=buf, width=200))
+    out = buf.getvalue()
+    assert table.row_count == 3
+    for needle in ("tool", "notes", "old", "evicted", "[2, 6)", "[6, 9)", "exact@2", "blind", "device", "host"):
+        assert needle in out, (needle, out)
+
+
+def test_text_and_chunk_template(default_backend):
+    plain = ContextWindow(default_backend, rank=4)
+    plain.append("Hello there.")
+    plain.append("General Kenobi.")
+    assert plain.text() == "Hello there.General Kenobi."  # no separator unless asked for
+    assert plain.text(root=True).endswith(plain.text()) and len(plain.text(root=True)) > len(plain.text())
+    sep = ContextWindow(default_backend, rank=4, chunk_template="<doc name='{label}'>\n{text}\n</doc>\n")
+    sep.append("Hello there.", label="a")
+    sep.append("General Kenobi.", label="b")
+    assert sep.text() == "<doc name='a'>\nHello there.\n</doc>\n<doc name='b'>\nGeneral Kenobi.\n</doc>\n"
+
+
+@pytest.mark.parametrize("template", ["no text here", "{text}{text}", "{txt}", 5])
+def test_bad_chunk_template(backend, template):
+    with pytest.raises(ContextDequeError, match="chunk_template"):
+        ContextWindow(backend, chunk_template=template)

@@ -13,6 +13,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("contextdeque.cli.demo", "the main job: an agent answering questions through a window smaller than its material, vs re-prefill"),
     "verify-model": ("contextdeque.cli.verify_model", "exactness gate: relocation vs transformers' own forward, layer by layer"),
+    "zoo": ("contextdeque.cli.zoo", "every causal-LM architecture of the installed transformers, tiny: exact / identity / refused (why) / could not build"),
     "fidelity": ("contextdeque.cli.fidelity", "every reuse arm vs a full re-prefill on the probe set"),
     "bench": ("contextdeque.cli.bench", "apply (relocate+patch) vs re-prefill and vs its roofline floor"),
     "window-bench": ("contextdeque.cli.window_bench", "slide and fork cost on a 4x512-token window"),
@@ -23,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "traces": ("contextdeque.cli.traces", "generate agent traces (web/video/doc), import Mooncake traces, validate"),
     "replay": ("contextdeque.cli.replay", "replay traces under placement x eviction x reuse-arm policies (cost model, --fidelity)"),
     "replay-bench": ("contextdeque.cli.replay_bench", "replay throughput, scheduler vs arrival order, heuristic/exact, Mooncake under every policy"),
+    "soak": ("contextdeque.cli.soak", "random window operations on the default (bounded) store: the resident-memory curve"),
     "calibrate": ("contextdeque.cli.calibrate", "measure the replay cost model on this machine's backend and save it"),
 }
 

@@ -110,25 +110,10 @@ def video_line(summary: dict[str, Any]) -> str:
             f"{summary['tower_calls_in_lookbacks']} tower runs there")
 
 
-def image_processor(backend: Any, model: str | None) -> Any:
-    """A Qwen-VL model's image processor: the tiny one for ``tiny:<arch>``, else the one saved
-    beside a local checkpoint; ``None`` for a text-only model."""
-    arch = getattr(backend.model.config, "model_type", "")
-    if arch not in ("qwen2_vl", "qwen2_5_vl"):
-        return None
-    if model and model.startswith("tiny:"):
-        from contextdeque.model.testing import build_tiny_vl_processor
-
-        return build_tiny_vl_processor(arch)
-    from transformers import AutoImageProcessor
-
-    return AutoImageProcessor.from_pretrained(model)
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from contextdeque.cli.model_spec import load_backend
+    from contextdeque.cli.model_spec import image_processor, load_backend
 
     if args.threads:
         torch.set_num_threads(int(args.threads))

@@ -34,7 +34,8 @@ def _int_list(text: str) -> tuple[int, ...]:
     return vals
 
 
-def _retention(text: str) -> float:
+def retention(text: str) -> float:
+    """A ``--...-retention`` value: the kept fraction, in (0, 1]."""
     try:
         val = float(text)
     except ValueError:
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads (1 is fastest on a machine shared with other jobs)")
     parser.add_argument("--max-chunk-tokens", type=int, default=512, help="cut longer text chunks (test models)")
     parser.add_argument("--image-grid", default=None, metavar="RxC", help="override every image span's patch grid")
-    parser.add_argument("--capsule-retention", type=_retention, default=0.4,
+    parser.add_argument("--capsule-retention", type=retention, default=0.4,
                         help="kvcapsule-linear: mean kept fraction of the pyramid schedule (default 0.4)")
     parser.add_argument("--select-budgets", type=_int_list, default=(64, 128, 256, 512),
                         help="KV selection budgets, rows per KV head (default 64,128,256,512)")

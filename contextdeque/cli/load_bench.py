@@ -11,7 +11,8 @@ import sys
 import torch
 
 from ..eval.load_bench import run_load_bench
-from .window_bench import _backend
+from .fidelity import retention
+from .model_spec import MODEL_HELP, load_backend
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,9 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="background reader threads")
     parser.add_argument("--storage", default="float32", help="chunk storage dtype (float32, bfloat16)")
     parser.add_argument("--dir", default=None, help="disk tier directory (default: a temporary one)")
+    parser.add_argument("--capsule", type=retention, default=None, metavar="RHO",
+                        help="keep the disk chunks compressed at rest (KVCapsule linear, mean retention RHO in (0, 1])")
     parser.add_argument(
         "--model", default=None,
-        help="a local model path; default: the embedded default model; 'tiny' for a tiny random llama",
+        help=MODEL_HELP,
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
 
@@ -37,9 +40,9 @@ def run(args: argparse.Namespace) -> int:
     if args.chunks < 2:
         print("error: --chunks must be >= 2 (half on disk, half missing)", file=sys.stderr)
         return 2
-    res = run_load_bench(_backend(args.model), n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
+    res = run_load_bench(load_backend(args.model), n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
                          policy=args.policy, rank=args.rank, workers=args.workers, storage=args.storage,
-                         disk_dir=args.dir)
+                         disk_dir=args.dir, capsule=args.capsule)
     if args.json:
         sys.stdout.write(json.dumps(res, indent=1, default=str) + "\n")
         return 0
@@ -54,4 +57,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"speed-up of overlapped over sequential: {res['speedup']:.3f}x "
           f"(perfect overlap of these loads would give {res['ideal_speedup']:.3f}x)")
     print(f"windows identical bit for bit: {'yes' if res['identical'] else 'NO'}")
+    cap = res.get("capsule")
+    if cap:
+        print(f"disk chunks compressed at rest (mean retention {cap['retention']}): {cap['stored_entry_bytes'] / 2**20:.2f} "
+              f"MiB stored for {cap['uncompressed_entry_bytes'] / 2**20:.2f} MiB of entries (saved "
+              f"{cap['bytes_saved_fraction']:.3f}; KV bytes saved {cap['kv_bytes_saved_fraction']:.3f}); basis "
+              f"{cap['basis_bytes'] / 2**20:.2f} MiB fitted on {cap['calibration_chunks']} other chunks; reconstruction "
+              f"error (relative Frobenius, max over chunks) K {max(cap['recon_error_k']):.4f} V {max(cap['recon_error_v']):.4f}")
     return 0

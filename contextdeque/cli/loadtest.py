@@ -19,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--doc-words", type=int, default=60, help="words of tool output per user turn")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--think-ms", type=float, default=0.0, help="pause between a client's turns (tool time): idle time a server heals in")
     p.add_argument("--failover", action="store_true", help="retry a failed request on the next replica")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--api-key-env", default="CONTEXTDEQUE_API_KEY", help="environment variable holding the API key")
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     rep = run_loadtest(
         args.url, model=args.model, clients=args.clients, conversations=args.conversations, turns=args.turns,
         max_tokens=args.max_tokens, seed=args.seed, api_key=os.environ.get(args.api_key_env) or None,
-        failover=args.failover, timeout=args.timeout, doc_words=args.doc_words,
+        failover=args.failover, timeout=args.timeout, doc_words=args.doc_words, think_s=args.think_ms / 1000.0,
     )
     if args.responses:
         with open(args.responses, "w") as f:

@@ -56,7 +56,13 @@ def run(args: argparse.Namespace) -> int:
         jobs = args.jobs or default_jobs()
         err.print(f"[dim]{note}[/dim]")
         err.print(f"[dim]replaying {len(args.traces)} trace(s) x {len(combos)} combo(s) on {jobs} process(es)[/dim]")
-        results = replay_many([str(p) for p in args.traces], combos, cost, config, jobs=jobs)
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("[dim]replay[/dim]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, transient=True, disable=not err.is_terminal) as bar:
+            task = bar.add_task("replay", total=None)
+            results = replay_many([str(p) for p in args.traces], combos, cost, config, jobs=jobs,
+                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
         extra = {}
         if args.fidelity:
             from ..replay.fidelity import run_fidelity_mode

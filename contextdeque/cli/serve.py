@@ -15,7 +15,7 @@ import socket
 import sys
 from typing import Any
 
-from .model_spec import MODEL_HELP, load_backend
+from .model_spec import MODEL_HELP, image_processor, load_backend
 
 log = logging.getLogger("contextdeque.serve")
 
@@ -37,7 +37,7 @@ def build_store(args: argparse.Namespace, backend: Any) -> Any:
             secret=os.environ.get(args.store_secret_env) or None,
             password=os.environ.get(args.store_password_env) or None,
             tls_ca_file=args.store_tls_ca, tls_cert_file=args.store_tls_cert, tls_key_file=args.store_tls_key,
-            ttl_s=args.store_ttl, timeout_s=args.store_timeout,
+            ttl_s=args.store_ttl, timeout_s=args.store_timeout, lease_s=args.store_lease,
         ))
     return TieredStore(tiers, write_through=True)
 
@@ -56,13 +56,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-tls-cert", default=None)
     p.add_argument("--store-tls-key", default=None)
     p.add_argument("--store-ttl", type=float, default=None, help="expire shared entries this long after their last use (s)")
+    p.add_argument("--store-lease", type=float, default=60.0,
+                   help="sessions lease the shared entries their windows hold for this long, renewed while held (s); "
+                        "a killed replica's leases lapse after it")
     p.add_argument("--store-timeout", type=float, default=5.0, help="Valkey command timeout (s); then local fallback")
     p.add_argument("--store-dir", default=None, help="also keep a local disk tier here")
     p.add_argument("--device-store-mb", type=float, default=1024)
     p.add_argument("--host-store-mb", type=float, default=4096)
     p.add_argument("--disk-store-mb", type=float, default=None)
     p.add_argument("--rank", type=int, default=32, help="patch rank")
-    p.add_argument("--patch-policy", default="default")
+    p.add_argument("--patch-policy", default="default",
+                   help="window patch policy: default, exact, none, latency (no forward a request can avoid; "
+                        "the skipped conditioning is healed in idle time), or another registered name")
+    p.add_argument("--heal-idle-ms", type=float, default=20.0,
+                   help="heal latency-first windows once no request came for this long (ms)")
+    p.add_argument("--no-heal", action="store_true", help="never heal in idle time (a latency-first window stays as served)")
     p.add_argument("--context-tokens", type=int, default=None, help="most tokens per request (default: the model's)")
     p.add_argument("--max-tokens", type=int, default=256, help="default and ceiling of max_tokens")
     p.add_argument("--queue", type=int, default=16, help="requests waiting for the model worker before 429")
@@ -91,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             backend, store, model_name=args.model_name or backend.name, rank=args.rank, patch_policy=args.patch_policy,
             context_tokens=args.context_tokens, max_tokens=args.max_tokens, queue_size=args.queue,
             session_memory_bytes=int(args.session_memory_mb * 1024 * 1024), plain=args.plain,
+            heal_idle_ms=None if args.no_heal else args.heal_idle_ms, processor=image_processor(backend, args.model),
         )
     except ContextDequeError as e:
         print(f"contextdeque serve: {type(e).__name__}: {e}", file=sys.stderr)

@@ -5,44 +5,51 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from ..core.errors import ContextDequeError
 from ..eval.verify import DEFAULT_OFFSETS, verify_backend
-from ..model.hf import HFBackend
+from ..model.testing import TinyBuildError
+from .model_spec import MODEL_HELP, load_backend
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="local HF model dir or .gguf (default: the embedded SmolLM2)")
-    p.add_argument("--arch", default=None, help="build a tiny random-weight model of this architecture (with --random)")
+    p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    p.add_argument("--arch", default=None,
+                   help="with --random: the same as MODEL tiny:ARCH (a contextdeque tiny arch or any model_type "
+                        "of transformers' causal-LM mapping)")
     p.add_argument("--random", action="store_true", help="random weights (required with --arch)")
     p.add_argument("--offsets", default=",".join(map(str, DEFAULT_OFFSETS)), help="comma-separated position offsets")
     p.add_argument("--tokens", type=int, default=96, help="tokens of real text to encode")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _backend_from_args(args: argparse.Namespace) -> tuple[HFBackend, str]:
+def _backend_from_args(args: argparse.Namespace) -> Any:
+    spec = args.model
     if args.arch:
         if not args.random:
             raise SystemExit("--arch needs --random (no checkpoints are fetched)")
-        from ..model.testing import build_tiny_model
-
-        model = build_tiny_model(args.arch)
-        return HFBackend(model, None, root_ids=[1, 2, 3], name=f"tiny-random-{args.arch}"), f"tiny-random-{args.arch}"
-    from ..model import load_model
-
-    b = load_model(args.model)
-    return b, b.name
+        spec = f"tiny:{args.arch}"
+    try:
+        # verify-model runs the full gate itself: the shorter proof at load would only repeat it
+        return load_backend(spec, verify_at_load=False)
+    except KeyError:
+        raise SystemExit(f"unknown tiny arch {spec!r}: not a tiny arch nor a causal-LM model_type") from None
+    except TinyBuildError as exc:
+        raise SystemExit(f"{spec}: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        backend, name = _backend_from_args(args)
-        report = verify_backend(backend, [int(x) for x in args.offsets.split(",") if x], args.tokens, name)
+        backend = _backend_from_args(args)
+        report = verify_backend(backend, [int(x) for x in args.offsets.split(",") if x], args.tokens, backend.name)
     except ContextDequeError as exc:
+        reason = getattr(exc, "reason", None)
+        error = f"{type(exc).__name__}" + (f" ({reason})" if reason else "") + f": {exc}"
         if args.json:
-            print(json.dumps({"model": args.model or args.arch or "default", "ok": False, "error": f"{type(exc).__name__}: {exc}"}))
+            print(json.dumps({"model": args.model or args.arch or "default", "ok": False, "reason": reason, "error": error}))
         else:
-            print(f"refused: {type(exc).__name__}: {exc}")
+            print(f"refused: {error}")
         return 1
     if args.json:
         print(json.dumps(report.to_json()))

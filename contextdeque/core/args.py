@@ -5,6 +5,7 @@ raised before any work is done."""
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Sequence
 
 import torch
@@ -23,7 +24,7 @@ def check_int(
     """``value`` as an int in ``[minimum, maximum]`` (bools and floats are refused)."""
     if value is None and none_ok:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() and value.dtype != torch.bool:
             value = int(value.item())
         else:
@@ -42,7 +43,7 @@ def check_float(
     """``value`` as a finite float in range (bools refused; ``open_min``: strictly above ``minimum``)."""
     if value is None and none_ok:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"{name} must be a number{' or None' if none_ok else ''}, got {type_name(value)} {_short(value)}")
     v = float(value)
     if not math.isfinite(v):
@@ -73,9 +74,14 @@ def check_instance(name: str, value: Any, types: type | tuple[type, ...], what: 
     return value
 
 
-def check_token_ids(name: str, value: Any, vocab_size: int | None, *, error: type[ArgumentError] = ArgumentError) -> torch.Tensor:
+def check_token_ids(
+    name: str, value: Any, vocab_size: int | None, *, error: type[ArgumentError] = ArgumentError,
+    empty_error: type[Exception] | None = None,
+) -> torch.Tensor:
     """``value`` (a sequence of ints or an integer tensor) as a 1-D int64 CPU tensor of ids in
     ``[0, vocab_size)``: floats, strings, nested lists, 2-D tensors and empty input are refused."""
+    if not isinstance(value, torch.Tensor) and hasattr(value, "__array__") and hasattr(value, "dtype"):
+        value = torch.as_tensor(value)  # a numpy array
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
             raise ArgumentTypeError(f"{name} must hold integer token ids, got a {value.dtype} tensor")
@@ -86,11 +92,11 @@ def check_token_ids(name: str, value: Any, vocab_size: int | None, *, error: typ
         raise ArgumentTypeError(f"{name} must be a sequence of ints or a 1-D integer tensor, got {type_name(value)} {_short(value)}")
     else:
         for i, x in enumerate(value):
-            if isinstance(x, bool) or not isinstance(x, int):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral):
                 raise ArgumentTypeError(f"{name}[{i}] must be an int token id, got {type_name(x)} {_short(x)}")
-        ids = torch.tensor(list(value), dtype=torch.long) if len(value) else torch.zeros(0, dtype=torch.long)
+        ids = torch.tensor([int(x) for x in value], dtype=torch.long) if len(value) else torch.zeros(0, dtype=torch.long)
     if ids.numel() == 0:
-        raise error(f"{name} is empty: a chunk needs at least one token")
+        raise (empty_error or error)(f"{name} is empty: a chunk needs at least one token")
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or (vocab_size is not None and hi >= vocab_size):
         bad = lo if lo < 0 else hi

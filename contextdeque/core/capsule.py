@@ -35,6 +35,7 @@ import torch
 
 from .chunk import Chunk, digest
 from .errors import CapsuleError, CorruptEntryError, FingerprintMismatchError
+from .kv import tensor_nbytes
 
 FORMAT = "contextdeque-capsule-basis-1"
 DEFAULT_RETENTION = 0.4  # mean kept fraction: the paper's ~60% compression
@@ -163,7 +164,7 @@ class CapsuleChunk:
     @property
     def nbytes(self) -> int:
         """Stored KV bytes (kept keys, value coefficients and means), as ``Chunk.nbytes`` counts a page."""
-        return sum(t.numel() * t.element_size() for ts in (self.keys_kept, self.value_coeff, self.value_mean) for t in ts)
+        return sum(tensor_nbytes(t) for ts in (self.keys_kept, self.value_coeff, self.value_mean) for t in ts)
 
     def to_entry(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Flat tensors + string metadata for a store (kind ``"capsule"``)."""
@@ -266,7 +267,7 @@ class CapsuleBasis:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for ts in (self.key_rows, self.key_map, self.value_basis) for t in ts)
+        return sum(tensor_nbytes(t) for ts in (self.key_rows, self.key_map, self.value_basis) for t in ts)
 
     # ------------------------------------------------------------------ checks
     def check_chunk(self, fingerprint: str, layout_signature: str, n_tokens: int, num_layers: int, what: str) -> None:

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptEntryError, EmptyChunkError, StorageDtypeError
+from .errors import CorruptEntryError, EmptyChunkError, NumericsError, StorageDtypeError
+from .kv import tensor_nbytes
 
 STORAGE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -38,6 +39,16 @@ def check_representable(t: torch.Tensor, dtype: torch.dtype, what: str) -> None:
         raise StorageDtypeError(
             f"{what} reaches |x|={float(t.abs().max()):.4g}, beyond float16's range; store as bfloat16 or float32"
         )
+
+
+def check_finite(tensors: "torch.Tensor | list[torch.Tensor]", what: str) -> None:
+    """Refuse inf/NaN in ``tensors`` (one fused reduction per tensor, no copy): raises
+    ``NumericsError`` naming ``what``."""
+    ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    for t in ts:
+        if t.numel() and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise NumericsError(f"{what} holds {bad} non-finite value(s) (inf/NaN); refused before use")
 
 
 def digest(*parts: Any) -> str:
@@ -109,7 +120,7 @@ class Chunk:
     @property
     def nbytes(self) -> int:
         """Bytes of the stored page (K and V, all layers)."""
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return tensor_nbytes(self.keys) + tensor_nbytes(self.values)
 
     def positions(self, start: int) -> torch.Tensor:
         """``[n_axes, T]`` absolute positions when the chunk starts at ``start``."""

@@ -6,7 +6,7 @@ Supported range: transformers 5.17-5.18 (the pin in pyproject); branches for ver
 excludes are not kept. Seams of the pinned versions handled here:
 - configs without ``rope_parameters`` (GPT-J) take ``rope_theta`` / ``rope_scaling`` or the defaults.
 - an MLA (DeepSeek-V2/V3) cache layer holds the latent c_KV ``[B,1,T,kv_lora_rank]`` as keys and
-  the rotated k_pe ``[B,1,T,rope_dim]`` as values (since 5.1; :mod:`.layout` reads it so).
+  the rotated k_pe ``[B,1,T,rope_dim]`` as values (since 5.1; the structural probe of ``contextdeque.model.detect`` reads it off the cache).
 """
 
 from __future__ import annotations
@@ -86,16 +86,36 @@ def rotary_attention_scaling(module: torch.nn.Module, layer_type: str | None = N
     return float(val)
 
 
-class GPTJRotaryTable(torch.nn.Module):
-    """GPT-J keeps a sin/cos table per attention layer instead of a rotary module; this stands in
-    for one, holding the ``inv_freq`` that table was built from (same fp32 formula)."""
+def sinusoid_tables(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, int]]:
+    """Precomputed sin/cos position tables kept instead of a rotary module (GPT-J and CodeGen keep
+    one per attention layer), as ``(buffer name, exact fp32 inv_freq, n_positions)``.
 
-    def __init__(self, cfg: Any) -> None:
-        super().__init__()
-        dim = int(cfg.rotary_dim or cfg.n_embd // cfg.n_head)
-        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim)))
-        self.attention_scaling = 1.0
-        self.max_positions = int(cfg.max_position_embeddings)
+    A buffer ``[P, D]`` whose row 0 is ``cat(sin 0, cos 0)`` is such a table; its base is read off
+    row 1 and accepted only if rebuilding the table from it the way transformers does
+    (``fp32(arange(P)) * fp32(1 / base^(2i/D))``) reproduces every entry bit for bit."""
+    found: list[tuple[str, torch.Tensor, int]] = []
+    seen: set[tuple[int, int, int]] = set()
+    for name, buf in model.named_buffers():
+        if buf.dim() != 2 or not buf.is_floating_point() or buf.shape[1] % 2 or buf.shape[0] < 2 or buf.shape[1] < 4:
+            continue
+        table = buf.detach().to(torch.float32).cpu()
+        half = table.shape[1] // 2
+        if not (torch.all(table[0, :half] == 0) and torch.all(table[0, half:] == 1)):
+            continue
+        freq = torch.atan2(table[1, :half].double(), table[1, half:].double())
+        if not 0 < float(freq[1]) < 1:
+            continue
+        dim = table.shape[1]
+        base = round(float(freq[1]) ** (-dim / 2))
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim))
+        angles = torch.einsum("i , j -> i j", torch.arange(table.shape[0], dtype=torch.int64).float(), inv).float()
+        if not torch.equal(torch.cat((torch.sin(angles), torch.cos(angles)), dim=1), table):
+            continue
+        key = (table.shape[0], dim, base)
+        if key not in seen:
+            seen.add(key)
+            found.append((name, inv.to(torch.float32), int(table.shape[0])))
+    return found
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

@@ -23,7 +23,21 @@ class NumericsError(ContextDequeError, ArithmeticError):
 
 
 class UnsupportedLayoutError(ContextDequeError):
-    """The model's KV/RoPE layout cannot be relocated exactly (the message says why)."""
+    """The model's KV/RoPE layout cannot be relocated exactly (the message says why).
+
+    ``reason`` names the kind of refusal (see ``contextdeque.model.detect.REFUSAL_REASONS``):
+    e.g. ``"learned-positions"``, ``"recurrent"``, ``"proof-failed"``; ``measured`` is the
+    relocation error that decided it, where one was measured; ``evidence`` names the parts of the
+    model the reason rests on (e.g. the position-embedding modules).
+    """
+
+    def __init__(
+        self, message: str, *, reason: str = "unsupported", measured: float | None = None, evidence: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.measured = measured
+        self.evidence = tuple(evidence)
 
 
 class FingerprintMismatchError(ContextDequeError):
@@ -107,8 +121,15 @@ class WindowError(ContextDequeError, ValueError):
     """A window operation was asked something impossible (unknown ref, wrong reorder set, budget)."""
 
 
+class WindowTypeError(WindowError, ArgumentTypeError):
+    """A window argument has the wrong Python type (a ``WindowError`` and a ``TypeError``)."""
+
+
 class UnknownRefError(WindowError, KeyError):
     """The chunk reference is unknown to this window, or was evicted and purged."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
 
 
 class BudgetError(WindowError):

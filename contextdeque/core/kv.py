@@ -15,6 +15,14 @@ def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def kv_nbytes(layers: Sequence[LayerKV], tokens: int | None = None) -> int:
+    """Payload bytes of per-layer KV ``(k [H, T, d], v [H, T, d])``, keys and values of every layer;
+    with ``tokens``, the bytes that many token rows of each layer take (a prefix or a selection)."""
+    if tokens is None:
+        return sum(tensor_nbytes(k) + tensor_nbytes(v) for k, v in layers)
+    return sum(tokens * (tensor_nbytes(t) // max(1, t.shape[1])) for k, v in layers for t in (k, v))
+
+
 def concat_kv(parts: Sequence[Sequence[LayerKV]], dtype: torch.dtype | None = None) -> list[LayerKV]:
     """Concatenate per-layer KV along the token axis: parts of ``(k [H,T_i,d], v [H,T_i,d])``,
     optionally cast to ``dtype``. Always new tensors."""

@@ -5,7 +5,12 @@ A layout answers, for every decoder layer: which cache tensor carries the rotary
 range rotates (partial rotary), how channels pair (half-split vs interleaved), which ``inv_freq``
 table the layer uses (per-layer bases, e.g. Gemma3 local/global), which position axis each
 frequency reads (M-RoPE), and up to which position relocation stays exact (dynamic NTK / LongRoPE
-switch points). Layouts we cannot relocate exactly are refused with :class:`UnsupportedLayoutError`.
+switch points). Layers without positional rotation (NoPE layers, ALiBi models) carry an all-zero
+``inv_freq`` table: their relocation is the identity, exactly (cos 0 = 1, sin 0 = 0).
+
+The layout is read off the loaded model and proven against its own forward by
+``contextdeque.model.detect`` (:func:`contextdeque.detect_layout`); layouts that cannot be relocated
+exactly are refused there with :class:`UnsupportedLayoutError` and the reason.
 """
 
 from __future__ import annotations
@@ -18,40 +23,11 @@ from typing import Any
 
 import torch
 
-from . import compat
 from .errors import UnsupportedLayoutError
 
-# model_type -> (family, interleaved pairs). Anything not listed is refused: we only claim
-# layouts whose relocation is proven by a test against transformers' own forward.
-_HALF, _INTERLEAVED = False, True
-SUPPORTED_MODEL_TYPES: dict[str, tuple[str, bool]] = {
-    "llama": ("gqa", _HALF),
-    "mistral": ("gqa", _HALF),
-    "qwen2": ("gqa", _HALF),
-    "qwen3": ("gqa", _HALF),
-    "qwen2_vl": ("gqa", _HALF),
-    "qwen2_vl_text": ("gqa", _HALF),
-    "qwen2_5_vl": ("gqa", _HALF),
-    "qwen2_5_vl_text": ("gqa", _HALF),
-    "qwen3_vl": ("gqa", _HALF),
-    "qwen3_vl_text": ("gqa", _HALF),
-    "gemma3_text": ("gqa", _HALF),
-    "gemma2": ("gqa", _HALF),
-    "phi3": ("gqa", _HALF),
-    "phi": ("gqa", _HALF),
-    "stablelm": ("gqa", _HALF),
-    "gpt_neox": ("gqa", _HALF),
-    "persimmon": ("gqa", _HALF),
-    "cohere": ("gqa", _INTERLEAVED),
-    "gptj": ("gqa", _INTERLEAVED),
-    "glm": ("gqa", _INTERLEAVED),
-    "glm4": ("gqa", _INTERLEAVED),
-    "deepseek_v2": ("mla", _INTERLEAVED),
-    "deepseek_v3": ("mla", _HALF),  # rope_interleave de-interleaves before caching
-}
-
-EXACT_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope", "dynamic", "mrope"}
-# Kinds whose inv_freq switches with sequence length: exact only below the switch point.
+# Kinds whose inv_freq switches with sequence length: exact only below the switch point. This decides
+# a position limit, not acceptance: acceptance is the structural probe plus the proof at load
+# (``contextdeque.model.detect``).
 REGIME_ROPE_TYPES = {"dynamic", "longrope"}
 
 
@@ -63,8 +39,8 @@ class KVLayout:
     ``[rope_start, rope_start + rope_dim)`` of tensor ``rope_tensor`` are rotated by position.
     """
 
-    model_type: str
-    family: str  # "gqa" (MHA/GQA) or "mla"
+    model_type: str  # for display only: nothing is decided by it
+    family: str  # "gqa" (rotated channels in K) or "mla" (rotated k_pe in V, latent in K)
     num_layers: int
     k_heads: int
     k_dim: int
@@ -84,6 +60,16 @@ class KVLayout:
     sliding_windows: tuple[int | None, ...] = ()
     compute_dtype: str = "float32"
     notes: tuple[str, ...] = field(default=())
+    # the model's trained context (config.max_position_embeddings); positions past it raise
+    # PositionError unless the caller opts in. Not part of the signature: it limits where KV may
+    # be placed, not what stored KV means.
+    max_trained_position: int | None = field(default=None, metadata={"signature": False})
+
+    @property
+    def identity_layers(self) -> tuple[bool, ...]:
+        """Per layer: True where relocation is the identity (no positional rotation: NoPE, ALiBi)."""
+        zero = [all(f == 0.0 for f in t) for t in self.inv_freqs]
+        return tuple(zero[i] for i in self.layer_table)
 
     @property
     def n_freq(self) -> int:
@@ -106,7 +92,10 @@ class KVLayout:
     @cached_property
     def signature(self) -> str:
         """Stable hash of everything that decides the KV bytes' meaning."""
-        blob = json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, sort_keys=True, default=str).encode()
+        blob = json.dumps(
+            {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("signature", True)},
+            sort_keys=True, default=str,
+        ).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def describe(self) -> str:
@@ -114,9 +103,17 @@ class KVLayout:
         parts = [
             f"{self.model_type} ({self.family.upper()}), {self.num_layers} layers",
             f"k [{self.k_heads}x{self.k_dim}] v [{self.v_heads}x{self.v_dim}]",
-            f"rope on {self.rope_tensor}[{self.rope_start}:{self.rope_start + self.rope_dim}] {conv}",
-            f"{len(self.inv_freqs)} inv_freq table(s), scaling={self.rope_type}",
         ]
+        ident = self.identity_layers
+        if all(ident):
+            parts.append("no positional rotation in the cache: relocation is the identity")
+        else:
+            parts += [
+                f"rope on {self.rope_tensor}[{self.rope_start}:{self.rope_start + self.rope_dim}] {conv}",
+                f"{len(self.inv_freqs)} inv_freq table(s), scaling={self.rope_type}",
+            ]
+            if any(ident):
+                parts.append(f"{sum(ident)} NoPE layer(s) relocate as the identity")
         if self.n_pos_axes > 1:
             parts.append(f"M-RoPE {self.n_pos_axes} axes")
         if self.max_exact_position is not None:
@@ -124,28 +121,7 @@ class KVLayout:
         return "; ".join(parts)
 
 
-def _rotary_dim(cfg: Any, head_dim: int) -> int:
-    for attr in ("rotary_dim",):
-        val = getattr(cfg, attr, None)
-        if val:
-            return int(val)
-    params = compat.rope_parameters(cfg)
-    factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
-    if factor is None:
-        factor = getattr(cfg, "rotary_pct", None)
-    if factor is not None and float(factor) < 1.0:
-        return int(head_dim * float(factor))
-    return head_dim
-
-
-def _head_dim(cfg: Any) -> int:
-    hd = getattr(cfg, "head_dim", None)
-    if hd:
-        return int(hd)
-    return int(cfg.hidden_size // cfg.num_attention_heads)
-
-
-def _probe_freq_axis(rotary: torch.nn.Module, n_freq: int, interleave_cat: bool = True) -> tuple[int, ...]:
+def probe_freq_axis(rotary: torch.nn.Module, n_freq: int, interleave_cat: bool = True) -> tuple[int, ...]:
     """Ask the model's own M-RoPE module which axis each frequency reads: feed a position on one
     axis at a time and see which sines come out non-zero. Independent of chunked vs interleaved
     sectioning and of the transformers version."""
@@ -165,126 +141,33 @@ def _probe_freq_axis(rotary: torch.nn.Module, n_freq: int, interleave_cat: bool 
     return tuple(axes)
 
 
-def detect_layout(model: torch.nn.Module) -> KVLayout:
-    """Read the KV/RoPE layout off a transformers model. Raises UnsupportedLayoutError with the reason
-    for anything whose relocation would not be exact."""
-    cfg = compat.text_config(model.config)
-    model_type = getattr(cfg, "model_type", None) or getattr(model.config, "model_type", "?")
-    outer_type = getattr(model.config, "model_type", model_type)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedLayoutError(
-            f"model_type {model_type!r} is not a supported layout; supported: "
-            f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}. Relocation is only claimed where a test proves "
-            "it against transformers' own forward."
-        )
-    family, interleaved = SUPPORTED_MODEL_TYPES[model_type]
-    if getattr(cfg, "use_mla", False):
-        family = "mla"
-    num_layers = int(cfg.num_hidden_layers)
-    notes: list[str] = []
+def trained_length(cfg: Any) -> int | None:
+    """The context length a model was trained for (``max_position_embeddings``, or GPT-style
+    ``n_positions``), or None when its config does not say."""
+    n = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
-    rotaries = compat.find_rotary_modules(model)
-    if not rotaries and model_type == "gptj":
-        rotaries = [("gptj", compat.GPTJRotaryTable(cfg))]
-    if not rotaries:
-        raise UnsupportedLayoutError(f"{model_type}: no rotary embedding module found (no RoPE?)")
-    rotary = rotaries[0][1]
 
-    layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * num_layers)
-    per_type = any(hasattr(rotary, f"{t}_inv_freq") for t in set(layer_types))
+# ---------------------------------------------------------------------------- loaded layouts
 
-    # --- which tensor / channels rotate
-    if family == "mla":
-        rope_dim = int(cfg.qk_rope_head_dim)
-        lora = int(cfg.kv_lora_rank)
-        # the cache holds the latent c_KV (keys) and the rotated k_pe (values): see core.compat
-        k_heads, k_dim, v_heads, v_dim = 1, lora, 1, rope_dim
-        rope_tensor, rope_start = "v", 0
-        if model_type == "deepseek_v3" and not getattr(cfg, "rope_interleave", True):
-            interleaved = False
-    else:
-        head_dim = _head_dim(cfg)
-        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        k_heads = v_heads = kv_heads
-        k_dim = v_dim = head_dim
-        rope_dim = _rotary_dim(cfg, head_dim)
-        rope_tensor, rope_start = "k", 0
-        if rope_dim % 2:
-            raise UnsupportedLayoutError(f"{model_type}: odd rotary dim {rope_dim}")
+#: The layouts of the models loaded in this process, by signature: every ``HFBackend`` registers
+#: its model's layout when it is built (``load_model`` builds one), so ``relocate(chunk, start)``
+#: finds a chunk's layout from the chunk's own ``layout_signature`` without being handed it.
+LOADED_LAYOUTS: dict[str, KVLayout] = {}
 
-    # --- inv_freq tables, per layer
-    tables: list[tuple[float, ...]] = []
-    layer_table: list[int] = []
-    scalings: set[float] = set()
-    rope_types: set[str] = set()
-    for lt in layer_types[:num_layers]:
-        inv = compat.rotary_inv_freq(rotary, lt if per_type else None)
-        tup = tuple(float(x) for x in inv.tolist())
-        if tup not in tables:
-            tables.append(tup)
-        layer_table.append(tables.index(tup))
-        scalings.add(compat.rotary_attention_scaling(rotary, lt if per_type else None))
-        rope_types.add(compat.rope_parameters(cfg, lt if per_type else None).get("rope_type", "default"))
-    if len(layer_table) != num_layers:
-        raise UnsupportedLayoutError(f"{model_type}: layer_types does not cover every layer")
-    n_freq = rope_dim // 2
-    for t in tables:
-        if len(t) != n_freq:
-            raise UnsupportedLayoutError(
-                f"{model_type}: inv_freq has {len(t)} frequencies but the rotary slice has {rope_dim} channels"
-            )
-    rope_type = sorted(rope_types)[0] if len(rope_types) == 1 else "+".join(sorted(rope_types))
-    for rt in rope_types:
-        if rt not in EXACT_ROPE_TYPES:
-            raise UnsupportedLayoutError(f"{model_type}: RoPE scaling {rt!r} is not supported for exact relocation")
 
-    # --- regime limit: dynamic NTK / LongRoPE switch inv_freq past a length
-    max_exact: int | None = None
-    if rope_types & REGIME_ROPE_TYPES:
-        params = compat.rope_parameters(cfg)
-        if "longrope" in rope_types:  # long factors once max(position)+1 > original length
-            max_exact = int(params.get("original_max_position_embeddings") or cfg.max_position_embeddings)
-        else:  # dynamic NTK grows inv_freq once max(position)+1 > max_position_embeddings
-            max_exact = int(cfg.max_position_embeddings)
-        notes.append(f"{rope_type}: inv_freq switches at {max_exact} tokens; relocation refused beyond it")
+def register_layout(layout: KVLayout) -> None:
+    """Make ``layout`` known to :func:`layout_for` (a backend does this for its model)."""
+    LOADED_LAYOUTS[layout.signature] = layout
 
-    table_limit = getattr(rotary, "max_positions", None)
-    if table_limit is not None:  # a precomputed sin/cos table (GPT-J) ends at n_positions
-        max_exact = int(table_limit) if max_exact is None else min(max_exact, int(table_limit))
-        notes.append(f"sin/cos table ends at position {table_limit}")
 
-    # --- M-RoPE
-    n_axes, freq_axis = 1, None
-    params0 = compat.rope_parameters(cfg)
-    if params0.get("mrope_section") is not None:
-        n_axes = 3
-        freq_axis = _probe_freq_axis(rotary, n_freq)
+def layout_for(signature: str) -> KVLayout:
+    """The loaded layout with ``signature``; refused when no model of that layout is loaded."""
+    from .errors import FingerprintMismatchError
 
-    # --- sliding layers
-    sw = getattr(cfg, "sliding_window", None)
-    sliding = tuple(int(sw) if (t == "sliding_attention" and sw) else None for t in layer_types[:num_layers])
-
-    dtype = next(model.parameters()).dtype
-    return KVLayout(
-        model_type=outer_type if outer_type != model_type and model_type.endswith("_text") else model_type,
-        family=family,
-        num_layers=num_layers,
-        k_heads=k_heads,
-        k_dim=k_dim,
-        v_heads=v_heads,
-        v_dim=v_dim,
-        rope_tensor=rope_tensor,
-        rope_start=rope_start,
-        rope_dim=rope_dim,
-        interleaved=interleaved,
-        inv_freqs=tuple(tables),
-        layer_table=tuple(layer_table),
-        rope_type=rope_type,
-        attention_scaling=max(scalings),
-        n_pos_axes=n_axes,
-        freq_axis=freq_axis,
-        max_exact_position=max_exact,
-        sliding_windows=sliding,
-        compute_dtype=str(dtype).replace("torch.", ""),
-        notes=tuple(notes),
-    )
+    try:
+        return LOADED_LAYOUTS[signature]
+    except KeyError:
+        raise FingerprintMismatchError(
+            f"no loaded model has layout {signature}; load the model that encoded this chunk or pass layout="
+        ) from None

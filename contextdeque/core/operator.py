@@ -13,11 +13,12 @@ from typing import Protocol, Sequence
 
 import torch
 
-from .chunk import Chunk
-from .errors import FingerprintMismatchError, PositionError
+from .chunk import Chunk, check_finite
+from .args import check_instance, check_int
+from .errors import ArgumentTypeError, FingerprintMismatchError, PositionError
 from .kv import LayerKV
 from ..kernels import MAX_RANK, RopeSpec, fused_apply, fused_apply_layers
-from .layout import KVLayout
+from .layout import KVLayout, layout_for
 from .rotation import TableCache, check_positions
 
 Factors = tuple[torch.Tensor, torch.Tensor]
@@ -46,6 +47,9 @@ def _stack_factors(factors: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[to
         return None
     if len(factors) == 1:
         return factors[0]
+    dt = factors[0][0].dtype
+    if any(u.dtype != dt or w.dtype != dt for u, w in factors):  # e.g. an fp32-kept patch among fp16 ones
+        factors = [(u.to(torch.float32), w.to(torch.float32)) for u, w in factors]
     return torch.cat([u for u, _ in factors], dim=1), torch.cat([w for _, w in factors], dim=0)
 
 
@@ -102,16 +106,28 @@ def relocate(
     patch: "Conditioning | Sequence[Conditioning] | None" = None,
     out_dtype: torch.dtype | None = None,
     fingerprint: str | None = None,
+    beyond_trained: bool = False,
 ) -> list[LayerKV]:
     """The chunk's KV as the model would cache it at the given positions (+ an optional patch).
 
     Returns per layer ``(k [H_k, T, d_k], v [H_v, T, d_v])`` in ``out_dtype`` (default: the model's
-    compute dtype). ``layout`` defaults to the one registered for the chunk's model.
+    compute dtype). ``layout`` defaults to the one a loaded backend registered for the chunk's
+    layout signature (:func:`.layout.layout_for`).
+
+    Raises:
+        PositionError: a position is negative, past the exact RoPE regime, or (unless
+            ``beyond_trained``) past the model's trained context length.
+        NumericsError: the patched KV holds a non-finite value.
     """
-    layout = layout or _layout_for(chunk)
+    check_instance("chunk", chunk, Chunk, "a Chunk")
+    check_int("start", start, none_ok=True, error=PositionError)
+    check_instance("layout", layout, KVLayout, "a KVLayout", none_ok=True)
+    check_instance("positions", positions, torch.Tensor, "an integer [n_axes, T] tensor", none_ok=True)
+    check_instance("out_dtype", out_dtype, torch.dtype, "a torch dtype", none_ok=True)
+    layout = layout or layout_for(chunk.layout_signature)
     check_compatible(chunk, layout, fingerprint)
     pos = placement_positions(chunk, start, positions, section_shift)
-    check_positions(pos, layout)
+    check_positions(pos, layout, beyond_trained=beyond_trained)
     patches = _as_patch_list(patch)
     for p in patches:
         p.check_fits(chunk)
@@ -140,7 +156,9 @@ def relocate(
         if v_f is not None and v_f[0].shape[1] > MAX_RANK:
             v, v_f = _fold(v, v_f), None
         ks.append(k), vs.append(v), kfs.append(k_f), vfs.append(v_f)
-    return list(fused_apply_layers(ks, vs, spec, cos, sin, kfs, vfs, out_dtype=dtype))
+    out = list(fused_apply_layers(ks, vs, spec, cos, sin, kfs, vfs, out_dtype=dtype))
+    check_finite([t for kv in out for t in kv], f"the patched KV of chunk {chunk.id[:12]}")
+    return out
 
 
 def _fold(content: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -154,9 +172,11 @@ def _fold(content: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor]) -> 
 def _as_patch_list(patch: "Conditioning | Sequence[Conditioning] | None") -> list[Conditioning]:
     if patch is None:
         return []
-    if isinstance(patch, (list, tuple)):
-        return list(patch)
-    return [patch]
+    out = list(patch) if isinstance(patch, (list, tuple)) else [patch]
+    for i, p in enumerate(out):
+        if not (callable(getattr(p, "factors", None)) and callable(getattr(p, "check_fits", None))):
+            raise ArgumentTypeError(f"patch must be a Patch (or a list of them), got {type(p).__name__} at index {i}")
+    return out
 
 
 def apply(chunk: Chunk, start: int, patch: "Conditioning | Sequence[Conditioning] | None" = None, **kw) -> list[LayerKV]:
@@ -178,22 +198,3 @@ def to_content_frame(
         keys.append(k)
         values.append(v)
     return torch.stack(keys), torch.stack(values)
-
-
-# Layouts by signature, registered by backends when they encode, so relocate(chunk, start) works
-# without passing the layout around.
-_LAYOUTS: dict[str, KVLayout] = {}
-
-
-def register_layout(layout: KVLayout) -> None:
-    _LAYOUTS[layout.signature] = layout
-
-
-def _layout_for(chunk: Chunk) -> KVLayout:
-    try:
-        return _LAYOUTS[chunk.layout_signature]
-    except KeyError:
-        raise FingerprintMismatchError(
-            f"no loaded model has layout {chunk.layout_signature}; load the model that encoded this chunk "
-            "or pass layout="
-        ) from None

@@ -17,9 +17,10 @@ from .layout import KVLayout
 MAX_POSITION = 2**24
 
 
-def check_positions(positions: torch.Tensor, layout: KVLayout) -> None:
-    """Refuse negative positions, positions fp32 cannot represent, and positions past the RoPE regime
-    switch (dynamic NTK / LongRoPE) where relocation could not be exact."""
+def check_positions(positions: torch.Tensor, layout: KVLayout, *, beyond_trained: bool = False) -> None:
+    """Refuse negative positions, positions fp32 cannot represent, positions past the RoPE regime
+    switch (dynamic NTK / LongRoPE) where relocation could not be exact, and (unless
+    ``beyond_trained``) positions past the model's trained context length."""
     if positions.numel() == 0:
         return
     lo, hi = int(positions.min()), int(positions.max())
@@ -31,6 +32,12 @@ def check_positions(positions: torch.Tensor, layout: KVLayout) -> None:
         raise PositionError(
             f"position {hi} is past the {layout.rope_type} switch point ({layout.max_exact_position}): the model "
             "would use a different inv_freq there, so relocation cannot be exact"
+        )
+    limit = layout.max_trained_position
+    if not beyond_trained and limit is not None and hi >= limit:
+        raise PositionError(
+            f"position {hi} is past the model's trained context ({limit} positions): the model never saw "
+            "it; pass beyond_trained=True (ContextWindow(..., beyond_trained=True)) to place KV there anyway"
         )
 
 

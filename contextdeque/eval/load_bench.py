@@ -9,6 +9,11 @@ disk chunks on a background thread while the model encodes the missing ones and 
 patch. Runs alternate the two modes; the medians, the speed-up and the time split are printed,
 and the two windows are compared bit for bit.
 
+With ``capsule=RHO`` (``--capsule RHO``) the disk tier is a ``CapsuleTier``: the stored chunks rest
+compressed (KVCapsule, linear, mean retention ``RHO``) with a basis fitted on 16 chunks of other
+documentation topics than the window's, and every load reconstructs; the record adds the bytes the
+disk holds against the uncompressed entries and the chunks' relative reconstruction error.
+
 The disk files sit in the OS page cache after the first read (nothing here can drop it), so a
 load costs the read from the page cache, the entry checksum and the decode — what a warm local
 disk costs; a cold disk or a remote tier makes loads slower and the overlap worth more.
@@ -24,14 +29,34 @@ from typing import Any
 import torch
 
 
+def _disk(disk_dir: str, bank: Any) -> Any:
+    from ..stores import CapsuleTier, DiskTier
+
+    disk = DiskTier(disk_dir, None)
+    return disk if bank is None else CapsuleTier(disk, bank)
+
+
+def calibration_ids(backend: Any, n: int, size: int) -> list[list[int]]:
+    """``n`` chunks of ``size`` token ids from the *last* documentation topics (the window's chunks
+    come from the first ones, so a basis fitted on these never saw them)."""
+    from pydoc_data.topics import topics
+
+    from .window_bench import _chunks
+
+    names = sorted(topics)[::-1]
+    text = "\n\n".join(topics[k] for k in names)
+    return _chunks(backend, n, size, text=text)
+
+
 def measure(backend: Any, ids: list[list[int]], disk_dir: str, *, runs: int, policy: str, rank: int,
-            workers: int, storage: str) -> dict[str, Any]:
-    """Build the window ``runs`` times per mode (alternating) over the stored disk chunks."""
-    from ..stores import DiskTier, MemoryTier, TieredStore
+            workers: int, storage: str, bank: Any = None) -> dict[str, Any]:
+    """Build the window ``runs`` times per mode (alternating) over the stored disk chunks
+    (``bank``: a ``CapsuleBank``, the disk tier then keeps them compressed)."""
+    from ..stores import MemoryTier, TieredStore
     from ..window import ContextWindow
 
     def build(overlap: bool) -> tuple[Any, Any]:
-        store = TieredStore([MemoryTier(backend.device, None, name="device"), DiskTier(disk_dir, None)])
+        store = TieredStore([MemoryTier(backend.device, None, name="device"), _disk(disk_dir, bank)])
         win = ContextWindow(backend, rank=rank, store=store, patch_policy=policy, storage=storage)
         receipt = win.extend([{"token_ids": x} for x in ids], overlap=overlap, workers=workers)
         return win, receipt
@@ -74,27 +99,57 @@ def measure(backend: Any, ids: list[list[int]], disk_dir: str, *, runs: int, pol
     return out
 
 
+CALIBRATION_CHUNKS = 16
+
+
 def run_load_bench(backend: Any, *, n_chunks: int = 8, chunk_tokens: int = 256, runs: int = 3, policy: str = "default",
-                   rank: int = 32, workers: int = 1, storage: str = "float32", disk_dir: str | None = None) -> dict[str, Any]:
-    """Store every other chunk on disk, then :func:`measure`; returns the measured record."""
-    from ..stores import DiskTier, StoreEntry
+                   rank: int = 32, workers: int = 1, storage: str = "float32", disk_dir: str | None = None,
+                   capsule: float | None = None) -> dict[str, Any]:
+    """Store every other chunk on disk (compressed with mean retention ``capsule`` when given),
+    then :func:`measure`; returns the measured record."""
+    from ..core.capsule import CapsuleBank, CapsuleChunk, CalibrationStats, reconstruction_error
+    from ..stores import StoreEntry
     from ..window.store import WindowStore
     from .window_bench import _chunks
 
     if n_chunks < 2:
         raise ValueError("n_chunks must be >= 2 (half on disk, half missing)")
     ids = _chunks(backend, n_chunks, chunk_tokens)
+    bank = extra = None
+    if capsule is not None:
+        cal = CalibrationStats.from_chunks([backend.encode(token_ids=x, storage=storage)
+                                            for x in calibration_ids(backend, CALIBRATION_CHUNKS, chunk_tokens)])
+        bank = CapsuleBank(float(capsule), calibrate=lambda c: cal)
+        extra = {"retention": float(capsule), "calibration_chunks": CALIBRATION_CHUNKS, "recon_error_k": [],
+                 "recon_error_v": []}
     with tempfile.TemporaryDirectory(prefix="cdq-load-bench-") as tmp:
         where = disk_dir or tmp
-        disk = DiskTier(where, None)
-        stored_bytes = 0
+        disk = _disk(where, bank)
+        stored_bytes = entry_bytes = 0
         for x in ids[::2]:  # every other chunk sits on disk, as a demoted canonical would
             c = backend.encode(token_ids=x, storage=storage)
             tensors, meta = c.to_entry()
-            disk.put(WindowStore.chunk_key(c), StoreEntry(tensors, meta))
+            entry = StoreEntry(tensors, meta)
+            disk.put(WindowStore.chunk_key(c), entry)
             stored_bytes += c.nbytes
-        res = measure(backend, ids, where, runs=runs, policy=policy, rank=rank, workers=workers, storage=storage)
+            entry_bytes += entry.nbytes
+            if extra is not None:
+                basis = bank.basis_for(c)
+                ek, ev = reconstruction_error(c, basis.reconstruct(basis.compress(c)))
+                extra["recon_error_k"].append(ek)
+                extra["recon_error_v"].append(ev)
+        if extra is not None:
+            raw = [disk.inner.get(k) for k in disk.keys()]
+            extra["stored_entry_bytes"] = sum(e.nbytes for e in raw)
+            extra["uncompressed_entry_bytes"] = entry_bytes
+            extra["bytes_saved_fraction"] = 1.0 - extra["stored_entry_bytes"] / entry_bytes
+            extra["kv_bytes_saved_fraction"] = 1.0 - sum(
+                CapsuleChunk.from_entry(dict(e.tensors), dict(e.meta)).nbytes for e in raw) / stored_bytes
+            extra["basis_bytes"] = sum(b.nbytes for b in bank.bases())
+        res = measure(backend, ids, where, runs=runs, policy=policy, rank=rank, workers=workers, storage=storage,
+                      bank=bank)
     res.update({"model": backend.name, "chunks": n_chunks, "chunk_tokens": chunk_tokens, "on_disk": len(ids[::2]),
                 "missing": len(ids) - len(ids[::2]), "disk_bytes": stored_bytes, "policy": policy, "rank": rank,
-                "workers": workers, "threads": torch.get_num_threads(), "runs": runs, "storage": storage})
+                "workers": workers, "threads": torch.get_num_threads(), "runs": runs, "storage": storage,
+                "capsule": extra})
     return res

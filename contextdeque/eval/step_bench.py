@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..window.disposable import kl
+from ..core.metrics import kl_divergence
 from ..window.window import ContextWindow
 
 STEPS = ("slide", "recall", "look-back", "reorder", "fork+reorder", "append")
@@ -185,9 +185,9 @@ def run_steps(
             after = _window_ids(target) + question
             ref_logits, reprefill_ms = _reprefill(backend, after)
             prefix_ms = _prefix_cache_ms(backend, before, after)
-            kl_answer = kl(ref_logits, logits)
+            kl_answer = kl_divergence(ref_logits, logits)
             healed, heal_ms = _timed(target.heal)
-            kl_healed = kl(ref_logits, _answer_logits(target, question)) if healed.refs else kl_answer
+            kl_healed = kl_divergence(ref_logits, _answer_logits(target, question)) if healed.refs else kl_answer
             page_bytes = int(receipt.bytes_moved.get("pages", 0))
             if bandwidth is None:
                 bandwidth = copy_bandwidth(max(page_bytes, 1 << 24))

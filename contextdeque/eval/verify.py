@@ -1,4 +1,5 @@
-"""``contextdeque verify-model``: the per-model exactness gate.
+"""``contextdeque verify-model``: the per-model exactness gate (the oracle itself,
+:func:`contextdeque.model.detect.check_chunk`, is the one the proof at load runs on a shorter chunk).
 
 Encodes real text (and, for M-RoPE models, an image-span emulation with a genuine t/h/w grid),
 relocates it to several offsets (one ≥ 4,000 positions away) and compares, layer by layer, with
@@ -22,23 +23,11 @@ import torch
 
 from ..model.hf import HFBackend
 from ..core.chunk import Chunk
-from ..core.metrics import ulp, ulp_error_at_scale
-from ..core.layout import KVLayout
-from ..core.operator import relocate
+from ..core.metrics import ulp
+from ..model.detect import FP32_FLOOR, OffsetReport, check_chunk  # noqa: F401  (FP32_FLOOR re-exported)
+from .fidelity.probes import embedding_norm, image_span_embeddings, tokenize
 
-FP32_FLOOR = 1e-5
 DEFAULT_OFFSETS = (1, 37, 999, 4099)
-
-
-@dataclass
-class OffsetReport:
-    chunk: str
-    offset: int
-    key_rel_err: float  # rotated channels, fp32 storage
-    noise_floor: float  # non-rotated channels: forward at target vs at canonical
-    bf16_ulp: float  # rotated channels, bf16 storage, in bf16 ULPs of the tensor's scale (max |x|)
-    worst_layer: int
-    ok: bool
 
 
 @dataclass
@@ -59,123 +48,33 @@ class VerifyReport:
         return d
 
 
-def _split(kv: tuple[torch.Tensor, torch.Tensor], layout: KVLayout) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(rotated channels, [non-rotated tensors]) of one layer's ``(k, v)``."""
-    k, v = kv
-    rot_t, other_t = (k, v) if layout.rope_tensor == "k" else (v, k)
-    a, n = layout.rope_start, layout.rope_dim
-    rot = rot_t[..., a : a + n]
-    rest = [other_t]
-    if a > 0:
-        rest.append(rot_t[..., :a])
-    if a + n < rot_t.shape[-1]:
-        rest.append(rot_t[..., a + n :])
-    return rot, rest
-
-
 def bf16_ulp(scale: float) -> float:
     """Spacing of bfloat16 numbers at ``scale`` (8 significand bits): 2^(floor(log2 scale) - 7)."""
     return float(ulp(torch.tensor([scale]), torch.bfloat16)[0])
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = float(b.abs().max())
-    if scale == 0.0:
-        return float((a - b).abs().max())
-    return float((a.to(torch.float64) - b.to(torch.float64)).abs().max()) / scale
-
-
-def _oracle(backend: HFBackend, chunk: Chunk, offset: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """transformers' own forward of [root, chunk] with every position shifted by ``offset``;
-    returns the chunk's cached KV per layer ``[H, T, d]``."""
-    R = backend.root_len
-    root_pos = backend.text_positions(offset, R)
-    pos = torch.cat([root_pos, chunk.positions(chunk.canonical_start + offset)], dim=1)
-    if chunk.token_ids is not None:
-        res = backend.forward(
-            input_ids=torch.cat([torch.tensor(backend.root_ids), chunk.token_ids]), positions=pos, logits="none"
-        )
-    else:
-        root_emb = backend.embed_tokens(torch.tensor(backend.root_ids))
-        emb = torch.cat([root_emb.to(chunk.embeds.dtype), chunk.embeds.to(root_emb.device)], dim=0)
-        res = backend.forward(inputs_embeds=emb, positions=pos, logits="none")
-    return [(k[:, R:], v[:, R:]) for k, v in res.kv]
-
-
-def check_chunk(backend: HFBackend, chunk: Chunk, offsets: list[int], label: str) -> list[OffsetReport]:
-    """Relocation of ``chunk`` (fp32 and bf16 storage) vs the shifted forward at each offset."""
-    layout = backend.layout
-    canonical = _oracle(backend, chunk, 0)
-    chunk_bf16 = chunk.to(torch.bfloat16)
-    out = []
-    for off in offsets:
-        oracle = canonical if off == 0 else _oracle(backend, chunk, off)
-        fp32 = relocate(chunk, chunk.canonical_start + off, layout=layout, out_dtype=torch.float32)
-        bf16 = relocate(chunk_bf16, chunk.canonical_start + off, layout=layout, out_dtype=torch.float32)
-        key_err = floor = ulps = 0.0
-        worst = 0
-        for l in range(layout.num_layers):
-            rot_o, rest_o = _split(oracle[l], layout)
-            rot_c, rest_c = _split(canonical[l], layout)
-            rot_r, _ = _split(fp32[l], layout)
-            rot_b, _ = _split(bf16[l], layout)
-            e = _rel(rot_r, rot_o)
-            if e > key_err:
-                key_err, worst = e, l
-            floor = max([floor] + [_rel(a, b) for a, b in zip(rest_c, rest_o)])
-            ulps = max(ulps, ulp_error_at_scale(rot_b, rot_o, torch.bfloat16))
-        ok = key_err <= max(2 * floor, FP32_FLOOR) and ulps <= 1.0
-        out.append(OffsetReport(label, off, key_err, floor, ulps, worst, ok))
-    return out
-
-
 def real_text_ids(backend: HFBackend, n_tokens: int) -> torch.Tensor:
     """``[n_tokens]`` ids of real English (CPython's pydoc topics). Without a tokenizer (random tiny
-    models) the UTF-8 bytes are folded into the vocabulary."""
+    models) the UTF-8 bytes are folded into the vocabulary (see :func:`.fidelity.probes.tokenize`)."""
     from pydoc_data.topics import topics
 
     text = " ".join(topics[k] for k in ("lambda", "if", "while", "for", "try", "with"))
-    if backend.tokenizer is not None:
-        ids = backend.tokenize(text)[:n_tokens]
-    else:
-        vocab = backend.model.get_input_embeddings().weight.shape[0]
-        ids = [4 + (b % (vocab - 4)) for b in text.encode()[:n_tokens]]
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(tokenize(backend, text)[:n_tokens], dtype=torch.long)
 
 
-def image_span_chunk(backend: HFBackend, grid: tuple[int, int] = (4, 6), seed: int = 0) -> Chunk:
+def image_span_chunk(backend: HFBackend, grid: tuple[int, int] = (4, 6), image: str = "astronaut") -> Chunk:
     """An image-span chunk with a genuine M-RoPE grid: t fixed, h and w walking the grid, next
-    position = start + max(h, w) extent (the Qwen2-VL rule). Embeddings come from real pixels
-    (scikit-image) through a fixed seeded projection — an emulation, no vision tower involved."""
+    position = start + max(h, w) extent (the Qwen2-VL rule). Embeddings are the project's one
+    image-span emulation (:func:`.fidelity.probes.image_span_embeddings`: real pixels through a
+    fixed seeded projection), no vision tower involved."""
     h, w = grid
-    emb = pixel_embeddings(backend, h * w, seed)
+    hidden = int(backend.model.get_input_embeddings().weight.shape[1])
+    emb = image_span_embeddings(image, grid, hidden, embedding_norm(backend)).to(backend.dtype)
     t_ax = torch.zeros(h * w, dtype=torch.long)
     h_ax = torch.arange(h).repeat_interleave(w)
     w_ax = torch.arange(w).repeat(h)
     rel = torch.stack([t_ax, h_ax, w_ax])
     return backend.encode(embeds=emb, rel_positions=rel, span=max(h, w), modality="image")
-
-
-def pixel_embeddings(backend: HFBackend, n_tokens: int, seed: int = 0) -> torch.Tensor:
-    """``[n_tokens, hidden]`` embeddings from a real photo's patches via a seeded random projection,
-    scaled to the model's token-embedding norm (an emulation of a vision tower's output)."""
-    import numpy as np
-    from skimage import data
-
-    img = data.astronaut().astype(np.float32) / 255.0  # [512, 512, 3]
-    side = int(np.ceil(np.sqrt(n_tokens)))
-    ps = img.shape[0] // side
-    patches = [
-        img[i * ps : (i + 1) * ps, j * ps : (j + 1) * ps].reshape(-1) for i in range(side) for j in range(side)
-    ][:n_tokens]
-    x = torch.tensor(np.stack(patches))
-    x = x - x.mean(dim=1, keepdim=True)
-    emb_w = backend.model.get_input_embeddings().weight.detach()
-    g = torch.Generator().manual_seed(seed)
-    proj = torch.randn(x.shape[1], emb_w.shape[1], generator=g) / x.shape[1] ** 0.5
-    e = x @ proj
-    e = e / e.norm(dim=1, keepdim=True).clamp_min(1e-6) * emb_w.norm(dim=1).mean()
-    return e.to(emb_w.dtype)
 
 
 def verify_backend(backend: HFBackend, offsets: list[int] | None = None, n_tokens: int = 96, name: str | None = None) -> VerifyReport:

@@ -39,12 +39,13 @@ def _question(backend: Any, n: int = 10) -> list[int]:
     return ids[:n]
 
 
-def _chunks(backend: Any, n: int, size: int) -> list[list[int]]:
+def _chunks(backend: Any, n: int, size: int, text: str | None = None) -> list[list[int]]:
     """``n`` chunks of ``size`` token ids of real documentation text (ids folded into the
-    vocabulary for a tokenizer-less model)."""
+    vocabulary for a tokenizer-less model); ``text``: another text than the topics in order."""
     from pydoc_data.topics import topics
 
-    text = "\n\n".join(topics[k] for k in sorted(topics))
+    if text is None:
+        text = "\n\n".join(topics[k] for k in sorted(topics))
     if backend.tokenizer is not None:
         ids = backend.tokenize(text[: 12 * n * size])
     else:

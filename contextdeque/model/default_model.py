@@ -57,6 +57,7 @@ __all__ = [
     "ensure_default_model",
     "is_default_gguf",
     "pin_default_special_tokens",
+    "default_fingerprint",
 ]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -416,3 +417,37 @@ def ensure_default_model(
 
 def is_default_gguf(path: Path) -> bool:
     return path.stat().st_size == DEFAULT_GGUF_SIZE and _sha256_file(path) == DEFAULT_GGUF_SHA256
+
+
+_FINGERPRINT_FILE = "fingerprint.json"
+
+
+def default_fingerprint(model_dir: Path, model: Any) -> str:
+    """The default model's fingerprint (``hf.hash_weights``), cached in ``model_dir`` keyed by the
+    source file's digest (the pinned GGUF sha256), the transformers version, the weights file's
+    size and mtime, the parameter dtype and the fingerprint scheme: hashed once per cache, read
+    back (milliseconds) on later loads. A key that does not match is recomputed and rewritten."""
+    import transformers
+
+    from .hf import FINGERPRINT_SCHEME, hash_weights
+
+    weights = Path(model_dir) / "model.safetensors"
+    try:
+        st = weights.stat()
+        key = {
+            "scheme": FINGERPRINT_SCHEME, "gguf_sha256": DEFAULT_GGUF_SHA256, "transformers": transformers.__version__,
+            "dtype": str(next(model.parameters()).dtype), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+        }
+    except OSError:
+        return hash_weights(model)
+    path = Path(model_dir) / _FINGERPRINT_FILE
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        found = json.loads(path.read_text())
+        if found["key"] == key and isinstance(found["fingerprint"], str):
+            return found["fingerprint"]
+    fp = hash_weights(model)
+    with contextlib.suppress(OSError):  # a read-only cache only costs the hash next time
+        tmp = path.with_name(f".{_FINGERPRINT_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "fingerprint": fp}))
+        os.replace(tmp, path)
+    return fp

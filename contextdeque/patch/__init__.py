@@ -1,8 +1,9 @@
 """Conditioning patches: every variant registers itself in ``PATCH_KINDS`` on import."""
 
 from . import deep, exact, orbit, recall, removal, shared  # noqa: F401  (register kinds)
-from .base import FULL_RANK, PATCH_KINDS, Patch, PatchKind, antecedent_signature, captured_energy, energy_rank, form_patch, rank_for_energy
+from .base import PATCH_KINDS, Patch, PatchKind, antecedent_signature, captured_energy, energy_rank, form_patch, rank_for_energy
 from .orbit import orderings
+from .rank import FULL, resolve_rank
 from .shared import SharedBasis
 
-__all__ = ["Patch", "PatchKind", "PATCH_KINDS", "FULL_RANK", "form_patch", "antecedent_signature", "energy_rank", "rank_for_energy", "captured_energy", "SharedBasis", "orderings"]
+__all__ = ["Patch", "PatchKind", "PATCH_KINDS", "FULL", "resolve_rank", "form_patch", "antecedent_signature", "energy_rank", "rank_for_energy", "captured_energy", "SharedBasis", "orderings"]

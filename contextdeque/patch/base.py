@@ -14,17 +14,19 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import torch
 
-from ..core.chunk import Chunk, digest, format_bytes
+from ..core.chunk import FP16_MAX, Chunk, check_finite, digest, format_bytes
 from ..core.cooperative import checkpoint
-from ..core.errors import CorruptEntryError, FingerprintMismatchError, PatchError
-from ..core.kv import LayerKV, concat_kv
+from ..core.args import check_float, check_instance, check_int, check_str
+from ..core.errors import ArgumentTypeError, CorruptEntryError, FingerprintMismatchError, PatchError
+from ..core.kv import LayerKV, concat_kv, tensor_nbytes
 from ..core.operator import relocate, to_content_frame
+from ..core.registry import Registered, Registry
+from .rank import is_full, resolve_rank
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.hf import HFBackend
 
-PATCH_KINDS: dict[str, type["PatchKind"]] = {}
-FULL_RANK = -1  # rank sentinel: keep every singular direction (reconstructs Δ exactly)
+PATCH_KINDS: Registry["PatchKind"] = Registry("patch kind")
 
 
 @dataclass
@@ -71,10 +73,8 @@ class Patch:
     @property
     def nbytes(self) -> int:
         """Bytes this patch stores (a shared basis is amortized elsewhere and not counted)."""
-        n = self.k_u.numel() * self.k_u.element_size() + self.v_u.numel() * self.v_u.element_size()
-        if self.basis_id is None:
-            n += self.k_w.numel() * self.k_w.element_size() + self.v_w.numel() * self.v_w.element_size()
-        return n
+        parts = (self.k_u, self.v_u) if self.basis_id is not None else (self.k_u, self.v_u, self.k_w, self.v_w)
+        return sum(tensor_nbytes(t) for t in parts)
 
     def bytes_fraction(self, chunk: Chunk) -> float:
         """Patch bytes over the chunk's page bytes."""
@@ -181,6 +181,58 @@ def antecedent_signature(ids: Sequence[str], ordered: bool = True) -> str:
     return digest(list(ids) if ordered else sorted(ids))[:24]
 
 
+def new_patch(
+    source: "Chunk | Patch",
+    *,
+    kind: str,
+    antecedents: Sequence[str],
+    signature: str,
+    ranks: tuple[int, int],
+    layers: Sequence[int],
+    factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    layout: Any = None,
+    dtype: torch.dtype | None = None,
+    basis_id: str | None = None,
+    meta: dict[str, str] | None = None,
+) -> Patch:
+    """The one construction of a :class:`Patch` from factors: the chunk's identity (id, model
+    fingerprint, layout signature, token count) comes from ``source`` (the chunk, or a patch of
+    it), the factor shapes from ``layout`` (else from ``source``, a patch); the factors
+    ``(k_u, k_w, v_u, v_w)`` are cast to ``dtype`` (the chunk's storage dtype; float16 factors
+    that would overflow stay float32: :func:`factor_dtype`). Non-finite factors raise
+    ``NumericsError``."""
+    if isinstance(source, Patch):
+        chunk_id, n_tokens, k_shape, v_shape = source.chunk_id, source.n_tokens, source.k_shape, source.v_shape
+    else:
+        chunk_id, n_tokens = source.id, source.n_tokens
+    if layout is not None:
+        k_shape, v_shape = (layout.k_heads, layout.k_dim), (layout.v_heads, layout.v_dim)
+    check_finite(list(factors), f"the {kind} patch factors of chunk {chunk_id[:12]}")
+    if dtype is not None:
+        dtype = factor_dtype(dtype, factors)
+    k_u, k_w, v_u, v_w = (t if dtype is None else t.to(dtype) for t in factors)
+    return Patch(
+        chunk_id=chunk_id,
+        fingerprint=source.fingerprint,
+        layout_signature=source.layout_signature,
+        antecedent_signature=signature,
+        antecedents=tuple(antecedents),
+        kind=kind,
+        rank_k=int(ranks[0]),
+        rank_v=int(ranks[1]),
+        n_tokens=n_tokens,
+        layers=tuple(layers),
+        k_u=k_u,
+        k_w=k_w,
+        v_u=v_u,
+        v_w=v_w,
+        k_shape=k_shape,
+        v_shape=v_shape,
+        basis_id=basis_id,
+        meta=dict(meta or {}),
+    )
+
+
 # ---------------------------------------------------------------------------- forming
 
 
@@ -249,7 +301,7 @@ def truncated_svd(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.T
     if rank == 0:
         return delta.new_zeros(delta.shape[0], 0), delta.new_zeros(0, delta.shape[1])
     U, S, Vh = torch.linalg.svd(delta.to(torch.float64), full_matrices=False)
-    m = min(rank, S.shape[0]) if rank != FULL_RANK else S.shape[0]
+    m = min(rank, S.shape[0])
     return (U[:, :m] * S[:m]).to(torch.float32), Vh[:m].to(torch.float32)
 
 
@@ -283,16 +335,24 @@ def captured_energy(s2: torch.Tensor, m: int) -> float:
     return 1.0 if total <= 0 else float(s2[:, :m].sum()) / total
 
 
-class PatchKind:
+class PatchKind(Registered):
     """Base class of a patch variant. Subclasses set ``name`` and override one or both hooks."""
 
+    registry = PATCH_KINDS
     name: ClassVar[str] = ""
     ordered: ClassVar[bool] = True  # whether the antecedent order is part of the signature
+    #: a correction on top of the chunk's current patches (formed with them as ``current=``, keyed
+    #: by them, stacked on them when applied): it replaces the conditioning only at full rank
+    stacked: ClassVar[bool] = False
+    #: the kind whose stored patches this one shares (None: its own); kinds that measure the same
+    #: thing share one store namespace
+    stored_as: ClassVar[str | None] = None
+    #: measures exactly KV(B | the ordered antecedents): a valid target for placement scheduling
+    exact_on_prefix: ClassVar[bool] = False
 
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        if cls.name:
-            PATCH_KINDS[cls.name] = cls
+    @classmethod
+    def store_kind(cls) -> str:
+        return cls.stored_as or cls.name
 
     def target(self, ctx: FormContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Δ to factorize: ``dK [L, T, F_k]``, ``dV [L, T, F_v]``. Default: one conditioned forward."""
@@ -322,35 +382,41 @@ class PatchKind:
         return _stack(ku), _stack(kw), _stack(vu), _stack(vw), None
 
 
+def factor_dtype(storage: torch.dtype, factors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype a patch's factors are stored in: the chunk's storage dtype, except that float16
+    factors that would overflow (``U_m S_m`` carries Δ's singular values, which can pass 65504
+    while every K/V entry is inside float16's range) are kept in float32 instead of turning into
+    inf."""
+    if storage == torch.float16 and any(t.numel() and float(t.abs().amax()) > FP16_MAX for t in factors):
+        return torch.float32
+    return storage
+
+
 def _stack(ts: list[torch.Tensor]) -> torch.Tensor:
     """Stack per-layer factors (equal ranks across layers by construction); ``[0]`` when no layer."""
     return torch.stack(ts) if ts else torch.zeros(0, 0, 0)
 
 
-def resolve_rank(rank: int | str | None, T: int, F: int, what: str) -> int:
-    """``"full"``/None -> min(T, F); refuses ranks above it."""
-    cap = min(T, F)
-    if rank is None or rank == "full" or rank == FULL_RANK:
-        return cap
-    r = int(rank)
-    if r < 0:
-        raise PatchError(f"{what} rank must be >= 0, got {r}")
-    if r > cap:
-        raise PatchError(f"{what} rank {r} exceeds min(T={T}, F={F}) = {cap}")
-    return r
-
-
 def _normalize_antecedents(
     antecedents: Sequence[Any], store: Any, backend: "HFBackend"
 ) -> list[tuple[Chunk, list[Patch]]]:
+    if isinstance(antecedents, (str, bytes, Chunk)) or not isinstance(antecedents, Sequence):
+        raise ArgumentTypeError(
+            f"antecedents must be a sequence (of Chunks, stored chunk ids or (Chunk, patches) pairs), "
+            f"got {type(antecedents).__name__}"
+        )
     out: list[tuple[Chunk, list[Patch]]] = []
     for a in antecedents:
         patches: list[Patch] = []
         if isinstance(a, tuple):
+            if len(a) != 2:
+                raise PatchError(f"an antecedent pair is (Chunk, patches), got a tuple of {len(a)}")
             a, ps = a
             if isinstance(ps, Patch):
                 patches = [ps]
             elif ps:
+                if not isinstance(ps, (list, tuple)) or not all(isinstance(x, Patch) for x in ps):
+                    raise ArgumentTypeError(f"an antecedent's patches must be Patches, got {type(ps).__name__}")
                 patches = list(ps)
         if isinstance(a, str):
             found = store.get_chunk(a) if store is not None else None
@@ -390,6 +456,14 @@ def form_patch(
     :func:`energy_rank`; recorded in ``patch.meta``). Costs one conditioned forward
     (orbit: one per ordering).
     """
+    if not all(hasattr(backend, a) for a in ("forward", "layout", "fingerprint")):
+        raise ArgumentTypeError(f"backend must be an HFBackend, got {type(backend).__name__}")
+    check_instance("chunk", chunk, Chunk, "a Chunk")
+    check_str("kind", kind)
+    for name, r in (("rank", rank), ("rank_v", rank_v)):
+        if not is_full(r):
+            check_int(name, r, minimum=0, error=PatchError)
+    check_float("energy", energy, minimum=0.0, maximum=1.0, open_min=True, none_ok=True, error=PatchError)
     if kind not in PATCH_KINDS:
         raise PatchError(f"unknown patch kind {kind!r}; known: {sorted(PATCH_KINDS)}")
     if chunk.fingerprint != backend.fingerprint or chunk.layout_signature != backend.layout.signature:
@@ -415,25 +489,11 @@ def form_patch(
     if layers:
         # record the rank actually kept (a shared basis may hold fewer directions than asked)
         rk, rv = int(k_u.shape[-1]), int(v_u.shape[-1])
-    sdt = chunk.storage_dtype
     ids = [c.id for c, _ in ants]
-    return Patch(
-        chunk_id=chunk.id,
-        fingerprint=chunk.fingerprint,
-        layout_signature=chunk.layout_signature,
-        antecedent_signature=antecedent_signature(ids + impl.signature_extra(ctx), ordered=impl.ordered),
-        antecedents=tuple(ids),
-        kind=kind,
-        rank_k=rk,
-        rank_v=rv,
-        n_tokens=T,
-        layers=tuple(layers),
-        k_u=k_u.to(sdt),
-        k_w=k_w.to(sdt),
-        v_u=v_u.to(sdt),
-        v_w=v_w.to(sdt),
-        k_shape=(lay.k_heads, lay.k_dim),
-        v_shape=(lay.v_heads, lay.v_dim),
+    return new_patch(
+        chunk, kind=kind, antecedents=ids,
+        signature=antecedent_signature(ids + impl.signature_extra(ctx), ordered=impl.ordered),
+        ranks=(rk, rv), layers=layers, factors=(k_u, k_w, v_u, v_w), layout=lay, dtype=chunk.storage_dtype,
         basis_id=basis_id,
         meta={**{k: str(v) for k, v in options.items() if isinstance(v, (int, float, str)) and k != "past"}, **captured},
     )

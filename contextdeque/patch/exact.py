@@ -5,3 +5,4 @@ from .base import PatchKind
 
 class ExactPatch(PatchKind):
     name = "exact"
+    exact_on_prefix = True

@@ -9,3 +9,5 @@ from .base import PatchKind
 
 class RecallPatch(PatchKind):
     name = "recall"
+    stored_as = "exact"  # the same measurement as an exact patch on the same antecedents
+    exact_on_prefix = True

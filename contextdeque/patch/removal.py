@@ -14,6 +14,7 @@ from .base import FormContext, PatchKind
 
 class RemovalPatch(PatchKind):
     name = "removal"
+    stacked = True
 
     def target(self, ctx: FormContext) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = ctx.conditioned_content()

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..core.kv import kv_nbytes
 from .cost import CostModel
 
 
@@ -57,9 +58,9 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
     t_cond = _timed(lambda: backend.encode(token_ids=ctx_ids + b.token_ids.tolist()), repeats) - _timed(
         lambda: backend.encode(token_ids=ctx_ids), repeats)
     svd_per_token = max(0.0, t_form - max(t_cond, 0.0)) / b.n_tokens
-    page = relocate(b, 1000, layout=lay, patch=[patch])
-    page_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in page)
-    t_apply = _timed(lambda: relocate(b, 1000, layout=lay, patch=[patch]), max(3, repeats))
+    page = relocate(b, 1000, layout=lay, patch=[patch], beyond_trained=True)
+    page_bytes = kv_nbytes(page)
+    t_apply = _timed(lambda: relocate(b, 1000, layout=lay, patch=[patch], beyond_trained=True), max(3, repeats))
     # decode: one token after a 256-token cache
     from ..core.compat import cache_from_layers
 

@@ -8,6 +8,7 @@ geometry with round CPU figures) when no calibration is found; the replay says w
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import os
 import tempfile
@@ -61,7 +62,7 @@ class CostModel:
 
     # ------------------------------------------------------------------ times
     def tokens_per_s(self, length: int) -> float:
-        xs = [p[0] for p in self.prefill]
+        xs = _lengths(self.prefill)
         i = bisect.bisect_left(xs, length)
         if i <= 0:
             return self.prefill[0][1]
@@ -90,6 +91,12 @@ class CostModel:
         d.pop("version", None)
         d["prefill"] = tuple((int(a), float(b)) for a, b in d["prefill"])
         return cls(**d)
+
+
+@functools.lru_cache(maxsize=64)
+def _lengths(prefill: tuple[tuple[int, float], ...]) -> list[int]:
+    """The context lengths of a prefill table (cached: the replay asks per forward)."""
+    return [p[0] for p in prefill]
 
 
 DEFAULTS = CostModel()

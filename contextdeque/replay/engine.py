@@ -167,13 +167,16 @@ class Replayer:
         self.rank = self.cfg.rank if self.cfg.rank is not None else self.cost.rank
         self.kv_bpt = self.cost.kv_bytes_per_token
         self.r = ReplayResult(trace=trace.name, placement=self.placement.name, eviction=self.eviction.name, arm=self.arm.name)
-        biggest = max((a.tokens for a in trace.chunks.values()), default=0)
-        if self.cfg.budget_tokens is not None and self.cfg.budget_tokens < biggest:
-            raise BudgetError(f"window budget of {self.cfg.budget_tokens} tokens is below the trace's largest chunk ({biggest} tokens)")
-        if self.cfg.device_bytes < biggest * self.kv_bpt:
-            raise BudgetError(
-                f"device budget of {self.cfg.device_bytes} bytes is below one chunk ({biggest} tokens = {biggest * self.kv_bpt} bytes)"
-            )
+        big = max(trace.chunks.values(), key=lambda a: a.tokens, default=None)
+        biggest = big.tokens if big is not None else 0
+        if big is not None:
+            line = next((i + 2 for i, ev in enumerate(trace.events) if ev.op == "arrive" and ev.id == big.id), None)
+            where = f"{trace.path or trace.name}:{line}: chunk {big.id!r}" if line else f"{trace.name}: chunk {big.id!r}"
+            if self.cfg.budget_tokens is not None and self.cfg.budget_tokens < biggest:
+                raise BudgetError(f"window budget of {self.cfg.budget_tokens} tokens is below one chunk ({where} has {biggest} tokens)")
+            if self.cfg.device_bytes < biggest * self.kv_bpt:
+                raise BudgetError(f"device budget of {self.cfg.device_bytes} bytes is below one chunk "
+                                  f"({where} has {biggest} tokens = {biggest * self.kv_bpt} bytes)")
         self.pool = Pool(self.cfg.device_bytes, self.cfg.host_bytes, self.eviction, self.cost, self.r)
         self.graph = PatchGraph()
         # window state
@@ -196,8 +199,9 @@ class Replayer:
         if tokens > 0:
             self.r.est_seconds += tokens * self.kv_bpt / self.cost.apply_bytes_per_s
 
-    def _form(self, key: str, prefix: Sequence[str], kind: str = "exact") -> None:
-        """Conditioning for ``key`` behind ``prefix``: a store hit or one formed patch."""
+    def _form(self, key: str, prefix: Sequence[str], kind: str = "exact", ctx: int | None = None) -> None:
+        """Conditioning for ``key`` behind ``prefix`` (``ctx``: its tokens, when the caller knows
+        them): a store hit or one formed patch."""
         pc = tuple(map(self.content.__getitem__, prefix))
         c = self.content[key]
         r = self.r
@@ -208,7 +212,8 @@ class Replayer:
             r.patch_hits += 1
         else:
             t = self.tokens[key]
-            ctx = sum(map(self.tokens.__getitem__, prefix))
+            if ctx is None:
+                ctx = sum(map(self.tokens.__getitem__, prefix))
             n_fw = 1
             if kind == "orbit":
                 n_fw = 1
@@ -346,7 +351,7 @@ class Replayer:
                 before = self.formed.get(key, ())
                 prefix = self.order[:-1]
                 if prefix:
-                    self._form(key, prefix)
+                    self._form(key, prefix, ctx=self.window_tokens - self.tokens[key])
                 else:
                     self._set_formed(key, ())
                 if recall and self.formed[key] != before:

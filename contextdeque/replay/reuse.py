@@ -12,26 +12,27 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ..core.registry import Registered, Registry
 from ..eval.arms import ARMS
 from ..scheduler.eviction import PolicyError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Replayer
 
-REUSE_COSTS: dict[str, type["ReuseCost"]] = {}
+REUSE_COSTS: Registry["ReuseCost"] = Registry("reuse cost")
 
 
-class ReuseCost:
+class ReuseCost(Registered):
+    registry = REUSE_COSTS
     name: ClassVar[str] = ""
     canonicals: ClassVar[bool] = True
     patches: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kw: Any) -> None:
+        name = cls.__dict__.get("name")
+        if name and name not in ARMS:
+            raise PolicyError(f"reuse cost {name!r} names no arm of contextdeque.eval.arms ({sorted(ARMS)})")
         super().__init_subclass__(**kw)
-        if cls.name:
-            if cls.name not in ARMS:
-                raise PolicyError(f"reuse cost {cls.name!r} names no arm of contextdeque.eval.arms ({sorted(ARMS)})")
-            REUSE_COSTS[cls.name] = cls
 
     def query(self, eng: "Replayer", q_tokens: int, out_tokens: int) -> None:
         """Charge one read of the window (the query's own tokens are charged by the engine)."""

@@ -13,9 +13,9 @@ import itertools
 import json
 import multiprocessing as mp
 import os
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..scheduler import EVICTION_POLICIES
 from ..scheduler.eviction import PolicyError
@@ -57,9 +57,12 @@ def _cached_trace(path: str) -> Trace:
     return read_trace(path)
 
 
+_SHARED: list[Trace] = []  # traces handed to forked workers by index (inherited, never pickled)
+
+
 def _one(task: tuple[Any, Combo, dict, dict]) -> dict[str, Any]:
     trace, (p, e, a), cost_d, cfg_d = task
-    t = _cached_trace(trace) if isinstance(trace, str) else trace
+    t = _cached_trace(trace) if isinstance(trace, str) else _SHARED[trace] if isinstance(trace, int) else trace
     eng = Replayer(t, p, e, a, CostModel.from_json(cost_d), ReplayConfig(**cfg_d))
     return eng.run().as_dict()
 
@@ -71,21 +74,42 @@ def check_budgets(traces: Sequence[Trace], cost: CostModel, config: ReplayConfig
 
 
 def replay_many(traces: Sequence["str | Trace"], combos: Sequence[Combo], cost: CostModel | None = None,
-                config: ReplayConfig | None = None, jobs: int = 1) -> list[dict[str, Any]]:
+                config: ReplayConfig | None = None, jobs: int = 1, progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
     """Every (trace, combo) result, sorted. ``traces``: paths (validated whole, once per worker)
-    or :class:`Trace` objects. ``jobs``: worker processes (1: in this process)."""
+    or :class:`Trace` objects. ``jobs``: worker processes (1: in this process). ``progress(done,
+    total)`` is called as runs finish (their order of finishing does not change the result)."""
     cost = cost or CostModel()
     config = config or ReplayConfig()
     loaded = [_cached_trace(str(t)) if not isinstance(t, Trace) else t for t in traces]  # validate all first
     check_budgets(loaded, cost, config)
-    tasks = [(str(t) if not isinstance(t, Trace) else lt, c, cost.to_json(), asdict(config))
-             for t, lt in zip(traces, loaded) for c in combos]
-    if jobs > 1 and len(tasks) > 1:
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            results = list(pool.map(_one, tasks, chunksize=1))
+    fork = "fork" in mp.get_all_start_methods()
+    parallel = jobs > 1 and len(traces) * len(combos) > 1
+    if parallel and fork:
+        # forked workers inherit the validated traces: a task names one by index instead of
+        # pickling it (a Mooncake trace is half a million events) or re-reading its file
+        _SHARED[:] = loaded
+        refs: list[Any] = list(range(len(loaded)))
     else:
-        results = [_one(t) for t in tasks]
+        refs = [str(t) if not isinstance(t, Trace) else lt for t, lt in zip(traces, loaded)]
+    tasks = [(ref, c, cost.to_json(), asdict(config)) for ref in refs for c in combos]
+    results: list[dict[str, Any]] = []
+
+    def done(r: dict[str, Any]) -> None:
+        results.append(r)
+        if progress is not None:
+            progress(len(results), len(tasks))
+
+    try:
+        if parallel:
+            ctx = mp.get_context("fork" if fork else "spawn")
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+                for fut in as_completed([pool.submit(_one, t) for t in tasks]):
+                    done(fut.result())
+        else:
+            for t in tasks:
+                done(_one(t))
+    finally:
+        _SHARED.clear()
     return sorted(results, key=lambda r: (r["trace"], r["placement"], r["eviction"], r["arm"]))
 
 

@@ -13,23 +13,20 @@ access sequence; an offline policy is first given the whole sequence (``prepare`
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Hashable, Sequence
+from typing import ClassVar, Hashable, Sequence
 
 from ..core.errors import ContextDequeError
+from ..core.registry import Registered, Registry
 
-EVICTION_POLICIES: dict[str, type["EvictionPolicy"]] = {}
+EVICTION_POLICIES: Registry["EvictionPolicy"] = Registry("eviction policy")
 
 INF = float("inf")
 
 
-class EvictionPolicy:
+class EvictionPolicy(Registered):
+    registry = EVICTION_POLICIES
     name: ClassVar[str] = ""
     offline: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        if cls.name:
-            EVICTION_POLICIES[cls.name] = cls
 
     def prepare(self, accesses: Sequence[Hashable]) -> None:
         """Offline policies: the whole access sequence of the run, before it starts."""

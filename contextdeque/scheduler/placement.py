@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..window.placement import Key, PlacementPolicy, PlacementView
+from ..window.placement import Key, PlacementPolicy, PlacementView, let_go
 from .cost import DEFAULT_WEIGHTS, Weights, staleness_of, upkeep
 from .search import EXACT_MAX_CHUNKS, schedule
 
@@ -72,13 +72,7 @@ class SchedulerPlacement(PlacementPolicy):
         age = {k: i for i, k in enumerate(view.order)}
         far = float("inf")
         rank = sorted(view.order, key=lambda k: (-(view.future.get(k) if view.future.get(k) is not None else far), age[k]))
-        out: list[Key] = []
-        for k in rank:
-            if used + need <= view.budget_tokens:
-                break
-            out.append(k)
-            used -= view.tokens[k]
-        return out
+        return let_go(view, need, rank)
 
     def __repr__(self) -> str:
         return f"SchedulerPlacement(exact_max={self.exact_max}, offline={self.offline})"

@@ -147,7 +147,7 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
         for t in engine.store.tiers:
             info: dict[str, Any] = {"name": t.name, "kind": t.kind}
             if getattr(t, "remote", False):
-                info.update(available=t.available, trust=t.trust, endpoint=t.endpoint.address)
+                info.update(available=t.available, away_reason=t.away_reason, trust=t.trust, endpoint=t.endpoint.address)
                 degraded |= not t.available
             tiers.append(info)
         return {

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from ..agents.messages import ChatMessage, ChatTemplate, TemplateCut, normalize_messages
 from ..core.errors import AgentInputError, BudgetError
 
-__all__ = ["Prompt", "check_budget", "parse_prompt", "prefix_digests", "turns_digest"]
+__all__ = ["Prompt", "check_budget", "image_tokens", "parse_prompt", "prefix_digests", "turns_digest"]
 
 
 @dataclass(frozen=True)
@@ -24,15 +24,23 @@ class Prompt:
     raw: tuple[Any, ...]
     messages: tuple[ChatMessage, ...]
     cut: TemplateCut
+    image_tokens: int = 0  # tokens the images' vision-tower chunks take
+
+    @property
+    def has_images(self) -> bool:
+        return any(m.images for m in self.messages)
 
     @property
     def prompt_tokens(self) -> int:
-        """Root + every message + the generation prompt: what a plain server prefills."""
+        """Root + every message (images at their vision-tower size) + the generation prompt:
+        what a plain server prefills."""
         body = sum(len(pc) for run in self.cut.pieces for pc in run if not isinstance(pc, int))
-        return len(self.cut.root_ids) + body + len(self.cut.generation_ids)
+        return len(self.cut.root_ids) + body + self.image_tokens + len(self.cut.generation_ids)
 
     def ids(self) -> list[int]:
         """The whole prompt's token ids (text only)."""
+        if self.has_images:
+            raise AgentInputError("the prompt holds images: it is not token ids alone")
         out = list(self.cut.root_ids)
         for run in self.cut.pieces:
             for pc in run:
@@ -41,18 +49,30 @@ class Prompt:
         return out + list(self.cut.generation_ids)
 
 
-def parse_prompt(template: ChatTemplate, raw: Sequence[Any]) -> Prompt:
+def parse_prompt(template: ChatTemplate, raw: Sequence[Any], processor: Any = None) -> Prompt:
     """Validate and cut a request's messages.
 
+    ``processor``: a Qwen-VL model's image processor; image parts are taken (sized by the grid
+    it would give them) only with one.
+
     Raises:
-        AgentInputError: malformed messages, a template that cannot be cut, or image parts
-            (this server has no vision tower; the agents layer's emulation has no visual
-            understanding, so serving it would be a silent lie).
+        AgentInputError: malformed messages, a template that cannot be cut, an unreadable image
+            (``MediaError``), or image parts without a processor (this server runs a text-only
+            model; the agents layer's emulation has no visual understanding, so serving it would
+            be a silent lie).
     """
     msgs = normalize_messages(list(raw))
-    if any(m.images for m in msgs):
+    images = [px for m in msgs for px in m.images]
+    if images and processor is None:
         raise AgentInputError("image parts need a vision model; this server serves a text-only model")
-    return Prompt(tuple(raw), tuple(msgs), template.cut(msgs))
+    return Prompt(tuple(raw), tuple(msgs), template.cut(msgs), sum(image_tokens(processor, px) for px in images))
+
+
+def image_tokens(processor: Any, pixels: Any) -> int:
+    """Tokens a Qwen-VL vision tower gives ``pixels`` (its merged grid: t·h·w / merge²)."""
+    grid = processor(images=[pixels], return_tensors="pt")["image_grid_thw"][0]
+    merge = int(getattr(processor, "merge_size", 2))
+    return int(grid.prod()) // (merge * merge)
 
 
 def check_budget(prompt: Prompt, max_new_tokens: int, context_tokens: int | None) -> None:

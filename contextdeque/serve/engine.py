@@ -4,6 +4,16 @@
 Everything that touches the model or a window runs on the worker thread, one request at a
 time; HTTP handlers only enqueue (`Engine.submit`, refused with `QueueFull` when the queue is
 full) and wait.
+
+Healing in idle time: under a latency-first patch policy (``patch_policy="latency"``) a request
+runs no forward it can avoid (new content costs one prefix-cache-style forward; re-read content
+is served from the store's patches, a stale patch or its blind canonical) and queues the
+conditioning it skipped. A server has idle time between requests: when the queue has been empty
+for ``heal_idle_ms``, the worker heals the sessions' windows one step at a time
+(``ContextWindow.heal``), most recently used session first, and gives way at the next decoder
+layer as soon as a request arrives (the step is one window transaction, so an interrupted step
+leaves the window as it was). What healing computes (canonicals, patches) goes to the store,
+so other replicas sharing it find them.
 """
 
 from __future__ import annotations
@@ -20,9 +30,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..core.errors import AgentInputError
+from ..core.cooperative import Interrupted, background, install_layer_checkpoints
 from ..window import decode
+from ..window.policy import make_policy
 from ..agents import MessageWindow
-from ..agents.messages import ChatTemplate, normalize_messages
+from ..agents.messages import normalize_messages
 from .conversation import Prompt, check_budget, parse_prompt, prefix_digests, turns_digest
 from .metrics import ServeMetrics
 
@@ -42,6 +55,7 @@ class Session:
     digest: str | None = None  # digest of the messages the window holds + the last reply
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False
+    heal_stuck: bool = False  # a heal step made no progress: not healed again until its next request
 
 
 @dataclass
@@ -167,6 +181,11 @@ class Engine:
             the same messages restores the window without forwards).
         plain: the baseline: no windows, every request re-prefills its whole prompt (one
             ``model.generate`` over root + messages + generation prompt).
+        heal_idle_ms: heal the sessions' windows once the queue has been empty this long (None:
+            never). Only a latency-first policy leaves anything to heal.
+        processor: a Qwen-VL backend's image processor: image parts of messages go through its
+            vision tower (once per distinct picture: the store keeps the tower's output). None:
+            image parts are refused (400).
     """
 
     def __init__(
@@ -183,12 +202,17 @@ class Engine:
         session_memory_bytes: int = 1 << 30,
         metrics: ServeMetrics | None = None,
         plain: bool = False,
+        heal_idle_ms: float | None = 20.0,
+        processor: Any = None,
     ) -> None:
         self.backend = backend
         self.store = store
         self.model_name = model_name
-        self.template = ChatTemplate(backend.tokenizer)
+        self.processor = processor
+        # the template MessageWindow cuts with (image parts wrapped in the model's vision tokens)
+        self.template = MessageWindow(backend, processor=processor).template
         self.rank = rank
+        make_policy(patch_policy)  # an unknown name is refused now (WindowError), not on the first request
         self.patch_policy = patch_policy
         cfg = getattr(backend.model, "config", None)
         self.context_tokens = context_tokens or int(getattr(getattr(cfg, "get_text_config", lambda: cfg)(), "max_position_embeddings", 2048))
@@ -197,6 +221,12 @@ class Engine:
         self.kv_bytes_per_token = lay.num_layers * (lay.k_heads * lay.k_dim + lay.v_heads * lay.v_dim) * 4
         self.session_memory_bytes = session_memory_bytes
         self.plain = plain
+        if heal_idle_ms is not None and (not isinstance(heal_idle_ms, (int, float)) or heal_idle_ms < 0):
+            raise ValueError(f"heal_idle_ms must be a number >= 0 or None, got {heal_idle_ms!r}")
+        self.heal_idle_ms = None if plain or heal_idle_ms is None else float(heal_idle_ms)
+        self._closing = threading.Event()
+        # a request arriving interrupts a heal step at the next decoder layer
+        self._remove_checkpoints = install_layer_checkpoints(backend.model) if self.heal_idle_ms is not None else None
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self._by_digest: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -215,7 +245,9 @@ class Engine:
             BudgetError: the conversation cannot fit the served context (checked before queueing).
             AgentInputError: malformed messages (``MessageFormatError``...), checked before queueing.
         """
-        req.prompt = parse_prompt(self.template, req.messages)
+        req.prompt = parse_prompt(self.template, req.messages, self.processor)
+        if self.plain and req.prompt.has_images:
+            raise AgentInputError("the --plain baseline re-prefills text only; image parts are served with windows")
         check_budget(req.prompt, req.max_new_tokens, self.context_tokens)
         fut: Future = Future()
         try:
@@ -228,9 +260,18 @@ class Engine:
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
+    def pending_chunks(self, *, healable: bool = False) -> int:
+        """Chunks the sessions' windows hold that a latency-first policy left to heal
+        (``healable``: only in sessions the worker would heal now)."""
+        with self._lock:
+            return sum(len(_pending(s.conversation)) for s in self.sessions.values() if not (healable and s.heal_stuck))
+
     def close(self) -> None:
+        self._closing.set()
         self._queue.put(None)
         self._thread.join(timeout=30)
+        if self._remove_checkpoints is not None:
+            self._remove_checkpoints()
         with self._lock:
             for s in self.sessions.values():
                 s.conversation.close()
@@ -242,9 +283,53 @@ class Engine:
 
     # ------------------------------------------------------------------ worker
 
+    def _next(self) -> tuple[GenerationRequest, Future] | None:
+        """The next queued item; while none comes, heal (when healing is on)."""
+        if self.heal_idle_ms is None:
+            return self._queue.get()
+        while True:
+            try:
+                return self._queue.get(timeout=self.heal_idle_ms / 1000.0)
+            except queue.Empty:
+                pass
+            while self._queue.empty() and not self._closing.is_set() and self._heal_step():
+                pass
+            if self.pending_chunks(healable=True) == 0:
+                return self._queue.get()  # nothing to heal until a request comes
+
+    def _heal_step(self) -> bool:
+        """One heal step of the most recently used session with pending chunks (worker thread).
+        False when no session has anything the worker would heal. A session whose step fails or
+        makes no progress is left as served until its next request (never a busy loop)."""
+        with self._lock:
+            session = next((s for s in reversed(self.sessions.values()) if not s.heal_stuck and _pending(s.conversation)), None)
+        if session is None:
+            return False
+        window = session.conversation.window
+        assert window is not None
+        before = len(window.pending_refs)
+        t0 = time.perf_counter()
+        try:
+            with background(lambda: not self._queue.empty() or self._closing.is_set()):
+                rec = window.heal(max_steps=1)
+        except Interrupted:
+            self.metrics.heal_interrupted.inc()
+            return True
+        except Exception:  # noqa: BLE001 - the step was one transaction: the window is unchanged
+            log.exception("heal step failed (session %s); left as served until its next request", session.id)
+            self.metrics.heal_errors.inc()
+            session.heal_stuck = True
+            return True
+        step = window.last_receipt if window.last_receipt is not None and window.last_receipt.op == "heal" else None
+        self.metrics.record_heal(rec, step, time.perf_counter() - t0)
+        if len(window.pending_refs) >= before:  # never spin on a window that does not heal
+            log.warning("heal step made no progress (session %s, %d pending); left until its next request", session.id, before)
+            session.heal_stuck = True
+        return True
+
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            item = self._next()
             if item is None:
                 return
             req, fut = item
@@ -274,7 +359,8 @@ class Engine:
                     if cand is not None and not cand.busy:
                         self.sessions.move_to_end(cand.id)
                         return cand, False
-            conv = MessageWindow(self.backend, rank=self.rank, patch_policy=self.patch_policy, store=self.store)
+            conv = MessageWindow(self.backend, rank=self.rank, patch_policy=self.patch_policy, store=self.store,
+                                 processor=self.processor)
             s = Session(sid or uuid.uuid4().hex, conv)
             old = self.sessions.pop(s.id, None)
             if old is not None:
@@ -316,7 +402,7 @@ class Engine:
         return text, finish
 
     def _generate_plain(self, req: GenerationRequest, t0: float) -> GenerationResult:
-        prompt = req.prompt or parse_prompt(self.template, req.messages)
+        prompt = req.prompt or parse_prompt(self.template, req.messages, self.processor)
         ids = torch.tensor([prompt.ids()], dtype=torch.long, device=self.backend.device)
         streamer = _Streamer(self.backend.tokenizer, req.on_text, req.stop, t0)
         eos = _eos(self.backend)
@@ -343,7 +429,7 @@ class Engine:
         session.busy = True
         try:
             mw = session.conversation
-            prompt = req.prompt or parse_prompt(self.template, req.messages)
+            prompt = req.prompt or parse_prompt(self.template, req.messages, self.processor)
             rec = mw.sync(list(prompt.raw))  # a transaction: a failure leaves the window as it was
             streamer = _Streamer(self.backend.tokenizer, req.on_text, req.stop, t0)
             answer = mw.generate(req.max_new_tokens, **self._sampling(req, streamer))
@@ -374,6 +460,7 @@ class Engine:
             return result
         finally:
             session.busy = False
+            session.heal_stuck = False
             self._evict_sessions(keep=session.id)
 
 
@@ -382,6 +469,11 @@ def _eos(backend: Any) -> set[int]:
     from types import SimpleNamespace
 
     return set(decode.eos_ids(SimpleNamespace(backend=backend)))
+
+
+def _pending(mw: MessageWindow) -> tuple[Any, ...]:
+    w = mw.window
+    return () if w is None or w.closed else w.pending_refs
 
 
 def _tokens(mw: MessageWindow) -> int:

@@ -7,7 +7,8 @@ and a question; every reply is appended as the assistant message before the next
 agent framework does. Client ``i`` plays conversations ``i, i+N, ...`` against replica
 ``i % R`` (streaming, so time-to-first-token is measured at the client). With ``--failover``,
 a request that cannot reach its replica is retried on the next one (counted), so a
-conversation survives a replica's death.
+conversation survives a replica's death. ``think_s`` pauses each client between turns (an agent
+running its tools or a user reading): the idle time a latency-first server heals in.
 
 Reports throughput, p50/p99 latency and TTFT (overall, per replica and per turn), prompt
 tokens vs tokens the servers prefilled (from the ``usage.contextdeque`` extension), encode
@@ -105,7 +106,7 @@ def _stream_chat(client: Any, url: str, model: str, messages: list[dict[str, str
 def run_loadtest(
     urls: Sequence[str], *, model: str | None = None, clients: int = 8, conversations: int | None = None,
     turns: int = 4, max_tokens: int = 16, seed: int = 0, api_key: str | None = None, failover: bool = False,
-    timeout: float = 300.0, doc_words: int = 60, stop_after_s: float | None = None,
+    timeout: float = 300.0, doc_words: int = 60, stop_after_s: float | None = None, think_s: float = 0.0,
 ) -> dict[str, Any]:
     """Run the load test; returns the report (see the module docstring) with every sample."""
     import httpx
@@ -127,6 +128,8 @@ def run_loadtest(
                 messages = [{"role": "system", "content": SYSTEM}]
                 replies[ci] = []
                 for turn, user in enumerate(convs[ci]):
+                    if turn and think_s > 0:
+                        time.sleep(think_s)
                     if stop_after_s is not None and time.perf_counter() - t_start > stop_after_s:
                         return
                     messages.append({"role": "user", "content": user})

@@ -6,11 +6,15 @@ this one did: encodes, patch-forming forwards and the generation prompt),
 ``prefill_avoided_tokens_total``, ``completion_tokens_total``, ``encode_forwards_total``,
 ``patch_forwards_total``, ``patches_reused_total``, ``store_fallbacks_total{tier}`` (store
 operations answered locally because a remote tier was away), ``sessions_evicted_total``,
-``sessions_restored_total``; histograms ``request_seconds``, ``ttft_seconds``,
+``sessions_restored_total``; idle-time healing (latency-first policy): ``heal_steps_total``,
+``heal_interrupted_total`` (steps abandoned because a request arrived), ``heal_errors_total``,
+``heal_forwards_total``, ``heal_tokens_prefilled_total``, ``heal_encodes_total`` (canonicals
+computed while idle), ``heal_patches_formed_total``, ``heal_seconds``; histograms ``request_seconds``, ``ttft_seconds``,
 ``queue_wait_seconds``. Read at scrape time: ``store_lookups_total{kind,tier}`` (chunk / patch /
 embeds lookups by the tier that served them, ``tier="miss"`` when none did), the Valkey tier's
 ``valkey_*_total`` counters (hits, misses, evicted, corrupt, rejected signatures, fallbacks by
-reason, outages) and ``valkey_available``, ``sessions``, ``session_bytes``, ``queue_depth``.
+reason, outages, leases held) and ``valkey_available``, ``sessions``, ``session_bytes``,
+``heal_pending_chunks``, ``queue_depth``.
 """
 
 from __future__ import annotations
@@ -56,11 +60,16 @@ class _ScrapeCollector:
             for reason, n in sorted(d["fallbacks"].items()):
                 fb.add_metric([t.name, reason], n)
             yield fb
+            if hasattr(t, "leased"):
+                lg = GaugeMetricFamily("contextdeque_valkey_leases", "store keys this process holds leases on (its sessions' chunks and patches)", labels=["tier"])
+                lg.add_metric([t.name], float(len(t.leased())))
+                yield lg
             g = GaugeMetricFamily("contextdeque_valkey_available", "1 while the Valkey tier answers", labels=["tier", "signed"])
             g.add_metric([t.name, str(bool(getattr(t, "signed", False))).lower()], 1.0 if t.available else 0.0)
             yield g
         yield GaugeMetricFamily("contextdeque_sessions", "sessions held in memory", value=len(e.sessions))
         yield GaugeMetricFamily("contextdeque_session_bytes", "bytes of the sessions' window pages", value=e.session_bytes())
+        yield GaugeMetricFamily("contextdeque_heal_pending_chunks", "chunks a latency-first policy left to heal", value=e.pending_chunks())
 
 
 class ServeMetrics:
@@ -82,6 +91,14 @@ class ServeMetrics:
         self.latency = Histogram("contextdeque_request_seconds", "chat completion wall time", buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("contextdeque_ttft_seconds", "time to the first generated token", buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_wait = Histogram("contextdeque_queue_wait_seconds", "time waiting for the model worker", buckets=_LATENCY_BUCKETS, registry=r)
+        self.heal_steps = Counter("contextdeque_heal_steps", "heal steps completed in idle time", registry=r)
+        self.heal_interrupted = Counter("contextdeque_heal_interrupted", "heal steps abandoned because a request arrived", registry=r)
+        self.heal_errors = Counter("contextdeque_heal_errors", "heal steps that failed (the window stays as served until its next request)", registry=r)
+        self.heal_forwards = Counter("contextdeque_heal_forwards", "model forwards run while healing", registry=r)
+        self.heal_prefilled = Counter("contextdeque_heal_tokens_prefilled", "tokens prefilled while healing (off the request path)", registry=r)
+        self.heal_encodes = Counter("contextdeque_heal_encodes", "canonicals encoded while healing", registry=r)
+        self.heal_patches = Counter("contextdeque_heal_patches_formed", "patches formed while healing", registry=r)
+        self.heal_seconds = Histogram("contextdeque_heal_seconds", "wall time of one heal step", buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("contextdeque_queue_depth", "requests waiting for the model worker", registry=r)
         r.register(_ScrapeCollector(engine))
 
@@ -100,6 +117,18 @@ class ServeMetrics:
         self.latency.observe(wall_s)
         if res.ttft_s is not None:
             self.ttft.observe(res.ttft_s)
+
+    def record_heal(self, rec: Any, step: Any, wall_s: float) -> None:
+        """One heal step's receipt (``rec``: merged; ``step``: the step's own, for its store traffic)."""
+        self.heal_steps.inc()
+        self.heal_forwards.inc(rec.forwards)
+        self.heal_prefilled.inc(rec.tokens_prefilled)
+        self.heal_encodes.inc(rec.encodes)
+        self.heal_patches.inc(rec.patches_formed)
+        self.heal_seconds.observe(wall_s)
+        if step is not None:
+            for tier, n in step.traffic.fallbacks.items():
+                self.fallbacks.labels(tier).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

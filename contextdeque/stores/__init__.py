@@ -2,8 +2,9 @@
 
 Sits below the window layer: imports only torch, safetensors, filelock, the standard
 library, `contextdeque.core.errors`, `contextdeque.core.kv`, `contextdeque.core.capsule` /
-`contextdeque.core.chunk` (in `CapsuleTier`, which keeps chunks compressed at rest) and (inside `ValkeyTier`, when one is made) the ``valkey`` client. A new tier or eviction policy is one file registering
-itself (`register_tier` / `register_policy`) plus one import line here.
+`contextdeque.core.chunk` (in `CapsuleTier`, which keeps chunks compressed at rest) and (inside `ValkeyTier`, when one is made) the ``valkey`` client. A new tier or eviction policy is one file with
+one class that names itself (``kind = ...`` / ``name = ...``, see `contextdeque.core.registry`) plus
+one import line here.
 """
 
 from contextdeque.stores.base import (
@@ -19,7 +20,7 @@ from contextdeque.stores.base import (
     patch_key,
 )
 from contextdeque.stores.policy import EvictionPolicy
-from contextdeque.stores.registry import POLICIES, TIERS, make_policy, make_tier, register_policy, register_tier
+from contextdeque.stores.registry import POLICIES, TIERS, make_policy, make_tier
 from contextdeque.stores.traffic import TierTraffic
 
 # Built-in policies and tiers register themselves on import.
@@ -61,7 +62,5 @@ __all__ = [
     "make_policy",
     "make_tier",
     "patch_key",
-    "register_policy",
-    "register_tier",
     "settle",
 ]

@@ -26,8 +26,11 @@ from urllib.parse import quote, unquote
 
 import torch
 
-from contextdeque.core.errors import CollisionError, FingerprintMismatchError, InvalidEntryError
+from contextdeque.core.args import check_int, check_str
+from contextdeque.core.errors import CollisionError, FingerprintMismatchError, InvalidEntryError, StoreConfigError
 from contextdeque.core.kv import tensor_nbytes
+from contextdeque.core.registry import Registered
+from contextdeque.stores.registry import TIERS
 
 if TYPE_CHECKING:  # pragma: no cover
     from contextdeque.stores.policy import EvictionPolicy
@@ -298,7 +301,7 @@ class PutResult:
     evicted: tuple[Evicted, ...] = ()
 
 
-class Tier(ABC):
+class Tier(ABC, Registered):
     """One storage level with a byte budget and an eviction policy.
 
     Pinned entries are never evicted while pinned; `delete` still removes them.
@@ -309,7 +312,9 @@ class Tier(ABC):
     with `contextdeque.stores.traffic.report_fallback`.
     """
 
-    #: registry name (set by `register_tier`)
+    registry = TIERS
+    registry_key = "kind"
+    #: registry name: a subclass that sets it is registered under it (contextdeque.core.registry)
     kind: str = "abstract"
     #: True when entries survive the process (write-through targets)
     persistent: bool = False
@@ -319,8 +324,10 @@ class Tier(ABC):
     def __init__(self, *, name: str, budget_bytes: int | None, policy: str | EvictionPolicy = "lru") -> None:
         from contextdeque.stores.registry import make_policy
 
-        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
-            raise ValueError(f"budget_bytes must be a non-negative int or None, got {budget_bytes!r}")
+        check_int("budget_bytes", budget_bytes, minimum=0, none_ok=True, error=StoreConfigError)
+        check_str("name", name, error=StoreConfigError)
+        if not name:
+            raise StoreConfigError("name must be a non-empty tier name")
         self.name = name
         self._budget = budget_bytes
         self.policy = make_policy(policy)
@@ -414,6 +421,14 @@ class Tier(ABC):
     @abstractmethod
     def is_pinned(self, key: str) -> bool:
         """Whether ``key`` is pinned."""
+
+    def lease(self, keys: "list[str] | tuple[str, ...]") -> None:
+        """Announce that this process holds ``keys`` (stored or not yet) until `unlease`. A shared
+        tier keeps them for other processes to see and its expiry to respect (`ValkeyTier`: a
+        lease with expiry, renewed while held); a local tier has nobody to tell: a no-op."""
+
+    def unlease(self, keys: "list[str] | tuple[str, ...]") -> None:
+        """Undo `lease` for ``keys`` (a no-op for a local tier)."""
 
     def verify(self, key: str) -> bool:
         """True iff ``key`` is present and passes verification (a corrupt copy counts as absent)."""

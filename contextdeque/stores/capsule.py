@@ -31,13 +31,14 @@ from contextdeque.core.capsule import CapsuleBank, CapsuleBasis, CapsuleChunk
 from contextdeque.core.chunk import Chunk
 from contextdeque.core.errors import CapsuleError, CorruptEntryError
 from contextdeque.stores.base import Evicted, PutResult, StoreEntry, Tier, check_expectations
-from contextdeque.stores.registry import make_tier, register_tier
+from contextdeque.stores.registry import make_tier
 
 
-@register_tier("capsule")
 class CapsuleTier(Tier):
     """Chunks compressed at rest in ``inner`` (a `Tier`, or a registered tier kind built with
     ``**inner_kwargs``), with the bases of ``bank``. ``name``: default the inner tier's."""
+
+    kind = "capsule"
 
     def __init__(
         self,

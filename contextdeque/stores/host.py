@@ -6,10 +6,8 @@ import torch
 
 from contextdeque.stores.memory import MemoryTier
 from contextdeque.stores.policy import EvictionPolicy
-from contextdeque.stores.registry import register_tier
 
 
-@register_tier("host")
 class HostTier(MemoryTier):
     """Entries as CPU tensors, budgeted in payload bytes.
 
@@ -20,6 +18,8 @@ class HostTier(MemoryTier):
         policy: eviction policy name or instance.
         name: tier name used in `TierTraffic`.
     """
+
+    kind = "host"
 
     def __init__(
         self,

@@ -6,12 +6,12 @@ from collections.abc import Sequence
 
 from contextdeque.stores.base import EntryStat
 from contextdeque.stores.policy import EvictionPolicy
-from contextdeque.stores.registry import register_policy
 
 
-@register_policy("lru")
 class LRUPolicy(EvictionPolicy):
     """Evict the least recently used entry first (ties broken by key, for determinism)."""
+
+    name = "lru"
 
     def order(self, candidates: Sequence[EntryStat]) -> list[str]:
         return [s.key for s in sorted(candidates, key=lambda s: (s.last_used, s.key))]

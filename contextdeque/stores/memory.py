@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from contextdeque.core.errors import StoreCapacityError
+from contextdeque.core.errors import ArgumentTypeError, StoreCapacityError, StoreConfigError
 from contextdeque.stores.base import (
     EntryStat,
     Evicted,
@@ -19,7 +19,6 @@ from contextdeque.stores.base import (
     check_expectations,
 )
 from contextdeque.stores.policy import EvictionPolicy
-from contextdeque.stores.registry import register_tier
 
 
 @dataclass
@@ -29,7 +28,23 @@ class _Slot:
     priority: int
 
 
-@register_tier("memory")
+def tier_device(device: object) -> torch.device:
+    """``device`` as a torch device that exists on this machine, refused up front (not at the
+    first put) with a typed error naming the argument."""
+    if not isinstance(device, (str, torch.device)):
+        raise ArgumentTypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise StoreConfigError(f"device {device!r} is not a torch device: {e}") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise StoreConfigError(f"device {device!r} does not exist here ({n} CUDA device(s) visible)")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise StoreConfigError(f"device {device!r} does not exist here (MPS unavailable)")
+    return dev
+
+
 class MemoryTier(Tier):
     """Entries as tensors on ``device``, budgeted in payload bytes.
 
@@ -43,6 +58,8 @@ class MemoryTier(Tier):
         name: tier name used in `TierTraffic` (unique within a `TieredStore`).
     """
 
+    kind = "memory"
+
     def __init__(
         self,
         device: str | torch.device,
@@ -52,7 +69,7 @@ class MemoryTier(Tier):
         name: str = "device",
     ) -> None:
         super().__init__(name=name, budget_bytes=budget_bytes, policy=policy)
-        self.device = torch.device(device)
+        self.device = tier_device(device)
         self._slots: dict[str, _Slot] = {}
         self._pins: set[str] = set()
         self._clock = itertools.count(1)

@@ -6,16 +6,20 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
+from contextdeque.core.registry import Registered
 from contextdeque.stores.base import EntryStat
+from contextdeque.stores.registry import POLICIES
 
 
-class EvictionPolicy(ABC):
+class EvictionPolicy(ABC, Registered):
     """Decides which unpinned entries a tier evicts first.
 
     The tier passes only evictable entries (pinned ones and the entry being written are
     excluded) and evicts in the returned order until the new entry fits.
     """
 
+    registry = POLICIES
+    #: registry name: a subclass that sets it is registered under it (contextdeque.core.registry)
     name: ClassVar[str] = "abstract"
 
     @abstractmethod

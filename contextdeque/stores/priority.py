@@ -6,16 +6,16 @@ from collections.abc import Sequence
 
 from contextdeque.stores.base import EntryStat
 from contextdeque.stores.policy import EvictionPolicy
-from contextdeque.stores.registry import register_policy
 
 
-@register_policy("priority")
 class PriorityPolicy(EvictionPolicy):
     """Evict the lowest ``priority`` first, least recently used first within a priority.
 
     With every priority equal this is LRU; a higher priority (e.g. canonicals many patches
     depend on) keeps an entry until every lower-priority entry is gone.
     """
+
+    name = "priority"
 
     def order(self, candidates: Sequence[EntryStat]) -> list[str]:
         return [s.key for s in sorted(candidates, key=lambda s: (s.priority, s.last_used, s.key))]

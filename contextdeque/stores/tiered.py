@@ -7,11 +7,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 from contextdeque.core.errors import (
+    ArgumentTypeError,
     CollisionError,
     CorruptEntryError,
     StoreCapacityError,
+    StoreConfigError,
     StoreError,
     StoreUnavailableError,
+    UnknownTierError,
 )
 from contextdeque.stores.base import Evicted, StoreEntry, Tier, check_collision
 from contextdeque.stores.traffic import TierTraffic, recording
@@ -44,12 +47,19 @@ class TieredStore:
     """
 
     def __init__(self, tiers: Sequence[Tier], *, write_through: bool = False) -> None:
+        if isinstance(tiers, (str, bytes, Tier)) or not isinstance(tiers, Sequence):
+            raise ArgumentTypeError(f"tiers must be a list of tiers (fastest first), got {type(tiers).__name__}")
         tiers = list(tiers)
         if not tiers:
-            raise ValueError("a TieredStore needs at least one tier")
+            raise StoreConfigError("tiers is empty: a TieredStore needs at least one tier")
+        for i, t in enumerate(tiers):
+            if not isinstance(t, Tier):
+                raise ArgumentTypeError(f"tiers[{i}] must be a Tier (MemoryTier, HostTier, DiskTier, ...), got {type(t).__name__}")
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
-            raise ValueError(f"tier names must be unique, got {names}")
+            raise StoreConfigError(f"tier names must be unique, got {names}")
+        if not isinstance(write_through, bool):
+            raise ArgumentTypeError(f"write_through must be a bool, got {type(write_through).__name__}")
         self._tiers = tiers
         self.write_through = write_through
         self._pins: set[str] = set()
@@ -69,7 +79,7 @@ class TieredStore:
         for t in self._tiers:
             if t.name == name:
                 return t
-        raise KeyError(f"no tier named {name!r}; tiers: {[t.name for t in self._tiers]}")
+        raise UnknownTierError(f"no tier named {name!r}; tiers: {[t.name for t in self._tiers]}")
 
     def where(self, key: str) -> list[str]:
         """Names of the tiers holding ``key``, fastest first."""
@@ -138,8 +148,9 @@ class TieredStore:
             expect_fingerprint / expect_layout: refuse an entry recorded for another model
                 fingerprint / layout (`FingerprintMismatchError`).
             expect_digest: refuse an entry with another ``content_digest`` (`CollisionError`).
-            corrupt_ok: a copy failing verification is dropped and the search goes on to
-                slower tiers (None if no good copy); otherwise `CorruptEntryError`.
+            corrupt_ok: a copy failing verification is set aside (a disk tier moves the file into
+                its ``quarantine/`` folder; recorded in the traffic's ``quarantined``) and the
+                search goes on to slower tiers (None if no good copy); otherwise `CorruptEntryError`.
             promote: copy a hit into the faster tiers.
             traffic: a record to add this operation's traffic to.
         """
@@ -147,10 +158,15 @@ class TieredStore:
             entry: StoreEntry | None = None
             found = -1
             for i, tier in enumerate(self._tiers):
-                entry = tier.get(
-                    key, expect_fingerprint=expect_fingerprint, expect_layout=expect_layout,
-                    expect_digest=expect_digest, corrupt_ok=corrupt_ok,
-                )
+                expect = dict(expect_fingerprint=expect_fingerprint, expect_layout=expect_layout, expect_digest=expect_digest)
+                try:
+                    entry = tier.get(key, **expect)
+                except CorruptEntryError:
+                    if not corrupt_ok:
+                        raise
+                    entry = tier.get(key, **expect, corrupt_ok=True)  # the tier sets the bad copy aside
+                    if entry is None:
+                        tr.quarantined.append(f"{tier.name}:{key}")
                 if entry is not None:
                     found = i
                     break
@@ -320,6 +336,18 @@ class TieredStore:
             for t in self._tiers:
                 was = t.unpin(key) or was
             return was
+
+    def lease(self, keys: "list[str] | tuple[str, ...]") -> None:
+        """Tell the shared tiers this process holds ``keys`` (see `Tier.lease`: a `ValkeyTier` or
+        a `DiskTier` keeps them for other processes to respect); local tiers are untouched (a
+        lease is not a pin: it never blocks local eviction)."""
+        for t in self._tiers:
+            t.lease(list(keys))
+
+    def unlease(self, keys: "list[str] | tuple[str, ...]") -> None:
+        """Undo `lease` for ``keys``."""
+        for t in self._tiers:
+            t.unlease(list(keys))
 
     def is_pinned(self, key: str) -> bool:
         """Whether ``key`` is pinned by this store."""

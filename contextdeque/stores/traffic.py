@@ -33,6 +33,8 @@ class TierTraffic:
             in the local tiers only.
         fallback_reasons: tier name -> why, for the latest fallback (``"unreachable"``,
             ``"timeout"``, ``"auth"``, ``"backoff"``...).
+        quarantined: ``"tier:key"`` of copies that failed verification and were set aside
+            (a ``get(corrupt_ok=True)`` went on to slower tiers, or reported a miss).
     """
 
     read: dict[str, int] = field(default_factory=dict)
@@ -44,6 +46,7 @@ class TierTraffic:
     dropped: list[str] = field(default_factory=list)
     fallbacks: dict[str, int] = field(default_factory=dict)
     fallback_reasons: dict[str, str] = field(default_factory=dict)
+    quarantined: list[str] = field(default_factory=list)
 
     def add_read(self, tier: str, nbytes: int, *, hit: bool = True) -> None:
         """Record ``nbytes`` read out of ``tier``; ``hit``: it served a ``get``."""
@@ -88,6 +91,7 @@ class TierTraffic:
         for k, v in other.fallbacks.items():
             _add(self.fallbacks, k, v)
         self.fallback_reasons.update(other.fallback_reasons)
+        self.quarantined.extend(other.quarantined)
         return self
 
     def __iadd__(self, other: TierTraffic) -> TierTraffic:
@@ -105,6 +109,7 @@ class TierTraffic:
             "dropped": list(self.dropped),
             "fallbacks": dict(self.fallbacks),
             "fallback_reasons": dict(self.fallback_reasons),
+            "quarantined": list(self.quarantined),
             "moved_bytes": self.moved_bytes,
         }
 

@@ -63,7 +63,6 @@ from contextdeque.core.errors import (
 )
 from contextdeque.stores.base import PutResult, StoreEntry, Tier, check_collision, check_expectations
 from contextdeque.stores.format import decode_entry, encode_entry
-from contextdeque.stores.registry import register_tier
 from contextdeque.stores.traffic import report_fallback
 
 log = logging.getLogger("contextdeque.stores.valkey")
@@ -238,7 +237,6 @@ def _classify(exc: BaseException) -> str | None:
     return None
 
 
-@register_tier("valkey")
 class ValkeyTier(Tier):
     """Entries in a Valkey server or cluster, shared by every process that points at it.
 
@@ -278,6 +276,8 @@ class ValkeyTier(Tier):
     An unreachable server at construction is *not* an error: the tier starts away and
     begins sharing when the server answers.
     """
+
+    kind = "valkey"
 
     persistent = True
     remote = True
@@ -829,12 +829,53 @@ class ValkeyTier(Tier):
         except _Away as a:
             self._fallback(str(a))
             return False
+        self._hold_leases([key])
+        return True
+
+    def lease(self, keys: "list[str] | tuple[str, ...]") -> None:
+        """Hold leases on ``keys`` from now on, whether or not they are stored yet (a window slot
+        holds a chunk whose canonical may be written later): taken now in one round trip, renewed
+        every ``lease_s / 3`` while this tier holds them, and taken then if the server is away
+        now. A lease on an absent entry is a short-lived marker, harmless."""
         with self._lock:
-            self._leases.add(key)
+            keys = [k for k in keys if k not in self._leases]
+        if not keys:
+            return
+        self._hold_leases(keys)
+        try:
+            self._call(lambda c: self._lease_now(c, keys))
+        except _Away as a:
+            self._fallback(str(a))
+        except Exception:  # noqa: BLE001 - a lease is bookkeeping: never fail the caller; renewal retries
+            log.warning("store tier %r: taking %d leases failed; renewal will retry", self.name, len(keys), exc_info=True)
+
+    def unlease(self, keys: "list[str] | tuple[str, ...]") -> None:
+        """Let go of this holder's leases on ``keys`` (the entries' own TTL applies again)."""
+        with self._lock:
+            keys = [k for k in keys if k in self._leases]
+            self._leases.difference_update(keys)
+        if not keys:
+            return
+
+        def op(c: Any) -> None:
+            pipe = c.pipeline(transaction=False)
+            for key in keys:
+                pipe.zrem(self._base(key) + ":l", self.holder_id)
+            pipe.execute()
+
+        try:
+            self._call(op)
+        except _Away as a:
+            self._fallback(str(a))  # the lease lapses by itself
+        except Exception:  # noqa: BLE001 - the lease lapses by itself
+            log.warning("store tier %r: letting go of %d leases failed; they lapse", self.name, len(keys), exc_info=True)
+
+    def _hold_leases(self, keys: "list[str]") -> None:
+        with self._lock:
+            self._leases.update(keys)
             if self._lease_thread is None:
                 self._lease_thread = threading.Thread(target=self._renew_loop, name=f"valkey-leases-{self.name}", daemon=True)
                 self._lease_thread.start()
-        return True
 
     def unpin(self, key: str) -> bool:
         with self._lock:

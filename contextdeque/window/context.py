@@ -18,6 +18,7 @@ import torch
 
 from ..core.cooperative import in_background
 from ..core.errors import BudgetError, WindowError
+from ..patch.rank import resolve_rank
 from .graph import CASCADE_POLICIES
 from .policy import PatchPolicy
 from .store import WindowStore
@@ -57,6 +58,8 @@ class WindowContext:
     placement: Any = None  # a window.placement.PlacementPolicy (None: arrival order)
     fidelity_target: float | None = None  # adaptive patch rank (the safety envelope); None: fixed rank
     max_patch_fraction: float = 0.25  # adaptive rank's byte cap: patch bytes / page bytes
+    beyond_trained: bool = False  # allow positions past the model's trained context length
+    chunk_template: str = "{text}"  # how text appends are rendered (see ContextWindow)
     patch_index: dict = field(default_factory=dict, repr=False)  # chunk id -> antecedent id tuples stored
     op_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _waiting: list[int] = field(default_factory=lambda: [0], repr=False)
@@ -136,9 +139,5 @@ class WindowContext:
         """(rank_k, rank_v) for a chunk of ``n_tokens``: ``"full"`` or anything above
         ``min(T, H*d)`` becomes that cap (a chunk shorter than m cannot hold a rank-m patch)."""
         lay = self.layout
-        cap_k = min(n_tokens, lay.k_heads * lay.k_dim)
-        cap_v = min(n_tokens, lay.v_heads * lay.v_dim)
-        if rank == "full":
-            return cap_k, cap_v
-        r = int(rank)
-        return min(r, cap_k), min(r, cap_v)
+        return (resolve_rank(rank, n_tokens, lay.k_heads * lay.k_dim, "K", clamp=True),
+                resolve_rank(rank, n_tokens, lay.v_heads * lay.v_dim, "V", clamp=True))

@@ -17,12 +17,13 @@ from typing import Any, Sequence
 import torch
 
 from ..core import compat
-from ..core.errors import WindowError
+from ..core.args import check_token_ids
+from ..core.errors import PositionError, WindowError
 from ..core.kv import LayerKV, concat_kv
+from ..model import chat as chat_template
 from .context import WindowContext
 from .slot import Slot
 
-_QUERY_MARK = "\x00CTXDQ-QUERY\x00"
 
 
 def assemble(ctx: WindowContext, slots: Sequence[Slot], pages: dict[int, tuple[LayerKV, ...] | None] | None = None) -> list[LayerKV]:
@@ -56,27 +57,32 @@ def next_position(ctx: WindowContext, slots: Sequence[Slot]) -> int:
     return ctx.root_len + sum(s.span for s in slots)
 
 
+def check_trained(ctx: WindowContext, end: int, what: str) -> None:
+    """Refuse a window whose positions would reach ``end`` (exclusive) past the model's trained
+    context, unless the window was opened with ``beyond_trained=True``."""
+    limit = ctx.layout.max_trained_position
+    if not ctx.beyond_trained and limit is not None and end > limit:
+        raise PositionError(
+            f"{what} would place tokens up to position {end - 1}, past the model's trained context "
+            f"({limit} positions); slide or evict first, or open the window with beyond_trained=True"
+        )
+
+
 def query_ids(ctx: WindowContext, query: str | Sequence[int] | torch.Tensor, *, chat: bool = True) -> list[int]:
     """Token ids of ``query``: ids are taken as given; text is tokenized and, when the tokenizer
     has a chat template (and ``chat``), followed by the template's end of the user turn and the
     assistant header (the root opened the user turn)."""
     if not isinstance(query, str):
-        ids = [int(i) for i in torch.as_tensor(query).reshape(-1).tolist()]
-        if not ids:
-            raise WindowError("empty query")
-        return ids
+        if isinstance(query, torch.Tensor) and query.dim() == 2 and query.shape[0] == 1:
+            query = query[0]  # [1, Q], as a tokenizer returns it
+        return check_token_ids("query", query, ctx.backend.vocab_size, error=WindowError).tolist()
     backend = ctx.backend
     tok = backend.tokenizer
     if tok is None:
         raise WindowError("this backend has no tokenizer: pass the query as token ids")
     text = query
-    if chat and getattr(tok, "chat_template", None):
-        rendered = tok.apply_chat_template(
-            [{"role": "system", "content": "s"}, {"role": "user", "content": _QUERY_MARK}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        text = query + rendered.split(_QUERY_MARK, 1)[1]
+    if chat and chat_template.has_template(tok):
+        text = query + chat_template.user_turn_suffix(tok)
     ids = backend.tokenize(text)
     if not ids:
         raise WindowError("empty query")
@@ -157,11 +163,7 @@ def greedy(
     eos = {int(e) for e in eos_ids}
     for step in range(max(1, int(max_new_tokens))):
         n = step_ids.shape[1]
-        positions = backend.text_positions(pos, n)
-        if backend.n_pos_axes > 1:
-            position_ids = positions.reshape(backend.n_pos_axes, 1, -1).to(backend.device)
-        else:
-            position_ids = positions[:1].reshape(1, -1).to(backend.device)
+        position_ids = backend.position_ids(backend.text_positions(pos, n))
         mask = torch.ones(1, past_len + n, dtype=torch.long, device=backend.device)
         out = model(
             input_ids=step_ids,

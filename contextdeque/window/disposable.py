@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-import torch
-
+from ..core.metrics import kl_divergence
 from ..core.operator import relocate
 from . import decode
 from .receipt import Receipt
@@ -52,13 +51,6 @@ class Verdict:
         return self.disposable
 
 
-def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """KL(softmax(p) || softmax(q)) in nats, fp64."""
-    lp = torch.log_softmax(p_logits.to(torch.float64), dim=-1)
-    lq = torch.log_softmax(q_logits.to(torch.float64), dim=-1)
-    return float(torch.sum(lp.exp() * (lp - lq)).clamp_min(0.0))
-
-
 def run_test(
     ctx: "WindowContext",
     slots: Sequence["Slot"],
@@ -76,13 +68,13 @@ def run_test(
     p_logits, ans = decode.greedy(ctx, base_layers, start, query_ids, max_new_tokens, eos)
 
     slot = slots[index]
-    bare = tuple(relocate(slot.chunk, slot.start, layout=ctx.layout)) if slot.stack else slot.page
+    bare = tuple(relocate(slot.chunk, slot.start, layout=ctx.layout, beyond_trained=True)) if slot.stack else slot.page
     off_layers = decode.assemble(ctx, slots, {index: bare})
     q_logits, ans_off = decode.greedy(ctx, off_layers, start, query_ids, max_new_tokens, eos)
     fields: dict = {
         "answer_as_is": ans,
         "answer_unconditioned": ans_off,
-        "kl_unconditioned": kl(p_logits, q_logits),
+        "kl_unconditioned": kl_divergence(p_logits, q_logits),
         "had_conditioning": bool(slot.stack),
         "text_as_is": decode.decode_text(ctx, ans),
         "text_unconditioned": decode.decode_text(ctx, ans_off),
@@ -94,11 +86,11 @@ def run_test(
         shift = slot.span
         for j in range(index + 1, len(slots)):
             s = slots[j]
-            pages[j] = tuple(relocate(s.chunk, s.start - shift, layout=ctx.layout, patch=list(s.patches) or None))
+            pages[j] = tuple(relocate(s.chunk, s.start - shift, layout=ctx.layout, patch=list(s.patches) or None, beyond_trained=True))
         drop_layers = decode.assemble(ctx, slots, pages)  # type: ignore[arg-type]
         d_logits, ans_drop = decode.greedy(ctx, drop_layers, start - shift, query_ids, max_new_tokens, eos)
         fields["answer_dropped"] = ans_drop
-        fields["kl_dropped"] = kl(p_logits, d_logits)
+        fields["kl_dropped"] = kl_divergence(p_logits, d_logits)
         fields["text_dropped"] = decode.decode_text(ctx, ans_drop)
         same = same and ans_drop == ans and (kl_tol is None or fields["kl_dropped"] <= kl_tol)
     fields["disposable"] = bool(same)

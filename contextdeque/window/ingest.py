@@ -72,6 +72,8 @@ def check_inputs(
     check_instance("chunk", chunk, Chunk, "a contextdeque Chunk", none_ok=True)
     if text is not None and not text:
         raise WindowError("text is empty: a chunk needs at least one token")
+    if text is not None and ctx.chunk_template != "{text}":
+        text = ctx.chunk_template.format(text=text, label=label or "")
     if token_ids is not None:
         token_ids = check_token_ids("token_ids", token_ids, ctx.backend.vocab_size, error=WindowError)
     if embeds is not None:
@@ -90,6 +92,17 @@ def check_inputs(
     check_int("span", span, minimum=1, none_ok=True, error=WindowError)
     return {"text": text, "token_ids": token_ids, "embeds": embeds, "chunk": chunk,
             "rel_positions": rel_positions, "span": span, "modality": modality}
+
+
+def check_template(template: Any) -> None:
+    """A chunk template: a str holding ``{text}`` (and optionally ``{label}``), nothing else."""
+    check_str("chunk_template", template, error=WindowError)
+    try:
+        probe = template.format(text="\x00", label="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise WindowError(f"chunk_template may use only {{text}} and {{label}}: {template!r} ({e})") from None
+    if probe.count("\x00") != 1:
+        raise WindowError(f"chunk_template must contain {{text}} exactly once, got {template!r}")
 
 
 def chunk_from_inputs(
@@ -137,10 +150,16 @@ def chunk_from_inputs(
         token_ids=token_ids, embeds=embeds, rel_positions=rel_positions, span=span, storage=ctx.storage
     )
     key = WindowStore.chunk_key(cid, ctx.fingerprint)
+    q0 = len(meter.traffic.quarantined)
     found = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)
     if found is not None:
         return found
     inputs = {"token_ids": token_ids, "embeds": embeds, "rel_positions": rel_positions, "span": span, "modality": modality}
+    if len(meter.traffic.quarantined) > q0:  # the stored copy was corrupt: the content in hand rebuilds it
+        if defer_encode:
+            meter.repairs.append(f"chunk {cid[:12]}: corrupt stored copy quarantined; rebuilt from the appended content")
+        else:
+            return rebuilt(ctx, meter, inputs, "its stored copy was corrupt")
     if defer_encode:
         return Unencoded(cid, n, inputs)
     return encode_and_store(ctx,meter, **inputs)
@@ -152,6 +171,20 @@ def encode_and_store(ctx: WindowContext, meter: Meter, **inputs: Any) -> Chunk:
     key = ctx.store.put_chunk(encoded, traffic=meter.traffic)
     stored = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)
     return stored if stored is not None else encoded
+
+def source_of(chunk: Chunk) -> dict[str, Any]:
+    """What re-encodes ``chunk``'s canonical (its inputs, no KV): ``encode_and_store(**source)``."""
+    return {"token_ids": chunk.token_ids, "embeds": chunk.embeds, "rel_positions": chunk.rel_positions,
+            "span": chunk.span, "modality": chunk.modality}
+
+
+def rebuilt(ctx: WindowContext, meter: Meter, source: dict[str, Any], what: str) -> Chunk:
+    """Re-encode a canonical the store lost or held corrupt, from its ``source``; the receipt's
+    ``repairs`` says so."""
+    chunk = encode_and_store(ctx, meter, **source)
+    meter.repairs.append(f"re-encoded chunk {chunk.id[:12]} ({what}) from its source")
+    return chunk
+
 
 def canonical_of(ctx: WindowContext, provisional: Chunk, meter: Meter) -> Chunk:
     """The canonical of a provisional chunk: from the store, else encoded now."""

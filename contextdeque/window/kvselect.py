@@ -44,11 +44,12 @@ import torch
 from ..core import compat
 from ..core.errors import SelectionError, SelectionTypeError, UnsupportedLayoutError
 from ..kernels.reference import rotate
-from ..core.kv import LayerKV
+from ..core.kv import LayerKV, kv_nbytes
 from ..core.operator import placement_positions
 from ..core.rotation import TableCache
+from ..core.registry import Registered, Registry
 
-SELECTORS: dict[str, type["KVSelector"]] = {}
+SELECTORS: Registry["KVSelector"] = Registry("KV selector")
 
 # MM-ShiftKV's published defaults (section 4.1 / appendix B of the paper).
 MMSHIFT_PROXIES = 512
@@ -293,8 +294,7 @@ class Selection:
 
     def kept_bytes(self, kv: Sequence[LayerKV]) -> int:
         """Bytes of the kept rows of ``kv``."""
-        return sum(self.kept * (k.shape[0] * k.shape[2] * k.element_size() + v.shape[0] * v.shape[2] * v.element_size())
-                   for k, v in kv)
+        return kv_nbytes(kv, tokens=self.kept)
 
 
 @dataclass
@@ -322,16 +322,12 @@ def _keep(r: Ranking, budget: int) -> torch.Tensor:
     return torch.sort(top, dim=1).values
 
 
-class KVSelector:
+class KVSelector(Registered):
     """Base class of a selector. Subclasses set ``name`` and implement :meth:`rank`; keyword
     arguments of the constructor are the method's parameters."""
 
+    registry = SELECTORS
     name: ClassVar[str] = ""
-
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        if cls.name:
-            SELECTORS[cls.name] = cls
 
     def rank(self, trace: PrefillTrace, qm: QueryModel) -> list[Ranking]:  # pragma: no cover - abstract
         """Per layer the ranking of the trace's prompt rows (budget-independent)."""
@@ -506,9 +502,9 @@ def apply_rows(
     ``V_content[h, rows] + sum_p U_p[rows] W_p[:, h]``: the canonical's rows plus the patches'
     left-factor rows, equal (to fp32 rounding) to gathering ``relocate(chunk, start, patch=patches)``.
     """
-    from ..core.operator import _layout_for
+    from ..core.layout import layout_for
 
-    lay = layout or _layout_for(chunk)
+    lay = layout or layout_for(chunk.layout_signature)
     if lay.family != "gqa" or lay.rope_tensor != "k":
         raise UnsupportedLayoutError(f"apply_rows supports MHA/GQA layouts, not {lay.family}")
     if len(rows) != chunk.num_layers:
@@ -658,7 +654,7 @@ def generate_selected(
     q = [int(t) for t in query_ids]
     trace = traced_prefill(backend, input_ids=q, positions=backend.text_positions(start, len(q)), past=layers)
     info: dict[str, Any] = {"selector": policy.selector, "budget": policy.budget, "rows": trace.n_rows}
-    full_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in trace.kv)
+    full_bytes = kv_nbytes(trace.kv)
     info["bytes_full"] = full_bytes
     if trace.n_rows <= policy.threshold:
         kv, info["selected"], info["kept"], info["bytes_kept"] = trace.kv, False, trace.n_rows, full_bytes
@@ -666,7 +662,7 @@ def generate_selected(
         sel = policy.make().select(trace, policy.budget, QueryModel(backend))
         kv = select_window_kv(ctx, slots, trace, sel)
         info["selected"], info["kept"] = True, sel.kept
-        info["bytes_kept"] = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+        info["bytes_kept"] = kv_nbytes(kv)
     assert trace.logits is not None
     first = int(torch.argmax(trace.logits))
     answer = [first]

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Hashable, Iterable, Mapping, Sequence
 
 from ..core.errors import WindowError
+from ..core.registry import Registered, Registry
 
-PLACEMENT_POLICIES: dict[str, type["PlacementPolicy"]] = {}
+PLACEMENT_POLICIES: Registry["PlacementPolicy"] = Registry("placement policy")
 
 Key = Hashable
 
@@ -69,16 +70,27 @@ class PlacementView:
         return any(True for _ in self.stored_prefixes(content))
 
 
-class PlacementPolicy:
+def let_go(view: PlacementView, need: int, candidates: Sequence[Key]) -> list[Key]:
+    """The first ``candidates`` (residents, in the order they should go) to let go so that ``need``
+    more tokens fit ``view``'s budget; none without a budget or when they already fit."""
+    out: list[Key] = []
+    if view.budget_tokens is None:
+        return out
+    used = sum(view.tokens[k] for k in view.order)
+    for k in candidates:
+        if used + need <= view.budget_tokens:
+            break
+        out.append(k)
+        used -= view.tokens[k]
+    return out
+
+
+class PlacementPolicy(Registered):
     """Base class. Subclasses set ``name`` and implement :meth:`place` (and may override
     :meth:`make_room`)."""
 
+    registry = PLACEMENT_POLICIES
     name: ClassVar[str] = ""
-
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        if cls.name:
-            PLACEMENT_POLICIES[cls.name] = cls
 
     def place(self, view: PlacementView, entering: Sequence[tuple[Key, int | None]]) -> list[Key]:
         """The window's new order: ``view.order`` with every entering ``(key, at)`` placed (``at``:
@@ -88,16 +100,7 @@ class PlacementPolicy:
     def make_room(self, view: PlacementView, need: int) -> list[Key]:
         """Residents to let go (in that order) so ``need`` more tokens fit the budget. Default:
         the oldest first, as ``overflow="slide"`` does."""
-        out: list[Key] = []
-        if view.budget_tokens is None:
-            return out
-        used = sum(view.tokens[k] for k in view.order)
-        for k in view.order:
-            if used + need <= view.budget_tokens:
-                break
-            out.append(k)
-            used -= view.tokens[k]
-        return out
+        return let_go(view, need, view.order)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
 from ..core.errors import WindowError
+from ..core.registry import Registered, Registry
 from .slot import Slot
 
-PATCH_POLICIES: dict[str, type["PatchPolicy"]] = {}
+PATCH_POLICIES: Registry["PatchPolicy"] = Registry("patch policy")
 
 DEFAULT_POLICY = "eager"
 """What ``patch_policy="default"`` means."""
 
-FULL = "full"  # rank sentinel: min(T, H*d), the patch reconstructs its target exactly
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def form(kind: str, rank: int | str, **kw: Any) -> Decision:
     return Decision("form", kind=kind, rank=rank, options=options, **kw)
 
 
-class PatchPolicy:
+class PatchPolicy(Registered):
     """Base class of a patch policy. Subclasses set ``name`` and implement :meth:`decide`.
 
     ``regime`` namespaces the patches the policy stores: patches are keyed by the antecedents'
@@ -81,13 +81,9 @@ class PatchPolicy:
     must not be served to (or from) a window whose antecedents carry approximate conditioning.
     """
 
+    registry = PATCH_POLICIES
     name: ClassVar[str] = ""
     regime: ClassVar[str] = "approx"
-
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        if cls.name:
-            PATCH_POLICIES[cls.name] = cls
 
     def decide(self, reason: str | None, slot: Slot, prefix: Sequence[Slot], *, valid: bool, rank: int) -> Decision:
         """The decision for ``slot`` placed after ``prefix``.

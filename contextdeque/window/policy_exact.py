@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .policy import CLEAR, FULL, KEEP, Decision, PatchPolicy, form
+from ..patch.rank import FULL
+from .policy import CLEAR, KEEP, Decision, PatchPolicy, form
 from .slot import Slot
 
 

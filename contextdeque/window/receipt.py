@@ -63,6 +63,8 @@ class Receipt:
             and were recomputed instead (``extend``).
         loading: for ``extend``, how loads and the model's work overlapped (seconds spent
             loading, computing, waiting on loads; loads by tier; ``overlapped`` or not).
+        repairs: what the operation repaired: store copies that failed verification and were
+            quarantined, and the canonicals / patches rebuilt from their source in their place.
     """
 
     op: str
@@ -82,6 +84,7 @@ class Receipt:
     notes: tuple[str, ...] = ()
     load_fallbacks: tuple[LoadFallback, ...] = ()
     loading: dict[str, Any] | None = None
+    repairs: tuple[str, ...] = ()
 
     @classmethod
     def merged(cls, op: str, receipts: "list[Receipt]", wall_ms: float | None = None) -> "Receipt":
@@ -99,6 +102,7 @@ class Receipt:
             out.wall_ms += r.wall_ms
             out.refs += r.refs
             out.notes += r.notes
+            out.repairs += r.repairs
         if wall_ms is not None:
             out.wall_ms = wall_ms
         return out
@@ -130,6 +134,7 @@ class Receipt:
             "fallbacks": dict(self.traffic.fallbacks),
             "load_fallbacks": [f.as_dict() for f in self.load_fallbacks],
             "loading": None if self.loading is None else dict(self.loading),
+            "repairs": list(self.repairs),
         }
 
     def summary(self) -> str:
@@ -140,6 +145,8 @@ class Receipt:
             extra = f", cascade {len(self.cascade.implied)} ({self.cascade.action})"
         if self.deferred:
             extra += f", {len(self.deferred)} deferred"
+        if self.repairs:
+            extra += f", {len(self.repairs)} repair(s)"
         return (
             f"{self.op}: {self.forwards} fwd, {self.tokens_prefilled} tok prefilled, {self.encodes} enc, "
             f"patches {self.patches_formed} formed/{self.patches_reused} reused, {self.pages_written} pages, "
@@ -162,6 +169,7 @@ class Meter:
         # latency-first bookkeeping: ref -> (reason, served, staleness); refs given new conditioning
         self.deferred: dict["ChunkRef", tuple[str | None, str, float]] = {}
         self.reconditioned: set["ChunkRef"] = set()
+        self.repairs: list[str] = []  # rebuilt from source (quarantines come from the traffic)
         self._fw0 = ctx.total_forwards()
         self._tok0 = ctx.total_tokens()
         self._enc0 = ctx.counters["encodes"]
@@ -194,5 +202,9 @@ class Meter:
             traffic=self.traffic,
             notes=tuple(self.notes),
             deferred=tuple((r, served, s) for r, (_, served, s) in self.deferred.items()),
+            repairs=tuple(
+                [f"quarantined a corrupt copy of {q.split(':', 1)[1][:40]} in tier {q.split(':', 1)[0]!r}"
+                 for q in self.traffic.quarantined] + self.repairs
+            ),
             **fields,
         )

@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 
 from ..core.kv import concat_kv
 from ..patch import PATCH_KINDS, form_patch
+from ..patch.rank import FULL, is_full
 from ..stores import antecedent_signature, patch_key
 from ..core.cooperative import checkpoint
 from .context import WindowContext
@@ -59,10 +60,11 @@ def patch_key_for(ctx: WindowContext, chunk, prefix_ids: Sequence[str], kind: st
     parts = [f"regime:{ctx.policy.regime}", *ids]
     if ctx.fidelity_target is not None:
         parts.insert(1, f"energy:{float(ctx.fidelity_target):.6g}")
-    if kind == "removal":
+    impl = PATCH_KINDS[kind]
+    if impl.stacked:
         parts += [f"base:{b}" for b in base_ids]
     sig = antecedent_signature(parts, ordered=True)
-    return patch_key(WindowStore.chunk_key(chunk), sig, "exact" if kind == "recall" else kind, ranks)
+    return patch_key(WindowStore.chunk_key(chunk), sig, impl.store_kind(), ranks)
 
 
 def obtain(
@@ -74,17 +76,19 @@ def obtain(
     assert kind is not None and decision.rank is not None
     rk, rv = ctx.clamp_rank(decision.rank, slot.chunk.n_tokens)
     energy = None
-    if ctx.fidelity_target is not None and decision.rank != "full":
+    if ctx.fidelity_target is not None and not is_full(decision.rank):
         energy = float(ctx.fidelity_target)  # adaptive rank, capped by the byte budget
         rk, rv = ctx.adaptive_cap(slot.chunk.n_tokens)
     key = patch_store_key(ctx, slot, prefix, kind, (rk, rv))
+    q0 = len(meter.traffic.quarantined)
     patch = ctx.store.get_patch(key, fingerprint=ctx.fingerprint, traffic=meter.traffic)
+    healed = patch is None and len(meter.traffic.quarantined) > q0
     reused = patch is not None
     if patch is None:
         if decision.reuse_only:
             return None
         options = dict(decision.options)
-        if kind == "removal":
+        if PATCH_KINDS[kind].stacked:
             options["current"] = list(slot.patches)
         if all(s.placed for s in prefix):
             # the antecedents are already placed: hand their pages over instead of re-placing
@@ -102,13 +106,15 @@ def obtain(
         failed = ctx.store.put_patch(key, patch, traffic=meter.traffic)
         if failed:
             meter.notes.append(failed)
-        if kind in ("exact", "recall"):  # what the placement scheduler may aim for
+        if PATCH_KINDS[kind].exact_on_prefix:  # what the placement scheduler may aim for
             ctx.patch_index.setdefault(slot.chunk.id, set()).add(tuple(s.chunk.id for s in prefix))
         meter.patches_formed += 1
+        if healed:
+            meter.repairs.append(f"re-formed the {kind} patch of #{slot.ref.key} (its stored copy was corrupt)")
     else:
         meter.patches_reused += 1
-    cap_k, cap_v = ctx.clamp_rank("full", slot.chunk.n_tokens)
-    absolute = kind != "removal" or (rk >= cap_k and rv >= cap_v)
+    cap_k, cap_v = ctx.clamp_rank(FULL, slot.chunk.n_tokens)
+    absolute = not PATCH_KINDS[kind].stacked or (rk >= cap_k and rv >= cap_v)
     meter.notes.append(f"#{slot.ref.key}:{kind}@{rk}{'(reused)' if reused else ''}")
     formed_on = tuple((s.ref, s.version) for s in prefix)
     return Conditioning(patch=patch, formed_on=formed_on, absolute=absolute, reused=reused, key=key)

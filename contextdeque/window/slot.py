@@ -21,15 +21,18 @@ from ..core.cooperative import checkpoint
 from ..core.layout import KVLayout
 from ..core.kv import LayerKV
 from ..core.operator import relocate
-from ..patch import Patch
+from ..patch import PATCH_KINDS, Patch
 from .ref import ChunkRef
 
 # (antecedent ref, that antecedent's version when the patch was formed)
 Tag = tuple[ChunkRef, str]
 
-# Patch kinds that measure the same thing (one conditioned forward on the antecedents): a fresh
-# recall patch and an append-time exact patch on the same antecedent states are the same state.
-_MEASURE = {"exact": "cond", "recall": "cond"}
+
+def _measure(kind: str) -> str:
+    """Patch kinds that measure the same thing (KV(B | the ordered antecedents), one conditioned
+    forward) describe the same state: a fresh recall patch and an append-time exact patch on the
+    same antecedent states (the label "cond" is part of saved slot versions)."""
+    return "cond" if PATCH_KINDS[kind].exact_on_prefix else kind
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,7 +55,7 @@ class Conditioning:
     def describe(self) -> tuple:
         p = self.patch
         return (
-            _MEASURE.get(p.kind, p.kind),
+            _measure(p.kind),
             p.rank_k,
             p.rank_v,
             tuple(p.layers),
@@ -105,7 +108,8 @@ class Slot:
             return None
         checkpoint()
         patches = self.patches
-        return tuple(relocate(self.chunk, self.start, layout=self.layout, patch=list(patches) or None))
+        # the window checked its positions against the trained length (or was told to go beyond)
+        return tuple(relocate(self.chunk, self.start, layout=self.layout, patch=list(patches) or None, beyond_trained=True))
 
     @property
     def patches(self) -> tuple[Patch, ...]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..core.errors import UnknownRefError, WindowError
+from ..core.errors import ArgumentTypeError, UnknownRefError, WindowError
 from ..core.chunk import Chunk
 from .graph import ConditioningGraph
 from .ref import ChunkRef
@@ -32,6 +32,9 @@ class EvictedEntry:
     stale_patch_keys: tuple[str, ...]
     formed_on: tuple[Tag, ...]
     provisional: "Chunk | None" = None  # evicted before healing: the canonical is not stored yet
+    # what re-encodes the canonical should the store lose it or hold a corrupt copy: the chunk's
+    # inputs (token_ids / embeds, rel_positions, span, modality), no KV
+    source: "dict | None" = None
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ class WindowState:
 
     def check_known(self, ref: ChunkRef) -> None:
         if not isinstance(ref, ChunkRef):
-            raise UnknownRefError(f"expected a ChunkRef, got {type(ref).__name__}")
+            raise ArgumentTypeError(f"ref must be a ChunkRef (from append or window.refs), got {type(ref).__name__}")
         if ref not in self.evicted and all(s.ref != ref for s in self.slots):
             raise UnknownRefError(f"{ref!r} is not known to this window (never appended here, or purged)")
 

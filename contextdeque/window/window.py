@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 import torch
 
 from ..core.chunk import Chunk, storage_dtype
-from ..core.errors import BudgetError, UnknownRefError, WindowError
-from ..core.kv import LayerKV
+from ..core.args import check_float, check_instance, check_int, check_str, check_token_ids
+from ..core.errors import BudgetError, UnknownRefError, WindowError, WindowTypeError
+from ..core.kv import LayerKV, kv_nbytes
 from ..patch import Patch, form_patch
 from . import decode, ingest
 from .context import WindowContext
@@ -63,6 +64,29 @@ if TYPE_CHECKING:  # pragma: no cover
     from .healer import Healer
 
 T = TypeVar("T")
+
+
+def _same_state(old: WindowState, new: WindowState) -> bool:
+    """Whether an operation left the window as it was: the same slot objects in the same order
+    (reconcile keeps a slot object whose start and conditioning did not change), the same evicted
+    entries and the same pending queue."""
+    return (
+        len(old.slots) == len(new.slots)
+        and all(a is b for a, b in zip(old.slots, new.slots))
+        and old.evicted.keys() == new.evicted.keys()
+        and all(old.evicted[r] is new.evicted[r] for r in old.evicted)
+        and old.pending == new.pending
+    )
+
+
+def check_refs(name: str, refs: Any) -> list[ChunkRef]:
+    """``refs`` as a list of ChunkRefs (a sequence of them; anything else is an ArgumentTypeError)."""
+    if isinstance(refs, (str, bytes, ChunkRef)) or not isinstance(refs, (Sequence, tuple, list)):
+        raise WindowTypeError(f"{name} must be a sequence of ChunkRefs, got {type(refs).__name__}")
+    out = list(refs)
+    for i, r in enumerate(out):
+        check_instance(f"{name}[{i}]", r, ChunkRef, "a ChunkRef")
+    return out
 
 
 def _foreground(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -119,6 +143,16 @@ class ContextWindow:
         kv_selection: a ``SelectionPolicy``: under memory pressure (more rows per KV head than
             its threshold) ``generate`` decodes over the rows its selector keeps (MM-ShiftKV,
             SnapKV, StreamingLLM); None: always the full window.
+        beyond_trained: allow positions past the model's trained context length
+            (``max_position_embeddings``); by default an operation that would place tokens there
+            raises ``PositionError`` and leaves the window as it was.
+        chunk_template: how ``text=`` appends are rendered before tokenizing: ``{text}`` is the
+            text, ``{label}`` the append's label (empty when none). The default ``"{text}"`` adds
+            nothing: chunks are concatenated exactly as given, with no separator between them
+            (the model sees ``root + chunk1 + chunk2 ...``). ``"{text}\n\n"`` ends every text
+            chunk with a blank line; ``"<doc title='{label}'>\n{text}\n</doc>\n"`` wraps it.
+            Token ids, embeddings and encoded chunks are taken as given. The template is part
+            of the content: the same text under another template is another chunk.
     """
 
     def __init__(
@@ -137,23 +171,49 @@ class ContextWindow:
         fidelity_target: float | None = None,
         max_patch_fraction: float = 0.25,
         kv_selection: "SelectionPolicy | None" = None,
+        beyond_trained: bool = False,
+        chunk_template: str = "{text}",
     ) -> None:
+        if not all(hasattr(backend, a) for a in ("encode", "forward", "layout", "fingerprint", "root_ids")):
+            raise WindowTypeError(
+                f"backend must be an HFBackend (e.g. contextdeque.load_model()), got {type(backend).__name__}"
+            )
+        if root is not None:
+            if isinstance(root, str):
+                check_str("root", root)
+            else:
+                root = check_token_ids("root", root, backend.vocab_size, error=WindowError).tolist()
         backend = backend_with_root(backend, root)
         if kv_selection is not None and not isinstance(kv_selection, SelectionPolicy):
-            raise WindowError(f"kv_selection must be a SelectionPolicy, got {type(kv_selection).__name__}")
+            raise WindowTypeError(f"kv_selection must be a SelectionPolicy, got {type(kv_selection).__name__}")
+        if not (isinstance(patch_policy, (str, PatchPolicy))):
+            raise WindowTypeError(f"patch_policy must be a policy name or a PatchPolicy, got {type(patch_policy).__name__}")
+        if not (isinstance(placement, (str, PlacementPolicy))):
+            raise WindowTypeError(f"placement must be a policy name or a PlacementPolicy, got {type(placement).__name__}")
+        check_str("cascade_policy", cascade_policy, error=WindowError)
+        check_str("overflow", overflow, error=WindowError)
+        if not isinstance(storage, (str, torch.dtype)):
+            raise WindowTypeError(f"storage must be a dtype or its name, got {type(storage).__name__}")
+        if not isinstance(beyond_trained, bool):
+            raise WindowTypeError(f"beyond_trained must be a bool, got {type(beyond_trained).__name__}")
+        ingest.check_template(chunk_template)
         ctx = WindowContext(
             backend=backend,
             store=WindowStore.wrap(store, backend.device),
             policy=make_policy(patch_policy),
-            rank=int(rank),
-            budget_tokens=None if budget_tokens is None else int(budget_tokens),
+            rank=check_int("rank", rank, minimum=0, error=WindowError),
+            budget_tokens=check_int("budget_tokens", budget_tokens, minimum=1, none_ok=True, error=BudgetError),
             cascade_policy=cascade_policy,
             overflow=overflow,
             storage=storage_dtype(storage),
             placement=make_placement(placement),
-            fidelity_target=None if fidelity_target is None else float(fidelity_target),
-            max_patch_fraction=float(max_patch_fraction),
+            fidelity_target=check_float("fidelity_target", fidelity_target, minimum=0.0, maximum=1.0, open_min=True,
+                                        none_ok=True, error=WindowError),
+            max_patch_fraction=check_float("max_patch_fraction", max_patch_fraction, minimum=0.0, maximum=1.0,
+                                           open_min=True, error=WindowError),
             kv_selection=kv_selection,
+            beyond_trained=beyond_trained,
+            chunk_template=chunk_template,
         )
         self._setup(ctx, WindowState(), parent=None)
 
@@ -270,6 +330,39 @@ class ContextWindow:
         would make stale)."""
         return self._state.graph.preview_cascade(ref, self.refs)
 
+    def text(self, *, root: bool = False) -> str:
+        """What the window holds, as text: each chunk's tokens decoded, concatenated exactly as
+        the model sees them (no separator is added: see ``chunk_template``); an image chunk
+        appears as ``[image: N tokens]``. ``root=True`` starts with the root.
+
+        Raises:
+            WindowError: the backend has no tokenizer.
+        """
+        tok = self._ctx.backend.tokenizer
+        if tok is None:
+            raise WindowError("text() needs a tokenizer; this backend has none (read window.chunk(ref).token_ids)")
+        parts = [tok.decode(list(self.root_ids))] if root else []
+        for s in self._state.slots:
+            ids = s.chunk.token_ids
+            parts.append(tok.decode(ids.tolist()) if ids is not None else f"[{s.chunk.modality}: {s.n_tokens} tokens]")
+        return "".join(parts)
+
+    def table(self) -> Any:
+        """The window as a ``rich`` table (see :meth:`show`)."""
+        from .view import window_table
+
+        return window_table(self)
+
+    def show(self, console: Any = None) -> Any:
+        """Print the window as a table: per chunk its position span, tokens, label, conditioning
+        (patch kind@rank, or blind), staleness and the store tier of its canonical; evicted chunks
+        after it. ``console``: a ``rich.console.Console`` (default: stdout). Returns the table."""
+        from rich.console import Console
+
+        t = self.table()
+        (console or Console()).print(t)
+        return t
+
     def __repr__(self) -> str:
         b = "" if self._ctx.budget_tokens is None else f"/{self._ctx.budget_tokens}"
         kind = "fork" if self._parent is not None else "window"
@@ -293,7 +386,10 @@ class ContextWindow:
             meter = Meter(self._ctx, op)
             new = self._state.copy() if mutates else self._state
             fields, result = body(new, meter)
-            if mutates:
+            if mutates and _same_state(self._state, new):
+                meter.notes.append("no change")  # a no-op is not a change: forks may still commit
+            elif mutates:
+                decode.check_trained(self._ctx, decode.next_position(self._ctx, new.slots), op)
                 self._install(new, meter)
             receipt = meter.finish(**fields)
             self._record(receipt)
@@ -327,6 +423,7 @@ class ContextWindow:
             stale_patch_keys=tuple(c.key for c in s.stack if c.key),
             formed_on=s.conditioned_on,
             provisional=s.chunk if s.provisional else None,
+            source=None if s.provisional else ingest.source_of(s.chunk),
         )
         reasons.pop(s.ref, None)
         for later in slots[idx:]:
@@ -435,8 +532,9 @@ class ContextWindow:
         their new positions (and get what the patch policy says: nothing by default)."""
 
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
-            if not isinstance(n, int) or n < 0 or n > len(state.slots):
-                raise WindowError(f"cannot slide {n} chunk(s) out of a window of {len(state.slots)}")
+            check_int("n", n, minimum=0, error=WindowError)
+            if n > len(state.slots):
+                raise WindowError(f"n: cannot slide {n} chunk(s) out of a window of {len(state.slots)}")
             slots = list(state.slots)
             reasons: dict[ChunkRef, str] = {}
             left = [self._evict_at(state, slots, 0, reasons) for _ in range(n)]
@@ -486,9 +584,9 @@ class ContextWindow:
             if ref not in state.evicted:
                 raise WindowError(f"{ref!r} is already in the window (use reorder to move it)")
             entry = state.evicted[ref]
-            pos = len(state.slots) if at is None else at
-            if not isinstance(pos, int) or not 0 <= pos <= len(state.slots):
-                raise WindowError(f"recall position {at} is outside 0..{len(state.slots)}")
+            pos = len(state.slots) if at is None else check_int("at", at, error=WindowError)
+            if not 0 <= pos <= len(state.slots):
+                raise WindowError(f"at: recall position {at} is outside 0..{len(state.slots)}")
             ingest.check_fits(self._ctx, entry.n_tokens)
             if entry.provisional is not None:  # left before it was healed: its canonical, now
                 chunk = ingest.canonical_of(self._ctx, entry.provisional, meter)
@@ -496,10 +594,14 @@ class ContextWindow:
                 chunk = ctx.store.get_chunk(
                     entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic
                 )
+            if chunk is None and entry.source is not None:  # lost or quarantined: rebuild it
+                chunk = ingest.rebuilt(ctx, meter, entry.source, "its canonical was gone from the store")
             if chunk is None:
+                budgeted = any(b is not None for b in ctx.store.store.budget_bytes().values())
+                why = "deleted, quarantined as corrupt, or dropped by a tier's budget" if budgeted else "deleted or quarantined as corrupt"
                 raise UnknownRefError(
-                    f"{ref!r}: its canonical is no longer in the store (dropped by the store's budget); "
-                    "append its content again"
+                    f"{ref!r}: its canonical is no longer in the store ({why}) and this window kept no "
+                    "source to rebuild it; append its content again"
                 )
             candidates = frozenset(state.graph.preview_cascade(ref, state.refs))
             slots = list(state.slots)
@@ -530,7 +632,7 @@ class ContextWindow:
         """
 
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
-            refs = list(order)
+            refs = check_refs("order", order)
             current = state.refs
             if len(refs) != len(current) or set(refs) != set(current) or len(set(refs)) != len(refs):
                 missing = [r for r in current if r not in refs]
@@ -565,7 +667,7 @@ class ContextWindow:
         """Re-condition ``refs`` (default: the chunks flagged stale) on what now precedes them."""
 
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
-            targets = list(refs) if refs is not None else [s.ref for s in state.slots if s.stale]
+            targets = check_refs("refs", refs) if refs is not None else [s.ref for s in state.slots if s.stale]
             for r in targets:
                 state.check_known(r)
                 state.index(r)
@@ -602,6 +704,8 @@ class ContextWindow:
         ever pending and this is a no-op.
         """
         self._check_open()
+        check_float("max_ms", max_ms, minimum=0.0, none_ok=True, error=WindowError)
+        check_int("max_steps", max_steps, minimum=0, none_ok=True, error=WindowError)
         t0 = time.perf_counter()
         steps: list[Receipt] = []
         while self._state.pending or self._unhealed_evicted():
@@ -781,7 +885,7 @@ class ContextWindow:
         over the root and the chunks (to float rounding)."""
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], Any]:
             layers = decode.assemble(self._ctx, state.slots)
-            meter.page_bytes += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+            meter.page_bytes += kv_nbytes(layers)
             return {"refs": state.refs}, decode.to_cache(self._ctx, layers)
 
         return self._run("materialize", body, mutates=False)[1]
@@ -812,7 +916,9 @@ class ContextWindow:
         greedy decoder with explicit positions."""
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], Answer]:
             ctx = self._ctx
+            check_int("max_new_tokens", max_new_tokens, minimum=1, error=WindowError)
             q = decode.query_ids(ctx, query, chat=chat)
+            decode.check_trained(ctx, decode.next_position(ctx, state.slots) + len(q) + int(max_new_tokens), "generate")
             if ctx.kv_selection is not None:
                 new_ids, info = generate_selected(ctx, state.slots, q, max_new_tokens, decode.eos_ids(ctx), ctx.kv_selection)
                 meter.page_bytes += info["bytes_kept"]
@@ -822,7 +928,7 @@ class ContextWindow:
                 )
                 return {"refs": state.refs}, Answer(token_ids=new_ids, text=decode.decode_text(ctx, new_ids))
             layers = decode.assemble(ctx, state.slots)
-            meter.page_bytes += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+            meter.page_bytes += kv_nbytes(layers)
             new_ids = decode.generate(ctx, state.slots, layers, q, max_new_tokens, **kw)
             return {"refs": state.refs}, Answer(token_ids=new_ids, text=decode.decode_text(ctx, new_ids))
 
@@ -852,6 +958,8 @@ class ContextWindow:
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], dict[str, Any]]:
             state.check_known(ref)
             idx = state.index(ref)
+            check_int("max_new_tokens", max_new_tokens, minimum=1, error=WindowError)
+            check_float("kl_tol", kl_tol, minimum=0.0, none_ok=True, error=WindowError)
             q = decode.query_ids(self._ctx, query, chat=chat)
             found = run_test(self._ctx, state.slots, idx, q, max_new_tokens=max_new_tokens, drop=drop, kl_tol=kl_tol)
             return {"refs": (ref,)}, found

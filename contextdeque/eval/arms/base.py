@@ -22,12 +22,13 @@ from ...core.chunk import Chunk
 from ...core.errors import FingerprintMismatchError, ReuseArmError
 from ...core.kv import LayerKV, concat_kv
 from ...core.operator import relocate
+from ...core.registry import Registered, Registry
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...model.hf import HFBackend
     from ...patch.base import Patch
 
-ARMS: dict[str, type["ReuseArm"]] = {}
+ARMS: Registry["ReuseArm"] = Registry("reuse arm")
 
 
 @dataclass
@@ -236,19 +237,15 @@ class ArmResult:
     report: ArmReport
 
 
-class ReuseArm:
+class ReuseArm(Registered):
     """Base class of a reuse arm. Subclasses set ``name`` and implement :meth:`run`.
 
     Constructor keyword arguments are the arm's options (budget, rank, schedule, ...); ``label``
     is how the arm is reported (defaults to ``name``).
     """
 
+    registry = ARMS
     name: ClassVar[str] = ""
-
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        if cls.name:
-            ARMS[cls.name] = cls
 
     def __init__(self, *, label: str | None = None) -> None:
         self.label = label or self.name

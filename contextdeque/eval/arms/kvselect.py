@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ...core.errors import ReuseArmError
+from ...core.kv import kv_nbytes
 from ...window.kvselect import KVSelector, PrefillTrace, QueryModel, Selection, check_budget, make_selector, traced_prefill
 from .base import ArmResult, ReuseArm, ReuseRequest, make_arm
 
@@ -88,7 +89,7 @@ class KVSelectArm(ReuseArm):
         rep = self.new_report(request)
         rep.forwards, rep.tokens_prefilled = forwards, tokens
         rep.bytes_canonical = request.page_bytes if self.base != "reprefill" else 0
-        full = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in tr.kv)
+        full = kv_nbytes(tr.kv)
         rep.extras.update({"budget": self.budget, "rows": tr.n_rows, "kept_rows": sel.kept,
                            "kv_bytes_full": full, "kv_bytes_kept": sel.kept_bytes(tr.kv), "base": self.base})
         return SelectionResult(kv=sel.gather(tr.kv), next_position=tr.next_position, report=rep, trace=tr, selection=sel)

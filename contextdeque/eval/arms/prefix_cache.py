@@ -15,19 +15,10 @@ import torch
 
 from ...core.chunk import Chunk
 from ...core.errors import ReuseArmError
-from ...core.kv import LayerKV
 from ...core.operator import relocate
 from .base import ArmResult, ReuseArm, ReuseRequest
-from ...core.kv import concat_kv
+from ...core.kv import LayerKV, concat_kv, kv_nbytes
 
-
-def _kv_bytes(kv: list[LayerKV], rows: int | None = None) -> int:
-    n = 0
-    for k, v in kv:
-        rk = k.shape[1] if rows is None else rows
-        n += rk * (k.numel() // max(1, k.shape[1])) * k.element_size()
-        n += rk * (v.numel() // max(1, v.shape[1])) * v.element_size()
-    return n
 
 
 class PrefixCacheArm(ReuseArm):
@@ -95,7 +86,7 @@ class PrefixCacheArm(ReuseArm):
             rows = request.offsets[hit] if hit < len(chunks) else R + request.n_chunk_tokens
             entry = self._entries[key]
             prefix = [(k[:, :rows], v[:, :rows]) for k, v in entry]
-            rep.bytes_canonical = _kv_bytes(prefix)
+            rep.bytes_canonical = kv_nbytes(prefix)
         else:
             prefix = [(k.clone(), v.clone()) for k, v in be.root_kv()]
         if hit < len(chunks):
@@ -111,5 +102,5 @@ class PrefixCacheArm(ReuseArm):
         rep.extras["prefix_chunks_hit"] = hit
         if self.remember_requests:
             self.remember(be, chunks, kv)
-            rep.extras["bytes_cached"] = _kv_bytes(kv)
+            rep.extras["bytes_cached"] = kv_nbytes(kv)
         return ArmResult(kv=kv, next_position=request.next_position, report=rep)

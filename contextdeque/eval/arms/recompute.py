@@ -113,15 +113,7 @@ def masked_forward(
         emb = inputs["inputs_embeds"].to(dev, dt)
         kwargs = {"inputs_embeds": emb.reshape(1, -1, emb.shape[-1])}
         n = emb.shape[0]
-    pos = torch.as_tensor(positions, dtype=torch.long)
-    if pos.dim() == 1:
-        pos = pos.unsqueeze(0)
-    if backend.n_pos_axes > 1:
-        if pos.shape[0] == 1:
-            pos = pos.expand(backend.n_pos_axes, -1)
-        position_ids = pos.reshape(backend.n_pos_axes, 1, -1).to(dev)
-    else:
-        position_ids = pos[:1].reshape(1, -1).to(dev)
+    position_ids = backend.position_ids(positions)
     cache = _GhostCache()
     for idx, (k, v) in enumerate(past):
         cache.update(k.unsqueeze(0).to(dev), v.unsqueeze(0).to(dev), idx)

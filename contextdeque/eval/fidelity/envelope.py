@@ -208,10 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, args.threads))
     if args.arch:
-        from ...model.hf import HFBackend
-        from ...model.testing import build_tiny_model
+        from ...model.testing import tiny_backend
 
-        be = HFBackend(build_tiny_model(args.arch, seed=0), None, root_ids=[1, 2, 3], name=f"tiny-{args.arch}")
+        be = tiny_backend(args.arch)
         grid = (4, 4)
     else:
         from ...model import load_model

@@ -128,14 +128,9 @@ def score_query(
     eos = getattr(backend.tokenizer, "eos_token_id", None) if backend.tokenizer is not None else None
 
     def step(ids: list[int], pos0: int, seen: int) -> torch.Tensor:
-        pos = backend.text_positions(pos0, len(ids))
-        if backend.n_pos_axes > 1:
-            position_ids = pos.reshape(backend.n_pos_axes, 1, -1).to(dev)
-        else:
-            position_ids = pos[:1].reshape(1, -1).to(dev)
         out = model(
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
-            position_ids=position_ids,
+            position_ids=backend.position_ids(backend.text_positions(pos0, len(ids))),
             past_key_values=cache,
             attention_mask=torch.ones(1, seen + len(ids), dtype=torch.long, device=dev),
             use_cache=True,

@@ -32,6 +32,7 @@ import torch
 
 from ...core.chunk import Chunk
 from ...core.errors import EmptyChunkError
+from ...model.chat import user_turn_suffix
 
 MIN_CHUNK_TOKENS = 128
 MAX_CHUNK_TOKENS = 512
@@ -375,13 +376,7 @@ def tokenize(backend: Any, text: str) -> list[int]:
 def query_suffix(backend: Any) -> str:
     """What closes the user turn and opens the assistant turn in the backend's chat template
     (``"<|im_end|>\\n<|im_start|>assistant\\n"`` for ChatML); a newline without a template."""
-    tok = backend.tokenizer
-    template = getattr(tok, "chat_template", None) if tok is not None else None
-    if not template:
-        return "\n"
-    marker = "\x00CTXDQ\x00"
-    text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True)
-    return text.split(marker, 1)[1]
+    return user_turn_suffix(backend.tokenizer)
 
 
 def materialize(

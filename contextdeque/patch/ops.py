@@ -1,0 +1,136 @@
+"""Operations on formed patches: cutting one to a lower rank, pooling several into one (the orbit
+patch of a set of exact patches), and forming one straight from conditioned KV that some forward
+already cached (no forward of its own)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+
+from ..core.errors import FingerprintMismatchError, PatchError
+from ..core.kv import LayerKV
+from ..core.operator import to_content_frame
+from .base import PATCH_KINDS, FormContext, Patch, antecedent_signature, new_patch, truncated_svd
+from .rank import is_full, rank_cap, resolve_rank
+
+
+def _full_rank(patch: Patch, which: str) -> int:
+    h, d = patch.k_shape if which == "k" else patch.v_shape
+    return rank_cap(patch.n_tokens, h * d)
+
+
+def truncate_patch(patch: Patch, rank: int | str | None, rank_v: int | str | None = None) -> Patch:
+    """``patch`` cut to its top ``rank`` (K) / ``rank_v`` (V, default ``rank``) directions.
+
+    ``"full"``/None keeps everything. A rank above what the patch holds is allowed only when the
+    patch is full rank (it already is the exact Δ); otherwise :class:`PatchError`.
+    """
+    rank_v = rank if rank_v is None else rank_v
+
+    def cut(have: int, want: int | str | None, full: int, what: str) -> int:
+        if is_full(want):
+            return have
+        w = int(want)
+        if w < 0:
+            raise PatchError(f"{what} rank must be >= 0, got {w}")
+        if w > have and have < full:
+            raise PatchError(f"cannot raise a rank-{have} patch to rank {w} ({what}); form it at that rank")
+        return min(w, have)
+
+    mk = cut(patch.rank_k, rank, _full_rank(patch, "k"), "K")
+    mv = cut(patch.rank_v, rank_v, _full_rank(patch, "v"), "V")
+    if mk == patch.rank_k and mv == patch.rank_v:
+        return patch
+    return dataclasses.replace(
+        patch,
+        rank_k=mk,
+        rank_v=mv,
+        k_u=patch.k_u[..., :mk].contiguous(),
+        k_w=patch.k_w[:, :mk].contiguous(),
+        v_u=patch.v_u[..., :mv].contiguous(),
+        v_w=patch.v_w[:, :mv].contiguous(),
+    )
+
+
+def combine_patches(
+    patches: Sequence[Patch], rank: int | str | None, rank_v: int | str | None = None, kind: str = "orbit"
+) -> Patch:
+    """One patch from the mean of several patches' deltas (same chunk), re-factorized at ``rank``.
+
+    With full-rank exact patches of every ordering of an antecedent set this is the orbit patch
+    (paper §5); leaving the test ordering out gives the held-out orbit the paper measures.
+    Layers: those every patch carries. Returns factors in the first patch's storage dtype.
+    """
+    if not patches:
+        raise PatchError("combine_patches needs at least one patch")
+    p0 = patches[0]
+    for p in patches[1:]:
+        if p.chunk_id != p0.chunk_id or p.fingerprint != p0.fingerprint:
+            raise PatchError("combine_patches needs patches of one chunk and one model")
+    layers = tuple(l for l in p0.layers if all(l in p.layers for p in patches))
+    T = p0.n_tokens
+    (hk, dk_), (hv, dv_) = p0.k_shape, p0.v_shape
+    mk = resolve_rank(rank, T, hk * dk_, "K")
+    mv = resolve_rank(rank if rank_v is None else rank_v, T, hv * dv_, "V")
+    ku, kw, vu, vw = [], [], [], []
+    for l in layers:
+        sk = sv = None
+        for p in patches:
+            dk, dv = p.layer_delta(l)
+            sk = dk if sk is None else sk + dk
+            sv = dv if sv is None else sv + dv
+        mean_k = (sk / len(patches)).transpose(0, 1).reshape(T, -1)
+        mean_v = (sv / len(patches)).transpose(0, 1).reshape(T, -1)
+        u, w = truncated_svd(mean_k, mk)
+        ku.append(u), kw.append(w)
+        u, w = truncated_svd(mean_v, mv)
+        vu.append(u), vw.append(w)
+    ids = sorted({a for p in patches for a in p.antecedents})
+    return new_patch(
+        p0, kind=kind, antecedents=ids, signature=antecedent_signature(ids, ordered=False), ranks=(mk, mv),
+        layers=layers, factors=tuple(torch.stack(f) for f in (ku, kw, vu, vw)), dtype=p0.k_u.dtype,
+        meta={"combined_from": str(len(patches))},
+    )
+
+
+def patch_from_conditioned(
+    backend: Any,
+    chunk: "Any",
+    kv: Sequence[LayerKV],
+    start: int,
+    antecedent_ids: Sequence[str] = (),
+    rank: int | str | None = "full",
+    rank_v: int | str | None = None,
+    kind: str = "exact",
+) -> Patch:
+    """A patch straight from the chunk's conditioned KV as some forward cached it (the paper's App. A:
+    ``forward(prefix, A, B).kv[B] - R(δ)·canonical``, then the top-``rank`` SVD).
+
+    ``kv``: per layer ``(k [H_k, T, d_k], v [H_v, T, d_v])`` of the chunk's rows (rotated, at
+    ``chunk.positions(start)``), e.g. sliced from a re-prefill of the whole window — one forward
+    then yields every chunk's exact patch. ``kind`` names how the patch is recorded (the target is
+    this exact conditioning).
+    """
+    if chunk.fingerprint != backend.fingerprint or chunk.layout_signature != backend.layout.signature:
+        raise FingerprintMismatchError(f"chunk {chunk.id[:12]} was encoded by another model")
+    if kind not in PATCH_KINDS:
+        raise PatchError(f"unknown patch kind {kind!r}; known: {sorted(PATCH_KINDS)}")
+    if kv[0][0].shape[1] != chunk.n_tokens:
+        raise PatchError(f"{kv[0][0].shape[1]} KV rows for a chunk of {chunk.n_tokens} tokens")
+    lay = backend.layout
+    pos = chunk.positions(start)
+    keys, values = to_content_frame(list(kv), lay, pos)
+    ctx = FormContext(backend=backend, chunk=chunk, antecedents=[], options={})
+    dk, dv = ctx.deltas_against(keys, values)
+    T = chunk.n_tokens
+    rk = resolve_rank(rank, T, lay.k_heads * lay.k_dim, "K")
+    rv = resolve_rank(rank if rank_v is None else rank_v, T, lay.v_heads * lay.v_dim, "V")
+    layers = tuple(range(chunk.num_layers))
+    k_u, k_w, v_u, v_w, _ = PATCH_KINDS["exact"]().factorize(ctx, dk, dv, rk, rv, layers)
+    return new_patch(
+        chunk, kind=kind, antecedents=antecedent_ids,
+        signature=antecedent_signature(list(antecedent_ids), ordered=PATCH_KINDS[kind].ordered),
+        ranks=(rk, rv), layers=layers, factors=(k_u, k_w, v_u, v_w), layout=lay, dtype=chunk.storage_dtype,
+    )
