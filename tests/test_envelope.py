@@ -22,3 +22,11 @@ def test_rank_correlation():
     assert rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
     assert rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
     assert rank_correlation([1, 2], [1, 2]) is None
+
+
+def test_envelope_leaves_out_items_past_the_trained_context(tiny_backend_factory, one_thread):
+    be = tiny_backend_factory("qwen2")
+    limit = be.layout.max_trained_position
+    s = run_envelope(be, probe_set(2), ranks=(2,), targets=(0.9,), max_chunk_tokens=limit, image_grid=(3, 3))
+    assert s["items_past_trained_context"] >= 1  # chunks of the whole context each cannot fit after the root
+    assert s["items"] + s["items_past_trained_context"] <= 2

@@ -90,12 +90,17 @@ def run_envelope(backend: Any, items: Sequence[Any], *, ranks: Sequence[int] = F
     fk, fv = lay.k_heads * lay.k_dim, lay.v_heads * lay.v_dim
     variants = [Variant(f"fixed-r{r}", "fixed", r) for r in ranks] + [Variant(f"target-{t:g}", "adaptive", t) for t in targets]
     blind_kls: list[float] = []
+    limit = getattr(lay, "max_trained_position", None)
+    too_long = 0
     for item in items:
         mat = materialize(item, backend, max_chunk_tokens=max_chunk_tokens, image_grid=image_grid)
         if len(mat.chunks) < 2:
             continue
         req = ReuseRequest(backend, mat.chunks)
         start = req.next_position
+        if limit is not None and start + len(mat.query_ids) > limit:
+            too_long += 1  # past the model's trained context: left out, and counted
+            continue
         ref_logits, _ = score_query(backend, ReprefillArm().run(req).kv, start, mat.query_ids, 0)
         blind_logits, _ = score_query(backend, BlindArm().run(req).kv, start, mat.query_ids, 0)
         kl_blind = kl_divergence(ref_logits, blind_logits)
@@ -127,7 +132,9 @@ def run_envelope(backend: Any, items: Sequence[Any], *, ranks: Sequence[int] = F
             v.kl.append(kl)
             v.eta.append(eta(kl_blind, kl, min_gap))
             v.energy.append(sum(e * t for e, t in zip(energies, tokens)) / sum(tokens))
-    return summarize(variants, blind_kls)
+    out = summarize(variants, blind_kls)
+    out["items_past_trained_context"] = too_long
+    return out
 
 
 def summarize(variants: Sequence[Variant], blind_kls: Sequence[float]) -> dict[str, Any]:
