@@ -53,7 +53,7 @@ class EncodeInputs:
     chunk_id: str
 
 
-FINGERPRINT_SCHEME = "2"
+FINGERPRINT_SCHEME = "3"
 """Version of :func:`model_fingerprint`'s definition (part of cached fingerprints' keys)."""
 
 _FINGERPRINTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[tuple[int, int], ...], str]]" = (
@@ -73,10 +73,16 @@ def hash_weights(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     h.update(f"scheme:{FINGERPRINT_SCHEME}|".encode())
     h.update(model.config.to_json_string(use_diff=False).encode())
+    seen: dict[tuple, str] = {}
     with torch.no_grad():
         for name, p in sorted(model.state_dict().items()):
             t = p.detach()
             h.update(f"|{name}{tuple(t.shape)}{t.dtype}|".encode())
+            ident = (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if t.numel() and ident in seen:  # a tied weight (e.g. lm_head = embed_tokens): hashed once
+                h.update(f"=alias:{seen[ident]}".encode())
+                continue
+            seen[ident] = name
             if t.numel():
                 t = t.to("cpu").contiguous()
                 h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
