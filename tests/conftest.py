@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
+
+# The default window store spills to a disk tier under the user's cache directory; tests keep it
+# in a private temporary directory instead (tests that care pass their own store).
+if "CONTEXTDEQUE_STORE_DIR" not in os.environ:
+    os.environ["CONTEXTDEQUE_STORE_DIR"] = _store_dir = tempfile.mkdtemp(prefix="cdq-test-store-")
+    atexit.register(shutil.rmtree, _store_dir, True)
 
 
 @pytest.fixture(scope="session")

@@ -84,3 +84,17 @@ def test_default_model_fingerprint_is_cached_by_file_digest(tmp_path, monkeypatc
     (d / "model.safetensors").write_bytes(b"other weights!")  # another file: the key no longer matches
     m2 = micro_llama(4)
     assert default_fingerprint(d, m2) == hash_weights(m2) != fp
+
+
+def test_tied_weights_hashed_once_but_still_seen():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(cfg)
+    assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
+    fp = hash_weights(m)
+    with torch.no_grad():
+        m.lm_head.weight[3, 3] += 1.0  # the same storage as the embeddings: K/V change
+    assert hash_weights(m) != fp

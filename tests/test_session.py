@@ -58,8 +58,8 @@ def assert_same_cache(a, b) -> None:
 def busy_window(backend: HFBackend, **kw) -> ContextWindow:
     """A window with history: slides, an eviction, a recall (cascade), a reorder, a stale flag."""
     win = ContextWindow(backend, budget_tokens=20, rank=4, cascade_policy="flag", **kw)
-    a = win.append(token_ids=A)
-    b = win.append(token_ids=B)
+    a = win.append(token_ids=A, label="a")
+    b = win.append(token_ids=B, label="b")
     c = win.append(token_ids=C)
     win.evict(b)
     win.append(token_ids=D)
@@ -87,7 +87,8 @@ def test_reopen_is_forward_free_bit_identical_and_continues_the_same(backend, tm
     assert backend.forwards_run == fw0
 
     # same shape of window: order, positions, evicted set, stale flags, pending heals, graph
-    assert [r.n_tokens for r in opened.refs] == [r.n_tokens for r in win.refs]
+    assert [(r.n_tokens, r.label) for r in opened.refs] == [(r.n_tokens, r.label) for r in win.refs]
+    assert sorted(map(str, (r.label for r in opened.evicted_refs))) == sorted(map(str, (r.label for r in win.evicted_refs)))
     assert [(s, e) for _, s, e in opened.placement()] == [(s, e) for _, s, e in win.placement()]
     assert len(opened.evicted_refs) == len(win.evicted_refs)
     assert [win.refs.index(r) for r in win.stale_refs] == [opened.refs.index(r) for r in opened.stale_refs]

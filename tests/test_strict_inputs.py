@@ -204,3 +204,14 @@ def test_operation_reproducers(backend, shared_store):
         relocate(None, 5)
     with pytest.raises(ArgumentTypeError, match="patch"):
         apply(chunk, 5, patch="x")
+
+
+@pytest.mark.parametrize(
+    "kwargs, kind",
+    [({"token_ids": [1.5, 2.5]}, TypeError), ({"token_ids": [5, 10_000]}, ValueError), ({"text": 5}, TypeError),
+     ({"embeds": torch.zeros(3, 7)}, ValueError), ({"token_ids": ["a"]}, TypeError)],
+)
+def test_backend_encode_checks_its_inputs(backend, kwargs, kind):
+    with pytest.raises(ContextDequeError) as exc:
+        backend.encode(**kwargs)
+    assert isinstance(exc.value, kind) and next(iter(kwargs)) in str(exc.value)

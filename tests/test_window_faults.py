@@ -25,7 +25,7 @@ def backend() -> HFBackend:
     return HFBackend(micro_llama(0), None, root_ids=[1, 3], name="tiny-faults-llama")
 
 
-def make(tmp_path, backend, config: str):
+def make(tmp_path, backend, config: str, policy: str = "default"):
     disk = DiskTier(tmp_path / "store", None, fsync=False)
     if config == "write_through":  # every put also reaches the disk
         store = TieredStore([MemoryTier("cpu", None, name="device"), disk], write_through=True)
@@ -33,7 +33,7 @@ def make(tmp_path, backend, config: str):
         store = TieredStore([MemoryTier("cpu", None, name="device"), disk])
     else:  # a small memory tier: puts spill their victims to the disk
         store = TieredStore([MemoryTier("cpu", 6000, name="device"), disk])
-    win = ContextWindow(backend, rank=2, store=store)
+    win = ContextWindow(backend, rank=2, store=store, patch_policy=policy)
     refs = [win.append(token_ids=ids) for ids in (A, B, C, D)]
     win.evict(refs[3])
     return win, store, refs
@@ -59,6 +59,8 @@ OPS = {
     "close": lambda w, r: w.close(),
     "materialize": lambda w, r: w.materialize(),
     "generate": lambda w, r: w.generate([50, 51], max_new_tokens=2, chat=False),
+    "is_disposable": lambda w, r: w.is_disposable(r[2], [50, 51], max_new_tokens=2, drop=True, chat=False),
+    "heal": lambda w, r: w.heal(),
 }
 
 
@@ -74,7 +76,18 @@ def holds(win) -> Counter:
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_fault_matrix(tmp_path, backend, one_thread, config, fault, op):
-    win, store, refs = make(tmp_path, backend, config)
+    run_case(tmp_path, backend, config, fault, op)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("op", ["append_new", "heal", "slide", "recall", "reorder"])
+def test_fault_matrix_latency_first(tmp_path, backend, one_thread, fault, op):
+    """The same invariants under the latency-first policy (provisional appends, deferred healing)."""
+    run_case(tmp_path, backend, "demote", fault, op, policy="latency")
+
+
+def run_case(tmp_path, backend, config, fault, op, policy="default"):
+    win, store, refs = make(tmp_path, backend, config, policy)
     before, held = observe(win), holds(win)
     present = {k: store.get(k) for k in store.keys()}
     returned: list[str] = []

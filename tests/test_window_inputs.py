@@ -95,6 +95,8 @@ def test_overflow_error_refuses_before_encoding(backend):
     before, fwd, enc = state(win), backend.forwards_run, win.context.counters["encodes"]
     with pytest.raises(BudgetError, match="budget"):
         win.append(token_ids=[40, 41, 42])
+    with pytest.raises(BudgetError, match="budget"):
+        win.extend([{"token_ids": [40]}, {"token_ids": [41, 42]}])
     assert backend.forwards_run == fwd and win.context.counters["encodes"] == enc
     assert state(win) == before
 

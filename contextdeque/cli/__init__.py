@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "traces": ("contextdeque.cli.traces", "generate agent traces (web/video/doc), import Mooncake traces, validate"),
     "replay": ("contextdeque.cli.replay", "replay traces under placement x eviction x reuse-arm policies (cost model, --fidelity)"),
     "replay-bench": ("contextdeque.cli.replay_bench", "replay throughput, scheduler vs arrival order, heuristic/exact, Mooncake under every policy"),
+    "soak": ("contextdeque.cli.soak", "random window operations on the default (bounded) store: the resident-memory curve"),
     "calibrate": ("contextdeque.cli.calibrate", "measure the replay cost model on this machine's backend and save it"),
 }
 

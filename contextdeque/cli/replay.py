@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fidelity", type=int, default=0, metavar="N",
                         help="also drive a real ContextWindow on the default model and measure KL / η / TTFT ratio at N sampled queries per policy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fidelity mode's query sample")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads of the fidelity mode (1 is fastest on a machine shared with other jobs)")
     parser.add_argument("--patch-policy", default="default",
                         help="the fidelity mode's patch policy for the patch arm (eager, latency, exact, ...); "
                              "latency-first windows are also measured after heal()")
@@ -66,6 +68,11 @@ def run(args: argparse.Namespace) -> int:
         extra = {}
         if args.fidelity:
             from ..replay.fidelity import run_fidelity_mode
+
+            if args.threads:
+                import torch
+
+                torch.set_num_threads(int(args.threads))
 
             fid = run_fidelity_mode([str(p) for p in args.traces], combos, args.fidelity, seed=args.seed, console=err,
                                     patch_policy=args.patch_policy)

@@ -28,19 +28,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--no-steps", action="store_true", help="skip the per-step re-read table")
     parser.add_argument("--step-policies", default="eager,latency", help="policies for the per-step table")
+    parser.add_argument("--append-chunks", type=int, default=8,
+                        help="append-only flow vs a prefix cache: chunks appended (0 skips it)")
+    parser.add_argument("--append-policies", default="default,latency", help="policies for the append-only flow")
+    parser.add_argument("--append-only", action="store_true", help="run only the append-only flow")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(int(args.threads))
     policies = () if args.no_steps else tuple(p.strip() for p in args.step_policies.split(",") if p.strip())
+    backend = load_backend(args.model)
+    if args.append_only:
+        return _append_only(args, backend)
     result = run_window_bench(
-        load_backend(args.model), n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
+        backend, n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
         policy=args.policy, rank=args.rank, step_policies=policies,
     )
     steps, healer = result["steps"], result["healer"]
+    flow = []
+    if args.append_chunks > 0:
+        from ..eval.append_flow import run_append_flow
+        from ..eval.window_bench import _chunks
+
+        flow = run_append_flow(
+            backend, _chunks(backend, args.append_chunks, args.chunk_tokens),
+            policies=tuple(p.strip() for p in args.append_policies.split(",") if p.strip()), rank=args.rank,
+        )
     if args.json:
-        print(json.dumps({**result, "steps": [r.as_dict() for r in steps]}, sort_keys=True))
+        print(json.dumps({**result, "steps": [r.as_dict() for r in steps], "append_flow": [r.as_dict() for r in flow]},
+                         sort_keys=True))
         return 0
     print(f"window-bench: {result['model']} on {result['device']} ({result['threads']} threads), "
           f"{result['window']} tokens, policy={args.policy}, rank={args.rank}, median of {result['runs']}")
@@ -59,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {name:<{w}}  {val:>12}  {note}")
     if steps:
         _print_steps(steps)
+    _print_flow(args, flow)
     if healer:
         print(f"  idle healer: {healer['probes']} foreground calls waited at most {healer['max_wait_ms']:.2f} ms "
               f"(median {healer['median_wait_ms']:.2f} ms) = {healer['max_wait_in_layers']:.2f} x one layer's forward "
@@ -66,6 +84,31 @@ def run(args: argparse.Namespace) -> int:
               f"{healer['heal_steps_abandoned']} abandoned to let the foreground run")
     sys.stdout.flush()
     return 0
+
+
+def _append_only(args: argparse.Namespace, backend: Any) -> int:
+    from ..eval.append_flow import run_append_flow
+    from ..eval.window_bench import _chunks
+
+    flow = run_append_flow(
+        backend, _chunks(backend, args.append_chunks, args.chunk_tokens),
+        policies=tuple(p.strip() for p in args.append_policies.split(",") if p.strip()), rank=args.rank,
+    )
+    if args.json:
+        print(json.dumps({"model": backend.name, "device": str(backend.device), "threads": torch.get_num_threads(),
+                          "append_flow": [r.as_dict() for r in flow]}, sort_keys=True))
+        return 0
+    print(f"window-bench --append-only: {backend.name} on {backend.device} ({torch.get_num_threads()} threads)")
+    _print_flow(args, flow)
+    return 0
+
+
+def _print_flow(args: argparse.Namespace, flow: list[Any]) -> None:
+    for r in flow:
+        print(f"  append-only flow, {r.appends} x {args.chunk_tokens} tokens, policy={r.policy}: "
+              f"{r.forwards_per_append:g} forwards/append vs prefix cache {r.prefix_forwards_per_append:g} "
+              f"(x{r.forward_ratio:.2f}); {r.ms_per_append:.1f} ms vs {r.prefix_ms_per_append:.1f} ms per append "
+              f"(x{r.wall_ratio:.2f}, median of appends 2..{r.appends}; the first ran {r.first_forwards})")
 
 
 def _print_steps(steps: list[Any]) -> None:

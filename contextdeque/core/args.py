@@ -74,7 +74,10 @@ def check_instance(name: str, value: Any, types: type | tuple[type, ...], what: 
     return value
 
 
-def check_token_ids(name: str, value: Any, vocab_size: int | None, *, error: type[ArgumentError] = ArgumentError) -> torch.Tensor:
+def check_token_ids(
+    name: str, value: Any, vocab_size: int | None, *, error: type[ArgumentError] = ArgumentError,
+    empty_error: type[Exception] | None = None,
+) -> torch.Tensor:
     """``value`` (a sequence of ints or an integer tensor) as a 1-D int64 CPU tensor of ids in
     ``[0, vocab_size)``: floats, strings, nested lists, 2-D tensors and empty input are refused."""
     if not isinstance(value, torch.Tensor) and hasattr(value, "__array__") and hasattr(value, "dtype"):
@@ -93,7 +96,7 @@ def check_token_ids(name: str, value: Any, vocab_size: int | None, *, error: typ
                 raise ArgumentTypeError(f"{name}[{i}] must be an int token id, got {type_name(x)} {_short(x)}")
         ids = torch.tensor([int(x) for x in value], dtype=torch.long) if len(value) else torch.zeros(0, dtype=torch.long)
     if ids.numel() == 0:
-        raise error(f"{name} is empty: a chunk needs at least one token")
+        raise (empty_error or error)(f"{name} is empty: a chunk needs at least one token")
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or (vocab_size is not None and hi >= vocab_size):
         bad = lo if lo < 0 else hi

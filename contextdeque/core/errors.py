@@ -121,6 +121,10 @@ class WindowError(ContextDequeError, ValueError):
     """A window operation was asked something impossible (unknown ref, wrong reorder set, budget)."""
 
 
+class WindowTypeError(WindowError, ArgumentTypeError):
+    """A window argument has the wrong Python type (a ``WindowError`` and a ``TypeError``)."""
+
+
 class UnknownRefError(WindowError, KeyError):
     """The chunk reference is unknown to this window, or was evicted and purged."""
 

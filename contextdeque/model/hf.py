@@ -17,7 +17,8 @@ from typing import Any, Sequence
 import torch
 
 from ..core.chunk import Chunk, check_representable, chunk_id, digest, storage_dtype
-from ..core.errors import EmptyChunkError, FingerprintMismatchError, ModelLoadError
+from ..core.args import check_instance, check_str, check_token_ids
+from ..core.errors import ArgumentError, EmptyChunkError, FingerprintMismatchError, ModelLoadError
 from ..core.layout import KVLayout, register_layout
 from ..core.kv import LayerKV
 from ..core.operator import to_content_frame
@@ -52,7 +53,7 @@ class EncodeInputs:
     chunk_id: str
 
 
-FINGERPRINT_SCHEME = "2"
+FINGERPRINT_SCHEME = "3"
 """Version of :func:`model_fingerprint`'s definition (part of cached fingerprints' keys)."""
 
 _FINGERPRINTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[tuple[int, int], ...], str]]" = (
@@ -72,10 +73,16 @@ def hash_weights(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     h.update(f"scheme:{FINGERPRINT_SCHEME}|".encode())
     h.update(model.config.to_json_string(use_diff=False).encode())
+    seen: dict[tuple, str] = {}
     with torch.no_grad():
         for name, p in sorted(model.state_dict().items()):
             t = p.detach()
             h.update(f"|{name}{tuple(t.shape)}{t.dtype}|".encode())
+            ident = (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if t.numel() and ident in seen:  # a tied weight (e.g. lm_head = embed_tokens): hashed once
+                h.update(f"=alias:{seen[ident]}".encode())
+                continue
+            seen[ident] = name
             if t.numel():
                 t = t.to("cpu").contiguous()
                 h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
@@ -324,9 +331,17 @@ class HFBackend:
         dt = storage_dtype(storage)
         ids_t: torch.Tensor | None = None
         if text is not None:
+            check_str("text", text)
             ids_t = torch.tensor(self.tokenize(text), dtype=torch.long)
         elif token_ids is not None:
-            ids_t = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+            ids_t = check_token_ids("token_ids", token_ids, self.vocab_size, empty_error=EmptyChunkError)
+        else:
+            check_instance("embeds", embeds, torch.Tensor, "a [T, hidden] float tensor")
+            if not embeds.is_floating_point() or embeds.dim() != 2 or embeds.shape[1] != self.embed_dim:
+                raise ArgumentError(
+                    f"embeds must be a float [T, {self.embed_dim}] tensor (the model's embedding width), "
+                    f"got {embeds.dtype} {tuple(embeds.shape)}"
+                )
         n = int(ids_t.numel()) if ids_t is not None else int(embeds.shape[0])
         if n == 0:
             raise EmptyChunkError("cannot encode an empty chunk")

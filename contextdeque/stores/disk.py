@@ -3,7 +3,12 @@
 Layout of the directory (nothing else is kept, so all state is recomputable from it):
 - ``<sha256(key)>.safetensors``: one entry; key, priority and checksums in the header;
   the file's mtime is its recency stamp (set explicitly, in ns, on put and get);
-- ``<sha256(key)>.<pid>.pin``: process ``pid`` pins the entry (ignored once pid is dead);
+- ``<sha256(key)>.<holder>.pin``: a *lease*: one tier instance pins the entry. ``holder`` is
+  ``<pid>-<process start>-<host>-<nonce>``: a lease on this host lasts while that very process
+  lives (pid alive *and* the same start time, so a recycled pid does not keep it); a lease from
+  another host (a shared network directory) lasts while its holder renews it within
+  ``lease_ttl_s`` (or forever when no TTL is set). Dead holders' leases are removed by the next
+  eviction or ``clean_temp``. (A bare ``<pid>`` holder, the older form, follows pid liveness.)
 - ``.tmp-<pid>-<random>.part``: a write in progress (removed when its writer is dead);
 - ``.lock``: the `filelock` lock serializing commits, evictions, pins and deletes.
 
@@ -19,7 +24,9 @@ import contextlib
 import hashlib
 import os
 import secrets
+import socket
 import threading
+import weakref
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -82,6 +89,59 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _proc_stat(pid: int) -> tuple[str, str]:
+    """``(state, start time in clock ticks since boot)`` of process ``pid`` from /proc; ``("", "")``
+    where /proc is not there or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return "", ""
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return (fields[0], fields[19]) if len(fields) > 19 else ("", "")
+
+
+def _proc_start(pid: int) -> str:
+    return _proc_stat(pid)[1]
+
+
+_HOST_ID: str | None = None
+
+
+def host_id() -> str:
+    """12 hex chars naming this host *and boot* (hostname + kernel boot id): leases of a host
+    that rebooted are the leases of dead processes."""
+    global _HOST_ID
+    if _HOST_ID is None:
+        boot = ""
+        with contextlib.suppress(OSError):
+            boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        _HOST_ID = hashlib.sha256(f"{socket.gethostname()}\0{boot}".encode()).hexdigest()[:12]
+    return _HOST_ID
+
+
+def holder_alive(holder: str, mtime: float, lease_ttl_s: float | None, now: float | None = None) -> bool:
+    """Whether the lease ``holder`` (see the module docstring) still holds.
+
+    Same host: the process lives and started when the lease says. Another host: its holder
+    renewed it (the marker's mtime) within ``lease_ttl_s``; without a TTL it always holds."""
+    parts = holder.split("-")
+    if not parts[0].isdigit():
+        return False
+    pid = int(parts[0])
+    if len(parts) < 3 or parts[2] == host_id():
+        if not _pid_alive(pid):
+            return False
+        state, now_start = _proc_stat(pid)
+        if state in ("Z", "X"):  # killed, not yet reaped: dead
+            return False
+        start = parts[1] if len(parts) > 1 else ""
+        return not start or not now_start or start == now_start  # a recycled pid started later
+    if lease_ttl_s is None:
+        return True
+    return (time.time() if now is None else now) - mtime < lease_ttl_s
+
+
 def key_digest(key: str) -> str:
     """The 64-hex file stem of ``key`` (any key string maps to a safe file name)."""
     if not isinstance(key, str):
@@ -110,6 +170,10 @@ class DiskTier(Tier):
         fsync: fsync files and the directory on commit (durability across power loss).
         lock_timeout: seconds to wait for the directory lock before raising `StoreError`.
         stale_tmp_s: at construction, remove temp files of dead writers older than this.
+        lease_ttl_s: how long a pin (lease) from *another host* holds without renewal (None:
+            until its holder unpins it). With a TTL, this tier renews its own leases every
+            ``lease_ttl_s / 3`` in a background thread. Leases on this host follow their
+            process's liveness whatever the TTL.
 
     Raises:
         StorePermissionError: the directory cannot be created, read or written.
@@ -129,9 +193,17 @@ class DiskTier(Tier):
         fsync: bool = True,
         lock_timeout: float = 60.0,
         stale_tmp_s: float = 300.0,
+        lease_ttl_s: float | None = None,
     ) -> None:
         super().__init__(name=name, budget_bytes=budget_bytes, policy=policy)
+        if lease_ttl_s is not None and not (isinstance(lease_ttl_s, (int, float)) and lease_ttl_s > 0):
+            raise ValueError(f"lease_ttl_s must be a positive number of seconds or None, got {lease_ttl_s!r}")
         self.path = Path(path).expanduser()
+        self.lease_ttl_s = None if lease_ttl_s is None else float(lease_ttl_s)
+        self._holder_pid = -1
+        self._holder_name = ""
+        self._renewer: threading.Thread | None = None
+        self._leased: set[str] = set()
         self.fsync = fsync
         self._lock_timeout = lock_timeout
         try:
@@ -200,8 +272,8 @@ class DiskTier(Tier):
         finally:
             os.close(fd)
 
-    def _scan(self) -> tuple[list[_FileInfo], dict[str, list[tuple[Path, int]]], list[Path]]:
-        """(entry files, pin markers by stem -> [(path, pid)], temp files) in the directory."""
+    def _scan(self) -> tuple[list[_FileInfo], dict[str, list[tuple[Path, str]]], list[Path]]:
+        """(entry files, lease markers by stem -> [(path, holder)], temp files) in the directory."""
         files: list[_FileInfo] = []
         pins: dict[str, list[tuple[Path, int]]] = {}
         temps: list[Path] = []
@@ -217,17 +289,22 @@ class DiskTier(Tier):
                         continue
                     files.append(_FileInfo(n[:_HASH_LEN], Path(de.path), st.st_size, st.st_mtime_ns, st.st_ino))
                 elif n.endswith(PIN_SUFFIX):
-                    stem, _, pid = n[: -len(PIN_SUFFIX)].partition(".")
-                    if len(stem) == _HASH_LEN and pid.isdigit():
-                        pins.setdefault(stem, []).append((Path(de.path), int(pid)))
+                    stem, _, holder = n[: -len(PIN_SUFFIX)].partition(".")
+                    if len(stem) == _HASH_LEN and holder.split("-")[0].isdigit():
+                        pins.setdefault(stem, []).append((Path(de.path), holder))
         return files, pins, temps
 
-    def _live_pinned(self, pins: dict[str, list[tuple[Path, int]]]) -> set[str]:
-        """Stems pinned by a live process; stale markers (dead pids) are removed. Lock held."""
+    def _live_pinned(self, pins: dict[str, list[tuple[Path, str]]]) -> set[str]:
+        """Stems leased by a live holder; dead holders' leases are removed. Lock held."""
         live: set[str] = set()
+        now = time.time()
         for stem, markers in pins.items():
-            for p, pid in markers:
-                if _pid_alive(pid):
+            for p, holder in markers:
+                try:
+                    mtime = p.stat().st_mtime
+                except FileNotFoundError:
+                    continue
+                if holder_alive(holder, mtime, self.lease_ttl_s, now):
                     live.add(stem)
                 else:
                     with contextlib.suppress(FileNotFoundError):
@@ -517,10 +594,84 @@ class DiskTier(Tier):
         except (OSError, CorruptEntryError):
             return 0
 
+    @property
+    def holder(self) -> str:
+        """This tier instance's lease holder name (``<pid>-<start>-<host>-<nonce>``; a forked child
+        gets its own)."""
+        pid = os.getpid()
+        if pid != self._holder_pid:
+            self._holder_pid = pid
+            self._holder_name = f"{pid}-{_proc_start(pid)}-{host_id()}-{secrets.token_hex(4)}"
+            self._renewer = None
+            self._leased = set()  # a forked child holds none of its parent's leases
+        return self._holder_name
+
+    def _marker(self, stem: str) -> Path:
+        return self.path / f"{stem}.{self.holder}{PIN_SUFFIX}"
+
     def _pin_locked(self, stem: str) -> None:
-        marker = self.path / f"{stem}.{os.getpid()}{PIN_SUFFIX}"
-        with open(marker, "a"):
+        with open(self._marker(stem), "a"):
             pass
+        self._touch_marker(self._marker(stem))
+        if self.lease_ttl_s is not None and self._renewer is None:
+            self._renewer = _start_renewer(self)
+
+    @staticmethod
+    def _touch_marker(p: Path) -> None:
+        with contextlib.suppress(OSError):
+            os.utime(p)
+
+    def renew_leases(self) -> int:
+        """Renew this instance's leases (their mtime is the renewal time); returns how many."""
+        n = 0
+        suffix = f".{self.holder}{PIN_SUFFIX}"
+        with os.scandir(self.path) as it:
+            for de in it:
+                if de.name.endswith(suffix):
+                    self._touch_marker(Path(de.path))
+                    n += 1
+        return n
+
+    def lease(self, keys: "list[str] | tuple[str, ...]") -> None:
+        """Hold ``keys`` for this process (stored here or not yet: a window's entry may be
+        demoted into this directory later) until `unlease`: no process sharing the directory
+        evicts them while this process lives (see the module docstring). Separate from `pin`."""
+        holder = self.holder + "L"  # first: a forked child starts with no leases
+        keys = [k for k in keys if k not in self._leased]
+        if not keys:
+            return
+        with self._locked():
+            for key in keys:
+                marker = self.path / f"{key_digest(key)}.{holder}{PIN_SUFFIX}"
+                with open(marker, "a"):
+                    pass
+                self._leased.add(key)
+        if self.lease_ttl_s is not None and self._renewer is None:
+            self._renewer = _start_renewer(self)
+
+    def unlease(self, keys: "list[str] | tuple[str, ...]") -> None:
+        """Let go of this process's leases on ``keys``."""
+        holder = self.holder + "L"
+        keys = [k for k in keys if k in self._leased]
+        if not keys:
+            return
+        with self._locked():
+            for key in keys:
+                with contextlib.suppress(FileNotFoundError):
+                    (self.path / f"{key_digest(key)}.{holder}{PIN_SUFFIX}").unlink()
+                self._leased.discard(key)
+
+    def leased(self) -> set[str]:
+        """Keys this tier instance leases."""
+        return set(self._leased)
+
+    def live_leases(self) -> dict[str, list[str]]:
+        """Live leases and pins of every holder: entry file stem -> holders (dead holders'
+        leases are removed)."""
+        with self._locked():
+            _, pins, _ = self._scan()
+            live = self._live_pinned(pins)
+            return {stem: [h for p, h in pins[stem] if p.exists()] for stem in live}
 
     def pin(self, key: str) -> bool:
         with self._locked():
@@ -530,7 +681,7 @@ class DiskTier(Tier):
             return True
 
     def unpin(self, key: str) -> bool:
-        marker = self.path / f"{key_digest(key)}.{os.getpid()}{PIN_SUFFIX}"
+        marker = self._marker(key_digest(key))
         with self._locked():
             try:
                 marker.unlink()
@@ -539,7 +690,7 @@ class DiskTier(Tier):
             return True
 
     def is_pinned(self, key: str) -> bool:
-        """Whether any live process pins ``key``."""
+        """Whether any live holder (this process or another) leases ``key``."""
         stem = key_digest(key)
         with self._locked():
             _, pins, _ = self._scan()
@@ -601,3 +752,24 @@ class DiskTier(Tier):
             return parse_header(data, len(data), str(fi.path))[1].key
         except CorruptEntryError:
             return "\0unreadable"
+
+
+def _start_renewer(tier: DiskTier) -> threading.Thread:
+    """A daemon thread renewing ``tier``'s leases every ``lease_ttl_s / 3`` while the tier lives."""
+    ref = weakref.ref(tier)
+    period = float(tier.lease_ttl_s or 1.0) / 3.0
+    pid = os.getpid()
+
+    def run() -> None:
+        stop = threading.Event()
+        while not stop.wait(period):
+            t = ref()
+            if t is None or os.getpid() != pid:
+                return
+            with contextlib.suppress(OSError):
+                t.renew_leases()
+            del t
+
+    th = threading.Thread(target=run, name=f"disk-lease-renewer-{tier.name}", daemon=True)
+    th.start()
+    return th

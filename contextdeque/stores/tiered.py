@@ -63,6 +63,7 @@ class TieredStore:
         self._tiers = tiers
         self.write_through = write_through
         self._pins: set[str] = set()
+        self._leased: set[str] = set()  # keys this process holds (see `lease`)
         self._lock = threading.RLock()
         self.last_traffic = TierTraffic()
         self.total_traffic = TierTraffic()
@@ -339,16 +340,30 @@ class TieredStore:
 
     def lease(self, keys: "list[str] | tuple[str, ...]") -> None:
         """Tell the shared tiers this process holds ``keys`` (see `Tier.lease`); local tiers
-        are untouched (a lease is not a pin: it never blocks local eviction)."""
-        for t in self._tiers:
-            if t.remote:
-                t.lease(list(keys))
+        are untouched (a lease is not a pin: it never blocks local eviction). A remote tier
+        (`ValkeyTier`) leases them at once, stored or not; a `DiskTier` leases those it holds now
+        and, while they stay leased, any that is written into it later (spill, demotion,
+        promotion, write-through): a directory only other processes' budgets can evict from
+        needs the lease only while it holds the entry, and the window pays no file I/O for
+        entries that live in memory."""
+        keys = list(keys)
+        with self._lock:
+            self._leased.update(keys)
+            for t in self._tiers:
+                if t.remote:
+                    t.lease(keys)
+                else:
+                    here = [k for k in keys if t.contains(k)]
+                    if here:
+                        t.lease(here)
 
     def unlease(self, keys: "list[str] | tuple[str, ...]") -> None:
         """Undo `lease` for ``keys``."""
-        for t in self._tiers:
-            if t.remote:
-                t.unlease(list(keys))
+        keys = list(keys)
+        with self._lock:
+            self._leased.difference_update(keys)
+            for t in self._tiers:
+                t.unlease(keys)
 
     def is_pinned(self, key: str) -> bool:
         """Whether ``key`` is pinned by this store."""
@@ -362,6 +377,8 @@ class TieredStore:
     ) -> None:
         """Put into tier ``j`` and spill its victims down (StoreCapacityError propagates)."""
         tier = self._tiers[j]
+        if key in self._leased and not tier.remote:
+            tier.lease([key])  # before it lands: no other process evicts it in between
         res = tier.put(
             key, entry, pinned=pinned, priority=priority,
             keep_evicted=j + 1 < len(self._tiers), copy=copy,

@@ -837,7 +837,8 @@ class ValkeyTier(Tier):
         holds a chunk whose canonical may be written later): taken now in one round trip, renewed
         every ``lease_s / 3`` while this tier holds them, and taken then if the server is away
         now. A lease on an absent entry is a short-lived marker, harmless."""
-        keys = [k for k in keys if k not in self.leased()]
+        with self._lock:
+            keys = [k for k in keys if k not in self._leases]
         if not keys:
             return
         self._hold_leases(keys)

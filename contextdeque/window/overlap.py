@@ -125,6 +125,9 @@ def extend_body(
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise WindowError(f"workers must be an int >= 1, got {workers!r}")
     plans = [_plan(win, meter, it) for it in items]
+    # overflow="error": refuse before anything is encoded or loaded
+    if ctx.overflow == "error" and plans:
+        ingest.check_fits(ctx, sum(p.n_tokens for p in plans), state.tokens_used)
     store = ctx.store.store
     expect = {"expect_fingerprint": ctx.fingerprint, "expect_layout": ctx.layout.signature}
     futures: dict[int, Any] = {}

@@ -90,6 +90,17 @@ class SlotModel(_Model):
     version: str  # the slot's version when saved (under the saved refs)
 
 
+class SourceModel(_Model):
+    """An evicted chunk's inputs (re-encoded from them if its canonical is gone): tensors
+    ``<prefix>/<name>``."""
+
+    prefix: str
+    chunk_id: str
+    tensors: list[str]
+    span: int
+    modality: str
+
+
 class EvictedModel(_Model):
     ref: int
     chunk_key: str
@@ -100,6 +111,7 @@ class EvictedModel(_Model):
     formed_on: list[TagModel] = []
     provisional: int | None = None  # chunk index: left before its canonical was computed
     canonical: int | None = None  # chunk index of its canonical (None: not in the store when saved)
+    source: SourceModel | None = None
 
 
 class RefModel(_Model):
@@ -198,15 +210,6 @@ def policy_spec(policy: Any) -> str:
     return getattr(policy, "name", "") or "default"
 
 
-def _label(ref: ChunkRef) -> str | None:
-    return getattr(ref, "label", None)
-
-
-def _fresh_ref(saved: RefModel) -> ChunkRef:
-    ref = new_ref(saved.chunk_id, saved.n_tokens)
-    if saved.label is not None and any(f.name == "label" for f in dataclasses.fields(ChunkRef)):
-        ref = dataclasses.replace(ref, label=saved.label)
-    return ref
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -290,7 +293,7 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
     refs: dict[int, RefModel] = {}
 
     def note_ref(ref: ChunkRef) -> None:
-        refs.setdefault(ref.key, RefModel(key=ref.key, chunk_id=ref.chunk_id, n_tokens=ref.n_tokens, label=_label(ref)))
+        refs.setdefault(ref.key, RefModel(key=ref.key, chunk_id=ref.chunk_id, n_tokens=ref.n_tokens, label=ref.label))
 
     slots = []
     for s in state.slots:
@@ -316,11 +319,19 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
                 canonical = tables.chunk(Chunk.from_entry(dict(found.tensors), dict(found.meta)), provisional=False)
             else:
                 meter.notes.append(f"{ref!r}: canonical not in the store; saved without it")
+        source = None
+        if e.source is not None:
+            prefix = f"s{len(evicted)}"
+            named = {n: e.source.get(n) for n in ("token_ids", "embeds", "rel_positions") if e.source.get(n) is not None}
+            for n, tensor in named.items():
+                tables.tensors[f"{prefix}/{n}"] = tensor
+            source = SourceModel(prefix=prefix, chunk_id=e.chunk_id, tensors=sorted(named), span=int(e.source["span"]),
+                                 modality=str(e.source.get("modality") or "text"))
         evicted.append(EvictedModel(
             ref=ref.key, chunk_key=e.chunk_key, chunk_id=e.chunk_id, n_tokens=e.n_tokens, span=e.span,
             stale_patch_keys=list(e.stale_patch_keys), formed_on=_tags(e.formed_on),
             provisional=None if e.provisional is None else tables.chunk(e.provisional, provisional=True),
-            canonical=canonical,
+            canonical=canonical, source=source,
         ))
     g = state.graph.g
     nodes, edges = [], []
@@ -466,7 +477,7 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
                 ctx.store.put_patch(cm.key, patches[cm.patch], traffic=meter.traffic)
 
     # Fresh refs (same order, same labels); versions recomputed under them, dependencies first.
-    new_refs = {r.key: _fresh_ref(r) for r in m.refs}
+    new_refs = {r.key: new_ref(r.chunk_id, r.n_tokens, r.label) for r in m.refs}
 
     def ref(key: int) -> ChunkRef:
         try:
@@ -510,11 +521,19 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
     def version_of(key: int, v: str | None) -> str | None:
         return new_version[key] if key in in_window and v == saved_version[key] else v
 
+    def _source(sm: SourceModel) -> dict[str, Any]:
+        named = {n: tensors[f"{sm.prefix}/{n}"] for n in sm.tensors if f"{sm.prefix}/{n}" in tensors}
+        if "rel_positions" not in named:
+            raise SessionError(f"session {path}: source {sm.prefix} lacks rel_positions")
+        return {"token_ids": named.get("token_ids"), "embeds": named.get("embeds"), "rel_positions": named["rel_positions"],
+                "span": sm.span, "modality": sm.modality}
+
     for e in m.evicted:
         state.evicted[ref(e.ref)] = EvictedEntry(
             ref=ref(e.ref), chunk_key=e.chunk_key, chunk_id=e.chunk_id, n_tokens=e.n_tokens, span=e.span,
             stale_patch_keys=tuple(e.stale_patch_keys), formed_on=tuple(tag(x) for x in e.formed_on),
             provisional=None if e.provisional is None else chunks[e.provisional],
+            source=None if e.source is None else _source(e.source),
         )
     state.pending = {ref(p.ref): Pending(reason=p.reason, since=p.since) for p in m.pending}
     g = nx.DiGraph()
@@ -524,7 +543,7 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
         g.add_edge(ref(e.src), ref(e.dst), version=version_of(e.src, e.version))
     state.graph = ConditioningGraph(g)
     state.generation = m.generation
-    ctx.store.hold(list(state.held_keys().elements()), meter.traffic)
+    meter.notes.extend(ctx.store.hold(list(state.held_keys().elements()), meter.traffic))
     win._state = state
     s = m.receipts
     meter.notes.append(

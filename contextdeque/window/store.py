@@ -2,8 +2,11 @@
 
 Canonicals and patches live in the store, content-addressed (``chunk_key`` / ``patch_key``).
 While any window (or fork) holds a chunk in its slots, its canonical and patches stay in the
-fastest tier; when the last holder lets go (evict, slide), they are *demoted* one tier down
-(device -> host -> disk), never dropped by the window.
+fastest tier, and are *leased* in the tiers other processes share (a ``DiskTier`` directory, a
+Valkey server): no process's budget evicts a leased entry there, and a dead holder's leases
+lapse (see ``DiskTier`` and ``ValkeyTier``). When the last holder lets go (evict, slide), the
+leases go and the entries are *demoted* one tier down (device -> host -> disk), never dropped by
+the window.
 """
 
 from __future__ import annotations
@@ -12,23 +15,139 @@ import weakref
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Iterable
 
+if TYPE_CHECKING:  # pragma: no cover
+    import os
+    from pathlib import Path
+
 import torch
 
 from ..core.chunk import Chunk
-from ..core.errors import ArgumentTypeError, CollisionError, StoreError
+from ..core.errors import ArgumentTypeError, CollisionError, StoreConfigError, StoreError
 from ..patch import Patch
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.vision import ImageEmbedding
 
-from ..stores import HostTier, MemoryTier, StoreEntry, Tier, TieredStore, TierTraffic, chunk_key, embeds_key
+from ..stores import DiskTier, HostTier, MemoryTier, StoreEntry, Tier, TieredStore, TierTraffic, chunk_key, embeds_key
 from ..stores.traffic import recording
 
 _ADAPTERS: "weakref.WeakKeyDictionary[TieredStore, WindowStore]" = weakref.WeakKeyDictionary()
 
 
-def default_store(device: torch.device | str) -> TieredStore:
-    """Two unbounded in-memory tiers: ``device`` (where the model runs) and ``host`` (CPU)."""
-    return TieredStore([MemoryTier(device, None, name="device"), HostTier(None, name="host")])
+MEMORY_BUDGET_ENV = "CONTEXTDEQUE_MEMORY_BUDGET"
+"""The default store's memory budget: bytes (``"536870912"``, ``"512MiB"``, ``"2GB"``) or a share of
+the machine's RAM (``"10%"``)."""
+DISK_BUDGET_ENV = "CONTEXTDEQUE_DISK_BUDGET"
+"""The default store's disk budget (same forms; a percentage is of the free space)."""
+STORE_DIR_ENV = "CONTEXTDEQUE_STORE_DIR"
+"""Where the default store's disk tier lives (default: ``<cache dir>/store``, per user)."""
+DEFAULT_MEMORY_FRACTION = 0.10  # of RAM
+DEFAULT_DEVICE_FRACTION = 0.25  # of an accelerator's memory
+DEFAULT_DISK_BYTES = 8 << 30  # at most, and at most a quarter of the free space
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_bytes(spec: int | float | str, of: int | None = None, what: str = "budget") -> int:
+    """Bytes from ``spec``: an int, ``"512MiB"`` / ``"2GB"`` / ``"123"``, or ``"10%"`` of ``of``.
+
+    Raises:
+        StoreConfigError: anything else (the message names ``what``)."""
+    import re
+
+    if isinstance(spec, bool):
+        raise StoreConfigError(f"{what} must be bytes or a size like '512MiB' or '10%', got {spec!r}")
+    if isinstance(spec, (int, float)):
+        n = float(spec)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(%|[a-zA-Z]*)\s*", str(spec))
+        if m is None or (m.group(2) != "%" and m.group(2).lower() not in _UNITS):
+            raise StoreConfigError(f"{what} must be bytes or a size like '512MiB' or '10%', got {spec!r}")
+        if m.group(2) == "%":
+            if of is None:
+                raise StoreConfigError(f"{what}: a percentage needs a total to take it of, got {spec!r}")
+            n = float(m.group(1)) / 100.0 * of
+        else:
+            n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not n >= 0:
+        raise StoreConfigError(f"{what} must be >= 0, got {spec!r}")
+    return int(n)
+
+
+def machine_memory() -> int:
+    """Physical RAM in bytes (0 where the platform does not say)."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def default_memory_budget() -> int:
+    """The default store's memory budget: ``$CONTEXTDEQUE_MEMORY_BUDGET``, else 10% of RAM."""
+    import os
+
+    ram = machine_memory()
+    spec = os.environ.get(MEMORY_BUDGET_ENV)
+    if spec:
+        return parse_bytes(spec, ram, MEMORY_BUDGET_ENV)
+    return int(DEFAULT_MEMORY_FRACTION * ram) if ram else 1 << 30
+
+
+def default_store_dir() -> "Path":
+    """``$CONTEXTDEQUE_STORE_DIR``, else ``<contextdeque cache dir>/store`` (per user)."""
+    import os
+    from pathlib import Path
+
+    from ..model.default_model import default_cache_dir
+
+    env = os.environ.get(STORE_DIR_ENV)
+    return Path(env).expanduser() if env else default_cache_dir() / "store"
+
+
+def default_store(
+    device: torch.device | str,
+    *,
+    memory_budget: int | str | None = None,
+    disk_budget: int | str | None = None,
+    disk_dir: "str | os.PathLike[str] | None" = None,
+    disk: bool = True,
+) -> TieredStore:
+    """The store a window gets when given none: bounded memory that spills to disk.
+
+    Tiers: ``device`` (where the model runs), ``host`` (CPU RAM), ``disk`` (a ``DiskTier`` in the
+    per-user cache directory, shared by the user's processes through leases). The memory budget
+    (``memory_budget``, else ``$CONTEXTDEQUE_MEMORY_BUDGET``, else 10% of RAM) bounds the RAM the
+    store keeps: on a CPU model the device and host tiers share it half and half; on an
+    accelerator the device tier gets 25% of its memory and the host tier the whole budget.
+    Entries the memory tiers evict spill to disk; entries the disk budget (``disk_budget``, else
+    ``$CONTEXTDEQUE_DISK_BUDGET``, else min(8 GiB, 25% of the free space)) evicts are dropped, and
+    a window recalling such a chunk re-encodes it from its source (one forward, in the receipt).
+    Entries windows hold are pinned (leased): no budget evicts them. ``disk=False``: memory
+    tiers only (what overflows the budget is dropped).
+    """
+    import os
+    import shutil
+
+    dev = torch.device(device)
+    mem = default_memory_budget() if memory_budget is None else parse_bytes(memory_budget, machine_memory(), "memory_budget")
+    if dev.type == "cpu":
+        tiers: list[Tier] = [MemoryTier(dev, mem // 2, name="device"), HostTier(mem - mem // 2, name="host")]
+    else:
+        total = 0
+        if dev.type == "cuda" and torch.cuda.is_available():
+            total = int(torch.cuda.get_device_properties(dev).total_memory)
+        dev_budget = int(DEFAULT_DEVICE_FRACTION * total) if total else mem
+        tiers = [MemoryTier(dev, dev_budget, name="device"), HostTier(mem, name="host")]
+    if disk:
+        path = default_store_dir() if disk_dir is None else disk_dir
+        spec = disk_budget if disk_budget is not None else os.environ.get(DISK_BUDGET_ENV)
+        os.makedirs(path, exist_ok=True)
+        free = shutil.disk_usage(path).free
+        budget = min(DEFAULT_DISK_BYTES, free // 4) if spec is None else parse_bytes(spec, free, "disk_budget")
+        tiers.append(DiskTier(path, budget, fsync=False, name="disk"))
+    return TieredStore(tiers)
 
 
 class WindowStore:
@@ -43,6 +162,9 @@ class WindowStore:
         self._holds: Counter[str] = Counter()
         #: keys released by every holder whose demotion a store fault refused (retried on release)
         self._undemoted: set[str] = set()
+        # keys an operation in progress looked up or wrote: leased at once, so no other process
+        # evicts them between the lookup and the operation's end (when held keys are leased)
+        self._in_flight: set[str] = set()
         #: (kind, tier that served it or "miss") -> lookups, kind in chunk / patch / embeds
         self.lookups: Counter[tuple[str, str]] = Counter()
 
@@ -90,6 +212,7 @@ class WindowStore:
         A copy failing verification is quarantined (``traffic.quarantined``) and the next tier's
         copy served, or None: the window then rebuilds it from its source.
         Raises FingerprintMismatchError for an entry another model or layout wrote."""
+        self._lease_in_flight(key, traffic)
         entry = self.store.get(key, expect_fingerprint=fingerprint, expect_layout=layout, corrupt_ok=True, traffic=traffic)
         self._count("chunk", traffic)
         if entry is None:
@@ -100,6 +223,7 @@ class WindowStore:
         """Store ``chunk`` (a no-op when already there); returns its key."""
         key = self.chunk_key(chunk)
         tensors, meta = chunk.to_entry()
+        self._lease_in_flight(key, traffic)
         self.store.put(key, StoreEntry(tensors, meta), traffic=traffic)
         return key
 
@@ -118,6 +242,7 @@ class WindowStore:
 
     # ------------------------------------------------------------------ patches
     def get_patch(self, key: str, *, fingerprint: str, traffic: TierTraffic) -> Patch | None:
+        self._lease_in_flight(key, traffic)
         entry = self.store.get(key, expect_fingerprint=fingerprint, corrupt_ok=True, traffic=traffic)
         self._count("patch", traffic)
         if entry is None:
@@ -129,6 +254,7 @@ class WindowStore:
         take it (a collision, a read-only or full tier) the window goes on with the patch it has
         in hand; returns why it was not (fully) stored, else None."""
         tensors, meta = patch.to_entry()
+        self._lease_in_flight(key, traffic)
         try:
             self.store.put(key, StoreEntry(tensors, meta), traffic=traffic)
         except CollisionError:
@@ -145,7 +271,7 @@ class WindowStore:
         leased in the shared tiers (`TieredStore.lease`) while any window holds it.
 
         Never raises for a store fault: promotion is best effort (a key a faulty tier cannot
-        promote stays where it is, still held). Returns one line per promotion that failed."""
+        promote stays where it is, still held). Returns one line per promotion or pin that failed."""
         failed: list[str] = []
         first: list[str] = []
         for key in keys:
@@ -182,7 +308,9 @@ class WindowStore:
                 del self._holds[key]
                 self._undemoted.add(key)
                 last.append(key)
-        failed += self._lease(last, traffic, take=False)
+        stale = [k for k in self._in_flight if k not in self._holds]
+        self._in_flight.clear()
+        failed += self._lease(last + [k for k in stale if k not in last], traffic, take=False)
         for key in sorted(self._undemoted):
             try:
                 self.demote(key, traffic)
@@ -191,6 +319,14 @@ class WindowStore:
                 continue
             self._undemoted.discard(key)
         return failed
+
+    def _lease_in_flight(self, key: str, traffic: TierTraffic) -> None:
+        """Lease ``key`` now for the operation in progress (settled by the next ``release``: kept
+        if the operation ended up holding it, else let go)."""
+        if key in self._holds or key in self._in_flight:
+            return
+        self._in_flight.add(key)
+        self._lease([key], traffic, take=True)
 
     def _lease(self, keys: list[str], traffic: TierTraffic, *, take: bool) -> list[str]:
         """Take (or let go of) shared-tier leases on ``keys``; never raises for a store fault (a

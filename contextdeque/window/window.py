@@ -40,7 +40,7 @@ import torch
 
 from ..core.chunk import Chunk, storage_dtype
 from ..core.args import check_float, check_instance, check_int, check_str, check_token_ids
-from ..core.errors import ArgumentTypeError, BudgetError, UnknownRefError, WindowError
+from ..core.errors import BudgetError, UnknownRefError, WindowError, WindowTypeError
 from ..core.kv import LayerKV, kv_nbytes
 from ..patch import Patch, form_patch
 from . import decode, ingest
@@ -82,7 +82,7 @@ def _same_state(old: WindowState, new: WindowState) -> bool:
 def check_refs(name: str, refs: Any) -> list[ChunkRef]:
     """``refs`` as a list of ChunkRefs (a sequence of them; anything else is an ArgumentTypeError)."""
     if isinstance(refs, (str, bytes, ChunkRef)) or not isinstance(refs, (Sequence, tuple, list)):
-        raise ArgumentTypeError(f"{name} must be a sequence of ChunkRefs, got {type(refs).__name__}")
+        raise WindowTypeError(f"{name} must be a sequence of ChunkRefs, got {type(refs).__name__}")
     out = list(refs)
     for i, r in enumerate(out):
         check_instance(f"{name}[{i}]", r, ChunkRef, "a ChunkRef")
@@ -175,7 +175,7 @@ class ContextWindow:
         chunk_template: str = "{text}",
     ) -> None:
         if not all(hasattr(backend, a) for a in ("encode", "forward", "layout", "fingerprint", "root_ids")):
-            raise ArgumentTypeError(
+            raise WindowTypeError(
                 f"backend must be an HFBackend (e.g. contextdeque.load_model()), got {type(backend).__name__}"
             )
         if root is not None:
@@ -185,17 +185,17 @@ class ContextWindow:
                 root = check_token_ids("root", root, backend.vocab_size, error=WindowError).tolist()
         backend = backend_with_root(backend, root)
         if kv_selection is not None and not isinstance(kv_selection, SelectionPolicy):
-            raise ArgumentTypeError(f"kv_selection must be a SelectionPolicy, got {type(kv_selection).__name__}")
+            raise WindowTypeError(f"kv_selection must be a SelectionPolicy, got {type(kv_selection).__name__}")
         if not (isinstance(patch_policy, (str, PatchPolicy))):
-            raise ArgumentTypeError(f"patch_policy must be a policy name or a PatchPolicy, got {type(patch_policy).__name__}")
+            raise WindowTypeError(f"patch_policy must be a policy name or a PatchPolicy, got {type(patch_policy).__name__}")
         if not (isinstance(placement, (str, PlacementPolicy))):
-            raise ArgumentTypeError(f"placement must be a policy name or a PlacementPolicy, got {type(placement).__name__}")
+            raise WindowTypeError(f"placement must be a policy name or a PlacementPolicy, got {type(placement).__name__}")
         check_str("cascade_policy", cascade_policy, error=WindowError)
         check_str("overflow", overflow, error=WindowError)
         if not isinstance(storage, (str, torch.dtype)):
-            raise ArgumentTypeError(f"storage must be a dtype or its name, got {type(storage).__name__}")
+            raise WindowTypeError(f"storage must be a dtype or its name, got {type(storage).__name__}")
         if not isinstance(beyond_trained, bool):
-            raise ArgumentTypeError(f"beyond_trained must be a bool, got {type(beyond_trained).__name__}")
+            raise WindowTypeError(f"beyond_trained must be a bool, got {type(beyond_trained).__name__}")
         ingest.check_template(chunk_template)
         ctx = WindowContext(
             backend=backend,
