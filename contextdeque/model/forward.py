@@ -47,8 +47,9 @@ def cached_kv(out: Any, past_len: int, n_new: int) -> list[LayerKV]:
     if cache is None:
         state = getattr(out, "cache_params", None) or getattr(out, "state", None)
         if state is not None:
+            kinds = sorted({type(l).__name__ for l in getattr(state, "layers", [])}) or [type(state).__name__]
             raise UnsupportedLayoutError(
-                f"the model caches a recurrent state ({type(state).__name__}), not per-token keys and values: "
+                f"the model caches a recurrent state ({', '.join(kinds)}), not per-token keys and values: "
                 "there is nothing a position operator could relocate",
                 reason="recurrent",
             )
