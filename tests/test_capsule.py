@@ -57,7 +57,7 @@ def test_full_retention_reconstructs_exactly(cal, chunk):
     rec = basis.reconstruct(cap)
     assert torch.equal(rec.keys, chunk.keys) and torch.equal(rec.values, chunk.values)
     assert rec.id == chunk.id and rec.meta["capsule_basis"] == basis.id
-    for s in (3, 97, 1000):
+    for s in (3, 97, 400):  # inside the tiny model's 512 trained positions
         got, want = relocate(rec, s), relocate(chunk, s)
         assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
 
@@ -91,10 +91,10 @@ def test_reconstruction_commutes_with_relocation(be, cal, chunk):
     basis = fit_capsule(cal, 0.4)
     cap = basis.compress(chunk)
     rec = basis.reconstruct(cap)
-    for s in (3, 250, 4000):
+    for s in (3, 250, 450):  # inside the tiny model's 512 trained positions
         assert _pairs_equal(basis.relocate(cap, s), relocate(rec, s))
     # reconstruction after relocation: place at s, back to the content frame, compress, reconstruct, place at s2
-    for s, s2 in ((3, 250), (600, 17)):
+    for s, s2 in ((3, 250), (440, 17)):
         page = relocate(chunk, s)
         keys, values = to_content_frame(page, be.layout, chunk.positions(s))
         moved = dataclasses.replace(chunk, keys=keys.to(chunk.storage_dtype), values=values.to(chunk.storage_dtype))
