@@ -493,3 +493,17 @@ def test_load_hf_model_local_dir_and_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="config.json"):
         load_hf_model(tmp_path / "empty")
+
+
+def test_fresh_cache_dequantizes_the_gguf(tmp_path, default_dir, default_gguf, offline_pip):
+    """The path a fresh machine takes: GGUF -> transformers' dequantizing loader -> cached safetensors.
+
+    Every other test reuses the cached copy, so this is the one that catches a missing loader
+    dependency (transformers refuses GGUF files without ``accelerate``)."""
+    built = dm.ensure_default_model(cache_dir=tmp_path, progress=False, model_file=default_gguf)
+    assert built != default_dir and (built / "model.safetensors").is_file()
+    from safetensors.torch import load_file
+
+    fresh, cached = load_file(built / "model.safetensors"), load_file(default_dir / "model.safetensors")
+    assert fresh.keys() == cached.keys()
+    assert all(torch.equal(fresh[k], cached[k]) for k in cached)
