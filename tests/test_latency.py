@@ -89,7 +89,16 @@ def op_fork_reorder(w, refs):
     return child, child.reorder(list(reversed(child.refs)))
 
 
-REREADS = [op_slide, op_evict, op_recall, op_lookback, op_lookback_middle, op_reorder, op_fork_reorder]
+def op_swap_front(w, refs):
+    """A pure permutation of each later slot's antecedents: the eager policy forms orbit patches;
+    the latency stand-ins are blind (their stale patch dropped), and heal must still decide on
+    what they carried before (found by window-bench's fork+reorder row)."""
+    child = w.fork()
+    r = list(child.refs)
+    return child, child.reorder([r[1], r[0], *r[2:]])
+
+
+REREADS = [op_slide, op_evict, op_recall, op_lookback, op_lookback_middle, op_reorder, op_fork_reorder, op_swap_front]
 
 
 @pytest.mark.parametrize("op", REREADS, ids=lambda f: f.__name__[3:])

@@ -117,12 +117,13 @@ def _print_steps(steps: list[Any]) -> None:
 
     table = Table(title="re-read steps: step + first answer token vs re-prefill and prefix cache of the same window")
     for col in ("policy", "step", "fwd", "step ms", "floor ms", "TTFT ms", "re-prefill ms", "x re-prefill",
-                "prefix-cache ms", "x prefix", "KL answer", "KL healed", "heal ms"):
+                "prefix-cache ms", "x prefix", "KL answer", "KL healed", "KL vs eager", "heal ms"):
         table.add_column(col, justify="right" if col not in ("policy", "step") else "left")
     for r in steps:
         table.add_row(
             r.policy, r.step, str(r.forwards), f"{r.step_ms:.2f}", f"{r.floor_ms:.2f}", f"{r.ttft_ms:.0f}",
             f"{r.reprefill_ms:.0f}", f"{r.vs_reprefill:.1f}", f"{r.prefix_cache_ms:.0f}", f"{r.vs_prefix_cache:.1f}",
-            f"{r.kl_answer:.2e}", f"{r.kl_healed:.2e}", f"{r.heal_ms:.0f}",
+            f"{r.kl_answer:.2e}", f"{r.kl_healed:.2e}", "-" if r.kl_vs_eager is None else f"{r.kl_vs_eager:.1e}",
+            f"{r.heal_ms:.0f}",
         )
     Console(width=200).print(table)

@@ -11,14 +11,18 @@ each patch policy and step type:
 - ``reorder``: the window reversed;
 - ``fork+reorder``: ``fork()`` then the child's first two pages swapped (an order no earlier
   step stored a patch for);
-- ``append``: a page never seen before (the budget slides the oldest out).
+- ``append``: a page never seen before (the budget slides the oldest out): the same page for
+  every policy, so the policies' rows compare the same window.
 
 ``ttft``: the step, ``materialize()`` and the question's forward over the window (its last
 logits are the first answer token). ``reprefill``: one forward over root + window + question.
 ``prefix cache``: the forward a prefix cache runs: the tokens after the longest prefix shared
 with the window before the step, attending to that cached prefix. ``kl_answer``: next-token
 KL(re-prefill || window) at answer time; ``kl_healed``: the same after ``heal()`` (latency
-policies; eager windows have nothing to heal). The step's own ``step_ms`` is reported beside
+policies; eager windows have nothing to heal); ``kl_vs_eager``: next-token KL(eager || this
+policy) after healing, both windows having run the same step on the same content (the
+latency-first promise: 0 up to float noise; ``None`` when ``"eager"`` is not among the
+policies). The step's own ``step_ms`` is reported beside
 the floor of the bytes it must place (page bytes ÷ measured copy bandwidth): pages are placed
 lazily, so a re-read step itself is O(chunks) and the rotation is paid once, in ``materialize``.
 """
@@ -50,6 +54,7 @@ class StepRow:
     kl_healed: float
     heal_ms: float
     heal_forwards: int
+    kl_vs_eager: float | None
     deferred: int
     page_mb: float
     floor_ms: float
@@ -137,15 +142,17 @@ def run_steps(
     progress: Callable[[str], None] | None = None,
 ) -> list[StepRow]:
     """Measure every ``steps`` x ``policies`` (see the module doc). ``pages`` needs
-    ``n_pages + 1 + len(steps) * len(policies)`` pages (an old one, the window, fresh appends)."""
+    ``n_pages + 2`` pages (an old one, the window, the page ``append`` adds)."""
     size = len(pages[0])
-    need = n_pages + 1 + len(steps) * len(policies)
+    need = n_pages + 2
     if len(pages) < need:
         raise ValueError(f"need {need} pages, got {len(pages)}")
-    old, window_pages, fresh = pages[0], pages[1 : n_pages + 1], iter(pages[n_pages + 1 :])
+    # every policy appends the same new page: its rows must describe the same window
+    old, window_pages, new_page = pages[0], pages[1 : n_pages + 1], pages[n_pages + 1]
     bandwidth = None
     rows: list[StepRow] = []
-    for policy in policies:
+    eager_healed: dict[str, torch.Tensor] = {}  # step -> the eager window's answer logits
+    for policy in sorted(policies, key=lambda p: p != "eager"):  # eager first: the others compare to it
         # one store per policy: the eager window must not serve the latency one (or back)
         base = ContextWindow(backend, budget_tokens=n_pages * size, rank=rank, patch_policy=policy)
         old_ref = base.append(token_ids=old)
@@ -158,7 +165,6 @@ def run_steps(
                 progress(f"{policy}: {step}")
             win = base.fork()
             before = _window_ids(win) + question
-            new_page = next(fresh) if step == "append" else None
             target = win
             if step == "fork+reorder":
                 target = win.fork()
@@ -187,7 +193,11 @@ def run_steps(
             prefix_ms = _prefix_cache_ms(backend, before, after)
             kl_answer = kl_divergence(ref_logits, logits)
             healed, heal_ms = _timed(target.heal)
-            kl_healed = kl_divergence(ref_logits, _answer_logits(target, question)) if healed.refs else kl_answer
+            healed_logits = _answer_logits(target, question) if healed.refs else logits
+            kl_healed = kl_divergence(ref_logits, healed_logits) if healed.refs else kl_answer
+            if policy == "eager":
+                eager_healed[step] = healed_logits
+            kl_vs_eager = kl_divergence(eager_healed[step], healed_logits) if step in eager_healed else None
             page_bytes = int(receipt.bytes_moved.get("pages", 0))
             if bandwidth is None:
                 bandwidth = copy_bandwidth(max(page_bytes, 1 << 24))
@@ -195,6 +205,7 @@ def run_steps(
                 policy=policy, step=step, forwards=receipt.forwards, step_ms=step_ms, ttft_ms=ttft_ms,
                 reprefill_ms=reprefill_ms, prefix_cache_ms=prefix_ms, kl_answer=kl_answer, kl_healed=kl_healed,
                 heal_ms=heal_ms if healed.refs else 0.0, heal_forwards=healed.forwards,
+                kl_vs_eager=kl_vs_eager,
                 deferred=len(receipt.deferred), page_mb=page_bytes / 1e6,
                 floor_ms=page_bytes / bandwidth * 1000.0,
             ))

@@ -132,9 +132,9 @@ def run_window_bench(
 
     steps, healer = [], None
     if step_policies:
-        from .step_bench import STEPS, healer_interference, run_steps
+        from .step_bench import healer_interference, run_steps
 
-        pages = _chunks(backend, n_chunks + 1 + len(STEPS) * len(step_policies), chunk_tokens)
+        pages = _chunks(backend, n_chunks + 2, chunk_tokens)
         steps = run_steps(backend, pages, _question(backend), policies=step_policies, rank=rank, n_pages=n_chunks)
         healer = healer_interference(backend, pages[:n_chunks], rank=rank)
 

@@ -24,11 +24,12 @@ forward; re-reads (slide, evict, recall, look-back, reorder, fork edits) run non
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..core.errors import WindowError
 from .policy import CLEAR, KEEP, PATCH_POLICIES, Decision, PatchPolicy, make_policy
-from .slot import Slot
+from .ref import ChunkRef
+from .slot import Slot, Tag
 from .staleness import staleness
 
 DEFAULT_STALENESS_BUDGET = 0.5
@@ -91,16 +92,33 @@ class LatencyPolicy(PatchPolicy):
 class HealPolicy(PatchPolicy):
     """What a heal step carries out: the eager policy's decisions, except for provisional slots
     outside the step (they have no canonical yet: they keep their conditioned KV and stay
-    queued). Not registered: built by ``ContextWindow.heal``."""
+    queued). Not registered: built by ``ContextWindow.heal``.
 
-    def __init__(self, eager: PatchPolicy) -> None:
+    ``carried``: for each slot healed, the antecedents its conditioning carried before it was
+    deferred. The eager policy decides on the slot as it was then: a blind stand-in (its stale
+    patch dropped meanwhile) must get the patch the eager policy would have formed for the slot
+    it had, e.g. an orbit patch for a pure permutation rather than a fresh exact one."""
+
+    def __init__(self, eager: PatchPolicy, carried: Mapping[ChunkRef, tuple[Tag, ...]] | None = None) -> None:
         self.eager = eager
         self.regime = eager.regime
+        self.carried = dict(carried or {})
 
     def decide(self, reason: str | None, slot: Slot, prefix: Sequence[Slot], *, valid: bool, rank: int) -> Decision:
         if slot.provisional:
             return KEEP
+        tags = self.carried.get(slot.ref)
+        if tags is not None and tags != slot.conditioned_on:
+            slot = _as_conditioned_on(slot, tags)
+            valid = tags == tuple((s.ref, s.version) for s in prefix)
         return self.eager.decide(reason, slot, prefix, valid=valid, rank=rank)
+
+
+def _as_conditioned_on(slot: Slot, tags: tuple[Tag, ...]) -> Slot:
+    """A view of ``slot`` (for a policy's decision only) whose ``conditioned_on`` is ``tags``."""
+    view = Slot(ref=slot.ref, chunk=slot.chunk, stack=slot.stack, start=slot.start, stale=slot.stale)
+    view.__dict__["conditioned_on"] = tags  # the cached property's slot: a frozen record otherwise
+    return view
 
 
 def _store_only(decision: Decision, last: Decision) -> Decision:

@@ -169,6 +169,8 @@ class Meter:
         # latency-first bookkeeping: ref -> (reason, served, staleness); refs given new conditioning
         self.deferred: dict["ChunkRef", tuple[str | None, str, float]] = {}
         self.reconditioned: set["ChunkRef"] = set()
+        # deferred ref -> the antecedents its conditioning carried before the deferral
+        self.carried: dict["ChunkRef", tuple] = {}
         self.repairs: list[str] = []  # rebuilt from source (quarantines come from the traffic)
         self._fw0 = ctx.total_forwards()
         self._tok0 = ctx.total_tokens()

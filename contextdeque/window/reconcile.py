@@ -129,6 +129,7 @@ def execute(
     while True:
         if decision.deferred:
             stack = slot.stack if decision.action == "keep" or not slot.stack else ()
+            meter.carried.setdefault(slot.ref, slot.conditioned_on)  # what heal's eager decision starts from
             if slot.provisional:  # its own conditioned forward's KV, waiting for its canonical
                 meter.deferred[slot.ref] = (reason, "conditioned", staleness(slot, prefix))
             elif stack:

@@ -125,6 +125,7 @@ class PendingModel(_Model):
     ref: int
     reason: str | None
     since: int
+    carried: list[TagModel] = []  # what its conditioning carried before the deferral
 
 
 class GraphNodeModel(_Model):
@@ -340,6 +341,9 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
         nodes.append(GraphNodeModel(ref=ref.key, chunk_id=data.get("chunk_id"), version=data.get("version"), in_window=bool(data.get("in_window"))))
     for a, b, data in g.edges(data=True):
         edges.append(GraphEdgeModel(src=a.key, dst=b.key, version=data.get("version")))
+    for p in state.pending.values():
+        for r, _ in p.carried:  # an antecedent it carried may have been purged since
+            note_ref(r)
     root = ctx.backend.root_kv()
     for i, (k, v) in enumerate(root):
         tables.tensors[f"root/{i}.k"] = k
@@ -363,7 +367,8 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
         refs=list(refs.values()),
         slots=slots,
         evicted=evicted,
-        pending=[PendingModel(ref=r.key, reason=p.reason, since=p.since) for r, p in state.pending.items()],
+        pending=[PendingModel(ref=r.key, reason=p.reason, since=p.since, carried=_tags(p.carried))
+                 for r, p in state.pending.items()],
         graph_nodes=nodes,
         graph_edges=edges,
         chunks=tables.chunks,
@@ -535,7 +540,8 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
             provisional=None if e.provisional is None else chunks[e.provisional],
             source=None if e.source is None else _source(e.source),
         )
-    state.pending = {ref(p.ref): Pending(reason=p.reason, since=p.since) for p in m.pending}
+    state.pending = {ref(p.ref): Pending(reason=p.reason, since=p.since, carried=tuple(tag(x) for x in p.carried))
+                     for p in m.pending}
     g = nx.DiGraph()
     for n in m.graph_nodes:
         g.add_node(ref(n.ref), chunk_id=n.chunk_id, version=version_of(n.ref, n.version), in_window=n.in_window)

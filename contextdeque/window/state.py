@@ -41,10 +41,13 @@ class EvictedEntry:
 class Pending:
     """A slot whose conditioning a latency-first policy deferred: ``reason`` is why the eager
     policy would have re-conditioned it (the first deferral's), ``since`` the window generation
-    it was queued at."""
+    it was queued at, ``carried`` the antecedents its conditioning was formed on before that
+    deferral (a blind stand-in carries none; the eager policy's decision depends on what the
+    slot carried, e.g. an orbit patch for a pure permutation of those antecedents)."""
 
     reason: str | None
     since: int
+    carried: tuple[Tag, ...] = ()
 
 
 @dataclass
@@ -60,14 +63,20 @@ class WindowState:
     def copy(self) -> "WindowState":
         return WindowState(self.slots, dict(self.evicted), self.graph.copy(), self.generation, dict(self.pending))
 
-    def settle_pending(self, deferred: dict[ChunkRef, str | None], reconditioned: set[ChunkRef]) -> None:
+    def settle_pending(
+        self,
+        deferred: dict[ChunkRef, str | None],
+        reconditioned: set[ChunkRef],
+        carried: dict[ChunkRef, tuple[Tag, ...]] | None = None,
+    ) -> None:
         """After an operation: forget slots that left or were re-conditioned, queue the deferred
-        ones (keeping the reason of a slot already queued)."""
+        ones (keeping the reason and carried conditioning of a slot already queued)."""
         here = {s.ref for s in self.slots}
+        carried = carried or {}
         pending = {r: p for r, p in self.pending.items() if r in here and r not in reconditioned}
         for ref, reason in deferred.items():
             if ref in here and ref not in pending:
-                pending[ref] = Pending(reason=reason, since=self.generation)
+                pending[ref] = Pending(reason=reason, since=self.generation, carried=carried.get(ref, ()))
         self.pending = pending
 
     @property

@@ -396,7 +396,7 @@ class ContextWindow:
             return receipt, result
 
     def _install(self, new: WindowState, meter: Meter) -> None:
-        new.settle_pending({r: d[0] for r, d in meter.deferred.items()}, meter.reconditioned)
+        new.settle_pending({r: d[0] for r, d in meter.deferred.items()}, meter.reconditioned, meter.carried)
         before, after = self._state.held_keys(), new.held_keys()
         # Neither raises for a store fault (promotion and demotion are best effort, nothing is
         # lost): past this point the operation has succeeded and the swap cannot half-happen.
@@ -741,7 +741,8 @@ class ContextWindow:
             for i, s in enumerate(slots):
                 if s.ref in reasons and s.provisional:
                     slots[i] = self._canonicalize(s, slots[:i], reasons[s.ref], eager, meter)
-            state.slots, _ = reconcile(ctx, slots, reasons, meter, policy=HealPolicy(eager))
+            carried = {r: state.pending[r].carried for r in batch}
+            state.slots, _ = reconcile(ctx, slots, reasons, meter, policy=HealPolicy(eager, carried))
             for r in batch:
                 state.pending.pop(r, None)
             return {"refs": tuple(batch)}, None
