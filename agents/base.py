@@ -6,7 +6,8 @@ re-prefill of the same window, tokens a prefix cache would prefill).
 Accounting, the same for every agent:
 
 - contextdeque's tokens and forwards for a step are what the window's receipts say (encodes,
-  patch forms), plus the query's own prefill at a query step;
+  patch forms), plus the query's own prefill at a query step; the run totals add the healing
+  done in the idle time between steps (``AgentConfig.heal_between_steps``; ``idle_heal``);
 - a re-prefill prefills, at every query, the root, every chunk in the window and the query;
 - a prefix cache prefills, at every query, what follows the longest token prefix this request
   shares with the previous query's;
@@ -40,6 +41,10 @@ class AgentConfig:
     ``"scheduler"``; see ``ContextWindow``). ``max_new_tokens``: answer length. ``measure``: at
     every query, also measure next-token KL and time to first token against a full re-prefill.
     ``seed``: seeds the scripted navigation. ``store``: a shared store (default: in memory).
+    ``heal_between_steps``: before each step, ``window.heal()`` what a latency-first window (the
+    default policy) deferred: the agent's idle time (waiting on pages, tools, users), timed in
+    no step, its work counted in the run totals; each step then starts from the window the eager
+    policy builds, whatever the timing.
     """
 
     budget_tokens: int = 640
@@ -52,6 +57,7 @@ class AgentConfig:
     measure: bool = True
     seed: int = 0
     store: Any = None
+    heal_between_steps: bool = True
 
     def window_kwargs(self) -> dict[str, Any]:
         return dict(
@@ -139,11 +145,16 @@ class AgentRun:
         self._t0 = 0.0
         self._last_query_stream: list[Hashable] = []
         self._run_t0 = time.perf_counter()
+        self.idle_heals: list[Receipt] = []  # heal() receipts of the idle time between steps
 
     # ------------------------------------------------------------------ steps
     def begin(self, op: str, detail: str = "") -> Step:
         if self._step is not None:
             raise WindowError("a step is already open")
+        if self.config.heal_between_steps:
+            healed = self.window.heal()
+            if healed.refs:
+                self.idle_heals.append(healed)
         self._step = Step(index=len(self.steps) + 1, op=op, detail=detail)
         self.trace.step(t=round((time.perf_counter() - self._run_t0) * 1000.0, 3), label=f"{op} {detail}".strip())
         self._t0 = time.perf_counter()
@@ -276,7 +287,8 @@ class AgentRun:
     def summary(self) -> dict[str, Any]:
         """Totals over the run (see the module docstring for what each side counts)."""
         queries = [s for s in self.steps if s.question is not None]
-        cd_tokens = sum(s.tokens for s in self.steps)
+        heal_tokens = sum(r.tokens_prefilled for r in self.idle_heals)
+        cd_tokens = sum(s.tokens for s in self.steps) + heal_tokens  # idle-time work counts too
         rp_tokens = sum(s.reprefill_tokens or 0 for s in queries)
         pc_tokens = sum(s.prefix_cache_tokens or 0 for s in queries)
         kls = [s.kl for s in queries if s.kl is not None]
@@ -284,9 +296,11 @@ class AgentRun:
         out: dict[str, Any] = {
             "steps": len(self.steps),
             "queries": len(queries),
-            "forwards": sum(s.forwards for s in self.steps),
-            "encodes": sum(s.encodes for s in self.steps),
+            "forwards": sum(s.forwards for s in self.steps) + sum(r.forwards for r in self.idle_heals),
+            "encodes": sum(s.encodes for s in self.steps) + sum(r.encodes for r in self.idle_heals),
             "tokens_prefilled": cd_tokens,
+            "idle_heal": {"heals": len(self.idle_heals), "forwards": sum(r.forwards for r in self.idle_heals),
+                          "tokens": heal_tokens, "ms": round(sum(r.wall_ms for r in self.idle_heals), 2)},
             "reprefill_tokens": rp_tokens,
             "prefix_cache_tokens": pc_tokens,
             "prefill_avoided_vs_reprefill": None if not rp_tokens else 1.0 - cd_tokens / rp_tokens,

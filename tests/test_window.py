@@ -203,7 +203,7 @@ def test_append_seen_content_never_encodes_again(backend):
 
 def test_evict_demotes_and_recall_rehydrates_with_a_fresh_patch(backend):
     store = TieredStore([MemoryTier("cpu", None, name="device"), HostTier(None, name="host")])
-    win = ContextWindow(backend, store=store, rank=2)
+    win = ContextWindow(backend, store=store, rank=2, patch_policy="eager")
     a, b, c = (win.append(token_ids=x) for x in (A, B, C))
     key = WindowStore.chunk_key(win.chunk(b))
     stale = win.patches(b)
@@ -252,7 +252,7 @@ def test_recall_from_a_disk_tier(backend, tmp_path):
 
 
 def cascade_window(backend, cascade):
-    win = ContextWindow(backend, rank=2, cascade_policy=cascade)
+    win = ContextWindow(backend, rank=2, cascade_policy=cascade, patch_policy="eager")
     x, r, b = (win.append(token_ids=t) for t in (A, B, C))
     return win, x, r, b
 
@@ -301,7 +301,7 @@ def test_recall_at_the_same_place_with_unchanged_state_cascades_nothing(backend)
 
 
 def test_transitive_cascade(backend):
-    win = ContextWindow(backend, rank=2)
+    win = ContextWindow(backend, rank=2, patch_policy="eager")
     x, r, b = (win.append(token_ids=t) for t in (A, B, C))
     win.evict(r)
     c = win.append(token_ids=D)  # conditioned on b (which carries r's influence), not on r
@@ -315,7 +315,7 @@ def test_recall_with_an_identical_fresh_patch_cascades_nothing(backend):
     """Recalled onto the very antecedent states it was conditioned on, the fresh patch equals
     the old conditioning: its dependents are not stale. Exact and recall patches share one store
     namespace (same measurement), so the patch stored at append serves the recall: no forward."""
-    win = ContextWindow(backend, rank=2)
+    win = ContextWindow(backend, rank=2, patch_policy="eager")
     x, r, b, c = (win.append(token_ids=t) for t in (A, B, C, D))
     win.evict(r)
     rc = win.recall(r, at=1)
@@ -326,7 +326,7 @@ def test_recall_with_an_identical_fresh_patch_cascades_nothing(backend):
 
 
 def test_reorder_uses_an_orbit_patch_once_formed(backend):
-    win = ContextWindow(backend, rank=2)
+    win = ContextWindow(backend, rank=2, patch_policy="eager")
     a, b, c = (win.append(token_ids=t) for t in (A, B, C))
     first = win.reorder([b, a, c])  # c's antecedent set is unchanged: orbit formed (2 orderings)
     assert [p.kind for p in win.patches(c)] == ["orbit"]
@@ -585,7 +585,7 @@ def test_image_chunks_never_rerun_the_vision_tower(tiny_backend_factory):
     proc = build_tiny_vl_processor("qwen2_vl")
     img = data.astronaut()
     store = TieredStore([HostTier(None)])
-    win = ContextWindow(backend, budget_tokens=200, rank=4, store=store)
+    win = ContextWindow(backend, budget_tokens=200, rank=4, store=store, patch_policy="eager")
     win.append(token_ids=[5, 6, 7, 8])
     ref = win.append(image=img, processor=proc)
     assert win._ctx.counters["vision_encodes"] == 1
@@ -597,7 +597,7 @@ def test_image_chunks_never_rerun_the_vision_tower(tiny_backend_factory):
     encodes = win._ctx.counters["encodes"]
     again = win.append(image=img, processor=proc)
     assert win._ctx.counters["vision_encodes"] == 1 and win._ctx.counters["encodes"] == encodes
-    other = ContextWindow(backend, budget_tokens=200, rank=4, store=store)
+    other = ContextWindow(backend, budget_tokens=200, rank=4, store=store, patch_policy="eager")
     other.append(image=img, processor=proc)
     assert other._ctx.counters.get("vision_encodes", 0) == 0 and other._ctx.counters["encodes"] == 0
     with pytest.raises(WindowError):

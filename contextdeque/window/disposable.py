@@ -20,6 +20,7 @@ from .receipt import Receipt
 from .ref import ChunkRef
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..core.chunk import Chunk
     from .context import WindowContext
     from .slot import Slot
 
@@ -60,22 +61,28 @@ def run_test(
     max_new_tokens: int,
     drop: bool,
     kl_tol: float | None,
+    canonical: "Chunk | None" = None,
 ) -> dict:
-    """Decode the three variants; returns the Verdict's fields (without ref and receipt)."""
+    """Decode the three variants; returns the Verdict's fields (without ref and receipt).
+
+    ``canonical``: the slot's canonical when the slot is provisional (latency-first new content:
+    its KV is conditioned by its own forward, it carries no patch to toggle off)."""
     eos = decode.eos_ids(ctx)
     start = decode.next_position(ctx, slots)
     base_layers = decode.assemble(ctx, slots)
     p_logits, ans = decode.greedy(ctx, base_layers, start, query_ids, max_new_tokens, eos)
 
     slot = slots[index]
-    bare = tuple(relocate(slot.chunk, slot.start, layout=ctx.layout, beyond_trained=True)) if slot.stack else slot.page
+    conditioned = bool(slot.stack) or canonical is not None
+    blind = canonical if canonical is not None else slot.chunk
+    bare = tuple(relocate(blind, slot.start, layout=ctx.layout, beyond_trained=True)) if conditioned else slot.page
     off_layers = decode.assemble(ctx, slots, {index: bare})
     q_logits, ans_off = decode.greedy(ctx, off_layers, start, query_ids, max_new_tokens, eos)
     fields: dict = {
         "answer_as_is": ans,
         "answer_unconditioned": ans_off,
         "kl_unconditioned": kl_divergence(p_logits, q_logits),
-        "had_conditioning": bool(slot.stack),
+        "had_conditioning": conditioned,
         "text_as_is": decode.decode_text(ctx, ans),
         "text_unconditioned": decode.decode_text(ctx, ans_off),
     }

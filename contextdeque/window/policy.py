@@ -29,8 +29,9 @@ from .slot import Slot
 
 PATCH_POLICIES: Registry["PatchPolicy"] = Registry("patch policy")
 
-DEFAULT_POLICY = "eager"
-"""What ``patch_policy="default"`` means."""
+DEFAULT_POLICY = "latency"
+"""What ``patch_policy="default"`` means: latency-first over the eager policy (re-reads run no
+forward on the critical path; ``heal()`` brings the window to what ``"eager"`` builds)."""
 
 
 

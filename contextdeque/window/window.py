@@ -125,7 +125,10 @@ class ContextWindow:
         rank: the patch rank m (clamped per chunk to ``min(T, H*d)``).
         store: where canonicals and patches live: None (two in-memory tiers, ``device`` and
             ``host``), a ``TieredStore``, a tier, or a list of tiers (fastest first).
-        patch_policy: ``"default"`` (patch on append at rank m, survivors keep as-is),
+        patch_policy: ``"default"`` (``"latency"``: latency-first over ``"eager"``; re-reads
+            run no forward, new content one, the deferred patches are formed by :meth:`heal`
+            or :meth:`start_healing`), ``"eager"`` (patch on append at rank m, survivors keep
+            as-is, every patch formed before the operation returns),
             ``"exact"`` (full-rank patches everywhere: the window equals a re-prefill),
             ``"none"`` (blind), another registered name, or a ``PatchPolicy`` instance.
         cascade_policy: what a recall does to chunks conditioned on the recalled one:
@@ -962,7 +965,12 @@ class ContextWindow:
             check_int("max_new_tokens", max_new_tokens, minimum=1, error=WindowError)
             check_float("kl_tol", kl_tol, minimum=0.0, none_ok=True, error=WindowError)
             q = decode.query_ids(self._ctx, query, chat=chat)
-            found = run_test(self._ctx, state.slots, idx, q, max_new_tokens=max_new_tokens, drop=drop, kl_tol=kl_tol)
+            slot = state.slots[idx]
+            # a provisional slot (latency-first, not healed yet) is conditioned by its own forward:
+            # its canonical (from the store, else encoded and stored for heal) is the variant without
+            canonical = ingest.canonical_of(self._ctx, slot.chunk, meter) if slot.provisional else None
+            found = run_test(self._ctx, state.slots, idx, q, max_new_tokens=max_new_tokens, drop=drop, kl_tol=kl_tol,
+                             canonical=canonical)
             return {"refs": (ref,)}, found
 
         receipt, found = self._run("is_disposable", body, mutates=False)
