@@ -60,7 +60,7 @@ def test_default_store_is_bounded_and_spills_to_a_per_user_disk_tier(tmp_path, m
 def test_memory_stays_within_budget_and_evicted_chunks_come_back_from_disk(backend, tmp_path):
     budget = 48 * 1024
     store = default_store("cpu", memory_budget=budget, disk_dir=tmp_path / "d", disk_budget="1GiB")
-    win = ContextWindow(backend, budget_tokens=24, rank=2, store=store)
+    win = ContextWindow(backend, budget_tokens=24, rank=2, store=store, patch_policy="eager")
     refs = []
     for i in range(30):
         refs.append(win.append(token_ids=seeded_ids(4 + i % 5, 100 + i, vocab=60).tolist()))

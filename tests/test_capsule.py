@@ -303,9 +303,9 @@ def test_capsule_tier_at_full_retention_is_invisible_to_a_window(tmp_path, be, c
     def store():
         return TieredStore([MemoryTier("cpu", None, name="device"), CapsuleTier(DiskTier(tmp_path, None), exact)])
 
-    win = ContextWindow(be, rank=8, store=store())
+    win = ContextWindow(be, rank=8, store=store(), patch_policy="eager")
     refs = [win.append(token_ids=x) for x in ids]
-    plain = ContextWindow(be, rank=8)
+    plain = ContextWindow(be, rank=8, patch_policy="eager")
     for x in ids:
         plain.append(token_ids=x)
     win.evict(refs[1])
@@ -317,7 +317,7 @@ def test_capsule_tier_at_full_retention_is_invisible_to_a_window(tmp_path, be, c
         torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         for r, q in zip(win.refs, plain.refs) for a, b in zip(win.kv(r), plain.kv(q)))
     # a fresh window over the same disk: half the chunks compressed on disk, loaded in the background
-    fresh = ContextWindow(be, rank=8, store=store())
+    fresh = ContextWindow(be, rank=8, store=store(), patch_policy="eager")
     rec = fresh.extend([{"token_ids": x} for x in ids], overlap=True)
     assert rec.loading["by_tier"] == {"disk": 1} and not rec.load_fallbacks
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

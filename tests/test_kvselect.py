@@ -190,7 +190,7 @@ def test_apply_rows_is_the_gathered_patched_page(tiny_backend_factory):
 
 
 def _window(be, policy=None):
-    win = ContextWindow(be, rank=8, kv_selection=policy)
+    win = ContextWindow(be, rank=8, kv_selection=policy, patch_policy="eager")  # patches formed on append
     for s in (11, 12, 13):
         win.append(token_ids=seeded_ids(20, s))
     return win

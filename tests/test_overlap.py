@@ -63,11 +63,11 @@ def _same_windows(a, b):
 def test_overlapped_returns_exactly_what_sequential_returns(be, ids, tmp_path):
     _disk_with(be, ids, tmp_path, range(0, N, 2))
     items = [{"token_ids": x} for x in ids]
-    seq = ContextWindow(be, rank=8, store=_store(tmp_path))
+    seq = ContextWindow(be, rank=8, store=_store(tmp_path), patch_policy="eager")
     r_seq = seq.extend(items, overlap=False)
-    ovl = ContextWindow(be, rank=8, store=_store(tmp_path))
+    ovl = ContextWindow(be, rank=8, store=_store(tmp_path), patch_policy="eager")
     r_ovl = ovl.extend(items, overlap=True, workers=2)
-    loop = ContextWindow(be, rank=8, store=_store(tmp_path))
+    loop = ContextWindow(be, rank=8, store=_store(tmp_path), patch_policy="eager")
     for x in ids:
         loop.append(token_ids=x)
     assert _same_windows(seq, ovl) and _same_windows(seq, loop)
@@ -109,7 +109,7 @@ def test_a_failed_load_is_recomputed_with_the_fallback_in_the_receipt(be, ids, t
     f.write_bytes(data[:-7] + bytes([data[-7] ^ 0xFF]) + data[-6:] if damage == "flip" else data[: len(data) // 2])
     with pytest.raises(CorruptEntryError):
         disk.get(key)
-    win = ContextWindow(be, rank=8, store=_store(tmp_path))
+    win = ContextWindow(be, rank=8, store=_store(tmp_path), patch_policy="eager")
     r = win.extend([{"token_ids": x} for x in ids], overlap=overlap)
     assert len(r.load_fallbacks) == 1
     fb = r.load_fallbacks[0]
@@ -117,7 +117,7 @@ def test_a_failed_load_is_recomputed_with_the_fallback_in_the_receipt(be, ids, t
     assert r.encodes == N // 2 + 1 and r.loading["fallbacks"] == 1
     assert any("failed" in n and "recomputed" in n for n in r.notes)
     assert r.as_dict()["load_fallbacks"][0]["chunk_id"] == victim.id
-    clean = ContextWindow(be, rank=8)
+    clean = ContextWindow(be, rank=8, patch_policy="eager")
     for x in ids:
         clean.append(token_ids=x)
     assert _same_windows(win, clean)  # the recomputed chunk is the chunk

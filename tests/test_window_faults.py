@@ -25,7 +25,7 @@ def backend() -> HFBackend:
     return HFBackend(micro_llama(0), None, root_ids=[1, 3], name="tiny-faults-llama")
 
 
-def make(tmp_path, backend, config: str, policy: str = "default"):
+def make(tmp_path, backend, config: str, policy: str = "eager"):
     disk = DiskTier(tmp_path / "store", None, fsync=False)
     if config == "write_through":  # every put also reaches the disk
         store = TieredStore([MemoryTier("cpu", None, name="device"), disk], write_through=True)
@@ -86,7 +86,7 @@ def test_fault_matrix_latency_first(tmp_path, backend, one_thread, fault, op):
     run_case(tmp_path, backend, "demote", fault, op, policy="latency")
 
 
-def run_case(tmp_path, backend, config, fault, op, policy="default"):
+def run_case(tmp_path, backend, config, fault, op, policy="eager"):
     win, store, refs = make(tmp_path, backend, config, policy)
     before, held = observe(win), holds(win)
     present = {k: store.get(k) for k in store.keys()}

@@ -76,7 +76,7 @@ def test_label_on_append_and_extend(backend):
 
 
 def test_reprs_are_concise(backend):
-    win = ContextWindow(backend, rank=2)
+    win = ContextWindow(backend, rank=2, patch_policy="eager")
     win.append(token_ids=list(range(4, 40)))
     ref = win.append(token_ids=list(range(10, 50)))
     chunk, patch = win.chunk(ref), win.patches(ref)[0]
@@ -125,7 +125,7 @@ def test_show_lists_spans_labels_conditioning_and_tiers(backend):
 
     from rich.console import Console
 
-    win = ContextWindow(backend, rank=2)
+    win = ContextWindow(backend, rank=2, patch_policy="eager")
     win.append(token_ids=A, label="notes")
     win.append(token_ids=B, label="tool")
     c = win.append(token_ids=[12, 13, 14], label="old")

@@ -24,7 +24,7 @@ def _kv_close(a, b, tol=1e-4):
 def test_scheduler_recall_lands_where_its_patch_is_valid(micro, one_thread):
     runs = {}
     for placement in ("arrival", "scheduler"):
-        w = cd.ContextWindow(micro, rank=4, placement=placement)
+        w = cd.ContextWindow(micro, rank=4, placement=placement, patch_policy="eager")
         a = w.append(token_ids=seeded_ids(12, 1, 60))
         b = w.append(token_ids=seeded_ids(10, 2, 60))
         c = w.append(token_ids=seeded_ids(14, 3, 60))
@@ -77,7 +77,7 @@ def test_energy_rank_rule():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_fidelity_target_chooses_rank_per_chunk(tiny_backend_factory, one_thread, arch):
     be = tiny_backend_factory(arch)
-    w = cd.ContextWindow(be, fidelity_target=0.9, max_patch_fraction=0.5)
+    w = cd.ContextWindow(be, fidelity_target=0.9, max_patch_fraction=0.5, patch_policy="eager")
     w.append(token_ids=seeded_ids(24, 1))
     r2 = w.append(token_ids=seeded_ids(30, 2))
     (p,) = w.patches(r2)
@@ -86,7 +86,7 @@ def test_fidelity_target_chooses_rank_per_chunk(tiny_backend_factory, one_thread
     # the target is reached, unless the byte cap stopped the rank first
     assert float(p.meta["energy_k"]) >= 0.9 - 1e-9 or p.rank_k == cap_k
     assert float(p.meta["energy_v"]) >= 0.9 - 1e-9 or p.rank_v == cap_v
-    w99 = cd.ContextWindow(be, fidelity_target=0.999, max_patch_fraction=1.0, store=None)
+    w99 = cd.ContextWindow(be, fidelity_target=0.999, max_patch_fraction=1.0, store=None, patch_policy="eager")
     w99.append(token_ids=seeded_ids(24, 1))
     q = w99.patches(w99.append(token_ids=seeded_ids(30, 2)))[0]
     assert q.rank_k >= p.rank_k and q.rank_v >= p.rank_v  # a higher target never takes fewer directions

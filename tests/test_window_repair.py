@@ -37,14 +37,14 @@ def flip_last_byte(path) -> None:
 def test_corrupt_canonical_is_quarantined_and_re_encoded(tmp_path, backend, one_thread):
     """The issue's reproducer: after a flipped byte, appending the same content raised
     CorruptEntryError in every window until someone ran scrub() by hand."""
-    first = ContextWindow(backend, rank=2, store=store_on(tmp_path / "s"))
+    first = ContextWindow(backend, rank=2, store=store_on(tmp_path / "s"), patch_policy="eager")
     ref = first.append(token_ids=A)
     key = first.store.chunk_key(first.chunk(ref))
     disk = first.store.store.tier("disk")
     flip_last_byte(disk.file_for(key))
 
     store = store_on(tmp_path / "s")  # a new process's view: nothing in memory
-    win = ContextWindow(backend, rank=2, store=store)
+    win = ContextWindow(backend, rank=2, store=store, patch_policy="eager")
     enc = win.context.counters["encodes"]
     again = win.append(token_ids=A)
     rec = again.receipt
@@ -56,19 +56,19 @@ def test_corrupt_canonical_is_quarantined_and_re_encoded(tmp_path, backend, one_
     assert disk.get(key) is not None  # rebuilt on disk (write-through), verifies again
     assert torch.equal(win.chunk(again).keys, first.chunk(ref).keys)
     # a third window finds the good copy: no repair, no encode
-    third = ContextWindow(backend, rank=2, store=store_on(tmp_path / "s"))
+    third = ContextWindow(backend, rank=2, store=store_on(tmp_path / "s"), patch_policy="eager")
     assert third.append(token_ids=A).receipt.repairs == ()
 
 
 def test_corrupt_patch_is_re_formed(tmp_path, backend, one_thread):
-    first = ContextWindow(backend, rank=2, store=store_on(tmp_path / "s"))
+    first = ContextWindow(backend, rank=2, store=store_on(tmp_path / "s"), patch_policy="eager")
     first.append(token_ids=A)
     b = first.append(token_ids=B)
     (cond,) = first.slot(b).stack
     disk = first.store.store.tier("disk")
     flip_last_byte(disk.file_for(cond.key))
 
-    win = ContextWindow(backend, rank=2, store=store_on(tmp_path / "s"))
+    win = ContextWindow(backend, rank=2, store=store_on(tmp_path / "s"), patch_policy="eager")
     win.append(token_ids=A)
     rec = win.append(token_ids=B).receipt
     assert rec.patches_formed == 1 and rec.patches_reused == 0
