@@ -20,7 +20,7 @@ MODEL = "tiny-llama"
 
 @pytest.fixture(scope="module")
 def server():
-    with ServeProcess("--model", "tiny:llama", "--max-tokens", "24", env={"CONTEXTDEQUE_API_KEY": KEY}) as s:
+    with ServeProcess("--model", "tiny:llama", "--patch-policy", "eager", "--max-tokens", "24", env={"CONTEXTDEQUE_API_KEY": KEY}) as s:
         yield s
     assert KEY not in s.log
 
@@ -105,7 +105,7 @@ def test_errors_are_openai_shaped_4xx(server) -> None:
 
 
 def test_queue_full_is_429() -> None:
-    with ServeProcess("--model", "tiny:llama", "--queue", "1", "--max-tokens", "400") as s:
+    with ServeProcess("--model", "tiny:llama", "--patch-policy", "eager", "--queue", "1", "--max-tokens", "400") as s:
         c = s.client()
         msgs = [{"role": "user", "content": "Tell a long story."}]
 
@@ -123,7 +123,7 @@ def test_queue_full_is_429() -> None:
 
 
 def test_sessions_evicted_under_budget_are_restored_from_the_store() -> None:
-    with ServeProcess("--model", "tiny:llama", "--session-memory-mb", "0.05") as s:
+    with ServeProcess("--model", "tiny:llama", "--patch-policy", "eager", "--session-memory-mb", "0.05") as s:
         c = s.client()
         convs = [[{"role": "user", "content": f"Conversation {i}: what is {i} squared?"}] for i in range(4)]
         first = [chat(c, m)[0] for m in convs]
@@ -272,7 +272,7 @@ def test_image_parts_through_a_vision_model() -> None:
     model's own vision tower and image processor; the picture is a chunk of the session's window,
     counted in the prompt at its grid size; another session with the same messages is rebuilt
     from the store with no encode; an unreadable image is a 400."""
-    with ServeProcess("--model", "tiny:qwen2_vl", "--max-tokens", "8") as s:
+    with ServeProcess("--model", "tiny:qwen2_vl", "--patch-policy", "eager", "--max-tokens", "8") as s:
         c = s.client()
         name = c.models.list().data[0].id
         msgs = [{"role": "system", "content": "You describe pictures."},

@@ -38,7 +38,7 @@ def model_name(server: ServeProcess) -> str:
 
 def test_default_model_replica_b_serves_what_a_encoded_with_zero_encodes(valkey_single) -> None:
     trust = "r" + uuid.uuid4().hex[:8]  # a fresh keyspace on the shared session server
-    args = ("--store", valkey_single.url, "--trust-domain", trust)
+    args = ("--store", valkey_single.url, "--trust-domain", trust, "--patch-policy", "eager")  # encodes/patches per request
     a, b = ServeProcess(*args, env=ENV).launch(), ServeProcess(*args, env=ENV).launch()  # load in parallel
     with a.wait_ready(), b.wait_ready():
         name = model_name(a)
@@ -58,7 +58,8 @@ def test_default_model_replica_b_serves_what_a_encoded_with_zero_encodes(valkey_
 
 
 def test_cluster_replicas_share_too(valkey_cluster3) -> None:
-    args = ("--model", "tiny:llama", "--store", valkey_cluster3.url, "--trust-domain", "c" + uuid.uuid4().hex[:8])
+    args = ("--model", "tiny:llama", "--store", valkey_cluster3.url, "--trust-domain", "c" + uuid.uuid4().hex[:8],
+            "--patch-policy", "eager")
     with ServeProcess(*args, env=ENV) as a, ServeProcess(*args, env=ENV) as b:
         text_a, ua = ask(a, "tiny-llama")
         text_b, ub = ask(b, "tiny-llama")
@@ -71,7 +72,7 @@ def test_cluster_replicas_share_too(valkey_cluster3) -> None:
 
 def test_planted_unsigned_entries_are_never_used(valkey_single) -> None:
     trust = "p" + uuid.uuid4().hex[:8]
-    args = ("--model", "tiny:llama", "--store", valkey_single.url, "--trust-domain", trust)
+    args = ("--model", "tiny:llama", "--store", valkey_single.url, "--trust-domain", trust, "--patch-policy", "eager")
     with ServeProcess(*args, env=ENV) as a:
         text_a, _ = ask(a, "tiny-llama")
         fingerprint = httpx.get(a.url + "/healthz").json()["fingerprint"]

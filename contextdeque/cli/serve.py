@@ -66,8 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-store-mb", type=float, default=None)
     p.add_argument("--rank", type=int, default=32, help="patch rank")
     p.add_argument("--patch-policy", default="default",
-                   help="window patch policy: default, exact, none, latency (no forward a request can avoid; "
-                        "the skipped conditioning is healed in idle time), or another registered name")
+                   help="window patch policy: default (= latency: no forward a request can avoid; the skipped "
+                        "conditioning is healed in idle time), eager (every patch formed on the request path), "
+                        "exact, none, or another registered name")
     p.add_argument("--heal-idle-ms", type=float, default=20.0,
                    help="heal latency-first windows once no request came for this long (ms)")
     p.add_argument("--no-heal", action="store_true", help="never heal in idle time (a latency-first window stays as served)")

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=7, help="timed runs per measurement (median reported)")
     parser.add_argument("--chunks", type=int, default=4, help="chunks in the window")
     parser.add_argument("--chunk-tokens", type=int, default=512, help="tokens per chunk")
-    parser.add_argument("--policy", default="default", help="patch policy (default, exact, none)")
+    parser.add_argument("--policy", default="default", help="patch policy (default = latency, eager, exact, none)")
     parser.add_argument("--rank", type=int, default=32, help="patch rank m")
     parser.add_argument(
         "--model", default=None,
