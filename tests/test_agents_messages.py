@@ -117,7 +117,7 @@ def state_of(mw: MessageWindow):
 
 
 def test_sync_turns_a_diff_into_window_operations(chat_backend, one_thread):
-    mw = MessageWindow(chat_backend, rank=8)
+    mw = MessageWindow(chat_backend, rank=8, patch_policy="eager")  # encodes counted per sync
     conv = scripted_conversation()[:9]
     rc = mw.sync(conv)
     assert rc.appended == 8 and rc.encodes == 8 and not rc.rebuilt

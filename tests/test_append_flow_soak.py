@@ -18,12 +18,12 @@ def backend() -> HFBackend:
 
 def test_append_only_forwards_per_policy(backend, one_thread):
     chunks = [seeded_ids(6, 50 + i, vocab=60).tolist() for i in range(8)]
-    rows = {r.policy: r for r in run_append_flow(backend, chunks, policies=("default", "latency"), rank=4)}
+    rows = {r.policy: r for r in run_append_flow(backend, chunks, policies=("eager", "latency"), rank=4)}
     assert all(r.prefix_forwards_per_append == 1 for r in rows.values())
     # latency-first: one conditioned forward per append, what the prefix cache runs
     assert rows["latency"].forwards_per_append == 1 and rows["latency"].forward_ratio == 1
-    # eager default: the canonical's encode plus the patch's conditioned forward
-    assert rows["default"].forwards_per_append == 2 and rows["default"].first_forwards == 1
+    # eager: the canonical's encode plus the patch's conditioned forward
+    assert rows["eager"].forwards_per_append == 2 and rows["eager"].first_forwards == 1
 
 
 def test_short_soak_stays_within_the_memory_budget(backend, tmp_path, one_thread):

@@ -17,6 +17,7 @@ def test_replay_fidelity_on_the_default_model(default_backend, tmp_path, capsys)
               generate("doc", seed=0, pages=4, select=2, rounds=1)]
     paths = [str(write_trace(tmp_path / f"{t.name}.jsonl", t.header, t.events)) for t in traces]
     code = main(["replay", *paths, "--placement", "arrival,scheduler", "--arm", "patch", "--fidelity", "1",
+                 "--patch-policy", "eager",
                  "--jobs", "1", "--json"])
     assert code == 0
     doc = json.loads(capsys.readouterr().out)

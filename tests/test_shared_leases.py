@@ -42,7 +42,7 @@ _WORKER = textwrap.dedent(
     backend = HFBackend(micro_llama(0), None, root_ids=[1, 3], name="tiny-lease-llama")
     tier = DiskTier({path!r}, {budget}, fsync=False)
     store = TieredStore([tier])
-    win = ContextWindow(backend, budget_tokens=24, rank=2, store=store)
+    win = ContextWindow(backend, budget_tokens=24, rank=2, store=store, patch_policy="eager")
     rng = random.Random({seed})
     pool = [seeded_ids(3 + i % 6, 1000 + i, vocab=60).tolist() for i in range(40)]
     ops = errors = violations = unstored = 0

@@ -402,7 +402,7 @@ def test_two_windows_share_chunks_and_patches_through_valkey(url: str, tiny_back
 
     def window() -> ContextWindow:
         t = ValkeyTier(url, namespace=n, secret=SECRET)
-        return ContextWindow(backend, rank=4, store=TieredStore([MemoryTier("cpu", None), t], write_through=True))
+        return ContextWindow(backend, rank=4, store=TieredStore([MemoryTier("cpu", None), t], write_through=True), patch_policy="eager")
 
     texts = [list(range(10 + i, 30 + i)) for i in range(3)]
     a = window()
@@ -425,7 +425,8 @@ def test_a_window_leases_what_it_holds_past_the_entries_ttl(valkey_single, tiny_
     n = ns()
     t = ValkeyTier(valkey_single.url, namespace=n, secret=SECRET, ttl_s=0.5, lease_s=1.5)
     other = ValkeyTier(valkey_single.url, namespace=n, secret=SECRET)
-    w = ContextWindow(tiny_backend_factory("llama", seed=5), rank=4, store=TieredStore([MemoryTier("cpu", None), t], write_through=True))
+    w = ContextWindow(tiny_backend_factory("llama", seed=5), rank=4, store=TieredStore([MemoryTier("cpu", None), t], write_through=True),
+                      patch_policy="eager")
     kept = w.append(token_ids=list(range(60, 80)))
     gone = w.append(token_ids=list(range(90, 110)))
     stored = [k for k in t.keys() if k.startswith("chunk/")]

@@ -8,7 +8,7 @@ every step:
 - latency-first policies (``latency`` over the eager policy, ``latency:exact``): slide, evict,
   recall and reorder run no forward; ``heal`` with random step budgets is interleaved, and a
   fully healed ``latency:exact`` window equals the re-prefill too;
-- default and none policies: every survivor of a slide or eviction holds exactly the content
+- eager and none policies: every survivor of a slide or eviction holds exactly the content
   KV it held before, re-placed (relocation only);
 - any policy: positions are contiguous from the root on, the budget is never exceeded,
   evicted chunks stay recallable (and are, on recall, from their canonical with a fresh patch),
@@ -406,7 +406,7 @@ def make_machine(backend: HFBackend, pool: list[list[int]], policies: list[str],
 
 def test_window_state_machine_tiny_model():
     backend = tiny_backend()
-    machine = make_machine(backend, tiny_pool(), ["exact", "default", "none", "latency", "latency:exact"], (12, 48))
+    machine = make_machine(backend, tiny_pool(), ["exact", "eager", "none", "latency", "latency:exact"], (12, 48))
     with torch_threads(1):  # tiny matrices: a second thread only adds synchronisation
         run_state_machine_as_test(
             machine,
@@ -430,7 +430,7 @@ def test_window_state_machine_default_model(default_backend):
     for name in ("assert", "pass", "break", "continue", "del"):
         ids = tok(topics[name], add_special_tokens=False)["input_ids"]
         pool.append(ids[: 6 + 2 * len(pool)])  # 6..14 tokens of real documentation text
-    machine = make_machine(default_backend, pool, ["exact", "default"], (20, 40))
+    machine = make_machine(default_backend, pool, ["exact", "eager"], (20, 40))
     run_state_machine_as_test(
         machine,
         settings=settings(

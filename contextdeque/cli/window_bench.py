@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-policies", default="eager,latency", help="policies for the per-step table")
     parser.add_argument("--append-chunks", type=int, default=8,
                         help="append-only flow vs a prefix cache: chunks appended (0 skips it)")
-    parser.add_argument("--append-policies", default="default,latency", help="policies for the append-only flow")
+    parser.add_argument("--append-policies", default="eager,latency", help="policies for the append-only flow")
     parser.add_argument("--append-only", action="store_true", help="run only the append-only flow")
 
 

@@ -34,7 +34,7 @@ class AppendFlowRow:
         return asdict(self)
 
 
-def run_append_flow(backend: Any, chunks: list[list[int]], *, policies: tuple[str, ...] = ("default", "latency"),
+def run_append_flow(backend: Any, chunks: list[list[int]], *, policies: tuple[str, ...] = ("eager", "latency"),
                     rank: int = 32) -> list[AppendFlowRow]:
     """One row per policy (see the module docstring)."""
     from ..core.kv import concat_kv

@@ -3,7 +3,7 @@
 The run the issue's reproducer describes, as long as asked: random operations (append of a
 ~``section_tokens``-token section of Python's documentation, slide, recall, reorder, evict) on a
 window with ``budget_tokens`` and the *default* store (bounded memory spilling to disk), on the
-default model. Every ``sample_every`` operations it records the process's resident memory
+default model, healed after every operation (an agent's idle time). Every ``sample_every`` operations it records the process's resident memory
 (``/proc/self/status`` VmRSS), what the store keeps per tier and how many refs are evicted. The
 store's disk tier goes to ``store_dir`` (a fresh temporary directory by default, removed at the
 end) so a soak never fills the user's cache.
@@ -130,6 +130,9 @@ def run_soak(
                 else:
                     choice = "append"
                     win.append(token_ids=rng.choice(sections))
+                # an agent's idle time between operations: what the latency-first default
+                # deferred is formed (the eager policy's window; under "eager" a no-op)
+                win.heal()
             except Exception as e:  # counted and reported: the soak's point is 0 of these
                 errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
             op_counts[choice] = op_counts.get(choice, 0) + 1
