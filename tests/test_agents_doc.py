@@ -28,7 +28,9 @@ def check_run(run, pages, budget):
     steps = run.steps
     reads = [s for s in steps if s.op == "read"]
     queries = [s for s in steps if s.op == "query"]
-    assert len(reads) == len(pages) and all(s.encodes == 1 for s in reads)  # every page encoded once
+    # every page encoded once: in its read step, or (latency-first default, a page after others:
+    # one conditioned forward in the step) in the idle-time heal before the next step
+    assert len(reads) == len(pages) and all(s.encodes <= 1 for s in reads)
     assert sum(p.n_tokens for p in pages) > budget  # the window is smaller than the document
     for s in queries:  # a re-read never encodes; the answer is measured against a re-prefill
         assert s.encodes == 0
