@@ -444,10 +444,6 @@ def _qwen3_vl(over: dict[str, Any]) -> PreTrainedConfig:
     return Qwen3VLConfig(text_config=text, vision_config=vision, **{**_vl_tokens(), **over})
 
 
-def _scaled(rope: dict[str, Any]) -> Callable[[dict[str, Any]], PreTrainedConfig]:
-    return _llama(rope)
-
-
 TINY_ARCHS: dict[str, TinyArch] = {
     a.name: a
     for a in [
@@ -479,21 +475,21 @@ TINY_ARCHS: dict[str, TinyArch] = {
                  "GPT-J: interleaved pairs over rotary_dim, sin/cos table per layer", _gptj),
         TinyArch("llama-linear", "llama", "gqa", "k", False, False, "model.rotary_emb",
                  "Llama + linear position interpolation (factor 4)",
-                 _scaled({"rope_type": "linear", "factor": 4.0})),
+                 _llama({"rope_type": "linear", "factor": 4.0})),
         TinyArch("llama-llama3", "llama", "gqa", "k", False, False, "model.rotary_emb",
                  "Llama + llama3 frequency-band scaling",
-                 _scaled({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                 _llama({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                           "high_freq_factor": 4.0, "original_max_position_embeddings": _ORIG_MAX_POS})),
         TinyArch("llama-yarn", "llama", "gqa", "k", False, False, "model.rotary_emb",
                  "Llama + YaRN (attention_scaling != 1)",
-                 _scaled({"rope_type": "yarn", "factor": 4.0,
+                 _llama({"rope_type": "yarn", "factor": 4.0,
                           "original_max_position_embeddings": _ORIG_MAX_POS})),
         TinyArch("llama-dynamic", "llama", "gqa", "k", False, False, "model.rotary_emb",
                  "Llama + dynamic NTK (inv_freq changes past max_position_embeddings)",
-                 _scaled({"rope_type": "dynamic", "factor": 2.0})),
+                 _llama({"rope_type": "dynamic", "factor": 2.0})),
         TinyArch("llama-longrope", "llama", "gqa", "k", False, False, "model.rotary_emb",
                  "Llama + LongRoPE (short/long factors switch past original_max_position_embeddings)",
-                 _scaled({"rope_type": "longrope", "factor": _MAX_POS / _ORIG_MAX_POS,
+                 _llama({"rope_type": "longrope", "factor": _MAX_POS / _ORIG_MAX_POS,
                           "short_factor": [1.0 + 0.05 * i for i in range(_HEAD_DIM // 2)],
                           "long_factor": [1.0 + 0.5 * i for i in range(_HEAD_DIM // 2)],
                           "original_max_position_embeddings": _ORIG_MAX_POS})),
