@@ -169,7 +169,6 @@ class Patch:
         except (KeyError, ValueError) as exc:
             raise CorruptEntryError(f"stored patch entry is malformed: {exc}") from exc
 
-
     def _check_consistent(self) -> None:
         """Refuse a decoded patch whose recorded ranks, layers and shapes disagree with its factors
         (``k_u [n, T, m_k]``, ``k_w [n, m_k, H_k*d_k]``, likewise V; n = len(layers)).
@@ -180,7 +179,7 @@ class Patch:
             if isinstance(r, bool) or r < 0:
                 raise CorruptEntryError(f"stored patch entry records {what} = {r}")
         n = len(self.layers)
-        if not self.layers:
+        if n == 0:
             return
         for name, u, w, m, (h, d) in (("k", self.k_u, self.k_w, self.rank_k, self.k_shape),
                                        ("v", self.v_u, self.v_w, self.rank_v, self.v_shape)):
