@@ -108,9 +108,11 @@ class HealPolicy(PatchPolicy):
         if slot.provisional:
             return KEEP
         tags = self.carried.get(slot.ref)
-        if tags is not None and tags != slot.conditioned_on:
+        # What it carried is stale on this prefix: the eager policy's answer for that slot. (When
+        # it is valid again, the slot no longer holds it: decide on the slot as it is.)
+        if tags is not None and tags != slot.conditioned_on and tags != tuple((s.ref, s.version) for s in prefix):
             slot = _as_conditioned_on(slot, tags)
-            valid = tags == tuple((s.ref, s.version) for s in prefix)
+            valid = False
         return self.eager.decide(reason, slot, prefix, valid=valid, rank=rank)
 
 
