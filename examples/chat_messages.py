@@ -29,6 +29,7 @@ def main(backend: Any = None, max_new_tokens: int = 24) -> MessageWindow:
     print(mw.sync(messages).summary())
     reply = mw.generate(max_new_tokens=max_new_tokens)
     print("assistant:", reply.text)
+    mw.window.heal()  # idle time, waiting on the user: form what the latency-first window deferred
     messages += [{"role": "assistant", "content": reply.text or "..."},
                  {"role": "user", "content": "And should I take an umbrella?"}]
     print(mw.sync(messages).summary())
