@@ -58,7 +58,9 @@ def test_exact_search_equals_brute_force(seed):
     o_ex, c_ex = exact(view, entering)
     assert c_ex == pytest.approx(c_bf, abs=1e-9)
     ent = frozenset(k for k, _ in entering)
-    assert order_cost(view, o_ex, ent).total == pytest.approx(c_ex, abs=1e-9)
+    from contextdeque.scheduler.cost import asked_order
+
+    assert order_cost(view, o_ex, ent, asked=asked_order(view, entering)).total == pytest.approx(c_ex, abs=1e-9)
     assert sorted(o_ex) == sorted(list(view.order) + [k for k, _ in entering])
     _, c_h = heuristic(view, entering)
     assert c_h >= c_ex - 1e-9
@@ -78,20 +80,76 @@ def test_exact_finds_a_stored_prefix():
     assert heuristic(view, [("X", None)])[0] == order
 
 
+GENERATED_SEEDS = range(8)  # each agent kind's generated set
+BUDGETS = (None, 6000, 3000)  # window token budgets, equal for both placements
+
+
 @pytest.mark.parametrize("kind", ["web", "video", "doc"])
 def test_scheduler_never_forms_more_than_arrival(kind):
-    forms = {"arrival": 0, "scheduler": 0, "scheduler-offline": 0}
-    for seed in range(2):
-        t = generate(kind, seed=seed)
-        per = {p: Replayer(t, p, "lru", "patch").run().patch_forms for p in forms}
-        assert per["scheduler"] <= per["arrival"] and per["scheduler-offline"] <= per["arrival"], (seed, per)
-        for p in forms:
-            forms[p] += per[p]
-    assert forms["scheduler"] <= forms["arrival"]
+    """Over every trace of the kind's generated set, at every budget: never more forms than
+    arrival order on any trace, fewer in aggregate without a budget. The offline scheduler is held
+    to the same per trace without a budget (under one it can trade forms for what it evicts)."""
+    agg = {"arrival": 0, "scheduler": 0, "scheduler-offline": 0}
+    for budget in BUDGETS:
+        cfg = ReplayConfig(budget_tokens=budget)
+        for seed in GENERATED_SEEDS:
+            t = generate(kind, seed=seed)
+            per = {p: Replayer(t, p, "lru", "patch", config=cfg).run().patch_forms for p in agg}
+            assert per["scheduler"] <= per["arrival"], (budget, seed, per)
+            if budget is None:
+                assert per["scheduler-offline"] <= per["arrival"], (seed, per)
+                for p in agg:
+                    agg[p] += per[p]
+    assert agg["scheduler"] < agg["arrival"] and agg["scheduler-offline"] < agg["arrival"], agg
+
+
+def test_scheduler_holds_to_the_asked_order_when_departing_forms_more():
+    """The hard constraint: an order that forms more patches now than the asked order is never
+    returned, even when its staleness savings would make it cheaper in the weighted cost."""
+    from contextdeque.scheduler import Weights, schedule
+    from contextdeque.scheduler.cost import asked_order
+
+    tokens = {k: 100 for k in "ABCX"}
+    content = {k: k for k in "ABCX"}
+    g = PatchGraph()
+    # B and C were formed on a prefix that X's insertion at the end leaves alone, but that the
+    # weighted cost, with staleness priced far above forms, would rather refresh
+    view = PlacementView(order=["A", "B", "C"], tokens=tokens, content=content,
+                         formed_on={"A": (), "B": ("X",), "C": ("X", "A", "B")}, has_patch=g.has_patch,
+                         stored_prefixes=g.stored_prefixes, may_hit=g.may_hit)
+    w = Weights(stale=100.0, diverge=0.0)
+    order, _, how = schedule(view, [("X", None)], w)
+    asked = asked_order(view, [("X", None)])
+    mine = order_cost(view, order, frozenset("X"), w, asked)
+    theirs = order_cost(view, asked, frozenset("X"), w, asked)
+    assert mine.forms <= theirs.forms, (order, how)
+
+
+def test_departing_from_the_asked_order_is_priced():
+    """A recall whose patch on the window's first chunk is stored lands there for a hit instead of a
+    form at the end, but every position behind that departure is priced (a later reorder re-forms
+    it): a long window keeps the asked order."""
+    from contextdeque.scheduler import Weights
+    from contextdeque.scheduler.cost import asked_order
+
+    keys = [f"r{i}" for i in range(6)]
+    tokens = {k: 100 for k in keys + ["X"]}
+    content = {k: k for k in tokens}
+    g = PatchGraph()
+    g.add("X", ("r0",))
+    view = PlacementView(order=keys, tokens=tokens, content=content, formed_on={}, has_patch=g.has_patch,
+                         stored_prefixes=g.stored_prefixes, may_hit=g.may_hit)
+    ent = [("X", None)]
+    second = ["r0", "X"] + keys[1:]
+    asked = asked_order(view, ent)
+    assert order_cost(view, second, frozenset("X"), Weights(), asked).forms == 0
+    assert order_cost(view, asked, frozenset("X"), Weights(), asked).forms == 1
+    assert exact(view, ent, Weights(diverge=0.0))[0] == second  # unpriced: the hit wins
+    assert exact(view, ent)[0] == asked  # priced: 7 positions behind the departure outweigh one form
 
 
 def test_scheduler_refreshes_from_the_store_instead_of_keeping_stale():
-    t = generate("doc", seed=2)
+    t = generate("doc", seed=7)
     arr, sch = (Replayer(t, p, "lru", "patch").run() for p in ("arrival", "scheduler"))
     assert sch.refreshes > 0 and arr.refreshes == 0  # arrival order keeps every stale patch as it is
 

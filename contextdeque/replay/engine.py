@@ -400,6 +400,9 @@ class Replayer:
                     continue
                 seen.add(d)
                 i = self.order.index(d)
+                if i == 0:  # at the front its canonical is exact: nothing to re-form
+                    self._set_formed(d, ())
+                    continue
                 self.r.cascade_reforms += 1
                 self._form(d, self.order[:i])
 
