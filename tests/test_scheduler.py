@@ -104,25 +104,25 @@ def test_scheduler_never_forms_more_than_arrival(kind):
 
 
 def test_scheduler_holds_to_the_asked_order_when_departing_forms_more():
-    """The hard constraint: an order that forms more patches now than the asked order is never
-    returned, even when its staleness savings would make it cheaper in the weighted cost."""
-    from contextdeque.scheduler import Weights, schedule
+    """The hard constraint: the agent asks for X right behind A, where its patch is stored (a hit,
+    no form), but the large X makes B, C, D behind it stale; the weighted optimum puts X at the end
+    (one form, no staleness). The scheduler never returns an order that forms more than the asked."""
+    from contextdeque.scheduler import schedule
     from contextdeque.scheduler.cost import asked_order
 
-    tokens = {k: 100 for k in "ABCX"}
-    content = {k: k for k in "ABCX"}
+    tokens = {"A": 100, "B": 100, "C": 100, "D": 100, "X": 2000}
+    content = {k: k for k in tokens}
     g = PatchGraph()
-    # B and C were formed on a prefix that X's insertion at the end leaves alone, but that the
-    # weighted cost, with staleness priced far above forms, would rather refresh
-    view = PlacementView(order=["A", "B", "C"], tokens=tokens, content=content,
-                         formed_on={"A": (), "B": ("X",), "C": ("X", "A", "B")}, has_patch=g.has_patch,
-                         stored_prefixes=g.stored_prefixes, may_hit=g.may_hit)
-    w = Weights(stale=100.0, diverge=0.0)
-    order, _, how = schedule(view, [("X", None)], w)
-    asked = asked_order(view, [("X", None)])
-    mine = order_cost(view, order, frozenset("X"), w, asked)
-    theirs = order_cost(view, asked, frozenset("X"), w, asked)
-    assert mine.forms <= theirs.forms, (order, how)
+    g.add("X", ("A",))
+    view = PlacementView(order=["A", "B", "C", "D"], tokens=tokens, content=content,
+                         formed_on={"A": (), "B": ("A",), "C": ("A", "B"), "D": ("A", "B", "C")},
+                         has_patch=g.has_patch, stored_prefixes=g.stored_prefixes, may_hit=g.may_hit)
+    ent = [("X", 1)]
+    asked = asked_order(view, ent)
+    free, _ = exact(view, ent)  # the unconstrained optimum
+    assert order_cost(view, free, frozenset("X"), asked=asked).forms > order_cost(view, asked, frozenset("X"), asked=asked).forms
+    order, _, how = schedule(view, ent)
+    assert order == asked == ["A", "X", "B", "C", "D"] and how == "arrival"
 
 
 def test_departing_from_the_asked_order_is_priced():
