@@ -194,3 +194,18 @@ def test_fidelity_mode_on_a_tiny_model(tiny_backend_factory, one_thread, tmp_pat
     if patch["eta"] is not None:
         assert patch["eta"] > 0  # the patch closes part of blind reuse's gap
     assert out[(t.name, "arrival", "lru", "prefix_cache")]["kl"] < 1e-6  # exact prefix reuse + re-prefill
+
+
+def test_fidelity_mode_drives_patch_latency_and_refuses_priced_only_arms(tiny_backend_factory, one_thread, tmp_path):
+    from contextdeque.replay.fidelity import run_fidelity_mode
+
+    t = generate("video", seed=3, segments=5)
+    p = str(write_trace(tmp_path / f"{t.name}.jsonl", t.header, t.events))
+    for arm in ("snapkv-64", "kvcapsule-linear"):
+        with pytest.raises(PolicyError, match="does not drive"):
+            run_fidelity_mode([p], [("arrival", "lru", arm)], 1, backend=object())  # refused before any model work
+    be = tiny_backend_factory("qwen2")
+    out = run_fidelity_mode([p], [("arrival", "lru", "patch-latency")], 2, seed=1, scale=1 / 32, backend=be)
+    r = out[(t.name, "arrival", "lru", "patch-latency")]
+    assert r["fidelity_queries"] == 2 and r["kl"] >= 0
+    assert r["kl_healed_by_step"]  # a latency-first window had work queued at a sampled query: measured after heal()
