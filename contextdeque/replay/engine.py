@@ -329,7 +329,13 @@ class Replayer:
         tok0, fw0, est0 = r.tokens_prefilled, r.forwards, r.est_seconds
         self._healing = True
         try:
+            resident = set(self.order)
             for key, pc in self._pending_canon.items():
+                if key not in resident:  # gone with a discarded fork: its canonical is never made
+                    k = ("c", self.content[key])
+                    if k not in self.pool.pinned:
+                        self.pool.drop(k)
+                    continue
                 self._encode(key)
                 if pc:  # the patch: the provisional KV less the canonical, factorized
                     t = self.tokens[key]
