@@ -75,12 +75,17 @@ def test_exact_finds_a_stored_prefix():
     view = PlacementView(order=["A", "B", "C"], tokens=tokens, content=content,
                          formed_on={"A": (), "B": ("A",), "C": ("A", "B")}, has_patch=g.has_patch,
                          stored_prefixes=g.stored_prefixes, may_hit=g.may_hit)
-    order, cost = exact(view, [("X", None)])
+    from contextdeque.scheduler import Weights
+
+    w = Weights(diverge=0.0)  # departing from the asked order (the end) unpriced
+    order, cost = exact(view, [("X", None)], w)
     assert order[:3] == ["A", "B", "X"] and cost < 1.0
-    assert heuristic(view, [("X", None)])[0] == order
+    assert heuristic(view, [("X", None)], w)[0] == order
+    # priced: two positions behind the departure (X, C) cost as much as the form it saves
+    assert exact(view, [("X", None)])[0] == ["A", "B", "C", "X"]
 
 
-GENERATED_SEEDS = range(8)  # each agent kind's generated set
+GENERATED_SEEDS = range(16)  # each agent kind's generated set
 BUDGETS = (None, 6000, 3000)  # window token budgets, equal for both placements
 
 
@@ -107,7 +112,7 @@ def test_scheduler_holds_to_the_asked_order_when_departing_forms_more():
     """The hard constraint: the agent asks for X right behind A, where its patch is stored (a hit,
     no form), but the large X makes B, C, D behind it stale; the weighted optimum puts X at the end
     (one form, no staleness). The scheduler never returns an order that forms more than the asked."""
-    from contextdeque.scheduler import schedule
+    from contextdeque.scheduler import Weights, schedule
     from contextdeque.scheduler.cost import asked_order
 
     tokens = {"A": 100, "B": 100, "C": 100, "D": 100, "X": 2000}
@@ -119,9 +124,10 @@ def test_scheduler_holds_to_the_asked_order_when_departing_forms_more():
                          has_patch=g.has_patch, stored_prefixes=g.stored_prefixes, may_hit=g.may_hit)
     ent = [("X", 1)]
     asked = asked_order(view, ent)
-    free, _ = exact(view, ent)  # the unconstrained optimum
-    assert order_cost(view, free, frozenset("X"), asked=asked).forms > order_cost(view, asked, frozenset("X"), asked=asked).forms
-    order, _, how = schedule(view, ent)
+    w = Weights(diverge=0.0)  # (departing unpriced: only the hard constraint holds the asked order)
+    free, _ = exact(view, ent, w)  # the unconstrained optimum
+    assert order_cost(view, free, frozenset("X"), w).forms > order_cost(view, asked, frozenset("X"), w).forms
+    order, _, how = schedule(view, ent, w)
     assert order == asked == ["A", "X", "B", "C", "D"] and how == "arrival"
 
 
