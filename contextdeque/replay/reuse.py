@@ -80,17 +80,16 @@ class ReuseCost(Registered):
 
 def make_reuse(spec: "str | ReuseCost") -> ReuseCost:
     """A cost rule by name (``<name>-<budget>`` for a budgeted one), or the instance itself."""
-    if isinstance(spec, ReuseCost):
-        return spec
-    if isinstance(spec, str) and spec in REUSE_COSTS:
-        return REUSE_COSTS[spec]()
-    if isinstance(spec, str):
+    if isinstance(spec, str) and spec not in REUSE_COSTS:
         base, _, tail = spec.rpartition("-")
         cls = REUSE_COSTS.get(base)
         if cls is not None and cls.budgeted and tail.isdigit():
             return cls(int(tail))
-    raise PolicyError(f"no replay cost rule for reuse arm {spec!r}; known: {sorted(REUSE_COSTS)} "
-                      f"(budgeted ones also as NAME-ROWS: {sorted(k for k, c in REUSE_COSTS.items() if c.budgeted)})")
+    try:
+        return REUSE_COSTS.make(spec, instance_of=ReuseCost, error=PolicyError)
+    except PolicyError as exc:
+        budgeted = sorted(k for k, c in REUSE_COSTS.items() if c.budgeted)
+        raise PolicyError(f"{exc} (budgeted ones also as NAME-ROWS: {budgeted})") from None
 
 
 def is_reuse(spec: str) -> bool:
