@@ -690,9 +690,10 @@ def prove_layout(
     the same tokens at 0 and :data:`PROBE_SHIFT`, see :func:`read_layout`) are its canonical
     forward and its first shifted oracle: with them the proof runs 2 forwards (the chunk's encode
     after the root's cache, the far offset), without them 5 (the root and the canonical too). The
-    result is cached under the model fingerprint, the layout, the behavior digest (the
-    rotary/attention code and tables: a patched rotary is proven afresh), the
-    transformers version and the proof's own parameters; a hit runs no forward.
+    result is cached under the model fingerprint (config and every weight byte, dtype included),
+    the layout, the behavior digest (the rotary/attention code and tables: a patched rotary is
+    proven afresh), the device type, the transformers version and the proof's own parameters; a
+    hit runs no forward.
 
     Raises:
         UnsupportedLayoutError: ``reason="proof-failed"`` with the measured error when the oracle
@@ -700,7 +701,7 @@ def prove_layout(
     """
     layout = backend.layout
     key = hashlib.sha256(
-        f"{backend.fingerprint}:{layout.signature}:{behavior or behavior_digest(backend.model)}:"
+        f"{backend.fingerprint}:{layout.signature}:{behavior or behavior_digest(backend.model)}:{backend.device.type}:"
         f"{transformers.__version__}:{_PROOF_VERSION}:{PROOF_OFFSETS}:{PROOF_TOKENS}:{FP32_FLOOR}".encode()
     ).hexdigest()[:32]
     proof = _load_cached(key) if use_cache else None
