@@ -34,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the fidelity mode's query sample")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads of the fidelity mode (1 is fastest on a machine shared with other jobs)")
-    parser.add_argument("--patch-policy", default="default",
-                        help="the fidelity mode's patch policy for the patch arm (eager, latency, exact, ...); "
+    parser.add_argument("--patch-policy", default="eager",
+                        help="the fidelity mode's patch policy for the patch arm (default eager, as the cost model "
+                             "prices it; latency, exact, ...); "
                              "latency-first windows are also measured after heal(). 'latency' also prices the patch "
                              "arm as latency-first in cost-model mode (arm patch-latency)")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG figure here")

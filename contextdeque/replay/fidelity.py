@@ -9,8 +9,8 @@ trace runs in minutes on a CPU. Image and frame chunks become text of their (sca
 window path is the same, the vision tower is not exercised here.
 
 Per (trace, placement, arm): the window runs the trace with ``placement=`` (the scheduler or
-arrival order); its patch policy is ``patch_policy`` (``default`` unless told, e.g. ``eager`` or
-``latency``) for the ``patch`` arm and ``none`` for the others.
+arrival order); its patch policy is ``patch_policy`` (``eager`` unless told, e.g. ``latency``, as the
+``patch-latency`` arm does) for the ``patch`` arm and ``none`` for the others.
 At a sampled query the reference is a re-prefill of root + the window's chunks in window order; the
 ``patch`` / ``blind`` arms are the window's own materialized KV; the other arms
 (``contextdeque.eval.arms``: prefix cache, CacheBlend, EPIC, VLCache) are run on the same chunks in the
@@ -86,7 +86,7 @@ def _by_step(samples: dict[str, list[float]]) -> dict[str, float]:
 
 @torch.no_grad()
 def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *, seed: int = 0,
-                 scale: float = DEFAULT_SCALE, patch_policy: str = "default") -> dict[str, Any]:
+                 scale: float = DEFAULT_SCALE, patch_policy: str = "eager") -> dict[str, Any]:
     """Drive one window through ``trace``; measure at ``n`` sampled queries. Returns medians, overall
     and per step type (``kl_by_step`` ...; ``kl_healed_by_step`` where a latency-first window had
     work queued at the query)."""
@@ -192,7 +192,7 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
 
 def run_fidelity_mode(traces: Sequence[str], combos: Sequence[tuple[str, str, str]], n: int, *, seed: int = 0,
                       scale: float = DEFAULT_SCALE, backend: Any = None, console: Any = None,
-                      patch_policy: str = "default") -> dict[tuple, dict[str, Any]]:
+                      patch_policy: str = "eager") -> dict[tuple, dict[str, Any]]:
     """Fidelity figures keyed by ``(trace, placement, eviction, arm)`` for every combo."""
     for _, _, arm in combos:  # refused before any model work
         rule = make_reuse(arm)
