@@ -47,8 +47,4 @@ class ReuseCost(Registered):
 
 
 def make_reuse(spec: "str | ReuseCost") -> ReuseCost:
-    if isinstance(spec, ReuseCost):
-        return spec
-    if isinstance(spec, str) and spec in REUSE_COSTS:
-        return REUSE_COSTS[spec]()
-    raise PolicyError(f"no replay cost rule for reuse arm {spec!r}; known: {sorted(REUSE_COSTS)}")
+    return REUSE_COSTS.make(spec, instance_of=ReuseCost, error=PolicyError)

@@ -120,11 +120,7 @@ class ArrivalPlacement(PlacementPolicy):
 
 def make_placement(spec: "str | PlacementPolicy") -> PlacementPolicy:
     """A placement policy from its registered name, or the instance itself."""
-    if isinstance(spec, PlacementPolicy):
-        return spec
-    if isinstance(spec, str) and spec in PLACEMENT_POLICIES:
-        return PLACEMENT_POLICIES[spec]()
-    raise WindowError(f"unknown placement policy {spec!r}; registered: {sorted(PLACEMENT_POLICIES)}")
+    return PLACEMENT_POLICIES.make(spec, instance_of=PlacementPolicy, error=WindowError)
 
 
 def window_index(ctx: Any, graph: Any, slots: Sequence[Any], entering: Any, at: int, formed_on: Sequence[Any] = ()) -> int:

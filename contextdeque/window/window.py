@@ -47,7 +47,7 @@ from . import decode, ingest
 from .context import WindowContext
 from .disposable import Verdict, run_test
 from .graph import Cascade, ConditioningGraph
-from .kvselect import SelectionPolicy, generate_selected
+from .kvselect import SelectionPolicy
 from .placement import PlacementPolicy, make_placement, window_index
 from .policy import PatchPolicy, make_policy
 from .policy_latency import HealPolicy
@@ -224,8 +224,16 @@ class ContextWindow:
         )
         self._setup(ctx, WindowState(), parent=None)
 
+    @classmethod
+    def _over(cls, ctx: WindowContext, state: WindowState, parent: "ContextWindow | None" = None) -> "ContextWindow":
+        """A window over an existing (already checked) context and state: the constructor path of
+        :meth:`fork`, which shares its parent's context and starts from a copy of its state."""
+        win = cls.__new__(cls)
+        win._setup(ctx, state, parent)
+        return win
+
     def _setup(self, ctx: WindowContext, state: WindowState, parent: "ContextWindow | None") -> None:
-        """Every field of a window, in one place: ``__init__`` and ``fork`` both come here."""
+        """Every field of a window, in one place: ``__init__`` and :meth:`_over` both come here."""
         self._ctx = ctx
         self._state = state
         self._parent = parent
@@ -759,7 +767,7 @@ class ContextWindow:
                             ingest.encode_and_store(ctx, meter, **entry.source)
                     state.evicted[ref] = dataclasses.replace(entry, provisional=None, unhealed=False, source=source)
                     return {"refs": (ref,)}, None
-                return {"refs": ()}
+                return {"refs": ()}, None  # healed meanwhile (e.g. by a foreground heal): nothing to do
             target = max(state.pending, key=self.heal_priority)
             idx = state.index(target)
             batch = [s.ref for s in state.slots[: idx + 1] if s.ref in state.pending]
@@ -846,8 +854,7 @@ class ContextWindow:
         drops it. Nothing the child does changes the parent."""
         self._check_open()
         meter = Meter(self._ctx, "fork")
-        child = ContextWindow.__new__(ContextWindow)
-        child._setup(self._ctx, self._state.copy(), parent=self)
+        child = ContextWindow._over(self._ctx, self._state.copy(), parent=self)
         meter.notes.extend(self._ctx.store.hold(list(child._state.held_keys().elements()), meter.traffic))
         receipt = meter.finish(refs=child.refs)
         self._record(receipt)
@@ -943,22 +950,10 @@ class ContextWindow:
         (greedy unless ``kw`` says otherwise); windows with image spans through the window's own
         greedy decoder with explicit positions."""
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], Answer]:
-            ctx = self._ctx
             check_int("max_new_tokens", max_new_tokens, minimum=1, error=WindowError)
-            q = decode.query_ids(ctx, query, chat=chat)
-            decode.check_trained(ctx, decode.next_position(ctx, state.slots) + len(q) + int(max_new_tokens), "generate")
-            if ctx.kv_selection is not None:
-                new_ids, info = generate_selected(ctx, state.slots, q, max_new_tokens, decode.eos_ids(ctx), ctx.kv_selection)
-                meter.page_bytes += info["bytes_kept"]
-                meter.notes.append(
-                    f"kv selection {info['selector']}@{info['budget']}: kept {info['kept']} of {info['rows']} rows per KV head"
-                    if info["selected"] else f"kv selection {info['selector']}: {info['rows']} rows, under its threshold"
-                )
-                return {"refs": state.refs}, Answer(token_ids=new_ids, text=decode.decode_text(ctx, new_ids))
-            layers = decode.assemble(ctx, state.slots)
-            meter.page_bytes += kv_nbytes(layers)
-            new_ids = decode.generate(ctx, state.slots, layers, q, max_new_tokens, **kw)
-            return {"refs": state.refs}, Answer(token_ids=new_ids, text=decode.decode_text(ctx, new_ids))
+            q = decode.query_ids(self._ctx, query, chat=chat)
+            new_ids = decode.answer(self._ctx, state.slots, q, max_new_tokens, meter, **kw)
+            return {"refs": state.refs}, Answer(token_ids=new_ids, text=decode.decode_text(self._ctx, new_ids))
 
         receipt, answer = self._run("generate", body, mutates=False)
         answer.receipt = receipt
