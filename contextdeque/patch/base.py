@@ -59,6 +59,11 @@ class Patch:
     basis_id: str | None = None
     meta: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # the one finite check of a patch's factors: where they enter (formed, loaded from a store
+        # or a session), not at every apply
+        check_finite([self.k_u, self.k_w, self.v_u, self.v_w], f"the {self.kind} patch factors of chunk {self.chunk_id[:12]}")
+
     def __repr__(self) -> str:
         basis = "" if self.basis_id is None else f", basis {self.basis_id[:8]}"
         return (
@@ -218,14 +223,13 @@ def new_patch(
     it), the factor shapes from ``layout`` (else from ``source``, a patch); the factors
     ``(k_u, k_w, v_u, v_w)`` are cast to ``dtype`` (the chunk's storage dtype; float16 factors
     that would overflow stay float32: :func:`factor_dtype`). Non-finite factors raise
-    ``NumericsError``."""
+    ``NumericsError`` (:meth:`Patch.__post_init__`)."""
     if isinstance(source, Patch):
         chunk_id, n_tokens, k_shape, v_shape = source.chunk_id, source.n_tokens, source.k_shape, source.v_shape
     else:
         chunk_id, n_tokens = source.id, source.n_tokens
     if layout is not None:
         k_shape, v_shape = (layout.k_heads, layout.k_dim), (layout.v_heads, layout.v_dim)
-    check_finite(list(factors), f"the {kind} patch factors of chunk {chunk_id[:12]}")
     if dtype is not None:
         dtype = factor_dtype(dtype, factors)
     k_u, k_w, v_u, v_w = (t if dtype is None else t.to(dtype) for t in factors)

@@ -101,7 +101,7 @@ def obtain(
         if failed:
             meter.notes.append(failed)
         if PATCH_KINDS[kind].exact_on_prefix:  # what the placement scheduler may aim for
-            ctx.patch_index.setdefault(slot.chunk.id, set()).add(tuple(s.chunk.id for s in prefix))
+            ctx.note_stored_prefix(slot.chunk.id, tuple(s.chunk.id for s in prefix))
         meter.patches_formed += 1
         if healed:
             meter.repairs.append(f"re-formed the {kind} patch of #{slot.ref.key} (its stored copy was corrupt)")

@@ -156,6 +156,11 @@ class ContextWindow:
             chunk with a blank line; ``"<doc title='{label}'>\n{text}\n</doc>\n"`` wraps it.
             Token ids, embeddings and encoded chunks are taken as given. The template is part
             of the content: the same text under another template is another chunk.
+        max_evicted: how many evicted refs the window remembers (each keeps its source, the
+            chunk's input ids, so it can be recalled or re-encoded: ~16 bytes per token plus a
+            few hundred bytes). Past it the oldest evicted refs are forgotten, as ``purge`` would
+            (the receipt's notes say so; their store entries stay). None: remember every one
+            (memory then grows with the history).
     """
 
     def __init__(
@@ -176,6 +181,7 @@ class ContextWindow:
         kv_selection: "SelectionPolicy | None" = None,
         beyond_trained: bool = False,
         chunk_template: str = "{text}",
+        max_evicted: int | None = 10_000,
     ) -> None:
         if not all(hasattr(backend, a) for a in ("encode", "forward", "layout", "fingerprint", "root_ids")):
             raise WindowTypeError(
@@ -217,6 +223,7 @@ class ContextWindow:
             kv_selection=kv_selection,
             beyond_trained=beyond_trained,
             chunk_template=chunk_template,
+            max_evicted=check_int("max_evicted", max_evicted, minimum=0, none_ok=True, error=WindowError),
         )
         self._setup(ctx, WindowState(), parent=None)
 
@@ -413,9 +420,21 @@ class ContextWindow:
         # lost): past this point the operation has succeeded and the swap cannot half-happen.
         meter.notes.extend(self._ctx.store.hold(list((after - before).elements()), meter.traffic))
         meter.notes.extend(self._ctx.store.release(list((before - after).elements()), meter.traffic))
+        self._forget_oldest_evicted(new, meter)
         new.graph.sync(new.slots, new.evicted)
         new.generation = self._state.generation + 1
         self._state = new
+
+    def _forget_oldest_evicted(self, state: WindowState, meter: Meter) -> None:
+        """Keep at most ``max_evicted`` evicted refs (``evicted`` is in eviction order)."""
+        cap = self._ctx.max_evicted
+        over = 0 if cap is None else len(state.evicted) - cap
+        if over <= 0:
+            return
+        for ref in list(state.evicted)[:over]:
+            del state.evicted[ref]
+            state.graph.remove(ref)
+        meter.notes.append(f"forgot the {over} oldest evicted ref(s) (max_evicted={cap}): they can no longer be recalled")
 
     def _record(self, receipt: Receipt) -> None:
         self.last_receipt = receipt
@@ -433,8 +452,8 @@ class ContextWindow:
             span=s.span,
             stale_patch_keys=tuple(c.key for c in s.stack if c.key),
             formed_on=s.conditioned_on,
-            provisional=s.chunk if s.provisional else None,
-            source=None if s.provisional else ingest.source_of(s.chunk),
+            source=ingest.source_of(s.chunk),
+            unhealed=bool(s.provisional),
         )
         reasons.pop(s.ref, None)
         for later in slots[idx:]:
@@ -605,6 +624,8 @@ class ContextWindow:
                 chunk = ctx.store.get_chunk(
                     entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic
                 )
+            if chunk is None and entry.unhealed:  # left before healing: the one encode it still owes
+                chunk = ingest.encode_and_store(ctx, meter, **entry.source)
             if chunk is None and entry.source is not None:  # lost or quarantined: rebuild it
                 chunk = ingest.rebuilt(ctx, meter, entry.source, "its canonical was gone from the store")
             if chunk is None:
@@ -729,7 +750,7 @@ class ContextWindow:
 
     def _unhealed_evicted(self) -> list[ChunkRef]:
         """Evicted chunks that left before their canonical was computed."""
-        return [r for r, e in self._state.evicted.items() if e.provisional is not None]
+        return [r for r, e in self._state.evicted.items() if e.owes_encode]
 
     def _heal_step(self) -> Receipt:
         """One heal transaction (see :meth:`heal`)."""
@@ -739,8 +760,15 @@ class ContextWindow:
             if not state.pending:
                 for ref in self._unhealed_evicted()[:1]:  # canonical of a chunk that left unhealed
                     entry = state.evicted[ref]
-                    ingest.canonical_of(self._ctx, entry.provisional, meter)
-                    state.evicted[ref] = dataclasses.replace(entry, provisional=None)
+                    if entry.provisional is not None:
+                        ingest.canonical_of(self._ctx, entry.provisional, meter)
+                        source = ingest.source_of(entry.provisional)  # so a lost canonical can be rebuilt
+                    else:
+                        source = entry.source
+                        if ctx.store.get_chunk(entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature,
+                                               traffic=meter.traffic) is None:
+                            ingest.encode_and_store(ctx, meter, **entry.source)
+                    state.evicted[ref] = dataclasses.replace(entry, provisional=None, unhealed=False, source=source)
                     return {"refs": (ref,)}, None
                 return {"refs": ()}, None  # healed meanwhile (e.g. by a foreground heal): nothing to do
             target = max(state.pending, key=self.heal_priority)
