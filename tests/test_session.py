@@ -288,7 +288,7 @@ def test_evicted_sources_survive_a_session_in_a_new_process(backend, tmp_path):
     from contextdeque.core import compat
     from contextdeque.stores import MemoryTier, TieredStore
 
-    win = ContextWindow(backend, rank=4, store=TieredStore([MemoryTier("cpu", None)]))
+    win = ContextWindow(backend, rank=4, store=TieredStore([MemoryTier("cpu", None)]), patch_policy="eager")
     win.append(token_ids=A, label="a")
     b = win.append(token_ids=B, label="b")
     win.append(token_ids=C, label="c")
