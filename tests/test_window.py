@@ -167,11 +167,19 @@ def test_slide_survivors_only_relocate(backend, policy):
     receipt = win.slide()
     assert receipt.forwards == 0 and receipt.encodes == 0 and receipt.patches_formed == 0
     assert receipt.left == (refs[0],) and receipt.pages_written == 3
-    for r in refs[1:]:
+    for r in refs[2:]:
         s = win.slot(r)
         assert s.patches == content[r][0]  # same patch objects: kept as-is
         k, v = to_content_frame(list(s.page), lay, s.positions())
         assert torch.allclose(k, content[r][1][0], atol=1e-5) and torch.allclose(v, content[r][1][1], atol=1e-5)
+    head = win.slot(refs[1])  # every antecedent it had left: at the front its canonical is exact
+    k, v = to_content_frame(list(head.page), lay, head.positions())
+    if policy == "default":  # it dropped the patch formed for A, for free
+        assert content[refs[1]][0] and head.patches == ()
+        c = win.chunk(refs[1])
+        assert torch.allclose(k, c.keys.float(), atol=1e-5) and torch.allclose(v, c.values.float(), atol=1e-5)
+    else:  # blind everywhere: nothing to drop
+        assert head.patches == content[refs[1]][0] == ()
     starts = [st for _, st, _ in win.placement()]
     assert starts[0] == backend.root_len
 
