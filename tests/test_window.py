@@ -423,7 +423,8 @@ def test_is_disposable_verdict(backend):
     assert w.had_conditioning and w.kl_unconditioned > 0.0
     assert bool(w) == w.disposable == (w.answer_unconditioned == w.answer_as_is)
     assert_same_snapshot(before, snapshot(win))
-    # the dropped variant is what the window decodes after evicting a (survivors kept as-is)
+    # the dropped variant is what the window decodes after evicting a (b, now at the front, on its
+    # canonical; c kept as-is)
     win.evict(a)
     assert win.generate(QUERY, max_new_tokens=4).token_ids == v.answer_dropped
 
