@@ -155,7 +155,7 @@ def test_window_decoder_agrees_with_generate(backend):
 # ----------------------------------------------------------------------------- slide / survivors
 
 
-@pytest.mark.parametrize("policy", ["default", "none"])
+@pytest.mark.parametrize("policy", ["eager", "none"])
 def test_slide_survivors_only_relocate(backend, policy):
     win = ContextWindow(backend, patch_policy=policy, rank=2)
     refs = [win.append(token_ids=x) for x in (A, B, C, D)]
@@ -174,7 +174,7 @@ def test_slide_survivors_only_relocate(backend, policy):
         assert torch.allclose(k, content[r][1][0], atol=1e-5) and torch.allclose(v, content[r][1][1], atol=1e-5)
     head = win.slot(refs[1])  # every antecedent it had left: at the front its canonical is exact
     k, v = to_content_frame(list(head.page), lay, head.positions())
-    if policy == "default":  # it dropped the patch formed for A, for free
+    if policy == "eager":  # it dropped the patch formed for A, for free
         assert content[refs[1]][0] and head.patches == ()
         c = win.chunk(refs[1])
         assert torch.allclose(k, c.keys.float(), atol=1e-5) and torch.allclose(v, c.values.float(), atol=1e-5)
