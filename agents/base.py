@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any, Callable, Hashable, Sequence
 
 from contextdeque.core.errors import WindowError
+from contextdeque.core.metrics import kl_divergence
 from contextdeque.traces import TraceBuilder, TraceHeader, content_hash, write_trace
 from contextdeque.window import ChunkRef, ContextWindow, Receipt
 
-from .measure import common_prefix, kl, reprefill_first_token, window_first_token, window_stream
+from .measure import common_prefix, reprefill_first_token, window_first_token, window_stream
 
 @dataclass
 class AgentConfig:
@@ -260,7 +261,7 @@ class AgentRun:
         if self.config.measure:
             ref = reprefill_first_token(self.window, q)
             st.reprefill_ms = ref.ms
-            st.kl = kl(ref.logits, mine.logits)
+            st.kl = kl_divergence(ref.logits, mine.logits)
         if choices:
             st.choice = True
             st.answer = pick_choice(self.backend, mine.logits, choices)

@@ -17,7 +17,6 @@ import torch
 from contextdeque.core import compat
 from contextdeque.eval.arms import ReprefillArm, ReuseRequest
 from contextdeque.eval.fidelity.harness import score_query
-from contextdeque.core.metrics import kl_divergence
 
 
 @dataclass
@@ -65,11 +64,6 @@ def reprefill_first_token(window: Any, query_ids: Sequence[int]) -> FirstToken:
     t2 = time.perf_counter()
     n = backend.root_len + sum(c.n_tokens for c in chunks) + len(query_ids)
     return FirstToken(logits, (t2 - t0) * 1000.0, (t1 - t0) * 1000.0, n)
-
-
-def kl(reference: torch.Tensor, arm: torch.Tensor) -> float:
-    """Next-token KL(reference ‖ arm) in nats (the project's one KL)."""
-    return kl_divergence(reference, arm)
 
 
 def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:

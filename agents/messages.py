@@ -67,9 +67,10 @@ from contextdeque.core.errors import (
     TemplateError,
     WindowError,
 )
+from contextdeque.core.metrics import kl_divergence
 from contextdeque.window import Answer, ChunkRef, ContextWindow, Receipt
 
-from .measure import FirstToken, common_prefix, kl, reprefill_first_token, window_first_token
+from .measure import FirstToken, common_prefix, reprefill_first_token, window_first_token
 from .media import DEFAULT_IMAGE_TOKENS, ImagePath, load_image, pixel_digest
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -788,7 +789,7 @@ class MessageWindow:
         """Next-token KL(re-prefill ‖ window) and both times to first token, measured side by side."""
         ref = self.reprefill_logits()
         got = self.next_token_logits()
-        return {"kl": kl(ref.logits, got.logits), "window_ms": got.ms, "reprefill_ms": ref.ms}
+        return {"kl": kl_divergence(ref.logits, got.logits), "window_ms": got.ms, "reprefill_ms": ref.ms}
 
     def close(self) -> None:
         if self.window is not None and not self.window.closed:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from contextdeque.agents import MessageWindow, normalize_messages
-from contextdeque.agents.measure import kl
+from contextdeque.core.metrics import kl_divergence
 from contextdeque.model.hf import HFBackend
 from contextdeque.model.testing import build_tiny_model, build_tiny_vl_processor
 from contextdeque.core.errors import (
@@ -68,7 +68,7 @@ def test_twenty_turn_conversation_equals_a_reprefill_of_the_template(default_bac
         nonlocal worst
         ref, ids = reprefill_logits(backend, msgs)
         assert mw.template_ids() == ids  # the window holds exactly the templated list's tokens
-        d = kl(ref, mw.next_token_logits().logits)
+        d = kl_divergence(ref, mw.next_token_logits().logits)
         worst = max(worst, d)
         assert d <= 1e-4, d
 
@@ -160,7 +160,7 @@ def test_exact_policy_matches_the_template_on_a_tiny_model(chat_backend, one_thr
         mw.sync(msgs)
         ref, ids = reprefill_logits(chat_backend, msgs)
         assert mw.template_ids() == ids
-        assert kl(ref, mw.next_token_logits().logits) <= 1e-4
+        assert kl_divergence(ref, mw.next_token_logits().logits) <= 1e-4
     out = chat_backend.model.generate(
         input_ids=mw.input_ids(), past_key_values=mw.materialize(), attention_mask=torch.ones_like(mw.input_ids()),
         max_new_tokens=4, do_sample=False,
@@ -175,7 +175,7 @@ def test_conversation_without_a_system_message_uses_the_templates_header(chat_ba
     mw.sync(msgs)
     ref, ids = reprefill_logits(chat_backend, msgs)
     assert mw.template_ids() == ids and len(mw.window.refs) == 2
-    assert kl(ref, mw.next_token_logits().logits) <= 1e-4
+    assert kl_divergence(ref, mw.next_token_logits().logits) <= 1e-4
 
 
 def test_tool_calls_and_parts_are_normalized():

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from contextdeque.agents.base import AgentConfig, query_ids
-from contextdeque.agents.measure import kl, window_first_token
+from contextdeque.agents.measure import window_first_token
 from contextdeque.agents.media import build_clip
 from contextdeque.agents.video import VideoAgent, load_frames
+from contextdeque.core.metrics import kl_divergence
 from contextdeque.core.errors import BudgetError, MediaError, MediaTypeError, UnsupportedMediaError
 from contextdeque.model.hf import HFBackend
 from contextdeque.model.testing import build_tiny_model, build_tiny_vl_processor
@@ -132,7 +133,7 @@ def test_qwen2_vl_frames_equal_the_models_own_forward(vl_backend, clip, one_thre
     out = model(input_ids=t, pixel_values=torch.cat(values), image_grid_thw=torch.cat(grids), mm_token_type_ids=mm,
                 attention_mask=torch.ones_like(t))
     got = window_first_token(run.window, q).logits
-    assert kl(out.logits[0, -1].float(), got) <= 1e-4
+    assert kl_divergence(out.logits[0, -1].float(), got) <= 1e-4
     # the window's M-RoPE positions are the model's own: the next position after the window
     pos, _ = model.model.get_rope_index(t, mm, image_grid_thw=torch.cat(grids))
     assert int(pos[-3:, 0, len(ids) - len(q)].max()) == run.window.next_position()

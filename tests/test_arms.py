@@ -25,11 +25,11 @@ from contextdeque.eval.arms import (
     make_arm,
     matched_token_budget,
     profile_schedule,
-    truncate_patch,
 )
 from contextdeque.eval.arms.vlcache import allocate_schedule, check_schedule
 from contextdeque.core.errors import FingerprintMismatchError, ReuseArmError
 from contextdeque.patch import form_patch
+from contextdeque.patch.ops import truncate_patch
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -143,7 +143,7 @@ def test_unhealed_chunk_that_left_is_canonicalized_on_recall_or_heal(backend):
     assert rc.encodes == 1 and a in win.refs  # the one forward it still owed
     win.evict(b)
     win.heal()
-    assert not win.pending_refs and all(e.provisional is None for e in win._state.evicted.values())
+    assert not win.pending_refs and not any(e.owes_encode for e in win._state.evicted.values())
     assert win.recall(b).forwards == 0
 
 

@@ -4,14 +4,17 @@ overflow; positions past the model's trained context raise PositionError unless 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import micro_llama
 
+from contextdeque.core.chunk import Chunk
 from contextdeque.core.errors import NumericsError, PositionError
 from contextdeque.core.operator import relocate
 from contextdeque.model.hf import HFBackend
-from contextdeque.patch import form_patch
+from contextdeque.patch import Patch, form_patch
 from contextdeque.window import ContextWindow
 
 A = list(range(4, 40))
@@ -61,13 +64,38 @@ def test_fp16_storage_never_turns_factors_into_inf(loud_backend, one_thread):
         assert float((v16 - v32).abs().max()) <= 2e-3 * float(v32.abs().max())
 
 
-def test_non_finite_factors_are_refused_where_applied(backend):
+def test_non_finite_values_are_refused_where_they_enter(backend):
+    """Pages and factors are checked once, where they enter (encoded or formed, loaded from a store
+    or a session, cast): a non-finite one raises ``NumericsError`` there, so applying needs no
+    re-check."""
     a = backend.encode(token_ids=A)
     b = backend.encode(token_ids=B)
     patch = form_patch(backend, b, antecedents=[a], rank=2)
-    patch.k_u[0, 0, 0] = float("nan")
+    bad_u = patch.k_u.clone()
+    bad_u[0, 0, 0] = float("nan")
+    with pytest.raises(NumericsError, match="patch factors"):
+        dataclasses.replace(patch, k_u=bad_u)
+    tensors, meta = patch.to_entry()
+    with pytest.raises(NumericsError, match="patch factors"):  # a store or session entry
+        Patch.from_entry({**tensors, "k_u": bad_u}, meta)
+    tensors, meta = b.to_entry()
+    bad_v = b.values.clone()
+    bad_v[1, 0, 2, 3] = float("inf")
+    with pytest.raises(NumericsError, match="pages of chunk"):
+        Chunk.from_entry({**tensors, "values": bad_v}, meta)
+    assert Patch.from_entry(*patch.to_entry()).id == patch.id  # a finite entry still loads
+
+
+def test_float16_output_overflow_is_refused_where_applied(backend):
+    """Finite pages plus finite factors can still overflow a float16 output (past 65504): that
+    sum is checked where it is applied."""
+    a = backend.encode(token_ids=A)
+    b = backend.encode(token_ids=B)
+    patch = form_patch(backend, b, antecedents=[a], rank=2)
+    loud = dataclasses.replace(patch, k_u=patch.k_u * 1e6, v_u=patch.v_u * 1e6)
+    assert len(relocate(b, 60, patch=loud)) == backend.layout.num_layers  # float32 output: fine
     with pytest.raises(NumericsError, match="non-finite"):
-        relocate(b, 60, patch=patch)
+        relocate(b, 60, patch=loud, out_dtype=torch.float16)
 
 
 def test_non_finite_delta_is_refused_where_formed(backend, monkeypatch):

@@ -17,7 +17,8 @@ from contextdeque.core.errors import (
 from contextdeque.kernels import RopeSpec, fused_apply
 from contextdeque.core.operator import placement_positions, relocate
 from contextdeque.core.rotation import MAX_POSITION, rope_tables
-from contextdeque.eval.verify import FP32_FLOOR, bf16_ulp, verify_backend
+from contextdeque.eval.verify import bf16_ulp, verify_backend
+from contextdeque.model.detect import FP32_FLOOR
 
 REGIME_LIMITED = {"llama-dynamic", "llama-longrope", "phi3-longrope", "gptj"}
 

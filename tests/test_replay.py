@@ -41,14 +41,77 @@ def test_json_fields_and_byte_identical_in_parallel(trace_files, capsys):
     assert doc["calibration"]["note"]
 
 
-@pytest.mark.parametrize("kind", ["web", "video"])
+@pytest.mark.parametrize("kind", ["web", "video", "doc"])
 def test_patch_arm_prefills_less_than_prefix_cache_and_reprefill(kind):
-    tot = {"patch": 0, "prefix_cache": 0, "reprefill": 0}
+    """Eager patch arm: fewer tokens in total than the prefix cache on web and video (on doc it
+    prefills more: every append is a canonical plus a conditioned forward, where the prefix cache
+    extends its chain once). Latency-first (patch-latency): on the critical path, fewer than the
+    prefix cache on every kind, its heal (idle time) in the total, which stays under the eager arm's."""
+    tot = {"patch": 0, "patch-latency": 0, "prefix_cache": 0, "reprefill": 0}
+    crit = dict(tot)
+    heal = 0
     for seed in range(3):
         t = generate(kind, seed=seed)
         for arm in tot:
-            tot[arm] += Replayer(t, "arrival", "lru", arm).run().tokens_prefilled
-    assert tot["patch"] < tot["prefix_cache"] < tot["reprefill"], tot
+            r = Replayer(t, "arrival", "lru", arm).run()
+            tot[arm] += r.tokens_prefilled
+            crit[arm] += r.tokens_prefilled - r.heal_tokens
+            heal += r.heal_tokens if arm == "patch-latency" else -r.heal_tokens
+    assert crit["patch-latency"] < crit["prefix_cache"] < tot["reprefill"], crit
+    assert heal > 0 and tot["patch-latency"] < tot["patch"], tot
+    assert crit["patch"] == tot["patch"] and crit["prefix_cache"] == tot["prefix_cache"]  # nothing deferred
+    if kind != "doc":
+        assert tot["patch"] < tot["prefix_cache"] < tot["reprefill"], tot
+
+
+def test_latency_first_append_costs_a_prefix_cache_append_and_heals_at_the_step():
+    """A new chunk behind the window: one forward of its tokens after the window (as the prefix
+    cache's append); the heal at the step boundary computes its canonical (and stores its patch, no
+    second forward); a later recall onto the same prefix is a store hit with no forward."""
+    from contextdeque.traces import TraceBuilder, TraceHeader
+
+    b = TraceBuilder(TraceHeader(generator="unit"))
+    b.arrive("a", 100, "ha")
+    b.arrive("b", 50, "hb")
+    r = Replayer(b.build(), "arrival", "lru", "patch-latency").run()
+    # a: at the front, its canonical now; b: 50 after the window now, its canonical (50) at the heal
+    assert r.tokens_prefilled == 200 and r.heal_tokens == 50 and r.heal_forwards == 1
+    assert r.patch_forms == 1 and r.patch_bytes > 0
+    e = Replayer(b.build(), "arrival", "lru", "patch").run()
+    assert e.tokens_prefilled == 200 and e.heal_tokens == 0  # eager: b's canonical and b's conditioned forward now
+    assert r.est_seconds < e.est_seconds
+
+    b.step()
+    b.evict("b")
+    b.recall("b")
+    b.step()
+    r2 = Replayer(b.build(), "arrival", "lru", "patch-latency").run()
+    assert r2.tokens_prefilled == 200 and r2.patch_hits == 1  # the recall reads its stored patch: no forward
+
+
+def test_kvcapsule_and_selection_rules_registered_and_priced():
+    from contextdeque.replay import REUSE_COSTS, make_reuse
+
+    for name in ("kvcapsule-linear", "mm-shiftkv", "snapkv", "streamingllm", "patch-latency"):
+        assert name in REUSE_COSTS
+    sel = make_reuse("snapkv-64")
+    assert sel.budget == 64 and sel.label == "snapkv-64"
+    for bad in ("snapkv-0", "snapkv-x", "patch-32", "nope-8"):
+        with pytest.raises(PolicyError):
+            make_reuse(bad)
+    assert parse_combos(["arrival:lru:mm-shiftkv-128"], [], [], []) == [("arrival", "lru", "mm-shiftkv-128")]
+    t = generate("web", seed=1)
+    cfg = ReplayConfig(device_bytes=200 * CostModel().kv_bytes_per_token * 64)  # a small pool: canonicals spill
+    runs = {a: Replayer(t, "arrival", "lru", a, config=cfg).run() for a in
+            ("patch", "kvcapsule-linear", "reprefill", "snapkv-64", "streamingllm-4096")}
+    assert runs["snapkv-64"].arm == "snapkv-64"
+    # selection: the papers' prefill-only protocol prefills what re-prefill does; it holds fewer rows
+    assert runs["snapkv-64"].tokens_prefilled == runs["reprefill"].tokens_prefilled
+    assert runs["snapkv-64"].bytes["device"] < runs["streamingllm-4096"].bytes["device"]
+    # compressed at rest: same forms, more canonicals fit the pool, fewer bytes moved between tiers
+    cap, pat = runs["kvcapsule-linear"], runs["patch"]
+    assert cap.patch_forms == pat.patch_forms
+    assert cap.device_misses < pat.device_misses and cap.bytes["host"] < pat.bytes["host"]
 
 
 def test_bad_inputs_are_typed_and_nothing_runs(tmp_path, trace_files, capsys):
@@ -131,3 +194,18 @@ def test_fidelity_mode_on_a_tiny_model(tiny_backend_factory, one_thread, tmp_pat
     if patch["eta"] is not None:
         assert patch["eta"] > 0  # the patch closes part of blind reuse's gap
     assert out[(t.name, "arrival", "lru", "prefix_cache")]["kl"] < 1e-6  # exact prefix reuse + re-prefill
+
+
+def test_fidelity_mode_drives_patch_latency_and_refuses_priced_only_arms(tiny_backend_factory, one_thread, tmp_path):
+    from contextdeque.replay.fidelity import run_fidelity_mode
+
+    t = generate("video", seed=3, segments=5)
+    p = str(write_trace(tmp_path / f"{t.name}.jsonl", t.header, t.events))
+    for arm in ("snapkv-64", "kvcapsule-linear"):
+        with pytest.raises(PolicyError, match="does not drive"):
+            run_fidelity_mode([p], [("arrival", "lru", arm)], 1, backend=object())  # refused before any model work
+    be = tiny_backend_factory("qwen2")
+    out = run_fidelity_mode([p], [("arrival", "lru", "patch-latency")], 2, seed=1, scale=1 / 32, backend=be)
+    r = out[(t.name, "arrival", "lru", "patch-latency")]
+    assert r["fidelity_queries"] == 2 and r["kl"] >= 0
+    assert r["kl_healed_by_step"]  # a latency-first window had work queued at a sampled query: measured after heal()

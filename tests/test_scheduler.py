@@ -58,7 +58,9 @@ def test_exact_search_equals_brute_force(seed):
     o_ex, c_ex = exact(view, entering)
     assert c_ex == pytest.approx(c_bf, abs=1e-9)
     ent = frozenset(k for k, _ in entering)
-    assert order_cost(view, o_ex, ent).total == pytest.approx(c_ex, abs=1e-9)
+    from contextdeque.scheduler.cost import asked_order
+
+    assert order_cost(view, o_ex, ent, asked=asked_order(view, entering)).total == pytest.approx(c_ex, abs=1e-9)
     assert sorted(o_ex) == sorted(list(view.order) + [k for k, _ in entering])
     _, c_h = heuristic(view, entering)
     assert c_h >= c_ex - 1e-9
@@ -73,25 +75,87 @@ def test_exact_finds_a_stored_prefix():
     view = PlacementView(order=["A", "B", "C"], tokens=tokens, content=content,
                          formed_on={"A": (), "B": ("A",), "C": ("A", "B")}, has_patch=g.has_patch,
                          stored_prefixes=g.stored_prefixes, may_hit=g.may_hit)
-    order, cost = exact(view, [("X", None)])
+    from contextdeque.scheduler import Weights
+
+    w = Weights(diverge=0.0)  # departing from the asked order (the end) unpriced
+    order, cost = exact(view, [("X", None)], w)
     assert order[:3] == ["A", "B", "X"] and cost < 1.0
-    assert heuristic(view, [("X", None)])[0] == order
+    assert heuristic(view, [("X", None)], w)[0] == order
+    # priced: two positions behind the departure (X, C) cost as much as the form it saves
+    assert exact(view, [("X", None)])[0] == ["A", "B", "C", "X"]
+
+
+GENERATED_SEEDS = range(16)  # each agent kind's generated set
+BUDGETS = (None, 6000, 3000)  # window token budgets, equal for both placements
 
 
 @pytest.mark.parametrize("kind", ["web", "video", "doc"])
 def test_scheduler_never_forms_more_than_arrival(kind):
-    forms = {"arrival": 0, "scheduler": 0, "scheduler-offline": 0}
-    for seed in range(2):
-        t = generate(kind, seed=seed)
-        per = {p: Replayer(t, p, "lru", "patch").run().patch_forms for p in forms}
-        assert per["scheduler"] <= per["arrival"] and per["scheduler-offline"] <= per["arrival"], (seed, per)
-        for p in forms:
-            forms[p] += per[p]
-    assert forms["scheduler"] <= forms["arrival"]
+    """Over every trace of the kind's generated set, at every budget: never more forms than
+    arrival order on any trace, fewer in aggregate without a budget. The offline scheduler is held
+    to the same per trace without a budget (under one it can trade forms for what it evicts)."""
+    agg = {"arrival": 0, "scheduler": 0, "scheduler-offline": 0}
+    for budget in BUDGETS:
+        cfg = ReplayConfig(budget_tokens=budget)
+        for seed in GENERATED_SEEDS:
+            t = generate(kind, seed=seed)
+            per = {p: Replayer(t, p, "lru", "patch", config=cfg).run().patch_forms for p in agg}
+            assert per["scheduler"] <= per["arrival"], (budget, seed, per)
+            if budget is None:
+                assert per["scheduler-offline"] <= per["arrival"], (seed, per)
+                for p in agg:
+                    agg[p] += per[p]
+    assert agg["scheduler"] < agg["arrival"] and agg["scheduler-offline"] < agg["arrival"], agg
+
+
+def test_scheduler_holds_to_the_asked_order_when_departing_forms_more():
+    """The hard constraint: the agent asks for X right behind A, where its patch is stored (a hit,
+    no form), but the large X makes B, C, D behind it stale; the weighted optimum puts X at the end
+    (one form, no staleness). The scheduler never returns an order that forms more than the asked."""
+    from contextdeque.scheduler import Weights, schedule
+    from contextdeque.scheduler.cost import asked_order
+
+    tokens = {"A": 100, "B": 100, "C": 100, "D": 100, "X": 2000}
+    content = {k: k for k in tokens}
+    g = PatchGraph()
+    g.add("X", ("A",))
+    view = PlacementView(order=["A", "B", "C", "D"], tokens=tokens, content=content,
+                         formed_on={"A": (), "B": ("A",), "C": ("A", "B"), "D": ("A", "B", "C")},
+                         has_patch=g.has_patch, stored_prefixes=g.stored_prefixes, may_hit=g.may_hit)
+    ent = [("X", 1)]
+    asked = asked_order(view, ent)
+    w = Weights(diverge=0.0)  # (departing unpriced: only the hard constraint holds the asked order)
+    free, _ = exact(view, ent, w)  # the unconstrained optimum
+    assert order_cost(view, free, frozenset("X"), w).forms > order_cost(view, asked, frozenset("X"), w).forms
+    order, _, how = schedule(view, ent, w)
+    assert order == asked == ["A", "X", "B", "C", "D"] and how == "arrival"
+
+
+def test_departing_from_the_asked_order_is_priced():
+    """A recall whose patch on the window's first chunk is stored lands there for a hit instead of a
+    form at the end, but every position behind that departure is priced (a later reorder re-forms
+    it): a long window keeps the asked order."""
+    from contextdeque.scheduler import Weights
+    from contextdeque.scheduler.cost import asked_order
+
+    keys = [f"r{i}" for i in range(6)]
+    tokens = {k: 100 for k in keys + ["X"]}
+    content = {k: k for k in tokens}
+    g = PatchGraph()
+    g.add("X", ("r0",))
+    view = PlacementView(order=keys, tokens=tokens, content=content, formed_on={}, has_patch=g.has_patch,
+                         stored_prefixes=g.stored_prefixes, may_hit=g.may_hit)
+    ent = [("X", None)]
+    second = ["r0", "X"] + keys[1:]
+    asked = asked_order(view, ent)
+    assert order_cost(view, second, frozenset("X"), Weights(), asked).forms == 0
+    assert order_cost(view, asked, frozenset("X"), Weights(), asked).forms == 1
+    assert exact(view, ent, Weights(diverge=0.0))[0] == second  # unpriced: the hit wins
+    assert exact(view, ent)[0] == asked  # priced: 7 positions behind the departure outweigh one form
 
 
 def test_scheduler_refreshes_from_the_store_instead_of_keeping_stale():
-    t = generate("doc", seed=2)
+    t = generate("doc", seed=7)
     arr, sch = (Replayer(t, p, "lru", "patch").run() for p in ("arrival", "scheduler"))
     assert sch.refreshes > 0 and arr.refreshes == 0  # arrival order keeps every stale patch as it is
 

@@ -250,3 +250,70 @@ def test_save_kill_open_in_a_new_process(tmp_path):
     assert got["forwards"] == 0, "a new process opens and materializes with 0 forwards"
     assert got["digest"] == saved["digest"], "materialize() is bit-identical across processes"
     assert got["n"] >= 1 and len(got["answer"]) == 3
+
+
+_SOURCE_OPENER = textwrap.dedent(
+    """
+    import sys, hashlib, json
+    sys.path.insert(0, {tests!r})
+    import torch
+    from helpers import micro_llama
+    from contextdeque.model.hf import HFBackend
+    from contextdeque.stores import MemoryTier, TieredStore
+    from contextdeque.window import ContextWindow
+    from contextdeque.core import compat
+    torch.set_num_threads(1)
+    backend = HFBackend(micro_llama(0), None, root_ids=[1, 3], name="tiny-session-llama")
+    win = ContextWindow.open({path!r}, backend, store=TieredStore([MemoryTier("cpu", None)]))
+    (gone,) = win.evicted_refs
+    entry = win._state.evicted[gone]
+    source = {{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in entry.source.items()}}
+    dropped = win.store.store.delete(entry.chunk_key)  # as a budget would drop it after reopening
+    receipt = win.recall(gone, at=1)
+    cache = win.materialize()
+    h = hashlib.sha256()
+    for i in range(compat.cache_num_layers(cache)):
+        k, v = compat.cache_layer(cache, i)
+        h.update(k.numpy().tobytes()); h.update(v.numpy().tobytes())
+    print(json.dumps({{"digest": h.hexdigest(), "source": source, "dropped": bool(dropped), "encodes": receipt.encodes,
+                      "repairs": list(receipt.repairs), "labels": [r.label for r in win.refs]}}), flush=True)
+    """
+)
+
+
+def test_evicted_sources_survive_a_session_in_a_new_process(backend, tmp_path):
+    """An evicted entry's source (the chunk's inputs) round-trips through save/open: in a new
+    process whose store has lost the canonical, recall re-encodes it from the saved source and the
+    window is bit-identical to the saved window's own recall."""
+    from contextdeque.core import compat
+    from contextdeque.stores import MemoryTier, TieredStore
+
+    win = ContextWindow(backend, rank=4, store=TieredStore([MemoryTier("cpu", None)]))
+    win.append(token_ids=A, label="a")
+    b = win.append(token_ids=B, label="b")
+    win.append(token_ids=C, label="c")
+    win.evict(b)
+    saved_source = win._state.evicted[b].source
+    path = str(tmp_path / "src.cdq")
+    win.save(path)
+    win.recall(b, at=1)
+    cache = win.materialize()
+    import hashlib
+
+    h = hashlib.sha256()
+    for i in range(compat.cache_num_layers(cache)):
+        k, v = compat.cache_layer(cache, i)
+        h.update(k.numpy().tobytes()), h.update(v.numpy().tobytes())
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    code = _SOURCE_OPENER.format(tests=str(Path(__file__).parent), path=path)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["source"]["token_ids"] == saved_source["token_ids"].tolist() == B
+    assert got["source"]["rel_positions"] == saved_source["rel_positions"].tolist()
+    assert (got["source"]["span"], got["source"]["modality"]) == (saved_source["span"], saved_source["modality"])
+    assert got["dropped"] and got["encodes"] == 1, got
+    assert any("re-encoded" in r and "from its source" in r for r in got["repairs"]), got["repairs"]
+    assert got["labels"] == ["a", "b", "c"]
+    assert got["digest"] == h.hexdigest(), "the recall after reopening is the recall before saving"

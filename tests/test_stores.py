@@ -35,11 +35,9 @@ from contextdeque.stores import (
     StoreKey,
     TieredStore,
     TierTraffic,
-    antecedent_signature,
     chunk_key,
     embeds_key,
     make_tier,
-    patch_key,
 )
 from contextdeque.stores.disk import key_digest
 
@@ -112,24 +110,12 @@ def unit_budget(kind: str, tmp_path: Path, n_entries: float) -> int:
 def test_keys_are_stable_and_injective() -> None:
     assert chunk_key("fp", "abc") == "chunk/fp/abc"
     assert embeds_key("fp", "abc") == "embeds/fp/abc"
-    assert patch_key("chunk/fp/abc", "sig", "exact", 16) == "patch/chunk%2Ffp%2Fabc/sig/exact/r16"
-    assert patch_key("c", "s", "orbit", (16, 32)) == "patch/c/s/orbit/r16-32"
     assert chunk_key("a/b", "c") != chunk_key("a", "b/c")
     assert chunk_key("a%2Fb", "c") != chunk_key("a/b", "c")
-    for key in [chunk_key("m/x%", "h h"), patch_key(chunk_key("f", "h"), "s/1", "exact", (1, 2))]:
+    for key in [chunk_key("m/x%", "h h"), str(StoreKey("patch", (chunk_key("f", "h"), "s/1", "exact", "r1-2")))]:
         parsed = StoreKey.parse(key)
         assert str(parsed) == key
     assert StoreKey.parse(chunk_key("a/b", "c")).parts == ("a/b", "c")
-    with pytest.raises(ValueError):
-        patch_key("c", "s", "exact", -1)
-    with pytest.raises(ValueError):
-        patch_key("c", "s", "exact", ())
-    sig = antecedent_signature(["a", "b"])
-    assert sig == antecedent_signature(["a", "b"]) and len(sig) == 64
-    assert sig != antecedent_signature(["b", "a"])
-    assert antecedent_signature(["a", "b"], ordered=False) == antecedent_signature(["b", "a"], ordered=False)
-    assert antecedent_signature(["ab"]) != antecedent_signature(["a", "b"])
-    assert antecedent_signature([]) != antecedent_signature([""])
 
 
 def test_entry_validation() -> None:

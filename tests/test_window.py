@@ -395,6 +395,17 @@ def test_fork_commit_and_discard(backend):
     assert win.refs == (b, c)
 
 
+def test_a_heal_step_with_nothing_left_is_a_no_op(backend):
+    """The idle healer checks for pending chunks, then runs a step: a foreground heal may have
+    healed them in between. That step is an empty transaction, not an error."""
+    win = ContextWindow(backend, rank=2, patch_policy="latency")
+    win.append(token_ids=A), win.append(token_ids=B)
+    win.heal()
+    assert not win.pending_refs
+    before = win.refs
+    assert win._heal_step().refs == () and win.refs == before
+
+
 def test_fork_keeps_shared_canonicals_resident(backend):
     win = ContextWindow(backend, rank=2)
     a, b = win.append(token_ids=A), win.append(token_ids=B)

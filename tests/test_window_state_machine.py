@@ -207,7 +207,7 @@ def make_machine(backend: HFBackend, pool: list[list[int]], policies: list[str],
             ref = data.draw(st.sampled_from(self.win.evicted_refs), label="ref")
             at = data.draw(st.none() | st.integers(0, len(self.win)), label="at")
             stale = {k for k in self.win._state.evicted[ref].stale_patch_keys}
-            unhealed = self.win._state.evicted[ref].provisional is not None
+            unhealed = self.win._state.evicted[ref].owes_encode
             rc = self.win.recall(ref, at=at)
             # a chunk that left before its canonical was computed (latency-first) owes that one encode
             assert rc.encodes <= (1 if unhealed else 0), "recall re-encoded a stored chunk"
@@ -369,7 +369,7 @@ def make_machine(backend: HFBackend, pool: list[list[int]], policies: list[str],
             expected = self.known[id(w)] - set(w.refs) - self.purged[id(w)]
             assert set(w.evicted_refs) == expected
             for ref in w.evicted_refs:
-                if w._state.evicted[ref].provisional is None:  # else: canonicalized on recall or heal
+                if not w._state.evicted[ref].owes_encode:  # else: canonicalized on recall or heal
                     assert w.store.has(WindowStore.chunk_key(ref.chunk_id, backend.fingerprint))
 
         @invariant()

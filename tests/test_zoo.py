@@ -100,23 +100,55 @@ def test_smollm3_nope_layers_are_the_configs(one_thread):
     assert list(layout.identity_layers) == [not bool(x) for x in model.config.no_rope_layers]
 
 
+def _count_forwards(model: torch.nn.Module) -> list[int]:
+    """A counter of the model's top-level forwards (one per run_forward)."""
+    n = [0]
+    model.register_forward_pre_hook(lambda m, a: n.__setitem__(0, n[0] + 1))
+    return n
+
+
 def test_proof_is_cached_per_fingerprint(tmp_path, monkeypatch, one_thread):
     monkeypatch.setenv("CONTEXTDEQUE_CACHE", str(tmp_path))
     monkeypatch.setattr(detect, "_PROOFS", {})
     monkeypatch.setattr(detect, "_LAYOUTS", {})
     model = build_tiny_model("granite", seed=3)
+    n = _count_forwards(model)
     first = cd.load_model(model)
-    assert first.proof.ok and not first.proof.cached and first.proof.offsets == [1, 37, 257]
+    assert first.proof.ok and not first.proof.cached and first.proof.offsets == [detect.PROBE_SHIFT, 257]
+    # the detection's two probe forwards, then the proof's own two (it reuses the probes as oracles)
+    assert first.proof.forwards == 2 and n[0] == 4
     assert list((tmp_path / "proofs").glob("*.json"))
     monkeypatch.setattr(detect, "_PROOFS", {})  # a new process: only the disk cache remains
     monkeypatch.setattr(detect, "_LAYOUTS", {})
     calls = []
-    monkeypatch.setattr(detect, "read_layout", lambda m: calls.append(m))
+    monkeypatch.setattr(detect, "read_layout", lambda m, **kw: calls.append(m))
+    n[0] = 0
     second = cd.load_model(model)
     assert second.proof.cached and second.proof.key == first.proof.key and calls == []
-    assert second.layout == first.layout
+    assert second.layout == first.layout and n[0] == 0  # a cached load runs no forward at all
     skipped = cd.load_model(model, verify_at_load=False)
     assert skipped.proof is None
+
+
+def test_proof_reuses_the_detection_forwards_soundly(one_thread):
+    """The probe forwards the proof reuses are bitwise the shifted forwards it would run, and the
+    proof without them (layout cached, proof not) reaches the same verdict at the same offsets."""
+    model = build_tiny_model("llama", seed=2)
+    with detect.memory_only():
+        keep: dict = {}
+        detect.read_layout(model, keep=keep)
+        backend = HFBackend(model, None, root_ids=[1, 3], verify_at_load=False)
+        view = backend.with_root([int(keep["ids"][0])])
+        chunk = view.encode(token_ids=keep["ids"][1:])
+        for off in (0, detect.PROBE_SHIFT):
+            fresh = detect.shifted_forward(view, chunk, off)
+            assert all(torch.equal(k[:, 1:], fk) and torch.equal(v[:, 1:], fv)
+                       for (k, v), (fk, fv) in zip(keep["kv"][off], fresh))
+        reused = detect.prove_layout(backend, use_cache=False, probes=keep)
+        alone = detect.prove_layout(backend, use_cache=False)
+    assert reused.ok and alone.ok and reused.offsets == alone.offsets
+    assert (reused.forwards, alone.forwards) == (2, 5)
+    assert backend._root_kv is None  # the proof ran on a view: the window root's cache is untouched
 
 
 def test_monkeypatched_rotary_is_refused_by_the_proof(one_thread):

@@ -23,6 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-budget", default=None, help="the disk tier's budget (default: min(8 GiB, 25%% of free space))")
     parser.add_argument("--store-dir", default=None, help="disk tier directory (default: a temporary one, removed after)")
     parser.add_argument("--sample-every", type=int, default=100, help="record memory every N operations")
+    parser.add_argument("--max-evicted", type=int, default=10_000,
+                        help="evicted refs the window remembers (ContextWindow(max_evicted=); default 10000)")
+    parser.add_argument("--patch-policy", default="default", help="the window's patch policy (default: 'default')")
+    parser.add_argument("--count-tensors", action="store_true",
+                        help="also record the bytes of live tensors at each sample (a walk over Python's objects)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -46,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         backend, ops=args.ops, budget_tokens=args.budget_tokens, section_tokens=args.section_tokens,
         memory_budget=args.memory_budget, disk_budget=args.disk_budget, store_dir=args.store_dir, seed=args.seed,
         sample_every=args.sample_every, max_seconds=None if args.max_minutes is None else 60.0 * args.max_minutes,
-        progress=progress if args.progress else None,
+        progress=progress if args.progress else None, max_evicted=args.max_evicted, patch_policy=args.patch_policy,
+        count_tensors=args.count_tensors,
     )
     if args.json:
         print(json.dumps(r, sort_keys=True))

@@ -30,6 +30,18 @@ class Registry(dict[str, type[T]], Generic[T]):
             raise ValueError(f"{self.what} {name!r} is already registered to {old.__module__}.{old.__qualname__}")
         self[name] = cls
 
+    def make(self, spec: Any, /, *, instance_of: type | None = None, error: type[Exception] = ValueError, **options: Any) -> T:
+        """An instance of the class registered under the name ``spec``, built with ``options``; or
+        ``spec`` itself when it already is an ``instance_of`` the family's base.
+
+        Raises:
+            error: ``spec`` is neither (the message lists the registered names)."""
+        if instance_of is not None and isinstance(spec, instance_of):
+            return spec
+        if isinstance(spec, str) and spec in self:
+            return self[spec](**options)
+        raise error(f"unknown {self.what} {spec!r}; registered: {', '.join(sorted(self))}")
+
 
 class Registered:
     """Base of a registered class family. The family's base sets ``registry`` (a

@@ -4,7 +4,9 @@ The run the issue's reproducer describes, as long as asked: random operations (a
 ~``section_tokens``-token section of Python's documentation, slide, recall, reorder, evict) on a
 window with ``budget_tokens`` and the *default* store (bounded memory spilling to disk), on the
 default model. Every ``sample_every`` operations it records the process's resident memory
-(``/proc/self/status`` VmRSS), what the store keeps per tier and how many refs are evicted. The
+(``/proc/self/status`` VmRSS), what the store keeps per tier, how many refs are evicted, the sizes
+of the window's own bookkeeping (conditioning graph, stored-prefix hint, receipts) and, with
+``count_tensors``, the bytes of every live tensor outside the model. The
 store's disk tier goes to ``store_dir`` (a fresh temporary directory by default, removed at the
 end) so a soak never fills the user's cache.
 
@@ -54,6 +56,22 @@ def _sections(backend: Any, size: int) -> list[list[int]]:
     return out
 
 
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct tensor storages Python can reach, model parameters excluded (a walk
+    over the garbage collector's objects: tens of milliseconds; deterministic, unlike RSS)."""
+    import gc
+    import warnings
+
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance() on a deprecated torch alias warns
+        warnings.simplefilter("ignore")
+        for o in gc.get_objects():
+            if isinstance(o, torch.Tensor) and not isinstance(o, torch.nn.Parameter):
+                st = o.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
 def model_bytes(backend: Any) -> int:
     return sum(p.numel() * p.element_size() for p in backend.model.parameters())
 
@@ -72,6 +90,9 @@ def run_soak(
     max_seconds: float | None = None,
     warmup_ops: int | None = None,
     progress: Callable[[dict], None] | None = None,
+    max_evicted: int | None = 10_000,
+    patch_policy: str = "default",
+    count_tensors: bool = False,
 ) -> dict[str, Any]:
     """Run the soak (see the module docstring); returns the record."""
     from ..window import ContextWindow
@@ -84,7 +105,8 @@ def run_soak(
     try:
         store = default_store(backend.device, memory_budget=memory_budget, disk_budget=disk_budget, disk_dir=store_dir)
         budget = default_memory_budget() if memory_budget is None else parse_bytes(memory_budget, machine_memory())
-        win = ContextWindow(backend, budget_tokens=budget_tokens, store=store)
+        win = ContextWindow(backend, budget_tokens=budget_tokens, store=store, max_evicted=max_evicted,
+                            patch_policy=patch_policy)
         sections = _sections(backend, section_tokens)
         rng = random.Random(seed)
         errors: dict[str, int] = {}
@@ -102,7 +124,10 @@ def run_soak(
                 "op": done, "s": round(time.perf_counter() - t0, 1), "rss": rss_bytes(),
                 "store": tiers, "evicted_refs": len(win.evicted_refs), "in_window": len(win),
                 "tokens": win.tokens_used, "forwards": backend.forwards_run - forwards0,
+                "graph_nodes": len(win.graph), "patch_index": len(win.context.patch_index), "receipts": len(win.receipts),
             }
+            if count_tensors:
+                row["tensor_bytes"] = live_tensor_bytes()
             curve.append(row)
             if progress is not None:
                 progress(row)
@@ -144,6 +169,7 @@ def run_soak(
             "model": getattr(backend, "name", "?"), "device": str(backend.device), "threads": torch.get_num_threads(),
             "ops": done, "ops_asked": ops, "op_counts": op_counts, "errors": errors, "seconds": round(time.perf_counter() - t0, 1),
             "budget_tokens": budget_tokens, "section_tokens": section_tokens, "memory_budget": budget,
+            "max_evicted": max_evicted, "patch_policy": patch_policy,
             "store_budgets": store.budget_bytes(), "model_bytes": model_bytes(backend),
             "rss_start": rss0, "rss_at_warmup": at_warm, "rss_max_after_warmup": max(after), "rss_end": curve[-1]["rss"],
             "growth_after_warmup": max(after) - at_warm, "warmup_ops": warm,

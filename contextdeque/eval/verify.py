@@ -24,7 +24,7 @@ import torch
 from ..model.hf import HFBackend
 from ..core.chunk import Chunk
 from ..core.metrics import ulp
-from ..model.detect import FP32_FLOOR, OffsetReport, check_chunk  # noqa: F401  (FP32_FLOOR re-exported)
+from ..model.detect import OffsetReport, check_chunk
 from .fidelity.probes import embedding_norm, image_span_embeddings, tokenize
 
 DEFAULT_OFFSETS = (1, 37, 999, 4099)

@@ -19,8 +19,8 @@ explains it), recurrent / state-space layers (the cache holds running states), n
 whose K/V shapes differ.
 
 :func:`prove_layout` is the proof at load: the relocation oracle (the model's own forward with every
-position shifted, against ``relocate`` of the canonical chunk) on a short seeded chunk at three
-offsets inside the model's regime, in the model's dtype and in bf16 storage, with the
+position shifted, against ``relocate`` of the canonical chunk) on a short seeded chunk at two
+offsets inside the model's regime (the detection's own forwards reused as two of its oracles), in the model's dtype and in bf16 storage, with the
 ``verify-model`` criterion. Results are cached per model fingerprint (plus the rotary code and
 tables, so a monkey-patched rotary is proven afresh), in memory and on disk.
 """
@@ -66,9 +66,11 @@ REFUSAL_REASONS: dict[str, str] = {
 FP32_FLOOR = 1e-5
 PROBE_TOKENS = 8
 PROBE_SHIFT = 37
-PROOF_OFFSETS = (1, 37, 257)
-PROOF_TOKENS = 8
-_PROOF_VERSION = "1"
+#: The proof's offsets: the detection probe's shift (its forward is reused) and one far beyond it.
+PROOF_OFFSETS = (PROBE_SHIFT, 257)
+#: The proof's sequence is the detection probe's: its first token is the root, the rest the chunk.
+PROOF_TOKENS = PROBE_TOKENS - 1
+_PROOF_VERSION = "2"
 
 
 # ----------------------------------------------------------------------------- shared measures
@@ -290,8 +292,12 @@ def _probe_forward(model: torch.nn.Module, n_axes: int, ids: torch.Tensor, start
     ) from failure
 
 
-def read_layout(model: torch.nn.Module) -> KVLayout:
+def read_layout(model: torch.nn.Module, *, keep: dict | None = None) -> KVLayout:
     """The model's KV/RoPE layout, read off its structure and its own cache (see the module doc).
+
+    ``keep``: when given, filled with the probe forwards (``"ids"`` ``[PROBE_TOKENS]`` and ``"kv"``
+    ``{start position: per-layer (k [H,T,d], v [H,T,d])}``) so :func:`prove_layout` reuses them as
+    its canonical and shifted oracle instead of running them again.
 
     Raises:
         UnsupportedLayoutError: with ``reason`` (one of :data:`REFUSAL_REASONS`) and the evidence.
@@ -319,6 +325,8 @@ def read_layout(model: torch.nn.Module) -> KVLayout:
     kv0 = _probe_forward(model, n_axes, ids, 0)
     kv1 = _probe_forward(model, n_axes, ids, shift)
     model.train(was_training)
+    if keep is not None:
+        keep.update(ids=ids, kv={0: kv0, shift: kv1})
     shapes = {(k.shape[0], k.shape[-1], v.shape[0], v.shape[-1]) for k, v in kv0}
     if len(shapes) != 1:
         raise UnsupportedLayoutError(
@@ -457,17 +465,33 @@ def shifted_forward(backend: Any, chunk: Any, offset: int) -> list[LayerKV]:
 
 
 def check_chunk(
-    backend: Any, chunk: Any, offsets: list[int], label: str, *, reloc: Callable[..., list[LayerKV]] | None = None
+    backend: Any,
+    chunk: Any,
+    offsets: list[int],
+    label: str,
+    *,
+    reloc: Callable[..., list[LayerKV]] | None = None,
+    oracles: dict[int, list[LayerKV]] | None = None,
 ) -> list[OffsetReport]:
-    """Relocation of ``chunk`` (model dtype and bf16 storage) vs the shifted forward at each offset."""
+    """Relocation of ``chunk`` (model dtype and bf16 storage) vs the shifted forward at each offset.
+
+    ``oracles``: :func:`shifted_forward` results already computed for this backend and chunk,
+    keyed by offset (0 is the canonical one); the others are run here."""
     reloc = reloc or relocate
     layout = backend.layout
     dtype = backend.dtype
-    canonical = shifted_forward(backend, chunk, 0)
+    oracles = dict(oracles or {})
+
+    def oracle_at(off: int) -> list[LayerKV]:
+        if off not in oracles:
+            oracles[off] = shifted_forward(backend, chunk, off)
+        return oracles[off]
+
+    canonical = oracle_at(0)
     chunk_bf16 = chunk.to(torch.bfloat16)
     out = []
     for off in offsets:
-        oracle = canonical if off == 0 else shifted_forward(backend, chunk, off)
+        oracle = oracle_at(off)
         # an exactness proof against the model's own shifted forward: the offsets may pass the
         # trained context on purpose (the oracle runs there too)
         kw = {"beyond_trained": True} if reloc is relocate else {}
@@ -507,6 +531,7 @@ class Proof:
     ok: bool
     seconds: float
     cached: bool = False
+    forwards: int = 0  # forwards the proof ran (0 when recalled from the cache)
     details: list[dict] = field(default_factory=list)
 
 
@@ -597,18 +622,22 @@ def _store(proof: Proof) -> None:
         pass  # a read-only cache only costs the next load a proof
 
 
-def _layout_key(fingerprint: str, model: torch.nn.Module) -> str:
-    raw = f"{fingerprint}:{behavior_digest(model)}:{transformers.__version__}:{_PROOF_VERSION}"
+def _layout_key(fingerprint: str, behavior: str) -> str:
+    raw = f"{fingerprint}:{behavior}:{transformers.__version__}:{_PROOF_VERSION}"
     return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 
 _LAYOUTS: dict[str, KVLayout] = {}
 
 
-def cached_layout(model: torch.nn.Module, fingerprint: str) -> KVLayout:
+def cached_layout(
+    model: torch.nn.Module, fingerprint: str, *, keep: dict | None = None, behavior: str | None = None
+) -> KVLayout:
     """:func:`read_layout`, remembered per model fingerprint and behavior digest (in memory and on
-    disk beside the proofs), so a second load of the same model runs no probe forwards."""
-    key = _layout_key(fingerprint, model)
+    disk beside the proofs), so a second load of the same model runs no probe forwards. ``keep``:
+    see :func:`read_layout` (left empty on a cache hit); ``behavior``: :func:`behavior_digest` of
+    ``model`` when the caller has it already."""
+    key = _layout_key(fingerprint, behavior or behavior_digest(model))
     if key in _LAYOUTS:
         return _LAYOUTS[key]
     path = _proof_dir() / f"layout-{key}.json"
@@ -619,7 +648,7 @@ def cached_layout(model: torch.nn.Module, fingerprint: str) -> KVLayout:
         tup = lambda x: tuple(tup(i) for i in x) if isinstance(x, list) else x  # noqa: E731
         layout = KVLayout(**{k: tup(v) for k, v in data.items()})
     except (OSError, ValueError, TypeError):
-        layout = read_layout(model)
+        layout = read_layout(model) if keep is None else read_layout(model, keep=keep)
         try:
             if not _DISK[-1]:
                 raise OSError("memory only")
@@ -634,7 +663,8 @@ def cached_layout(model: torch.nn.Module, fingerprint: str) -> KVLayout:
 
 
 def proof_offsets(layout: KVLayout, root_len: int, n_tokens: int) -> list[int]:
-    """Up to three offsets of :data:`PROOF_OFFSETS` that keep the chunk inside the exact regime."""
+    """The offsets of :data:`PROOF_OFFSETS` that keep the chunk inside the exact regime (plus the
+    last one inside it when some are cut)."""
     if layout.max_exact_position is None:
         return list(PROOF_OFFSETS)
     room = layout.max_exact_position - root_len - n_tokens
@@ -644,8 +674,26 @@ def proof_offsets(layout: KVLayout, root_len: int, n_tokens: int) -> list[int]:
     return offs
 
 
-def prove_layout(backend: Any, *, use_cache: bool = True) -> Proof:
+def prove_layout(
+    backend: Any, *, use_cache: bool = True, probes: dict | None = None, behavior: str | None = None
+) -> Proof:
     """Run (or recall) the proof at load for ``backend`` (an :class:`~contextdeque.model.hf.HFBackend`).
+
+    What it checks: the property relocation rests on, that every layer's cached rotated channels
+    of a chunk at ``p + δ`` are ``relocate`` of its canonical chunk, with the model's own forward as
+    the oracle (:func:`check_chunk`, all layers, model dtype and bf16 storage), at
+    :data:`PROOF_OFFSETS` inside the exact regime. The sequence is the detection probe's seeded
+    :data:`PROBE_TOKENS` tokens, the first one as root and the other :data:`PROOF_TOKENS` as the
+    chunk, encoded after that root's cache. The property is per token and per position (a chunk's
+    key content depends on what precedes it, its rotation only on its position), so a one-token
+    root proves it as well as the window's real one, and ``probes`` (the detection's forwards of
+    the same tokens at 0 and :data:`PROBE_SHIFT`, see :func:`read_layout`) are its canonical
+    forward and its first shifted oracle: with them the proof runs 2 forwards (the chunk's encode
+    after the root's cache, the far offset), without them 5 (the root and the canonical too). The
+    result is cached under the model fingerprint (config and every weight byte, dtype included),
+    the layout, the behavior digest (the rotary/attention code and tables: a patched rotary is
+    proven afresh), the device type, the transformers version and the proof's own parameters; a
+    hit runs no forward.
 
     Raises:
         UnsupportedLayoutError: ``reason="proof-failed"`` with the measured error when the oracle
@@ -653,23 +701,32 @@ def prove_layout(backend: Any, *, use_cache: bool = True) -> Proof:
     """
     layout = backend.layout
     key = hashlib.sha256(
-        f"{backend.fingerprint}:{layout.signature}:{behavior_digest(backend.model)}:{transformers.__version__}:"
-        f"{_PROOF_VERSION}:{PROOF_OFFSETS}:{PROOF_TOKENS}:{FP32_FLOOR}".encode()
+        f"{backend.fingerprint}:{layout.signature}:{behavior or behavior_digest(backend.model)}:{backend.device.type}:"
+        f"{transformers.__version__}:{_PROOF_VERSION}:{PROOF_OFFSETS}:{PROOF_TOKENS}:{FP32_FLOOR}".encode()
     ).hexdigest()[:32]
     proof = _load_cached(key) if use_cache else None
     if proof is not None:
         proof = Proof(**{**asdict(proof), "cached": True})
     else:
         t0 = time.perf_counter()
-        offsets = proof_offsets(layout, backend.root_len, PROOF_TOKENS)
+        ids = probes["ids"] if probes else _seeded_ids(backend.model, PROBE_TOKENS)
+        offsets = proof_offsets(layout, 1, PROOF_TOKENS)
         if not offsets:
             raise UnsupportedLayoutError(
                 f"{layout.model_type}: no offset inside the exact regime (switch at {layout.max_exact_position})",
                 reason="rope-regime",
             )
+        view = backend.with_root([int(ids[0])])
+        probe_kv: dict[int, list[LayerKV]] = (probes or {}).get("kv", {})
+        # the probe forward of [root, chunk] at start.. is shifted_forward(view, chunk, start)
+        oracles = {int(start): [(k[:, 1:], v[:, 1:]) for k, v in kv] for start, kv in probe_kv.items()}
+        if 0 in probe_kv and view is not backend:
+            # the root's cache at position 0 is the canonical probe's first token (causal attention)
+            view.adopt_root_kv([(k[:, :1].clone(), v[:, :1].clone()) for k, v in probe_kv[0]])
+        view.forwards_run = 0
         try:
-            chunk = backend.encode(token_ids=_seeded_ids(backend.model, PROOF_TOKENS, seed=1))
-            reports = check_chunk(backend, chunk, offsets, "proof")
+            chunk = view.encode(token_ids=ids[1:])
+            reports = check_chunk(view, chunk, offsets, "proof", oracles=oracles)
         except UnsupportedLayoutError:
             raise
         except Exception as exc:  # noqa: BLE001 - a foreign architecture's forward after a cached past
@@ -687,6 +744,7 @@ def prove_layout(backend: Any, *, use_cache: bool = True) -> Proof:
             max_ulp_bf16=max(r.bf16_ulp for r in reports),
             ok=all(r.ok for r in reports),
             seconds=time.perf_counter() - t0,
+            forwards=view.forwards_run,
             details=[asdict(r) for r in reports],
         )
         _store(proof)

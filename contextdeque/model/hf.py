@@ -138,13 +138,15 @@ class HFBackend:
         fingerprint: str | None = None,
         verify_at_load: bool = True,
     ) -> None:
-        from .detect import cached_layout, prove_layout
+        from .detect import behavior_digest, cached_layout, prove_layout
 
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", None) or model.config.model_type
         self.fingerprint = model_fingerprint(model, known=fingerprint)
-        self.layout: KVLayout = cached_layout(model, self.fingerprint)
+        behavior = behavior_digest(model)
+        probes: dict = {}  # the detection's forwards (when it ran), reused by the proof
+        self.layout: KVLayout = cached_layout(model, self.fingerprint, keep=probes, behavior=behavior)
         self.root_ids: tuple[int, ...] = tuple(int(i) for i in (root_ids or default_root_ids(tokenizer)))
         if not self.root_ids:
             raise EmptyChunkError("the window root must hold at least one token")
@@ -153,7 +155,7 @@ class HFBackend:
         self.forwards_run = 0
         self.tokens_prefilled = 0
         # the proof at load: relocation vs the model's own shifted forward (cached per fingerprint)
-        self.proof = prove_layout(self) if verify_at_load else None
+        self.proof = prove_layout(self, probes=probes, behavior=behavior) if verify_at_load else None
         self.forwards_run = 0
         self.tokens_prefilled = 0
         register_layout(self.layout)

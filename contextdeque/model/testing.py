@@ -390,37 +390,42 @@ def _vl_tokens() -> dict[str, Any]:
     )
 
 
-def _qwen2_vl(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import Qwen2VLConfig
+def _vl_config(config_cls: type, text: dict[str, Any], vision: dict[str, Any], over: dict[str, Any]) -> PreTrainedConfig:
+    """A VL config from its text and vision settings, each updated by ``over``'s own
+    (``text_config`` / ``vision_config``), the VL special tokens and the rest of ``over``."""
+    text.update(over.pop("text_config", {}))
+    vision.update(over.pop("vision_config", {}))
+    return config_cls(text_config=text, vision_config=vision, **{**_vl_tokens(), **over})
 
+
+def _qwen2_vl_text() -> dict[str, Any]:
+    """Qwen2-VL / Qwen2.5-VL text settings: M-RoPE sections (4, 6, 6), head_dim from the sizes."""
     text = _vl_text(
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [4, 6, 6]},
     )
     text.pop("head_dim")
-    text.update(over.pop("text_config", {}))
+    return text
+
+
+def _qwen2_vl(over: dict[str, Any]) -> PreTrainedConfig:
+    from transformers import Qwen2VLConfig
+
     vision = dict(
         depth=2, embed_dim=32, hidden_size=_HIDDEN, num_heads=2, mlp_ratio=2,
         patch_size=14, spatial_merge_size=2, temporal_patch_size=2, initializer_range=_INIT_RANGE,
     )
-    vision.update(over.pop("vision_config", {}))
-    return Qwen2VLConfig(text_config=text, vision_config=vision, **{**_vl_tokens(), **over})
+    return _vl_config(Qwen2VLConfig, _qwen2_vl_text(), vision, over)
 
 
 def _qwen2_5_vl(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import Qwen2_5_VLConfig
 
-    text = _vl_text(
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [4, 6, 6]},
-    )
-    text.pop("head_dim")
-    text.update(over.pop("text_config", {}))
     vision = dict(
         depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=_HIDDEN,
         patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
         window_size=56, fullatt_block_indexes=[1], initializer_range=_INIT_RANGE,
     )
-    vision.update(over.pop("vision_config", {}))
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **{**_vl_tokens(), **over})
+    return _vl_config(Qwen2_5_VLConfig, _qwen2_vl_text(), vision, over)
 
 
 def _qwen3_vl(over: dict[str, Any]) -> PreTrainedConfig:
@@ -434,18 +439,12 @@ def _qwen3_vl(over: dict[str, Any]) -> PreTrainedConfig:
             "mrope_interleaved": True,
         },
     )
-    text.update(over.pop("text_config", {}))
     vision = dict(
         depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=_HIDDEN,
         patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
         num_position_embeddings=64, deepstack_visual_indexes=[0], initializer_range=_INIT_RANGE,
     )
-    vision.update(over.pop("vision_config", {}))
-    return Qwen3VLConfig(text_config=text, vision_config=vision, **{**_vl_tokens(), **over})
-
-
-def _scaled(rope: dict[str, Any]) -> Callable[[dict[str, Any]], PreTrainedConfig]:
-    return _llama(rope)
+    return _vl_config(Qwen3VLConfig, text, vision, over)
 
 
 TINY_ARCHS: dict[str, TinyArch] = {
@@ -479,21 +478,21 @@ TINY_ARCHS: dict[str, TinyArch] = {
                  "GPT-J: interleaved pairs over rotary_dim, sin/cos table per layer", _gptj),
         TinyArch("llama-linear", "llama", "gqa", "k", False, False, "model.rotary_emb",
                  "Llama + linear position interpolation (factor 4)",
-                 _scaled({"rope_type": "linear", "factor": 4.0})),
+                 _llama({"rope_type": "linear", "factor": 4.0})),
         TinyArch("llama-llama3", "llama", "gqa", "k", False, False, "model.rotary_emb",
                  "Llama + llama3 frequency-band scaling",
-                 _scaled({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                 _llama({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                           "high_freq_factor": 4.0, "original_max_position_embeddings": _ORIG_MAX_POS})),
         TinyArch("llama-yarn", "llama", "gqa", "k", False, False, "model.rotary_emb",
                  "Llama + YaRN (attention_scaling != 1)",
-                 _scaled({"rope_type": "yarn", "factor": 4.0,
+                 _llama({"rope_type": "yarn", "factor": 4.0,
                           "original_max_position_embeddings": _ORIG_MAX_POS})),
         TinyArch("llama-dynamic", "llama", "gqa", "k", False, False, "model.rotary_emb",
                  "Llama + dynamic NTK (inv_freq changes past max_position_embeddings)",
-                 _scaled({"rope_type": "dynamic", "factor": 2.0})),
+                 _llama({"rope_type": "dynamic", "factor": 2.0})),
         TinyArch("llama-longrope", "llama", "gqa", "k", False, False, "model.rotary_emb",
                  "Llama + LongRoPE (short/long factors switch past original_max_position_embeddings)",
-                 _scaled({"rope_type": "longrope", "factor": _MAX_POS / _ORIG_MAX_POS,
+                 _llama({"rope_type": "longrope", "factor": _MAX_POS / _ORIG_MAX_POS,
                           "short_factor": [1.0 + 0.05 * i for i in range(_HEAD_DIM // 2)],
                           "long_factor": [1.0 + 0.5 * i for i in range(_HEAD_DIM // 2)],
                           "original_max_position_embeddings": _ORIG_MAX_POS})),

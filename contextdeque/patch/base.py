@@ -21,6 +21,7 @@ from ..core.errors import ArgumentTypeError, CorruptEntryError, FingerprintMisma
 from ..core.kv import LayerKV, concat_kv, tensor_nbytes
 from ..core.operator import relocate, to_content_frame
 from ..core.registry import Registered, Registry
+from .keys import patch_signature
 from .rank import is_full, resolve_rank
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,6 +58,11 @@ class Patch:
     v_shape: tuple[int, int]
     basis_id: str | None = None
     meta: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # the one finite check of a patch's factors: where they enter (formed, loaded from a store
+        # or a session), not at every apply
+        check_finite([self.k_u, self.k_w, self.v_u, self.v_w], f"the {self.kind} patch factors of chunk {self.chunk_id[:12]}")
 
     def __repr__(self) -> str:
         basis = "" if self.basis_id is None else f", basis {self.basis_id[:8]}"
@@ -141,7 +147,7 @@ class Patch:
                 v_w = torch.stack([basis.v_w[l][: int(meta["rank_v"])] for l in layers])
             else:
                 k_w, v_w = tensors["k_w"], tensors["v_w"]
-            return cls(
+            patch = cls(
                 chunk_id=meta["chunk_id"],
                 fingerprint=meta["fingerprint"],
                 layout_signature=meta["layout"],
@@ -161,10 +167,32 @@ class Patch:
                 basis_id=basis_id,
                 meta=json.loads(meta.get("extra", "{}")),
             )
+            patch._check_consistent()
+            return patch
         except PatchError:
             raise  # a missing/mismatched shared basis is the caller's to supply, not a corrupt entry
         except (KeyError, ValueError) as exc:
             raise CorruptEntryError(f"stored patch entry is malformed: {exc}") from exc
+
+    def _check_consistent(self) -> None:
+        """Refuse a decoded patch whose recorded ranks, layers and shapes disagree with its factors
+        (``k_u [n, T, m_k]``, ``k_w [n, m_k, H_k*d_k]``, likewise V; n = len(layers)).
+
+        Raises:
+            CorruptEntryError: what is recorded is not what the factors hold."""
+        for what, r in (("rank_k", self.rank_k), ("rank_v", self.rank_v), ("n_tokens", self.n_tokens)):
+            if isinstance(r, bool) or r < 0:
+                raise CorruptEntryError(f"stored patch entry records {what} = {r}")
+        n = len(self.layers)
+        if n == 0:
+            return
+        for name, u, w, m, (h, d) in (("k", self.k_u, self.k_w, self.rank_k, self.k_shape),
+                                       ("v", self.v_u, self.v_w, self.rank_v, self.v_shape)):
+            if tuple(u.shape) != (n, self.n_tokens, m) or tuple(w.shape) != (n, m, h * d):
+                raise CorruptEntryError(
+                    f"stored patch entry records {n} layers, {self.n_tokens} tokens, {name} rank {m} and "
+                    f"{name} shape {(h, d)}, but holds {name}_u {tuple(u.shape)} and {name}_w {tuple(w.shape)}"
+                )
 
 
 def _expand(u: torch.Tensor, w: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -174,11 +202,6 @@ def _expand(u: torch.Tensor, w: torch.Tensor, shape: tuple[int, int]) -> torch.T
     if u.shape[-1] == 0:
         return torch.zeros(h, T, d)
     return (u.to(torch.float32) @ w.to(torch.float32)).view(T, h, d).transpose(0, 1)
-
-
-def antecedent_signature(ids: Sequence[str], ordered: bool = True) -> str:
-    """Ordered (exact/recall/removal) or set (orbit) signature of the antecedent chunk ids."""
-    return digest(list(ids) if ordered else sorted(ids))[:24]
 
 
 def new_patch(
@@ -200,14 +223,13 @@ def new_patch(
     it), the factor shapes from ``layout`` (else from ``source``, a patch); the factors
     ``(k_u, k_w, v_u, v_w)`` are cast to ``dtype`` (the chunk's storage dtype; float16 factors
     that would overflow stay float32: :func:`factor_dtype`). Non-finite factors raise
-    ``NumericsError``."""
+    ``NumericsError`` (:meth:`Patch.__post_init__`)."""
     if isinstance(source, Patch):
         chunk_id, n_tokens, k_shape, v_shape = source.chunk_id, source.n_tokens, source.k_shape, source.v_shape
     else:
         chunk_id, n_tokens = source.id, source.n_tokens
     if layout is not None:
         k_shape, v_shape = (layout.k_heads, layout.k_dim), (layout.v_heads, layout.v_dim)
-    check_finite(list(factors), f"the {kind} patch factors of chunk {chunk_id[:12]}")
     if dtype is not None:
         dtype = factor_dtype(dtype, factors)
     k_u, k_w, v_u, v_w = (t if dtype is None else t.to(dtype) for t in factors)
@@ -359,10 +381,13 @@ class PatchKind(Registered):
         keys, values = ctx.conditioned_content()
         return ctx.deltas_against(keys, values)
 
-    def signature_extra(self, ctx: FormContext) -> list[str]:
+    @classmethod
+    def signature_extra(cls, base_ids: Sequence[str]) -> list[str]:
         """What besides the antecedents decides this patch's meaning (folded into its antecedent
-        signature, hence its id and store key). Default: nothing."""
-        return []
+        signature, hence its id and store key): for a ``stacked`` kind, the ids of the patches it
+        is stacked on (two corrections on the same antecedents but different bases differ);
+        nothing otherwise."""
+        return [f"stacked-on:{b}" for b in base_ids] if cls.stacked else []
 
     def layers(self, ctx: FormContext) -> tuple[int, ...]:
         """Which layers carry factors. Default: all."""
@@ -492,7 +517,7 @@ def form_patch(
     ids = [c.id for c, _ in ants]
     return new_patch(
         chunk, kind=kind, antecedents=ids,
-        signature=antecedent_signature(ids + impl.signature_extra(ctx), ordered=impl.ordered),
+        signature=patch_signature(kind, ids, base_ids=[p.id for p in options.get("current", ())]),
         ranks=(rk, rv), layers=layers, factors=(k_u, k_w, v_u, v_w), layout=lay, dtype=chunk.storage_dtype,
         basis_id=basis_id,
         meta={**{k: str(v) for k, v in options.items() if isinstance(v, (int, float, str)) and k != "past"}, **captured},

@@ -12,7 +12,8 @@ import torch
 from ..core.errors import FingerprintMismatchError, PatchError
 from ..core.kv import LayerKV
 from ..core.operator import to_content_frame
-from .base import PATCH_KINDS, FormContext, Patch, antecedent_signature, new_patch, truncated_svd
+from .base import PATCH_KINDS, FormContext, Patch, new_patch, truncated_svd
+from .keys import antecedent_signature
 from .rank import is_full, rank_cap, resolve_rank
 
 

@@ -19,8 +19,3 @@ class RemovalPatch(PatchKind):
     def target(self, ctx: FormContext) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = ctx.conditioned_content()
         return ctx.deltas_against(keys, values, base=list(ctx.options.get("current", ())))
-
-    def signature_extra(self, ctx: FormContext) -> list[str]:
-        # a removal patch is a correction on top of specific patches: two removal patches on the
-        # same antecedents but different bases must not share an id
-        return ["stacked-on:" + p.id for p in ctx.options.get("current", ())]

@@ -69,7 +69,7 @@ def throughput(seeds: int = 2, min_cpu_s: float = 1.0) -> list[dict[str, Any]]:
     return rows
 
 
-def scheduler_vs_arrival(seeds: int = 4, budgets: tuple[int | None, ...] = (None,)) -> dict[str, Any]:
+def scheduler_vs_arrival(seeds: int = 4, budgets: tuple[int | None, ...] = (None,), first_seed: int = 0) -> dict[str, Any]:
     """Patch forms per generated trace under arrival order, the scheduler and the offline scheduler
     (equal budgets), tokens prefilled per reuse arm, and the heuristic's cost over the exact
     search's at every decision of at most 8 chunks."""
@@ -81,8 +81,9 @@ def scheduler_vs_arrival(seeds: int = 4, budgets: tuple[int | None, ...] = (None
         out[tag] = {}
         for kind in ("web", "video", "doc"):
             per: dict[str, list[int]] = {"arrival": [], "scheduler": [], "scheduler-offline": []}
-            prefill = {"patch": 0, "prefix_cache": 0, "reprefill": 0}
-            for s in range(seeds):
+            prefill = {"patch": 0, "patch-latency": 0, "prefix_cache": 0, "reprefill": 0, "kvcapsule-linear": 0, "snapkv-256": 0}
+            critical = dict.fromkeys(prefill, 0)
+            for s in range(first_seed, first_seed + seeds):
                 t = generate(kind, seed=s)
                 per["arrival"].append(Replayer(t, "arrival", "lru", "patch", config=cfg).run().patch_forms)
                 probe = _RatioProbe()
@@ -90,13 +91,16 @@ def scheduler_vs_arrival(seeds: int = 4, budgets: tuple[int | None, ...] = (None
                 per["scheduler-offline"].append(Replayer(t, "scheduler-offline", "lru", "patch", config=cfg).run().patch_forms)
                 ratios += [h / e for h, e in probe.pairs if e > 0]
                 for arm in prefill:
-                    prefill[arm] += Replayer(t, "arrival", "lru", arm, config=cfg).run().tokens_prefilled
+                    r = Replayer(t, "arrival", "lru", arm, config=cfg).run()
+                    prefill[arm] += r.tokens_prefilled
+                    critical[arm] += r.tokens_prefilled - r.heal_tokens
             out[tag][kind] = {
                 **{f"{p}_forms": v for p, v in per.items()},
-                "more_than_arrival": {p: [(s, f, a) for s, (f, a) in enumerate(zip(per[p], per["arrival"])) if f > a]
+                "more_than_arrival": {p: [(first_seed + s, f, a) for s, (f, a) in enumerate(zip(per[p], per["arrival"])) if f > a]
                                       for p in ("scheduler", "scheduler-offline")},
                 "aggregate": {p: sum(v) for p, v in per.items()},
                 "tokens_prefilled": prefill,
+                "tokens_prefilled_critical_path": critical,  # less what latency-first heals in idle time
             }
     out["heuristic_over_exact"] = {
         "decisions": len(ratios), "mean": statistics.fmean(ratios) if ratios else None,
@@ -131,6 +135,8 @@ def mooncake(path: str, jobs: int, device_gb: float, limit: int | None) -> dict[
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=4, help="generated traces per agent kind")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first generated trace's seed (held-out sets)")
+    parser.add_argument("--no-throughput", action="store_true", help="skip the throughput figures")
     parser.add_argument("--budgets", type=int, nargs="+", default=[0], help="window token budgets to compare at (0: none)")
     parser.add_argument("--mooncake", default=None, help="a Mooncake FAST'25 trace file to replay under every policy")
     parser.add_argument("--limit", type=int, default=None, help="only the first N Mooncake requests")
@@ -141,11 +147,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {}
-    report["throughput"] = throughput(max(1, args.seeds // 2))
-    print("cost-model throughput (events/s, one process; per wall second and per CPU second of its core):")
-    for r in report["throughput"]:
-        print(f"  {r['placement']:17s} {r['arm']:13s} {r['events_per_s']:10.0f} /wall-s {r['events_per_cpu_s']:10.0f} /cpu-s")
-    report["scheduler"] = scheduler_vs_arrival(args.seeds, tuple(None if b <= 0 else b for b in args.budgets))
+    if not args.no_throughput:
+        report["throughput"] = throughput(max(1, args.seeds // 2))
+        print("cost-model throughput (events/s, one process; per wall second and per CPU second of its core):")
+        for r in report["throughput"]:
+            print(f"  {r['placement']:17s} {r['arm']:16s} {r['events_per_s']:10.0f} /wall-s {r['events_per_cpu_s']:10.0f} /cpu-s")
+    report["scheduler"] = scheduler_vs_arrival(args.seeds, tuple(None if b <= 0 else b for b in args.budgets), args.first_seed)
     print(f"patch forms over {args.seeds} generated traces per kind, arrival -> scheduler / scheduler-offline (equal budgets):")
     for tag, kinds in report["scheduler"].items():
         if tag == "heuristic_over_exact":
@@ -154,7 +161,9 @@ def run(args: argparse.Namespace) -> int:
             s = kinds[kind]
             agg = s["aggregate"]
             print(f"  {tag:20s} {kind:6s} aggregate {agg['arrival']} -> {agg['scheduler']} / {agg['scheduler-offline']}"
-                  f"  traces with more forms than arrival: {s['more_than_arrival']}  tokens prefilled {s['tokens_prefilled']}")
+                  f"  traces with more forms than arrival: {s['more_than_arrival']}")
+            print(f"  {'':20s} {kind:6s} tokens prefilled (arrival order) {s['tokens_prefilled']}")
+            print(f"  {'':20s} {kind:6s} of them on the critical path     {s['tokens_prefilled_critical_path']}")
     h = report["scheduler"]["heuristic_over_exact"]
     print(f"heuristic / exact cost over {h['decisions']} decisions: mean {h['mean']}, max {h['max']}, equal in {h['share_equal']}")
     if args.mooncake:

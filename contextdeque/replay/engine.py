@@ -72,6 +72,9 @@ class ReplayResult:
     bytes: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     patch_bytes: int = 0
     est_seconds: float = 0.0
+    heal_tokens: int = 0  # latency-first: tokens prefilled while healing (idle time; inside tokens_prefilled)
+    heal_forwards: int = 0
+    heal_seconds: float = 0.0  # latency-first: idle-time work, not in est_seconds (the critical path)
     load_seconds: float = 0.0  # tier transfers (host/disk reads of canonicals) inside est_seconds
     overlap_saved_seconds: float = 0.0  # taken off est_seconds by overlapping loads with compute
     scheduler: dict[str, int] = field(default_factory=dict)
@@ -80,6 +83,7 @@ class ReplayResult:
         d = dict(self.__dict__)
         d["bytes"] = dict(self.bytes)
         d["est_seconds"] = round(self.est_seconds, 6)
+        d["heal_seconds"] = round(self.heal_seconds, 6)
         d["load_seconds"] = round(self.load_seconds, 6)
         d["overlap_saved_seconds"] = round(self.overlap_saved_seconds, 6)
         d["scheduler"] = dict(self.scheduler)
@@ -135,6 +139,14 @@ class Pool:
         self.policy.touch(key, size, i)
         return where
 
+    def drop(self, key: Hashable) -> None:
+        """Forget ``key``'s device copy (KV that was never made: a latency-first chunk's canonical
+        when it leaves the window before healing computed it)."""
+        size = self.device.pop(key, None)
+        if size is not None:
+            self.used -= size
+            self.policy.remove(key)
+
     def _make_room(self, size: int) -> None:
         while self.used + size > self.budget:
             v = self.policy.victim(self.pinned)
@@ -166,7 +178,7 @@ class Replayer:
         self.cfg = config or ReplayConfig()
         self.rank = self.cfg.rank if self.cfg.rank is not None else self.cost.rank
         self.kv_bpt = self.cost.kv_bytes_per_token
-        self.r = ReplayResult(trace=trace.name, placement=self.placement.name, eviction=self.eviction.name, arm=self.arm.name)
+        self.r = ReplayResult(trace=trace.name, placement=self.placement.name, eviction=self.eviction.name, arm=self.arm.label)
         big = max(trace.chunks.values(), key=lambda a: a.tokens, default=None)
         biggest = big.tokens if big is not None else 0
         if big is not None:
@@ -192,6 +204,17 @@ class Replayer:
         self.on_step: Any = None  # called at every step boundary (plots tap the running totals)
         # the agent's own order (what `slide` and `at` refer to), beside the placed order
         self.logical: list[str] = []
+        # latency-first (an arm with ``defers``): new content is one forward after the window now
+        # (provisional: no canonical yet), conditioning that needs a forward waits for the heal at
+        # the next step boundary (the agent's tool time), which then does what the eager policy
+        # would on the window as it stands
+        self._defers = bool(getattr(self.arm, "defers", False))
+        self._healing = False
+        self._recalling = False
+        self._provisional: dict[str, None] = {}  # entered without a canonical, not yet forwarded
+        self._pending_canon: dict[str, tuple[str, ...]] = {}  # forwarded behind this content prefix; canonical at heal
+        self._pending_form: dict[str, bool] = {}  # key -> re-form even where its prefix is unchanged (cascade)
+        self._cascading = False
 
     # ------------------------------------------------------------------ charges
     def charge_apply(self, tokens: int) -> None:
@@ -201,7 +224,8 @@ class Replayer:
 
     def _form(self, key: str, prefix: Sequence[str], kind: str = "exact", ctx: int | None = None) -> None:
         """Conditioning for ``key`` behind ``prefix`` (``ctx``: its tokens, when the caller knows
-        them): a store hit or one formed patch."""
+        them): a store hit or one formed patch (latency-first: the provisional forward, or deferred
+        to the heal)."""
         pc = tuple(map(self.content.__getitem__, prefix))
         c = self.content[key]
         r = self.r
@@ -210,6 +234,27 @@ class Replayer:
                else False)
         if hit:
             r.patch_hits += 1
+        elif self._defers and not self._healing:
+            if key in self._provisional and kind == "exact":
+                # new content: one forward of its tokens after the window (a prefix cache's append);
+                # its KV is exactly conditioned on this prefix, the canonical and patch come at heal
+                del self._provisional[key]
+                t = self.tokens[key]
+                if ctx is None:
+                    ctx = sum(map(self.tokens.__getitem__, prefix))
+                r.forwards += 1
+                r.tokens_prefilled += t
+                r.est_seconds += self.cost.prefill_s(t, ctx)
+                self._pending_canon[key] = pc
+            else:  # no forward on the critical path: it keeps what it has until the heal
+                self._pending_form[key] = self._pending_form.get(key, False) or self._cascading
+                if self._recalling and not self._cascading and tuple(prefix) != self.formed.get(key, ()):
+                    # its KV will change at the heal: the chunks conditioned on it now re-form then
+                    # (the recall cascade, decided at the recall as the eager policy does)
+                    for d in self.dependents(key):
+                        if d != key:
+                            self._pending_form[d] = True
+                return
         else:
             t = self.tokens[key]
             if ctx is None:
@@ -255,13 +300,71 @@ class Replayer:
         c = self.content[key]
         pool = self.pool
         t = self.tokens[key]
-        if pool.access(("c", c), t * self.kv_bpt) is None:
-            r = self.r
-            r.encodes += 1
-            r.forwards += 1
-            r.tokens_prefilled += t
-            r.est_seconds += self.cost.prefill_s(t, 0)
+        if pool.access(("c", c), self.arm.canonical_bytes(t, self.kv_bpt)) is None:
+            if self._defers and not self._healing:
+                self._provisional[key] = None  # its forward comes with its conditioning (_form)
+                pool.pinned[("c", c)] += 1
+                return
+            self._encode(key)
         pool.pinned[("c", c)] += 1  # resident in the window: not evictable
+
+    def _encode(self, key: str) -> None:
+        """One forward of ``key``'s tokens alone: its canonical."""
+        r = self.r
+        t = self.tokens[key]
+        r.encodes += 1
+        r.forwards += 1
+        r.tokens_prefilled += t
+        r.est_seconds += self.cost.prefill_s(t, 0)
+
+    def heal(self) -> None:
+        """Latency-first: the idle-time work queued since the last heal, on the window as it stands
+        (canonicals of provisional chunks, whose patch is their difference: no second forward; the
+        eager policy's conditioning for chunks that waited, store hits first; the recall cascade of
+        those that were recalled). Counted in ``tokens_prefilled`` and ``heal_*``, not in
+        ``est_seconds``."""
+        if not (self._pending_canon or self._pending_form):
+            return
+        r = self.r
+        tok0, fw0, est0 = r.tokens_prefilled, r.forwards, r.est_seconds
+        self._healing = True
+        try:
+            resident = set(self.order)
+            for key, pc in self._pending_canon.items():
+                if key not in resident:  # gone with a discarded fork: its canonical is never made
+                    k = ("c", self.content[key])
+                    if k not in self.pool.pinned:
+                        self.pool.drop(k)
+                    continue
+                self._encode(key)
+                if pc:  # the patch: the provisional KV less the canonical, factorized
+                    t = self.tokens[key]
+                    r.patch_forms += 1
+                    r.est_seconds += t * self.cost.svd_s_per_token
+                    pb = self.cost.patch_bytes(t, self.rank)
+                    r.patch_bytes += pb
+                    r.bytes["device"] += pb
+                    self.graph.add(self.content[key], pc, "exact")
+            self._pending_canon.clear()
+            pos = {k: i for i, k in enumerate(self.order)}
+            for key, force in sorted(self._pending_form.items(), key=lambda kv: pos.get(kv[0], -1)):
+                i = pos.get(key)
+                if i is None:
+                    continue
+                prefix = self.order[:i]
+                if not prefix:
+                    self._set_formed(key, ())
+                elif force or tuple(prefix) != self.formed.get(key, ()):
+                    if force:
+                        self.r.cascade_reforms += 1
+                    self._form(key, prefix)
+            self._pending_form.clear()
+        finally:
+            self._healing = False
+        r.heal_tokens += r.tokens_prefilled - tok0
+        r.heal_forwards += r.forwards - fw0
+        r.heal_seconds += r.est_seconds - est0
+        r.est_seconds = est0
 
     def _leave(self, key: str) -> None:
         self.window_tokens -= self.tokens[key]
@@ -272,6 +375,11 @@ class Replayer:
         pinned[k] -= 1
         if pinned[k] <= 0:
             del pinned[k]
+        if self._defers:
+            self._pending_form.pop(key, None)
+            if self._provisional.pop(key, "x") is None or self._pending_canon.pop(key, None) is not None:
+                if k not in pinned:  # its canonical was never computed: nothing of it stays
+                    self.pool.drop(k)
 
     # ------------------------------------------------------------------ operations
     def view(self, index: int) -> PlacementView:
@@ -324,8 +432,14 @@ class Replayer:
     def _admit(self, index: int, entering: list[tuple[str, int | None]], recall: bool) -> None:
         est0, load0 = self.r.est_seconds, self.r.load_seconds
         try:
+            self._recalling = recall
             self._admit_inner(index, entering, recall)
+            if self._provisional:  # at the front or a store hit: its canonical is needed now
+                for k in list(self._provisional):
+                    del self._provisional[k]
+                    self._encode(k)
         finally:
+            self._recalling = False
             if self.cfg.overlap_loads:
                 # loads ran beside this admission's model work: it costs the longer of the two
                 load = self.r.load_seconds - load0
@@ -394,13 +508,24 @@ class Replayer:
         if not changed:
             return
         seen: set[str] = set()
+        self._cascading = True
+        try:
+            self._cascade_inner(changed, entering, seen)
+        finally:
+            self._cascading = False
+
+    def _cascade_inner(self, changed: set[str], entering: set[str], seen: set[str]) -> None:
         for k in sorted(changed, key=self.order.index):
             for d in self.dependents(k):
                 if d in entering or d in seen:
                     continue
                 seen.add(d)
                 i = self.order.index(d)
-                self.r.cascade_reforms += 1
+                if i == 0:  # at the front its canonical is exact: nothing to re-form
+                    self._set_formed(d, ())
+                    continue
+                if not self._defers:  # (latency-first: counted when the heal re-forms it)
+                    self.r.cascade_reforms += 1
                 self._form(d, self.order[:i])
 
     def _reorder(self, order: list[str]) -> None:
@@ -476,6 +601,8 @@ class Replayer:
                 self._reorder(list(ev.order))
             elif op == "step":
                 r.steps += 1
+                if self._defers:
+                    self.heal()
                 if self.on_step is not None:
                     self.on_step()
             elif op == "fork":
@@ -488,6 +615,8 @@ class Replayer:
                 self.order, self.logical, self.formed, self.window_tokens = order, logical, formed, wt
                 self._formed_set = {}
                 self.pool.pinned = pinned
+        if self._defers:
+            self.heal()  # what is still queued when the trace ends is healed in the idle after it
         sched = getattr(self.placement, "decisions", None)
         if sched:
             r.scheduler = dict(sched)
@@ -528,7 +657,7 @@ def _access_log(eng: Replayer) -> list[Hashable]:
     eviction policy: what is read is decided by the trace and the placement)."""
     from ..scheduler.eviction_lru import LRUEviction
 
-    probe = Replayer(eng.trace, type(eng.placement)(), LRUEviction(), type(eng.arm)(), eng.cost, eng.cfg)
+    probe = Replayer(eng.trace, type(eng.placement)(), LRUEviction(), eng.arm.copy(), eng.cost, eng.cfg)
     probe.pool.log = []
     probe._prepare_future()
     probe._run()

@@ -34,9 +34,12 @@ from typing import Any, Sequence
 
 import torch
 
+from ..scheduler.eviction import PolicyError
 from ..traces.io import Trace, read_trace
+from .reuse import make_reuse
 
 DEFAULT_SCALE = 1 / 16
+NO_FIDELITY = frozenset({"kvcapsule-linear"})  # cost rules whose arm fidelity mode does not drive
 MIN_TOKENS = 8
 
 
@@ -92,6 +95,10 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
     from ..core.metrics import kl_divergence
     from ..eval.fidelity.metrics import DEFAULT_MIN_GAP, eta
 
+    rule = make_reuse(arm)
+    if rule.defers:  # patch-latency: the patch arm on a latency-first window
+        patch_policy = "latency"
+    arm = rule.arm or rule.name
     queries = [i for i, e in enumerate(trace.events) if e.op == "query"]
     rng = random.Random(f"{seed}:{trace.name}")
     sampled = set(rng.sample(queries, min(n, len(queries))))
@@ -187,6 +194,11 @@ def run_fidelity_mode(traces: Sequence[str], combos: Sequence[tuple[str, str, st
                       scale: float = DEFAULT_SCALE, backend: Any = None, console: Any = None,
                       patch_policy: str = "default") -> dict[tuple, dict[str, Any]]:
     """Fidelity figures keyed by ``(trace, placement, eviction, arm)`` for every combo."""
+    for _, _, arm in combos:  # refused before any model work
+        rule = make_reuse(arm)
+        if rule.budgeted or rule.name in NO_FIDELITY:
+            raise PolicyError(f"--fidelity does not drive reuse arm {arm!r} (selection and compressed-at-rest arms are "
+                              f"priced in cost-model mode only; their fidelity is `contextdeque fidelity`'s)")
     if backend is None:
         from ..model import load_model
 

@@ -23,7 +23,7 @@ from ..traces.io import Trace, read_trace
 from ..window.placement import PLACEMENT_POLICIES
 from .cost import CostModel
 from .engine import ReplayConfig, Replayer
-from .reuse import REUSE_COSTS
+from .reuse import REUSE_COSTS, is_reuse
 
 Combo = tuple[str, str, str]
 
@@ -47,8 +47,8 @@ def parse_combos(specs: Iterable[str] | None, placements: Sequence[str], evictio
             raise PolicyError(f"unknown placement {p!r}; registered: {sorted(PLACEMENT_POLICIES)}")
         if e not in EVICTION_POLICIES:
             raise PolicyError(f"unknown eviction {e!r}; registered: {sorted(EVICTION_POLICIES)}")
-        if a not in REUSE_COSTS:
-            raise PolicyError(f"unknown reuse arm {a!r}; known: {sorted(REUSE_COSTS)}")
+        if not is_reuse(a):
+            raise PolicyError(f"unknown reuse arm {a!r}; known: {sorted(REUSE_COSTS)} (budgeted: NAME-ROWS)")
     return sorted(set(out))
 
 

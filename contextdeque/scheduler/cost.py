@@ -11,7 +11,13 @@ policy would treat it:
   conditioned on it is re-formed (the conditioning graph's recall cascade, ``form`` each);
 - a *resident*: unchanged prefix = still valid (free); a changed prefix is kept as is (the
   default policy keeps survivors and chunks something was inserted before), paying ``stale`` x
-  its staleness score (``window.staleness``, token-weighted, 0..1).
+  its staleness score (``window.staleness``, token-weighted, 0..1);
+- *divergence* from the order the agent asked for (residents as they stand, entering chunks at
+  their ``at`` or the end): every position from the first one where the candidate departs from
+  it costs ``diverge``. That is what a later ``reorder`` back to the agent's order re-forms at
+  most (a chunk whose prefix a reorder leaves untouched keeps its conditioning; one whose prefix
+  it changes forms): a deviation that saves one form now at the front of a long window would
+  cost many at the agent's next comparison reorder, which an online scheduler cannot see coming.
 
 Weights are in units of one patch form.
 """
@@ -33,6 +39,11 @@ class Weights:
     hit: float = 0.02
     stale: float = 1.0
     move: float = 1e-3  # a resident whose prefix changes at all (prefers the least churn on ties)
+    # a position behind the first departure from the agent's asked order: the share of them a later
+    # reorder is expected to re-form (1.0, the worst case of a reorder straight back, never departs
+    # on the generated sets and saves nothing without a budget; 0.5 kept every one of 216 generated
+    # traces at or below arrival order, and 359 of 360 held-out ones: docs/replay.md)
+    diverge: float = 0.5
 
 
 DEFAULT_WEIGHTS = Weights()
@@ -44,6 +55,15 @@ class OrderCost:
     forms: int
     hits: int
     stale: float
+
+
+def asked_order(view: PlacementView, entering: Sequence[tuple[Key, "int | None"]]) -> list[Key]:
+    """The order the agent asked for: ``view.order`` with each entering ``(key, at)`` at ``at``
+    (None: the end), as arrival order places them."""
+    order = list(view.order)
+    for key, at in entering:
+        order.insert(len(order) if at is None else min(int(at), len(order)), key)
+    return order
 
 
 def entering_cost(view: PlacementView, key: Key, prefix: Sequence[Key], w: Weights) -> tuple[float, bool, bool]:
@@ -70,8 +90,12 @@ class Scorer:
     chunk and returns its cost (each chunk's cost depends only on what precedes it), so a search
     prices a node in O(prefix) instead of re-pricing the whole order."""
 
-    def __init__(self, view: PlacementView, entering: frozenset, w: Weights = DEFAULT_WEIGHTS) -> None:
+    def __init__(self, view: PlacementView, entering: frozenset, w: Weights = DEFAULT_WEIGHTS,
+                 asked: Sequence[Key] | None = None) -> None:
         self.view, self.entering, self.w = view, entering, w
+        # the agent's asked order (None: no divergence term); a position departs from it when the
+        # chunk there or anything before it differs
+        self.asked = tuple(asked) if asked is not None and w.diverge else None
         self.pos = {k: i for i, k in enumerate(view.order)}
         self._stale_now: dict[Key, float] = {}
 
@@ -88,6 +112,17 @@ class Scorer:
     def add(self, prefix: Sequence[Key], k: Key, state: tuple[frozenset, frozenset]) -> tuple[float, int, int, float, tuple[frozenset, frozenset]]:
         """Cost of ``k`` behind ``prefix``; ``state`` = (versions changed, cascade-reformed) so far.
         Returns ``(cost, forms, hits, stale, new state)``."""
+        out = self._add(prefix, k, state)
+        if self.asked is not None and self.diverged(prefix, k):
+            return (out[0] + self.w.diverge,) + out[1:]
+        return out
+
+    def diverged(self, prefix: Sequence[Key], k: Key) -> bool:
+        """Whether ``prefix + [k]`` departs from the agent's asked order."""
+        a, n = self.asked, len(prefix)
+        return a is None or n >= len(a) or a[n] != k or tuple(prefix) != a[:n]
+
+    def _add(self, prefix: Sequence[Key], k: Key, state: tuple[frozenset, frozenset]) -> tuple[float, int, int, float, tuple[frozenset, frozenset]]:
         v, w = self.view, self.w
         changed, reformed = state
         if k in self.entering:
@@ -147,10 +182,12 @@ def upkeep(view: PlacementView, key: Key, prefix: Sequence[Key], gained: float, 
     return "keep", keep
 
 
-def order_cost(view: PlacementView, order: Sequence[Key], entering: frozenset, w: Weights = DEFAULT_WEIGHTS) -> OrderCost:
+def order_cost(view: PlacementView, order: Sequence[Key], entering: frozenset, w: Weights = DEFAULT_WEIGHTS,
+               asked: Sequence[Key] | None = None) -> OrderCost:
     """The cost of ``order`` (residents + ``entering`` keys): forms and hits of the entering
-    chunks, cascade re-forms, and the staleness residents gain (beyond what they already had)."""
-    sc = Scorer(view, entering, w)
+    chunks, cascade re-forms, the staleness residents gain (beyond what they already had), and
+    its divergence from ``asked`` (the agent's order, :func:`asked_order`; None: not priced)."""
+    sc = Scorer(view, entering, w, asked)
     total, forms, hits, stale = 0.0, 0, 0, 0.0
     state: tuple[frozenset, frozenset] = (frozenset(), frozenset())
     for i, k in enumerate(order):

@@ -46,11 +46,7 @@ class EvictionPolicy(Registered):
 
 
 def make_eviction(spec: "str | EvictionPolicy") -> EvictionPolicy:
-    if isinstance(spec, EvictionPolicy):
-        return spec
-    if isinstance(spec, str) and spec in EVICTION_POLICIES:
-        return EVICTION_POLICIES[spec]()
-    raise PolicyError(f"unknown eviction policy {spec!r}; registered: {sorted(EVICTION_POLICIES)}")
+    return EVICTION_POLICIES.make(spec, instance_of=EvictionPolicy, error=PolicyError)
 
 
 class PolicyError(ContextDequeError, ValueError):

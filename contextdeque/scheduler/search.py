@@ -1,11 +1,13 @@
 """Searching for the cheapest order: exact branch-and-bound (small windows), brute force (the
 test oracle), and the insertion heuristic (any size).
 
-Exact: a depth-first search over orders, extending a prefix one chunk at a time; every chunk's
-cost depends only on what precedes it, so a partial order's cost never decreases as it grows and
-a branch whose partial cost reaches the best complete order's is cut. Children are tried
-cheapest first (and the heuristic's answer seeds the bound), so most branches die early. The
-result equals the brute-force minimum over all permutations (tested).
+Exact: a depth-first search over orders that keep the residents' relative order (a live window
+honours only where an entering chunk goes; moving residents among themselves also departs from
+the agent's order, which a later reorder makes expensive), extending a prefix one chunk at a time;
+every chunk's cost depends only on what precedes it, so a partial order's cost never decreases as
+it grows and a branch whose partial cost reaches the best complete order's is cut. Children are
+tried cheapest first (and the heuristic's answer seeds the bound), so most branches die early. The
+result equals the brute-force minimum over all such orders (tested).
 
 Heuristic: residents keep their relative order (moving them only makes them stale); each
 entering chunk, in arrival order, goes to the cheapest of a few candidate slots: where the agent
@@ -19,27 +21,38 @@ import itertools
 from typing import Hashable, Sequence
 
 from ..window.placement import PlacementView
-from .cost import DEFAULT_WEIGHTS, Scorer, Weights, order_cost
+from .cost import DEFAULT_WEIGHTS, Scorer, Weights, asked_order, order_cost
 
 Key = Hashable
 EXACT_MAX_CHUNKS = 8
 
 
 def brute_force(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: Weights = DEFAULT_WEIGHTS) -> tuple[list[Key], float]:
-    """The minimum over every permutation (the oracle; factorial time)."""
+    """The minimum over every permutation that keeps the residents' relative order (the oracle;
+    factorial time)."""
     keys = list(view.order) + [k for k, _ in entering]
     ent = frozenset(k for k, _ in entering)
+    asked = asked_order(view, entering)
     best, best_cost = None, float("inf")
     for perm in itertools.permutations(keys):
-        c = order_cost(view, perm, ent, w).total
+        if not _residents_in_order(view, perm):
+            continue
+        c = order_cost(view, perm, ent, w, asked).total
         if c < best_cost - 1e-12:
             best, best_cost = list(perm), c
     return best or [], best_cost
 
 
+def _residents_in_order(view: PlacementView, order: Sequence[Key]) -> bool:
+    """Whether ``order`` keeps the residents' relative order (what a live window honours)."""
+    res = set(view.order)
+    return [k for k in order if k in res] == list(view.order)
+
+
 def exact(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: Weights = DEFAULT_WEIGHTS,
           seed: Sequence[Key] | None = None) -> tuple[list[Key], float]:
-    """Branch-and-bound minimum over every order of residents + entering chunks.
+    """Branch-and-bound minimum over every order of residents (kept in their relative order) +
+    entering chunks.
 
     Lower bound on what the chunks still to place will cost: one form for every entering chunk
     with no stored patch of its content at all and one hit for every other entering chunk (only
@@ -50,10 +63,11 @@ def exact(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: We
     """
     keys = list(view.order) + [k for k, _ in entering]
     ent = frozenset(k for k, _ in entering)
+    asked = asked_order(view, entering)
     if seed is None:
         seed, _ = heuristic(view, entering, w, price=False)
-    best = [list(seed), order_cost(view, seed, ent, w).total]
-    sc = Scorer(view, ent, w)
+    best = [list(seed), order_cost(view, seed, ent, w, asked).total]
+    sc = Scorer(view, ent, w, asked)
     floor = {k: (w.form if not view.any_stored(view.content[k]) else w.hit) for k in ent}
     blind_front = {k: min(w.stale * (1.0 - sc.stale_now(k)), w.hit if view.any_stored(view.content[k]) else w.form) + w.move
                    for k in view.order if not view.formed_on.get(k) and sc.stale_now(k) < 1.0}
@@ -79,7 +93,10 @@ def exact(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: We
             best[0], best[1] = list(order), cost
             return
         children = []
+        first_resident = next((k for k in rest if k not in ent), None)
         for i, k in enumerate(rest):
+            if k not in ent and k != first_resident:
+                continue  # residents keep their relative order
             c, _, _, _, st = sc.add(order, k, state)
             children.append((cost + c, i, k, st))
         children.sort(key=lambda x: (x[0], x[1]))
@@ -101,7 +118,8 @@ def heuristic(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w
     order whole (its cost is then NaN): a caller that only wants the order saves O(n^2)."""
     order = list(view.order)
     ent = frozenset(k for k, _ in entering)
-    sc = Scorer(view, ent, w)
+    agent = asked_order(view, entering)
+    sc = Scorer(view, ent, w, agent)
     placed: list[Key] = []
     for key, at in entering:
         asked = len(order) if at is None else min(int(at), len(order))
@@ -133,7 +151,7 @@ def heuristic(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w
                 best, best_cost = pos, cost
         order.insert(best, key)
         placed.append(key)
-    return order, (order_cost(view, order, ent, w).total if price else float("nan"))
+    return order, (order_cost(view, order, ent, w, agent).total if price else float("nan"))
 
 
 def schedule(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: Weights = DEFAULT_WEIGHTS,
@@ -144,6 +162,22 @@ def schedule(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w:
     if n <= exact_max:
         h, _ = heuristic(view, entering, w, price=False)
         o, c = exact(view, entering, w, seed=h)
-        return o, c, "exact"
-    h, hc = heuristic(view, entering, w, price=price)
-    return h, hc, "heuristic"
+        how = "exact"
+    else:
+        o, c = heuristic(view, entering, w, price=price)
+        how = "heuristic"
+    return _no_more_forms(view, entering, w, o, c, how)
+
+
+def _no_more_forms(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: Weights,
+                   order: list[Key], cost: float, how: str) -> tuple[list[Key], float, str]:
+    """The hard constraint: an order that forms more patches now than the agent's asked order
+    (arrival placement) is never returned, whatever staleness it would save: the asked order is."""
+    asked = asked_order(view, entering)
+    if order == asked:
+        return order, cost, how
+    ent = frozenset(k for k, _ in entering)
+    mine, theirs = order_cost(view, order, ent, w, asked), order_cost(view, asked, ent, w, asked)
+    if mine.forms > theirs.forms:
+        return asked, theirs.total, "arrival"
+    return order, cost, how

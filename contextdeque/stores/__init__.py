@@ -14,10 +14,8 @@ from contextdeque.stores.base import (
     StoreEntry,
     StoreKey,
     Tier,
-    antecedent_signature,
     chunk_key,
     embeds_key,
-    patch_key,
 )
 from contextdeque.stores.policy import EvictionPolicy
 from contextdeque.stores.registry import POLICIES, TIERS, make_policy, make_tier
@@ -55,12 +53,10 @@ __all__ = [
     "TierTraffic",
     "TieredStore",
     "ValkeyTier",
-    "antecedent_signature",
     "chunk_key",
     "embeds_key",
     "fetch",
     "make_policy",
     "make_tier",
-    "patch_key",
     "settle",
 ]

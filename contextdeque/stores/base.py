@@ -15,11 +15,10 @@ Keys starting with ``cdq.`` are reserved for the on-disk format.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import types
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import quote, unquote
@@ -196,7 +195,8 @@ class StoreKey:
     """A parsed store key: a namespace (``"chunk" | "patch" | "embeds"``) and its parts.
 
     ``str(StoreKey)`` is the stable string used as a store key; `StoreKey.parse` inverts it.
-    The encoding is injective (each part percent-encoded, joined by ``/``).
+    The encoding is injective (each part percent-encoded, joined by ``/``). A patch key's parts
+    are the patch layer's (`contextdeque.patch.keys.patch_key_parts`); the stores never read them.
     """
 
     namespace: str
@@ -220,40 +220,6 @@ def chunk_key(fingerprint: str, content_hash: str) -> str:
 def embeds_key(fingerprint: str, content_hash: str) -> str:
     """Key of a chunk's encoder embeddings (multimodal chunks), beside its canonical."""
     return str(StoreKey("embeds", (fingerprint, content_hash)))
-
-
-def _rank_str(rank: int | Sequence[int]) -> str:
-    ranks = (rank,) if isinstance(rank, int) else tuple(rank)
-    if not ranks or any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in ranks):
-        raise ValueError(f"patch rank must be a non-negative int or a sequence of them, got {rank!r}")
-    return "-".join(str(r) for r in ranks)
-
-
-def patch_key(chunk_id: str, antecedent_signature: str, kind: str, rank: int | Sequence[int]) -> str:
-    """Key of a patch: (chunk id, antecedent signature, patch kind, rank).
-
-    Args:
-        chunk_id: the patched chunk's id (e.g. its `chunk_key`).
-        antecedent_signature: see `antecedent_signature`.
-        kind: patch kind (``"exact" | "orbit" | "removal" | ...``).
-        rank: the rank m, or a (rank_k, rank_v) pair when K and V ranks differ.
-    """
-    return str(StoreKey("patch", (chunk_id, antecedent_signature, kind, "r" + _rank_str(rank))))
-
-
-def antecedent_signature(antecedent_ids: Iterable[str], *, ordered: bool = True) -> str:
-    """A stable signature of an antecedent sequence (``ordered``) or set (orbit patches).
-
-    Returns a 64-hex sha256 over the length-prefixed ids (the empty sequence is valid).
-    """
-    ids = list(antecedent_ids)
-    if not ordered:
-        ids = sorted(ids)
-    h = hashlib.sha256(b"cdq-antecedents-v1\0" + (b"o" if ordered else b"s"))
-    for i in ids:
-        b = i.encode()
-        h.update(len(b).to_bytes(8, "little") + b)
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------

@@ -10,7 +10,12 @@ Layout of the directory (nothing else is kept, so all state is recomputable from
   ``lease_ttl_s`` (or forever when no TTL is set). Dead holders' leases are removed by the next
   eviction or ``clean_temp``. (A bare ``<pid>`` holder, the older form, follows pid liveness.)
 - ``.tmp-<pid>-<random>.part``: a write in progress (removed when its writer is dead);
-- ``.lock``: the `filelock` lock serializing commits, evictions, pins and deletes.
+- ``.lock``: the `filelock` lock serializing commits, evictions, pins and deletes;
+- ``.usage``: the entry files' total bytes, a hint kept under the lock so a put that fits the
+  budget need not list the directory (see ``DiskTier._make_room``); any change to the entry
+  files removes it first and only a writer that knows the new total writes it back, so a crash
+  or another writer leaves it absent (the next put lists the directory) or high (deletions by
+  hand), never low.
 
 Writers serialize and fsync the file under a temporary name outside the lock, then, holding
 the lock, check the collision guard, evict to fit the budget and ``os.replace`` the file
@@ -58,6 +63,8 @@ PIN_SUFFIX = ".pin"
 TMP_PREFIX = ".tmp-"
 TMP_SUFFIX = ".part"
 LOCK_NAME = ".lock"
+USAGE_NAME = ".usage"
+USAGE_RESCAN_PUTS = 256  # a put lists the directory at least this often even with a valid hint
 _HASH_LEN = 64
 
 _clock_lock = threading.Lock()
@@ -227,6 +234,8 @@ class DiskTier(Tier):
         # Header facts per file, valid while (inode, size, mtime) are unchanged: a cache, never an
         # index (entries are rediscovered by listing the directory every time).
         self._hdr_cache: dict[str, tuple[tuple[int, int, int], Header | None]] = {}
+        self._puts_since_scan = USAGE_RESCAN_PUTS  # the first budgeted put lists the directory
+        self._usage_after: int | None = None  # total after the put in progress, when known
         with self._locked():  # also proves we can create the lock file
             pass
         self.clean_temp(min_age_s=stale_tmp_s)
@@ -271,6 +280,27 @@ class DiskTier(Tier):
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    # The usage hint (lock held for all three): see the module docstring.
+    def _read_usage(self) -> int | None:
+        try:
+            text = (self.path / USAGE_NAME).read_text()
+        except (OSError, UnicodeDecodeError):
+            return None
+        if not text.endswith("\n") or not text[:-1].isdigit():
+            return None  # absent, or a torn write
+        return int(text)
+
+    def _invalidate_usage(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path / USAGE_NAME)
+
+    def _write_usage(self, total: int | None) -> None:
+        if total is None:
+            return
+        with contextlib.suppress(OSError):  # a hint: without it the next put lists the directory
+            with open(self.path / USAGE_NAME, "w") as f:
+                f.write(f"{int(total)}\n")
 
     def _scan(self) -> tuple[list[_FileInfo], dict[str, list[tuple[Path, str]]], list[Path]]:
         """(entry files, lease markers by stem -> [(path, holder)], temp files) in the directory."""
@@ -420,6 +450,7 @@ class DiskTier(Tier):
             if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                 return False  # replaced by a writer since we read it
             qdir = self.path / QUARANTINE_DIR
+            self._invalidate_usage()
             try:
                 qdir.mkdir(exist_ok=True)
                 os.replace(path, qdir / f"{path.name}.{_now_ns()}")
@@ -485,6 +516,7 @@ class DiskTier(Tier):
                 evicted = self._make_room(final.name[:_HASH_LEN], tmp.stat().st_size, key, keep_evicted)
                 os.replace(tmp, final)
                 tmp = None
+                self._write_usage(self._usage_after)
                 self._fsync_dir()
                 self._touch(final)
                 if pinned:
@@ -502,14 +534,32 @@ class DiskTier(Tier):
         return PutResult(stored=False)
 
     def _make_room(self, stem: str, size: int, key: str, keep_evicted: bool) -> list[Evicted]:
-        """Evict until ``size`` more bytes fit (replacing ``stem`` frees its file). Lock held."""
+        """Evict until ``size`` more bytes fit (replacing ``stem`` frees its file). Lock held.
+
+        With a valid usage hint showing the put fits, nothing is listed (O(1) instead of
+        O(entries) per put); otherwise the directory is listed and the hint recomputed. Sets
+        ``_usage_after``, the total once the put commits (None: unknown)."""
+        self._usage_after = None
+        known = self._read_usage() if self._puts_since_scan < USAGE_RESCAN_PUTS else None
+        self._invalidate_usage()  # before any entry file changes
         if self._budget is None:
             return []
+        if known is not None:
+            try:
+                old = os.stat(self.path / f"{stem}{SUFFIX}").st_size
+            except FileNotFoundError:
+                old = 0
+            if known - old + size <= self._budget:
+                self._puts_since_scan += 1
+                self._usage_after = known - old + size
+                return []
         files, pins, _ = self._scan()
+        self._puts_since_scan = 0
         self._prune_cache(files)
         total = sum(fi.size for fi in files if fi.stem != stem)
         over = total + size - self._budget
         if over <= 0:
+            self._usage_after = total + size
             return []
         pinned = self._live_pinned(pins)
         corrupt: list[_FileInfo] = []
@@ -542,6 +592,7 @@ class DiskTier(Tier):
                 f"and the rest is pinned"
             )
         evicted: list[Evicted] = []
+        self._usage_after = total + size - sum(fi.size for fi, _ in plan)
         for fi, h in plan:
             entry = None
             if keep_evicted and h is not None:
@@ -561,6 +612,7 @@ class DiskTier(Tier):
             for p, _pid in pins.get(stem, []):
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
+            self._invalidate_usage()
             try:
                 self.file_for(key).unlink()
             except FileNotFoundError:

@@ -26,15 +26,9 @@ def make_policy(spec: str | EvictionPolicy) -> EvictionPolicy:
     """An eviction policy instance from its registered name, or the instance itself."""
     from contextdeque.stores.policy import EvictionPolicy
 
-    if isinstance(spec, EvictionPolicy):
-        return spec
-    if isinstance(spec, str) and spec in POLICIES:
-        return POLICIES[spec]()
-    raise ValueError(f"unknown eviction policy {spec!r}; registered: {sorted(POLICIES)}")
+    return POLICIES.make(spec, instance_of=EvictionPolicy)
 
 
 def make_tier(kind: str, /, **kwargs: Any) -> Tier:
     """A tier instance from its registered name, e.g. ``make_tier("disk", path=..., budget_bytes=...)``."""
-    if kind not in TIERS:
-        raise ValueError(f"unknown store tier {kind!r}; registered: {sorted(TIERS)}")
-    return TIERS[kind](**kwargs)
+    return TIERS.make(kind, **kwargs)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -27,6 +27,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..model.hf import HFBackend
 
 OVERFLOW_POLICIES = ("slide", "error")
+PATCH_INDEX_CHUNKS = 4096  # chunks the stored-prefix hint remembers (WindowContext.note_stored_prefix)
+PATCH_INDEX_PREFIXES = 32  # prefixes it remembers per chunk
 
 
 @dataclass
@@ -60,12 +62,27 @@ class WindowContext:
     max_patch_fraction: float = 0.25  # adaptive rank's byte cap: patch bytes / page bytes
     beyond_trained: bool = False  # allow positions past the model's trained context length
     chunk_template: str = "{text}"  # how text appends are rendered (see ContextWindow)
-    patch_index: dict = field(default_factory=dict, repr=False)  # chunk id -> antecedent id tuples stored
+    max_evicted: int | None = 10_000  # evicted refs remembered (oldest forgotten past it); None: all
+    # chunk id -> antecedent id tuples whose patch was stored (a placement hint): bounded, see note_stored_prefix
+    patch_index: "OrderedDict[str, dict[tuple[str, ...], None]]" = field(default_factory=OrderedDict, repr=False)
     op_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _waiting: list[int] = field(default_factory=lambda: [0], repr=False)
     _waiting_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     last_foreground: float = field(default_factory=time.monotonic, repr=False)
     foreground_waits_ms: deque = field(default_factory=lambda: deque(maxlen=1000), repr=False)
+
+    def note_stored_prefix(self, chunk_id: str, prefix: tuple[str, ...]) -> None:
+        """Record that ``chunk_id``'s patch on ``prefix`` is stored (the placement scheduler's
+        hint). A hint only, so bounded: the ``PATCH_INDEX_CHUNKS`` most recently noted chunks,
+        ``PATCH_INDEX_PREFIXES`` prefixes each (least recent forgotten)."""
+        known = self.patch_index.pop(chunk_id, None) or {}
+        known.pop(prefix, None)
+        known[prefix] = None
+        while len(known) > PATCH_INDEX_PREFIXES:
+            del known[next(iter(known))]
+        self.patch_index[chunk_id] = known
+        while len(self.patch_index) > PATCH_INDEX_CHUNKS:
+            self.patch_index.popitem(last=False)
 
     @contextmanager
     def foreground(self) -> Iterator[None]:

@@ -1,6 +1,7 @@
 """Decoding: from slots to what the model reads (the assembled KV, a transformers ``Cache``, the
-ids ``model.generate`` expects) and the answer to a query (``generate``: ``model.generate`` where
-it can continue the cache, else a small greedy decoder with explicit positions).
+ids ``model.generate`` expects) and the answer to a query (``answer``: under a KV selection
+policy or over the whole window; ``generate``: ``model.generate`` where it can continue the
+cache, else a small greedy decoder with explicit positions).
 
 transformers interop: ``model.generate(input_ids=full_ids, past_key_values=cache)`` feeds only
 the tokens past the cache's length, at positions ``cache_len, cache_len + 1, ...``. So
@@ -19,9 +20,10 @@ import torch
 from ..core import compat
 from ..core.args import check_token_ids
 from ..core.errors import PositionError, WindowError
-from ..core.kv import LayerKV, concat_kv
+from ..core.kv import LayerKV, concat_kv, kv_nbytes
 from ..model import chat as chat_template
 from .context import WindowContext
+from .receipt import Meter
 from .slot import Slot
 
 
@@ -114,6 +116,32 @@ def prefix_ids(ctx: WindowContext, slots: Sequence[Slot]) -> list[int]:
         else:
             ids.extend([fill] * s.n_tokens)
     return ids
+
+
+def answer(
+    ctx: WindowContext, slots: Sequence[Slot], query: Sequence[int], max_new_tokens: int, meter: Meter, **kw: Any
+) -> list[int]:
+    """The answer ids to ``query`` (ids) after ``slots``: under the context's KV selection policy
+    (``kvselect.generate_selected``: decoding over the rows its selector keeps), else over the
+    whole assembled window (:func:`generate`). Records the bytes read and what the selection did
+    on ``meter``.
+
+    Raises:
+        PositionError: the query and answer would pass the model's trained context."""
+    from .kvselect import generate_selected  # kvselect decodes through this module
+
+    check_trained(ctx, next_position(ctx, slots) + len(query) + int(max_new_tokens), "generate")
+    if ctx.kv_selection is not None:
+        new_ids, info = generate_selected(ctx, slots, query, max_new_tokens, eos_ids(ctx), ctx.kv_selection)
+        meter.page_bytes += info["bytes_kept"]
+        meter.notes.append(
+            f"kv selection {info['selector']}@{info['budget']}: kept {info['kept']} of {info['rows']} rows per KV head"
+            if info["selected"] else f"kv selection {info['selector']}: {info['rows']} rows, under its threshold"
+        )
+        return new_ids
+    layers = assemble(ctx, slots)
+    meter.page_bytes += kv_nbytes(layers)
+    return generate(ctx, slots, layers, query, max_new_tokens, **kw)
 
 
 def generate(

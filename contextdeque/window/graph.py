@@ -1,6 +1,7 @@
 """The conditioning graph: which chunk's patch was formed on which antecedents.
 
-Nodes are :class:`ChunkRef` s (in the window or evicted-but-recallable); an edge ``A -> B``
+Nodes are :class:`ChunkRef` s (in the window, or evicted while an in-window chunk still depends
+on them, directly or transitively: :meth:`ConditioningGraph.prune`); an edge ``A -> B``
 says B's current conditioning was formed with A among its antecedents, and records the
 *version* of A's KV at that time. Recalling A gives it a new version (fresh canonical + fresh
 patch); every dependent whose edge records another version, or that now sits before A, was
@@ -82,6 +83,22 @@ class ConditioningGraph:
             for a, v in s.conditioned_on:
                 if a in self.g:
                     self.g.add_edge(a, s.ref, version=v)
+        self.prune({s.ref for s in slots})
+
+    def prune(self, window: set[ChunkRef]) -> None:
+        """Drop the evicted nodes no in-window chunk depends on, even transitively (and their
+        edges): no cascade can reach the window through them, and one that comes back gets fresh
+        in-edges from its new conditioning. Keeps the graph (and the copy every operation makes of
+        it) the size of the window's dependency closure instead of the whole history."""
+        keep = set(window)
+        frontier = [r for r in window if r in self.g]
+        while frontier:
+            for a in self.g.predecessors(frontier.pop()):
+                if a not in keep:
+                    keep.add(a)
+                    frontier.append(a)
+        if len(keep) < self.g.number_of_nodes():
+            self.g.remove_nodes_from([r for r in self.g.nodes if r not in keep])
 
     def remove(self, ref: ChunkRef) -> None:
         """Forget ``ref`` entirely (purge)."""

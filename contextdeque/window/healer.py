@@ -58,8 +58,6 @@ class Healer:
             self._remove_hooks()
             self._remove_hooks = None
 
-    cancel = stop
-
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

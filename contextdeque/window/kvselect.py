@@ -351,11 +351,7 @@ def make_selector(name: str, **options: Any) -> KVSelector:
     """A registered selector by name with its options."""
     if not isinstance(name, str):
         raise SelectionTypeError(f"selector must be a name (str), got {type(name).__name__}")
-    try:
-        cls = SELECTORS[name]
-    except KeyError:
-        raise SelectionError(f"unknown KV selector {name!r}; known: {', '.join(sorted(SELECTORS))}") from None
-    return cls(**options)
+    return SELECTORS.make(name, error=SelectionError, **options)
 
 
 class StreamingLLMSelector(KVSelector):

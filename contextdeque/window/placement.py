@@ -120,11 +120,7 @@ class ArrivalPlacement(PlacementPolicy):
 
 def make_placement(spec: "str | PlacementPolicy") -> PlacementPolicy:
     """A placement policy from its registered name, or the instance itself."""
-    if isinstance(spec, PlacementPolicy):
-        return spec
-    if isinstance(spec, str) and spec in PLACEMENT_POLICIES:
-        return PLACEMENT_POLICIES[spec]()
-    raise WindowError(f"unknown placement policy {spec!r}; registered: {sorted(PLACEMENT_POLICIES)}")
+    return PLACEMENT_POLICIES.make(spec, instance_of=PlacementPolicy, error=WindowError)
 
 
 def window_index(ctx: Any, graph: Any, slots: Sequence[Any], entering: Any, at: int, formed_on: Sequence[Any] = ()) -> int:
@@ -159,7 +155,7 @@ def window_index(ctx: Any, graph: Any, slots: Sequence[Any], entering: Any, at: 
         formed_on={**{s.ref: tuple(a for a, _ in s.conditioned_on) for s in slots},
                    entering.ref: tuple(a for a, _ in formed_on)},
         has_patch=has_patch,
-        stored_prefixes=lambda c: ctx.patch_index.get(c, ()),
+        stored_prefixes=lambda c: tuple(ctx.patch_index.get(c, ())),
         dependents=lambda k: [d for d in graph.dependents(k) if d in resident],
         budget_tokens=ctx.budget_tokens,
     )

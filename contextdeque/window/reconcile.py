@@ -13,9 +13,8 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from ..core.kv import concat_kv
-from ..patch import PATCH_KINDS, form_patch
+from ..patch import PATCH_KINDS, form_patch, patch_signature
 from ..patch.rank import FULL, is_full
-from ..stores import antecedent_signature, patch_key
 from ..core.cooperative import checkpoint
 from .context import WindowContext
 from .graph import Cascade
@@ -49,22 +48,17 @@ def patch_key_for(ctx: WindowContext, chunk, prefix_ids: Sequence[str], kind: st
                   base_ids: Sequence[str] = ()) -> str:
     """Store key of the ``kind`` patch of ``chunk`` on the antecedents ``prefix_ids``.
 
-    The signature covers the antecedent chunk ids (ordered, or as a set for orbit patches), the
-    policy's regime, the adaptive rank's target when one is set, and for a removal patch the
-    patches it is stacked on (``base_ids``: its target is relative to them). Exact and recall
-    patches measure the same thing (one conditioned forward on the antecedents) and share one
-    namespace, so a recall behind the antecedents a chunk was first placed after is a store hit."""
-    ids = list(prefix_ids)
-    if not PATCH_KINDS[kind].ordered:
-        ids = sorted(ids)
-    parts = [f"regime:{ctx.policy.regime}", *ids]
+    The signature (``patch.keys.patch_signature``) covers the antecedent chunk ids as the kind
+    orders them, what the kind adds for the patches it is stacked on (``base_ids``), and the
+    window's formation context: the policy's regime and the adaptive rank's target when one is
+    set. Exact and recall patches measure the same thing (one conditioned forward on the
+    antecedents) and share one store kind, so a recall behind the antecedents a chunk was first
+    placed after is a store hit."""
+    context = [f"regime:{ctx.policy.regime}"]
     if ctx.fidelity_target is not None:
-        parts.insert(1, f"energy:{float(ctx.fidelity_target):.6g}")
-    impl = PATCH_KINDS[kind]
-    if impl.stacked:
-        parts += [f"base:{b}" for b in base_ids]
-    sig = antecedent_signature(parts, ordered=True)
-    return patch_key(WindowStore.chunk_key(chunk), sig, impl.store_kind(), ranks)
+        context.append(f"energy:{float(ctx.fidelity_target):.6g}")
+    sig = patch_signature(kind, prefix_ids, base_ids=base_ids, context=context)
+    return WindowStore.patch_key(chunk, sig, PATCH_KINDS[kind].store_kind(), ranks)
 
 
 def obtain(
@@ -107,7 +101,7 @@ def obtain(
         if failed:
             meter.notes.append(failed)
         if PATCH_KINDS[kind].exact_on_prefix:  # what the placement scheduler may aim for
-            ctx.patch_index.setdefault(slot.chunk.id, set()).add(tuple(s.chunk.id for s in prefix))
+            ctx.note_stored_prefix(slot.chunk.id, tuple(s.chunk.id for s in prefix))
         meter.patches_formed += 1
         if healed:
             meter.repairs.append(f"re-formed the {kind} patch of #{slot.ref.key} (its stored copy was corrupt)")

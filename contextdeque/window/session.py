@@ -112,6 +112,7 @@ class EvictedModel(_Model):
     provisional: int | None = None  # chunk index: left before its canonical was computed
     canonical: int | None = None  # chunk index of its canonical (None: not in the store when saved)
     source: SourceModel | None = None
+    unhealed: bool = False  # left before its canonical was computed (encoded from source on recall)
 
 
 class RefModel(_Model):
@@ -310,7 +311,7 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
     for ref, e in state.evicted.items():
         note_ref(ref)
         canonical = None
-        if e.provisional is None:
+        if not e.owes_encode:
             try:
                 found = ctx.store.store.get(e.chunk_key, expect_fingerprint=ctx.fingerprint, promote=False, traffic=meter.traffic)
             except CorruptEntryError:
@@ -331,7 +332,7 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
             ref=ref.key, chunk_key=e.chunk_key, chunk_id=e.chunk_id, n_tokens=e.n_tokens, span=e.span,
             stale_patch_keys=list(e.stale_patch_keys), formed_on=_tags(e.formed_on),
             provisional=None if e.provisional is None else tables.chunk(e.provisional, provisional=True),
-            canonical=canonical, source=source,
+            canonical=canonical, source=source, unhealed=e.unhealed,
         ))
     g = state.graph.g
     nodes, edges = [], []
@@ -534,6 +535,7 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
             stale_patch_keys=tuple(e.stale_patch_keys), formed_on=tuple(tag(x) for x in e.formed_on),
             provisional=None if e.provisional is None else chunks[e.provisional],
             source=None if e.source is None else _source(e.source),
+            unhealed=e.unhealed,
         )
     state.pending = {ref(p.ref): Pending(reason=p.reason, since=p.since) for p in m.pending}
     g = nx.DiGraph()

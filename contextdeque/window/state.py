@@ -31,10 +31,18 @@ class EvictedEntry:
     span: int
     stale_patch_keys: tuple[str, ...]
     formed_on: tuple[Tag, ...]
-    provisional: "Chunk | None" = None  # evicted before healing: the canonical is not stored yet
+    provisional: "Chunk | None" = None  # (sessions saved before ``unhealed``) the provisional chunk
     # what re-encodes the canonical should the store lose it or hold a corrupt copy: the chunk's
     # inputs (token_ids / embeds, rel_positions, span, modality), no KV
     source: "dict | None" = None
+    # evicted before healing: the canonical was never computed, recall or heal encodes it from
+    # ``source`` (the provisional KV is not kept: nothing reads it, and it is a whole page)
+    unhealed: bool = False
+
+    @property
+    def owes_encode(self) -> bool:
+        """Left before its canonical was computed (latency-first): recall or heal encodes it once."""
+        return self.unhealed or self.provisional is not None
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ import torch
 
 from ..core.chunk import Chunk
 from ..core.errors import ArgumentTypeError, CollisionError, StoreConfigError, StoreError
-from ..patch import Patch
+from ..patch import Patch, patch_key_parts
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.vision import ImageEmbedding
 
-from ..stores import DiskTier, HostTier, MemoryTier, StoreEntry, Tier, TieredStore, TierTraffic, chunk_key, embeds_key
+from ..stores import DiskTier, HostTier, MemoryTier, StoreEntry, StoreKey, Tier, TieredStore, TierTraffic, chunk_key, embeds_key
 from ..stores.traffic import recording
 
 _ADAPTERS: "weakref.WeakKeyDictionary[TieredStore, WindowStore]" = weakref.WeakKeyDictionary()
@@ -202,6 +202,12 @@ class WindowStore:
             return chunk_key(chunk_or_id.fingerprint, chunk_or_id.id)
         assert fingerprint is not None
         return chunk_key(fingerprint, chunk_or_id)
+
+    @staticmethod
+    def patch_key(chunk: Chunk, signature: str, kind: str, ranks: int | tuple[int, int]) -> str:
+        """Store key of a patch of ``chunk``: the patch layer's key parts (scheme version,
+        signature, stored kind, ranks; ``patch.keys.patch_key_parts``) under ``"patch"``."""
+        return str(StoreKey("patch", patch_key_parts(WindowStore.chunk_key(chunk), signature, kind, ranks)))
 
     def has(self, key: str) -> bool:
         return self.store.contains(key)

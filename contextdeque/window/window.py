@@ -47,7 +47,7 @@ from . import decode, ingest
 from .context import WindowContext
 from .disposable import Verdict, run_test
 from .graph import Cascade, ConditioningGraph
-from .kvselect import SelectionPolicy, generate_selected
+from .kvselect import SelectionPolicy
 from .placement import PlacementPolicy, make_placement, window_index
 from .policy import PatchPolicy, make_policy
 from .policy_latency import HealPolicy
@@ -153,6 +153,11 @@ class ContextWindow:
             chunk with a blank line; ``"<doc title='{label}'>\n{text}\n</doc>\n"`` wraps it.
             Token ids, embeddings and encoded chunks are taken as given. The template is part
             of the content: the same text under another template is another chunk.
+        max_evicted: how many evicted refs the window remembers (each keeps its source, the
+            chunk's input ids, so it can be recalled or re-encoded: ~16 bytes per token plus a
+            few hundred bytes). Past it the oldest evicted refs are forgotten, as ``purge`` would
+            (the receipt's notes say so; their store entries stay). None: remember every one
+            (memory then grows with the history).
     """
 
     def __init__(
@@ -173,6 +178,7 @@ class ContextWindow:
         kv_selection: "SelectionPolicy | None" = None,
         beyond_trained: bool = False,
         chunk_template: str = "{text}",
+        max_evicted: int | None = 10_000,
     ) -> None:
         if not all(hasattr(backend, a) for a in ("encode", "forward", "layout", "fingerprint", "root_ids")):
             raise WindowTypeError(
@@ -214,11 +220,20 @@ class ContextWindow:
             kv_selection=kv_selection,
             beyond_trained=beyond_trained,
             chunk_template=chunk_template,
+            max_evicted=check_int("max_evicted", max_evicted, minimum=0, none_ok=True, error=WindowError),
         )
         self._setup(ctx, WindowState(), parent=None)
 
+    @classmethod
+    def _over(cls, ctx: WindowContext, state: WindowState, parent: "ContextWindow | None" = None) -> "ContextWindow":
+        """A window over an existing (already checked) context and state: the constructor path of
+        :meth:`fork`, which shares its parent's context and starts from a copy of its state."""
+        win = cls.__new__(cls)
+        win._setup(ctx, state, parent)
+        return win
+
     def _setup(self, ctx: WindowContext, state: WindowState, parent: "ContextWindow | None") -> None:
-        """Every field of a window, in one place: ``__init__`` and ``fork`` both come here."""
+        """Every field of a window, in one place: ``__init__`` and :meth:`_over` both come here."""
         self._ctx = ctx
         self._state = state
         self._parent = parent
@@ -402,9 +417,21 @@ class ContextWindow:
         # lost): past this point the operation has succeeded and the swap cannot half-happen.
         meter.notes.extend(self._ctx.store.hold(list((after - before).elements()), meter.traffic))
         meter.notes.extend(self._ctx.store.release(list((before - after).elements()), meter.traffic))
+        self._forget_oldest_evicted(new, meter)
         new.graph.sync(new.slots, new.evicted)
         new.generation = self._state.generation + 1
         self._state = new
+
+    def _forget_oldest_evicted(self, state: WindowState, meter: Meter) -> None:
+        """Keep at most ``max_evicted`` evicted refs (``evicted`` is in eviction order)."""
+        cap = self._ctx.max_evicted
+        over = 0 if cap is None else len(state.evicted) - cap
+        if over <= 0:
+            return
+        for ref in list(state.evicted)[:over]:
+            del state.evicted[ref]
+            state.graph.remove(ref)
+        meter.notes.append(f"forgot the {over} oldest evicted ref(s) (max_evicted={cap}): they can no longer be recalled")
 
     def _record(self, receipt: Receipt) -> None:
         self.last_receipt = receipt
@@ -422,8 +449,8 @@ class ContextWindow:
             span=s.span,
             stale_patch_keys=tuple(c.key for c in s.stack if c.key),
             formed_on=s.conditioned_on,
-            provisional=s.chunk if s.provisional else None,
-            source=None if s.provisional else ingest.source_of(s.chunk),
+            source=ingest.source_of(s.chunk),
+            unhealed=bool(s.provisional),
         )
         reasons.pop(s.ref, None)
         for later in slots[idx:]:
@@ -594,6 +621,8 @@ class ContextWindow:
                 chunk = ctx.store.get_chunk(
                     entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic
                 )
+            if chunk is None and entry.unhealed:  # left before healing: the one encode it still owes
+                chunk = ingest.encode_and_store(ctx, meter, **entry.source)
             if chunk is None and entry.source is not None:  # lost or quarantined: rebuild it
                 chunk = ingest.rebuilt(ctx, meter, entry.source, "its canonical was gone from the store")
             if chunk is None:
@@ -718,7 +747,7 @@ class ContextWindow:
 
     def _unhealed_evicted(self) -> list[ChunkRef]:
         """Evicted chunks that left before their canonical was computed."""
-        return [r for r, e in self._state.evicted.items() if e.provisional is not None]
+        return [r for r, e in self._state.evicted.items() if e.owes_encode]
 
     def _heal_step(self) -> Receipt:
         """One heal transaction (see :meth:`heal`)."""
@@ -728,10 +757,17 @@ class ContextWindow:
             if not state.pending:
                 for ref in self._unhealed_evicted()[:1]:  # canonical of a chunk that left unhealed
                     entry = state.evicted[ref]
-                    ingest.canonical_of(self._ctx, entry.provisional, meter)
-                    state.evicted[ref] = dataclasses.replace(entry, provisional=None)
+                    if entry.provisional is not None:
+                        ingest.canonical_of(self._ctx, entry.provisional, meter)
+                        source = ingest.source_of(entry.provisional)  # so a lost canonical can be rebuilt
+                    else:
+                        source = entry.source
+                        if ctx.store.get_chunk(entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature,
+                                               traffic=meter.traffic) is None:
+                            ingest.encode_and_store(ctx, meter, **entry.source)
+                    state.evicted[ref] = dataclasses.replace(entry, provisional=None, unhealed=False, source=source)
                     return {"refs": (ref,)}, None
-                return {"refs": ()}
+                return {"refs": ()}, None  # healed meanwhile (e.g. by a foreground heal): nothing to do
             target = max(state.pending, key=self.heal_priority)
             idx = state.index(target)
             batch = [s.ref for s in state.slots[: idx + 1] if s.ref in state.pending]
@@ -818,8 +854,7 @@ class ContextWindow:
         drops it. Nothing the child does changes the parent."""
         self._check_open()
         meter = Meter(self._ctx, "fork")
-        child = ContextWindow.__new__(ContextWindow)
-        child._setup(self._ctx, self._state.copy(), parent=self)
+        child = ContextWindow._over(self._ctx, self._state.copy(), parent=self)
         meter.notes.extend(self._ctx.store.hold(list(child._state.held_keys().elements()), meter.traffic))
         receipt = meter.finish(refs=child.refs)
         self._record(receipt)
@@ -915,22 +950,10 @@ class ContextWindow:
         (greedy unless ``kw`` says otherwise); windows with image spans through the window's own
         greedy decoder with explicit positions."""
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], Answer]:
-            ctx = self._ctx
             check_int("max_new_tokens", max_new_tokens, minimum=1, error=WindowError)
-            q = decode.query_ids(ctx, query, chat=chat)
-            decode.check_trained(ctx, decode.next_position(ctx, state.slots) + len(q) + int(max_new_tokens), "generate")
-            if ctx.kv_selection is not None:
-                new_ids, info = generate_selected(ctx, state.slots, q, max_new_tokens, decode.eos_ids(ctx), ctx.kv_selection)
-                meter.page_bytes += info["bytes_kept"]
-                meter.notes.append(
-                    f"kv selection {info['selector']}@{info['budget']}: kept {info['kept']} of {info['rows']} rows per KV head"
-                    if info["selected"] else f"kv selection {info['selector']}: {info['rows']} rows, under its threshold"
-                )
-                return {"refs": state.refs}, Answer(token_ids=new_ids, text=decode.decode_text(ctx, new_ids))
-            layers = decode.assemble(ctx, state.slots)
-            meter.page_bytes += kv_nbytes(layers)
-            new_ids = decode.generate(ctx, state.slots, layers, q, max_new_tokens, **kw)
-            return {"refs": state.refs}, Answer(token_ids=new_ids, text=decode.decode_text(ctx, new_ids))
+            q = decode.query_ids(self._ctx, query, chat=chat)
+            new_ids = decode.answer(self._ctx, state.slots, q, max_new_tokens, meter, **kw)
+            return {"refs": state.refs}, Answer(token_ids=new_ids, text=decode.decode_text(self._ctx, new_ids))
 
         receipt, answer = self._run("generate", body, mutates=False)
         answer.receipt = receipt

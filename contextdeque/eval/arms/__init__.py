@@ -14,7 +14,6 @@ from .cacheblend import CacheBlendArm
 from .epic import EpicArm
 from .kvcapsule import KVCapsuleArm
 from .kvselect import KVSelectArm, MMShiftKVArm, SelectionResult, SnapKVArm, StreamingLLMArm
-from ...patch.ops import combine_patches, patch_from_conditioned, truncate_patch  # (re-exported: the patch layer's)
 from .patch import PatchArm
 from .prefix_cache import PrefixCacheArm
 from .recompute import recompute_in_context
@@ -44,9 +43,6 @@ __all__ = [
     "ReprefillArm",
     "VLCacheArm",
     "ProfileSample",
-    "combine_patches",
-    "patch_from_conditioned",
-    "truncate_patch",
     "recompute_in_context",
     "linear_schedule",
     "profile_schedule",

@@ -65,11 +65,7 @@ class ReuseRequest:
     @property
     def starts(self) -> list[int]:
         """Start position of every chunk."""
-        out, pos = [], self.root_len
-        for c in self.chunks:
-            out.append(pos)
-            pos += c.span
-        return out
+        return _running(self.root_len, [c.span for c in self.chunks])
 
     @property
     def next_position(self) -> int:
@@ -79,11 +75,7 @@ class ReuseRequest:
     @property
     def offsets(self) -> list[int]:
         """Sequence index (in the assembled cache, root included) where every chunk's tokens begin."""
-        out, off = [], self.root_len
-        for c in self.chunks:
-            out.append(off)
-            off += c.n_tokens
-        return out
+        return _running(self.root_len, [c.n_tokens for c in self.chunks])
 
     @property
     def n_chunk_tokens(self) -> int:
@@ -268,11 +260,16 @@ class ReuseArm(Registered):
 
 def make_arm(name: str, **options: Any) -> ReuseArm:
     """Build a registered arm by name (``ARMS``) with its options."""
-    try:
-        cls = ARMS[name]
-    except KeyError:
-        raise ReuseArmError(f"unknown reuse arm {name!r}; known: {', '.join(sorted(ARMS))}") from None
-    return cls(**options)
+    return ARMS.make(name, error=ReuseArmError, **options)
+
+
+def _running(first: int, sizes: Sequence[int]) -> list[int]:
+    """Where each of consecutive pieces of ``sizes`` begins, the first at ``first``."""
+    out, at = [], first
+    for n in sizes:
+        out.append(at)
+        at += n
+    return out
 
 
 def kv_row_bytes(chunk: Chunk) -> float:

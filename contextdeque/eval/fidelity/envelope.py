@@ -24,7 +24,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..arms import BlindArm, PatchArm, ReprefillArm, ReuseRequest, truncate_patch
+from ...patch.ops import truncate_patch
+from ..arms import BlindArm, PatchArm, ReprefillArm, ReuseRequest
 from ...patch import captured_energy, form_patch, rank_for_energy
 from .harness import score_query
 from ...core.metrics import kl_divergence

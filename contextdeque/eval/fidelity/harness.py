@@ -43,15 +43,13 @@ from ..arms import (
     ReprefillArm,
     ReuseRequest,
     VLCacheArm,
-    combine_patches,
     matched_token_budget,
-    patch_from_conditioned,
-    truncate_patch,
 )
 from ...core.kv import concat_kv
 from ...core.kv import LayerKV
 from ...core.operator import relocate
 from ...patch import Patch, form_patch
+from ...patch.ops import combine_patches, patch_from_conditioned, truncate_patch
 from .metrics import DEFAULT_MIN_GAP, BytesReport, eta, flip_recover, n_flips, pooled_eta
 from ...core.metrics import kl_divergence, ulp_error, ulp_error_at_scale
 from .probes import MaterializedItem, ProbeItem, materialize
