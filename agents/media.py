@@ -102,10 +102,8 @@ def load_image(image: Any, *, name: str = "image") -> np.ndarray:
 
 
 def _is_pil(x: Any) -> bool:
-    try:
-        from PIL import Image
-    except ImportError:  # pragma: no cover - pillow comes with the multimodal extra
-        return False
+    from PIL import Image
+
     return isinstance(x, Image.Image)
 
 
@@ -192,10 +190,8 @@ def decode_video(path: str | Path, *, every: int = 1, max_frames: int | None = N
     Raises:
         MediaError: the file is missing, not a video, or has no video stream / no frames.
     """
-    try:
-        import av
-    except ImportError as exc:  # pragma: no cover - an optional extra
-        raise ImportError("video input needs PyAV: pip install 'contextdeque[multimodal]'") from exc
+    import av  # imported here: PyAV pulls in FFmpeg, which text-only callers never need
+
     if every < 1:
         raise ValueError(f"every must be >= 1, got {every}")
     frames: list[np.ndarray] = []

@@ -137,6 +137,7 @@ def test_demo_command_runs_and_reports(tmp_path, capsys, one_thread):
     for key in ("prefill_avoided_vs_reprefill", "prefill_avoided_vs_prefix_cache", "ttft_speedup_median"):
         assert isinstance(out[key], float)
     assert out["reprefill_tokens"] > 0 and out["tokens_prefilled"] > 0
+    replay_agent_trace(trace, capsys)  # the default model's trace replays
     assert main(["demo", "--topics", "2", "--questions", "1", "--max-new-tokens", "4", "--budget", "300",
                  "--no-measure", "--trace", str(tmp_path / "b.jsonl")]) == 0
     text = capsys.readouterr().out

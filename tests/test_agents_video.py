@@ -93,9 +93,21 @@ def test_qwen2_vl_frames_equal_the_models_own_forward(vl_backend, clip, one_thre
     at every query; a look-back never runs the tower."""
     proc = build_tiny_vl_processor("qwen2_vl")
     cfg = AgentConfig(budget_tokens=300, patch_policy="exact", max_new_tokens=2)
-    agent = VideoAgent(vl_backend, cfg, processor=proc, frames_per_segment=2)
-    agent.watch(clip, every=3, segments=4)
+    # the tower's real forwards, counted on the module itself (not the window's own counter)
+    runs: list[int] = []
+    hook = vl_backend.model.model.visual.register_forward_hook(lambda *_: runs.append(1))
+    per_step: list[tuple[str, int]] = []
+    agent = VideoAgent(vl_backend, cfg, processor=proc, frames_per_segment=2,
+                       on_step=lambda st: per_step.append((st.op, len(runs))))
+    try:
+        agent.watch(clip, every=3, segments=4)
+    finally:
+        hook.remove()
     summary = check_run(agent, cfg.budget_tokens)
+    assert 0 < len(runs) == summary["tower_calls"] <= summary["frames"]
+    before = [0] + [n for _, n in per_step[:-1]]
+    lookbacks = [n - b for (op, n), b in zip(per_step, before) if op in ("look-back", "compare")]
+    assert lookbacks and not any(lookbacks)  # a recalled frame never runs the tower
     assert summary["image_path"] == "vision" and all(s.kl <= 1e-4 for s in agent.run.steps if s.kl is not None)
     run = agent.run
     assert any(run.window.chunk(r).span != run.window.chunk(r).n_tokens for r in run.window.refs)  # an M-RoPE grid

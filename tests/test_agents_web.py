@@ -96,3 +96,4 @@ def test_demo_web_agent_on_the_default_model(capsys, tmp_path, one_thread):
     assert out["agent"] == "web" and out["queries"] == 2 and len(out["question_kl"]) == 2
     assert len(out["answers"]) == 2
     assert read_trace(out["trace"]).header.generator == "web"
+    replay_agent_trace(out["trace"], capsys)  # the default model's trace replays too

@@ -155,7 +155,7 @@ def test_window_decoder_agrees_with_generate(backend):
 # ----------------------------------------------------------------------------- slide / survivors
 
 
-@pytest.mark.parametrize("policy", ["default", "none"])
+@pytest.mark.parametrize("policy", ["eager", "none"])
 def test_slide_survivors_only_relocate(backend, policy):
     win = ContextWindow(backend, patch_policy=policy, rank=2)
     refs = [win.append(token_ids=x) for x in (A, B, C, D)]
@@ -167,11 +167,19 @@ def test_slide_survivors_only_relocate(backend, policy):
     receipt = win.slide()
     assert receipt.forwards == 0 and receipt.encodes == 0 and receipt.patches_formed == 0
     assert receipt.left == (refs[0],) and receipt.pages_written == 3
-    for r in refs[1:]:
+    for r in refs[2:]:
         s = win.slot(r)
         assert s.patches == content[r][0]  # same patch objects: kept as-is
         k, v = to_content_frame(list(s.page), lay, s.positions())
         assert torch.allclose(k, content[r][1][0], atol=1e-5) and torch.allclose(v, content[r][1][1], atol=1e-5)
+    head = win.slot(refs[1])  # every antecedent it had left: at the front its canonical is exact
+    k, v = to_content_frame(list(head.page), lay, head.positions())
+    if policy == "eager":  # it dropped the patch formed for A, for free
+        assert content[refs[1]][0] and head.patches == ()
+        c = win.chunk(refs[1])
+        assert torch.allclose(k, c.keys.float(), atol=1e-5) and torch.allclose(v, c.values.float(), atol=1e-5)
+    else:  # blind everywhere: nothing to drop
+        assert head.patches == content[refs[1]][0] == ()
     starts = [st for _, st, _ in win.placement()]
     assert starts[0] == backend.root_len
 
@@ -426,7 +434,8 @@ def test_is_disposable_verdict(backend):
     assert w.had_conditioning and w.kl_unconditioned > 0.0
     assert bool(w) == w.disposable == (w.answer_unconditioned == w.answer_as_is)
     assert_same_snapshot(before, snapshot(win))
-    # the dropped variant is what the window decodes after evicting a (survivors kept as-is)
+    # the dropped variant is what the window decodes after evicting a (b, now at the front, on its
+    # canonical; c kept as-is)
     win.evict(a)
     assert win.generate(QUERY, max_new_tokens=4).token_ids == v.answer_dropped
 

@@ -88,12 +88,17 @@ def run_test(
     }
     same = ans_off == ans and (kl_tol is None or fields["kl_unconditioned"] <= kl_tol)
     if drop:
-        # Later chunks shift back by the dropped span and keep their conditioned KV (survivors).
+        # Later chunks shift back by the dropped span and keep their conditioned KV (survivors),
+        # except one left at the front, which gets what the policy gives it on eviction (the
+        # canonical, when the policy clears it: exact there).
         pages: dict[int, object] = {index: None}
         shift = slot.span
         for j in range(index + 1, len(slots)):
             s = slots[j]
-            pages[j] = tuple(relocate(s.chunk, s.start - shift, layout=ctx.layout, patch=list(s.patches) or None, beyond_trained=True))
+            patch = list(s.patches) or None
+            if j == 1 and patch and ctx.policy.decide("survivor", s, (), valid=not s.conditioned_on, rank=ctx.rank).action == "clear":
+                patch = None
+            pages[j] = tuple(relocate(s.chunk, s.start - shift, layout=ctx.layout, patch=patch, beyond_trained=True))
         drop_layers = decode.assemble(ctx, slots, pages)  # type: ignore[arg-type]
         d_logits, ans_drop = decode.greedy(ctx, drop_layers, start - shift, query_ids, max_new_tokens, eos)
         fields["answer_dropped"] = ans_drop

@@ -316,10 +316,7 @@ def _as_rgb(img: np.ndarray) -> np.ndarray:
 
 def image_pixels(name: str, grid: tuple[int, int]) -> np.ndarray:
     """``skimage.data.<name>()`` as RGB floats in [0, 1], resized to ``grid * PATCH_PX`` pixels."""
-    try:
-        import skimage.data
-    except ImportError as exc:  # an optional extra
-        raise ImportError("image probe items need scikit-image: pip install 'contextdeque[multimodal]'") from exc
+    import skimage.data  # a base dependency, imported here because it is slow to import
 
     return resize_to_grid(getattr(skimage.data, name)(), grid)
 
