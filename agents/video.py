@@ -264,26 +264,29 @@ class VideoAgent:
         run.append("instruction", token_ids=self._instruction, content_key=chunk_hash(INSTRUCTION))
         run.end()
         for seg in segs:
-            before = self._tower()
-            st = run.begin("watch", f"segment {seg.index} ({len(seg.frames)} frames)")
-            self._make_room(self.segment_tokens(seg), seg.index, st, max_segments=self.segments_in_window)
-            self._show(seg)
-            run.ask(f"What is shown in segment {seg.index}? Answer in one sentence.")
-            self._end(run, st, before)
+            self._show_and_ask("watch", f"segment {seg.index} ({len(seg.frames)} frames)", seg, seg.index,
+                               f"What is shown in segment {seg.index}? Answer in one sentence.")
             gone = [s for s in segs[: seg.index - 1] if s.index not in self._resident]
             if self.lookback_every and seg.index % self.lookback_every == 0 and gone:
                 self._look_back(rng.choice(gone), seg)
         return run
 
-    def _look_back(self, old: Segment, cur: Segment) -> None:
+    def _show_and_ask(self, op: str, detail: str, seg: Segment, now: int, question: str) -> None:
+        """One step that brings ``seg`` into the window (making room as of segment ``now``) and asks."""
         run = self.run
         assert run is not None
         before = self._tower()
-        st = run.begin("look-back", f"segment {old.index} (recalled)")
-        self._make_room(self.segment_tokens(old), cur.index, st, max_segments=self.segments_in_window)
-        self._show(old)
-        run.ask(f"Looking back at segment {old.index}: what was shown there? Answer in one sentence.")
+        st = run.begin(op, detail)
+        self._make_room(self.segment_tokens(seg), now, st, max_segments=self.segments_in_window)
+        self._show(seg)
+        run.ask(question)
         self._end(run, st, before)
+
+    def _look_back(self, old: Segment, cur: Segment) -> None:
+        run = self.run
+        assert run is not None
+        self._show_and_ask("look-back", f"segment {old.index} (recalled)", old, cur.index,
+                           f"Looking back at segment {old.index}: what was shown there? Answer in one sentence.")
         # compare: the looked-back segment right before the current one, in chronological order
         before = self._tower()
         st = run.begin("compare", f"segments {old.index} and {cur.index} side by side")
