@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", choices=AGENTS, default="doc", help="which agent to run (default: doc)")
     p.add_argument("--budget", type=int, default=None, help="window budget in tokens (default: the agent's)")
     p.add_argument("--rank", type=int, default=32, help="patch rank m (default 32)")
-    p.add_argument("--policy", default="default", help="patch policy: default, exact, none (default: default)")
+    p.add_argument("--policy", default="default", help="patch policy: default (= latency: re-reads run no forward, healed between steps), eager, exact, none (default: default)")
     p.add_argument("--questions", type=int, default=None, help="answer only the first N questions")
     p.add_argument("--topics", type=int, default=None,
                    help="doc: use only the first N sections of the document; web: visit N topic pages (default 3)")

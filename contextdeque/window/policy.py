@@ -34,7 +34,6 @@ DEFAULT_POLICY = "latency"
 forward on the critical path; ``heal()`` brings the window to what ``"eager"`` builds)."""
 
 
-
 @dataclass(frozen=True)
 class Decision:
     """What to do with one slot.
