@@ -317,3 +317,15 @@ def test_evicted_sources_survive_a_session_in_a_new_process(backend, tmp_path):
     assert any("re-encoded" in r and "from its source" in r for r in got["repairs"]), got["repairs"]
     assert got["labels"] == ["a", "b", "c"]
     assert got["digest"] == h.hexdigest(), "the recall after reopening is the recall before saving"
+
+
+def test_max_evicted_survives_a_session(backend, tmp_path):
+    """The evicted-ref cap is configuration: a reopened window keeps forgetting at the same cap."""
+    win = busy_window(backend, max_evicted=1)
+    assert len(win.evicted_refs) == 1
+    win.save(tmp_path / "cap.cdq")
+    assert read_manifest(tmp_path / "cap.cdq")[0].config.max_evicted == 1
+    opened = ContextWindow.open(tmp_path / "cap.cdq", backend)
+    opened.evict(opened.refs[-1])
+    opened.evict(opened.refs[-1])
+    assert len(opened.evicted_refs) == 1
