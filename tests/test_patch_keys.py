@@ -65,7 +65,7 @@ def test_key_parts_carry_the_version_and_validate_ranks() -> None:
 
 
 def test_stored_patch_whose_ranks_disagree_with_its_factors_is_corrupt(backend) -> None:
-    win = ContextWindow(backend, rank=2, store=TieredStore([MemoryTier("cpu", None, name="device")]))
+    win = ContextWindow(backend, rank=2, patch_policy="eager", store=TieredStore([MemoryTier("cpu", None, name="device")]))
     win.append(token_ids=A)
     (cond,) = win.slot(win.append(token_ids=B)).stack
     tensors, meta = cond.patch.to_entry()
@@ -89,7 +89,7 @@ def test_entries_of_the_previous_key_scheme_are_misses(tmp_path, backend, one_th
     def store():
         return TieredStore([MemoryTier("cpu", None, name="device"), DiskTier(tmp_path / "s", None, fsync=False)])
 
-    first = ContextWindow(backend, rank=2, store=store())
+    first = ContextWindow(backend, rank=2, patch_policy="eager", store=store())
     a = first.append(token_ids=A)
     b = first.append(token_ids=B)
     (cond,) = first.slot(b).stack
@@ -104,7 +104,7 @@ def test_entries_of_the_previous_key_scheme_are_misses(tmp_path, backend, one_th
     disk.put(old_key, StoreEntry(*wrong.to_entry()))
     disk.delete(cond.key)
 
-    win = ContextWindow(backend, rank=2, store=store())  # a new process: nothing in memory
+    win = ContextWindow(backend, rank=2, patch_policy="eager", store=store())  # a new process: nothing in memory
     win.append(token_ids=A)
     b2 = win.append(token_ids=B)
     assert b2.receipt.patches_formed == 1 and b2.receipt.patches_reused == 0

@@ -21,7 +21,7 @@ def backend() -> HFBackend:
 
 
 def test_max_evicted_forgets_the_oldest(backend, one_thread):
-    win = ContextWindow(backend, budget_tokens=12, rank=2, max_evicted=3)
+    win = ContextWindow(backend, budget_tokens=12, rank=2, max_evicted=3, patch_policy="eager")
     refs = [win.append(token_ids=seeded_ids(6, 10 + i, vocab=60).tolist()) for i in range(9)]
     assert len(win.evicted_refs) == 3 and set(win.evicted_refs) == set(refs[4:7])
     assert any("forgot" in n and "max_evicted=3" in n for r in win.receipts for n in r.notes)
