@@ -6,7 +6,6 @@ local replica (no shared store) returns for the same conversation under greedy d
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 from contextdeque.serve.loadtest import run_loadtest
@@ -42,7 +41,6 @@ def test_faults_during_a_two_replica_load_test(tmp_path: Path) -> None:
     try:
         box: dict = {}
         runner = threading.Thread(target=lambda: box.update(rep=run_loadtest([a.url, b.url], failover=True, **LOAD)))
-        t_run = time.perf_counter()
         runner.start()
         # faults on progress, not on a clock: they land inside the run on a fast or a slow machine
         events = {}
@@ -55,9 +53,7 @@ def test_faults_during_a_two_replica_load_test(tmp_path: Path) -> None:
         assert wait_until(lambda: served(a, b) >= 24, 300)
         b.kill()
         events["b_killed"] = runner.is_alive()
-        b2 = b.restarted()
-        events["b_back"] = runner.is_alive()
-        t_b_back = time.perf_counter() - t_run
+        b2 = b.restarted()  # may finish after the run: B's return is checked by a second run below
         runner.join(900)
         rep = box["rep"]
         assert all(events.values()), ("every fault must land while the load test runs", events)
@@ -68,7 +64,13 @@ def test_faults_during_a_two_replica_load_test(tmp_path: Path) -> None:
         assert rep["replies"] == reference["replies"]  # every conversation, every turn, identical
         assert all(len(v) == LOAD["turns"] for v in rep["replies"].values())
         assert rep["total"]["failovers"] >= 1  # B's clients were carried by A while B was down
-        assert any(x["replica"] == b.url and x["ok"] and x["start_s"] > t_b_back for x in rep["samples"])  # B is back
+        # B is back: whether the first run still had requests left once B's restart finished is a
+        # race with process start-up, so B's return is checked by a second run over both replicas
+        again = run_loadtest([a.url, b2.url], failover=True, **LOAD)
+        assert again["by_replica"][b2.url]["ok"] > 0 and again["total"]["errors"] == 0
+        assert all(len(v) == LOAD["turns"] for v in again["replies"].values())
+        # (replies are not compared here: this run re-reads the first run's stored chunks through
+        # rank-limited patches, and a tiny random-weight model's greedy token flips on tiny KV changes)
         ma, mb = a.metrics(), b2.metrics()
         for m in (ma, mb):
             assert metric(m, "contextdeque_valkey_corrupt_total") == 0
