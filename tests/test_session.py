@@ -281,7 +281,7 @@ _SOURCE_OPENER = textwrap.dedent(
 )
 
 
-def test_evicted_sources_survive_a_session_in_a_new_process(backend, tmp_path):
+def test_evicted_sources_survive_a_session_in_a_new_process(backend, tmp_path, one_thread):
     """An evicted entry's source (the chunk's inputs) round-trips through save/open: in a new
     process whose store has lost the canonical, recall re-encodes it from the saved source and the
     window is bit-identical to the saved window's own recall."""
@@ -305,6 +305,8 @@ def test_evicted_sources_survive_a_session_in_a_new_process(backend, tmp_path):
         k, v = compat.cache_layer(cache, i)
         h.update(k.numpy().tobytes()), h.update(v.numpy().tobytes())
 
+    # one thread here and there (``one_thread``): bit-identity across processes needs the same
+    # reduction order, which the thread count decides
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     code = _SOURCE_OPENER.format(tests=str(Path(__file__).parent), path=path)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
