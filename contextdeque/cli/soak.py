@@ -10,11 +10,12 @@ import sys
 import torch
 
 from ..eval.soak import run_soak
+from ..window.context import DEFAULT_MAX_EVICTED
 from .model_spec import MODEL_HELP, load_backend
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ops", type=int, default=10_000, help="operations to run (default 10000)")
+    parser.add_argument("--ops", type=int, default=DEFAULT_MAX_EVICTED, help="operations to run (default 10000)")
     parser.add_argument("--max-minutes", type=float, default=None, help="stop after this long even if --ops are not done")
     parser.add_argument("--budget-tokens", type=int, default=1024, help="the window's token budget")
     parser.add_argument("--section-tokens", type=int, default=100, help="tokens per appended documentation section")
@@ -24,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-dir", default=None, help="disk tier directory (default: a temporary one, removed after)")
     parser.add_argument("--sample-every", type=int, default=100, help="record memory every N operations")
     parser.add_argument("--max-evicted", type=int, default=10_000,
-                        help="evicted refs the window remembers (ContextWindow(max_evicted=); default 10000)")
+                        help="evicted refs the window remembers (ContextWindow(max_evicted=); default %(default)s)")
     parser.add_argument("--patch-policy", default="default", help="the window's patch policy (default: 'default')")
     parser.add_argument("--count-tensors", action="store_true",
                         help="also record the bytes of live tensors at each sample (a walk over Python's objects)")

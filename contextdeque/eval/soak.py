@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..window.context import DEFAULT_MAX_EVICTED
+
 
 def rss_bytes() -> int:
     """This process's resident set size (0 where /proc is not there)."""
@@ -90,7 +92,7 @@ def run_soak(
     max_seconds: float | None = None,
     warmup_ops: int | None = None,
     progress: Callable[[dict], None] | None = None,
-    max_evicted: int | None = 10_000,
+    max_evicted: int | None = DEFAULT_MAX_EVICTED,
     patch_policy: str = "default",
     count_tensors: bool = False,
 ) -> dict[str, Any]:

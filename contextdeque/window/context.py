@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..model.hf import HFBackend
 
 OVERFLOW_POLICIES = ("slide", "error")
+DEFAULT_MAX_EVICTED = 10_000  # evicted refs a window remembers unless told otherwise (ContextWindow(max_evicted=))
 PATCH_INDEX_CHUNKS = 4096  # chunks the stored-prefix hint remembers (WindowContext.note_stored_prefix)
 PATCH_INDEX_PREFIXES = 32  # prefixes it remembers per chunk
 
@@ -62,7 +63,7 @@ class WindowContext:
     max_patch_fraction: float = 0.25  # adaptive rank's byte cap: patch bytes / page bytes
     beyond_trained: bool = False  # allow positions past the model's trained context length
     chunk_template: str = "{text}"  # how text appends are rendered (see ContextWindow)
-    max_evicted: int | None = 10_000  # evicted refs remembered (oldest forgotten past it); None: all
+    max_evicted: int | None = DEFAULT_MAX_EVICTED  # evicted refs remembered (oldest forgotten past it); None: all
     # chunk id -> antecedent id tuples whose patch was stored (a placement hint): bounded, see note_stored_prefix
     patch_index: "OrderedDict[str, dict[tuple[str, ...], None]]" = field(default_factory=OrderedDict, repr=False)
     op_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)

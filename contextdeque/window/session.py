@@ -45,6 +45,7 @@ from ..core.errors import CorruptEntryError, SessionError
 from ..patch import Patch
 from ..stores import StoreEntry
 from ..stores.format import decode_entry, encode_entry
+from .context import DEFAULT_MAX_EVICTED
 from .graph import ConditioningGraph
 from .receipt import Meter, Receipt
 from .ref import ChunkRef, new_ref
@@ -161,7 +162,7 @@ class ConfigModel(_Model):
     placement: str
     fidelity_target: float | None
     max_patch_fraction: float
-    max_evicted: int | None = 10_000  # absent in sessions saved before it was recorded
+    max_evicted: int | None = DEFAULT_MAX_EVICTED  # absent in sessions saved before it was recorded
 
 
 class ReceiptSummary(_Model):

@@ -44,7 +44,7 @@ from ..core.errors import BudgetError, UnknownRefError, WindowError, WindowTypeE
 from ..core.kv import LayerKV, kv_nbytes
 from ..patch import Patch, form_patch
 from . import decode, ingest
-from .context import WindowContext
+from .context import DEFAULT_MAX_EVICTED, WindowContext
 from .disposable import Verdict, run_test
 from .graph import Cascade, ConditioningGraph
 from .kvselect import SelectionPolicy
@@ -181,7 +181,7 @@ class ContextWindow:
         kv_selection: "SelectionPolicy | None" = None,
         beyond_trained: bool = False,
         chunk_template: str = "{text}",
-        max_evicted: int | None = 10_000,
+        max_evicted: int | None = DEFAULT_MAX_EVICTED,
     ) -> None:
         if not all(hasattr(backend, a) for a in ("encode", "forward", "layout", "fingerprint", "root_ids")):
             raise WindowTypeError(
