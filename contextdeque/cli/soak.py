@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  memory budget {_mib(r['memory_budget'])}, model {_mib(r['model_bytes'])}; "
           f"RSS start {_mib(r['rss_start'])}, after warm-up ({r['warmup_ops']} ops) {_mib(r['rss_at_warmup'])}, "
           f"max after {_mib(r['rss_max_after_warmup'])} (+{_mib(r['growth_after_warmup'])}), end {_mib(r['rss_end'])}")
+    print(f"  baseline (runtime + model, warmed) {_mib(r['rss_baseline'])}; peak above it {_mib(r['over_baseline_max'])} "
+          f"of the {_mib(r['memory_budget'])} budget: {'within' if r['within_budget'] else 'OVER'}")
     print(f"  {'op':>6} {'s':>8} {'RSS':>10} {'device':>10} {'host':>10} {'disk':>10} {'evicted refs':>13}")
     for row in r["curve"]:
         st = row["store"]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from contextdeque.core.errors import ArgumentTypeError, StoreCapacityError, StoreConfigError
+from contextdeque.core.heap import release_freed_heap
 from contextdeque.stores.base import (
     EntryStat,
     Evicted,
@@ -74,6 +75,32 @@ class MemoryTier(Tier):
         self._pins: set[str] = set()
         self._clock = itertools.count(1)
         self._used = 0
+        self._reserved: dict[str, int] = {}  # owner -> bytes of the budget set aside (see `reserve`)
+
+    # budget shared with memory kept outside the tier -------------------------------------
+
+    def reserve(self, owner: str, nbytes: int) -> None:
+        """Set aside ``nbytes`` of the budget for memory that ``owner`` keeps outside the tier on
+        the same device (a window's placed pages: `WindowStore.reserve_working_set`), so the
+        tier and its users together stay within the budget; ``nbytes=0`` gives it back. The
+        tier does not shrink at once: entries over the smaller budget go at the next put."""
+        with self._lock:
+            if nbytes > 0:
+                self._reserved[owner] = int(nbytes)
+            else:
+                self._reserved.pop(owner, None)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the budget set aside by `reserve`."""
+        with self._lock:
+            return sum(self._reserved.values())
+
+    def _room(self) -> int | None:
+        """The budget left to entries: the budget less what is reserved (None: unbounded)."""
+        if self._budget is None:
+            return None
+        return max(0, self._budget - sum(self._reserved.values()))
 
     # storage hooks (HostTier overrides _place) -----------------------------------------
 
@@ -132,9 +159,11 @@ class MemoryTier(Tier):
                     self._pins.add(key)
                 return PutResult(stored=False)
             need = entry.nbytes
-            if not self._fits_budget(need):
+            room = self._room()
+            if room is not None and need > room:
                 raise StoreCapacityError(
-                    f"entry {key!r} ({need} B) exceeds tier {self.name!r}'s budget ({self._budget} B)"
+                    f"entry {key!r} ({need} B) exceeds tier {self.name!r}'s budget ({self._budget} B"
+                    + (f", of which {self._budget - room} B reserved by its users)" if room < self._budget else ")")
                 )
             freed_by_replace = old.entry.nbytes if old is not None else 0
             victims = self._choose_victims(key, need - freed_by_replace)
@@ -152,13 +181,16 @@ class MemoryTier(Tier):
             self._used += stored.nbytes
             if pinned:
                 self._pins.add(key)
-            return PutResult(stored=True, evicted=tuple(evicted))
+        if (evicted or old is not None) and self.device.type == "cpu":
+            release_freed_heap()  # the evicted copies' heap pages (once the caller lets go of them)
+        return PutResult(stored=True, evicted=tuple(evicted))
 
     def _choose_victims(self, key: str, need: int) -> list[str]:
         """Keys to evict so that ``need`` more bytes fit; raises if impossible."""
-        if self._budget is None:
+        room = self._room()
+        if room is None:
             return []
-        over = self._used + need - self._budget
+        over = self._used + need - room
         if over <= 0:
             return []
         cands = [
@@ -176,7 +208,7 @@ class MemoryTier(Tier):
         if over > 0:
             raise StoreCapacityError(
                 f"tier {self.name!r} cannot make room for {key!r}: {self._used} B used of "
-                f"{self._budget} B and the rest is pinned"
+                f"{room} B (budget {self._budget} B less {self._budget - room} B reserved) and the rest is pinned"
             )
         return victims
 
@@ -187,7 +219,9 @@ class MemoryTier(Tier):
             if slot is None:
                 return False
             self._used -= slot.entry.nbytes
-            return True
+        if self.device.type == "cpu":
+            release_freed_heap()
+        return True
 
     def contains(self, key: str) -> bool:
         with self._lock:

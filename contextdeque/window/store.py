@@ -272,6 +272,18 @@ class WindowStore:
         return None
 
     # ------------------------------------------------------------------ residency
+    def reserve_working_set(self, owner: str, nbytes: int, device: torch.device | str) -> str | None:
+        """Count ``nbytes`` a window keeps outside the store on ``device`` (its placed pages)
+        against the budget of the store's fastest memory tier there (`MemoryTier.reserve`), so
+        the store and its windows together stay within the memory budget; 0 gives it back.
+        Returns the tier's name, or None when no memory tier lives on ``device``."""
+        dev = torch.device(device)
+        for t in self.store.tiers:
+            if isinstance(t, MemoryTier) and t.device == dev:
+                t.reserve(owner, nbytes)
+                return t.name
+        return None
+
     def hold(self, keys: Iterable[str], traffic: TierTraffic) -> list[str]:
         """Count a window slot holding each key; a held key is brought to the fastest tier, and
         leased in the shared tiers (`TieredStore.lease`) while any window holds it.

@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import os
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
@@ -41,6 +42,7 @@ import torch
 from ..core.chunk import Chunk, storage_dtype
 from ..core.args import check_float, check_instance, check_int, check_str, check_token_ids
 from ..core.errors import BudgetError, UnknownRefError, WindowError, WindowTypeError
+from ..core.heap import release_freed_heap
 from ..core.kv import LayerKV, kv_nbytes
 from ..patch import Patch, form_patch
 from . import decode, ingest
@@ -226,6 +228,20 @@ class ContextWindow:
             max_evicted=check_int("max_evicted", max_evicted, minimum=0, none_ok=True, error=WindowError),
         )
         self._setup(ctx, WindowState(), parent=None)
+        self._reserve_working_set(ctx)
+
+    @staticmethod
+    def _reserve_working_set(ctx: WindowContext) -> None:
+        """A window within a token budget keeps at most ``budget_tokens`` tokens of placed pages
+        outside the store: count them against the store's memory budget while the window family
+        (this window and its forks, one context) lives."""
+        if ctx.budget_tokens is None:
+            return
+        lay = ctx.backend.layout
+        per_token = lay.num_layers * (lay.k_heads * lay.k_dim + lay.v_heads * lay.v_dim) * ctx.backend.dtype.itemsize
+        owner = f"window-{id(ctx):x}"
+        if ctx.store.reserve_working_set(owner, ctx.budget_tokens * per_token, ctx.backend.device) is not None:
+            weakref.finalize(ctx, ctx.store.reserve_working_set, owner, 0, ctx.backend.device)
 
     @classmethod
     def _over(cls, ctx: WindowContext, state: WindowState, parent: "ContextWindow | None" = None) -> "ContextWindow":
@@ -411,7 +427,8 @@ class ContextWindow:
                 self._install(new, meter)
             receipt = meter.finish(**fields)
             self._record(receipt)
-            return receipt, result
+        release_freed_heap()  # pages and activations this operation freed go back to the OS (core.heap)
+        return receipt, result
 
     def _install(self, new: WindowState, meter: Meter) -> None:
         new.settle_pending({r: d[0] for r, d in meter.deferred.items()}, meter.reconditioned, meter.carried)
