@@ -45,8 +45,8 @@ def test_json_fields_and_byte_identical_in_parallel(trace_files, capsys):
 def test_patch_arm_prefills_less_than_prefix_cache_and_reprefill(kind):
     """Eager patch arm: fewer tokens in total than the prefix cache on web and video (on doc it
     prefills more: every append is a canonical plus a conditioned forward, where the prefix cache
-    extends its chain once). Latency-first (patch-latency): on the critical path, fewer than the
-    prefix cache on every kind, its heal (idle time) in the total, which stays under the eager arm's."""
+    extends its chain once). Latency-first (patch-latency, the default): fewer than the prefix
+    cache on every kind, on the critical path and in total (its heal, in idle time, included)."""
     tot = {"patch": 0, "patch-latency": 0, "prefix_cache": 0, "reprefill": 0}
     crit = dict(tot)
     heal = 0
@@ -59,24 +59,26 @@ def test_patch_arm_prefills_less_than_prefix_cache_and_reprefill(kind):
             heal += r.heal_tokens if arm == "patch-latency" else -r.heal_tokens
     assert crit["patch-latency"] < crit["prefix_cache"] < tot["reprefill"], crit
     assert heal > 0 and tot["patch-latency"] < tot["patch"], tot
+    # content no one re-reads elsewhere never gets a canonical: fewer tokens in total too
+    assert tot["patch-latency"] < tot["prefix_cache"], tot
     assert crit["patch"] == tot["patch"] and crit["prefix_cache"] == tot["prefix_cache"]  # nothing deferred
     if kind != "doc":
         assert tot["patch"] < tot["prefix_cache"] < tot["reprefill"], tot
 
 
-def test_latency_first_append_costs_a_prefix_cache_append_and_heals_at_the_step():
+def test_latency_first_append_costs_a_prefix_cache_append_and_nothing_more():
     """A new chunk behind the window: one forward of its tokens after the window (as the prefix
-    cache's append); the heal at the step boundary computes its canonical (and stores its patch, no
-    second forward); a later recall onto the same prefix is a store hit with no forward."""
+    cache's append), and no canonical until something re-reads it elsewhere: read where it was
+    forwarded, it never costs a second forward. Evicted and recalled, it is forwarded again where
+    it re-enters (the prefix cache's cost for it); moved by a reorder, re-forwarded at the heal."""
     from contextdeque.traces import TraceBuilder, TraceHeader
 
     b = TraceBuilder(TraceHeader(generator="unit"))
     b.arrive("a", 100, "ha")
     b.arrive("b", 50, "hb")
     r = Replayer(b.build(), "arrival", "lru", "patch-latency").run()
-    # a: at the front, its canonical now; b: 50 after the window now, its canonical (50) at the heal
-    assert r.tokens_prefilled == 200 and r.heal_tokens == 50 and r.heal_forwards == 1
-    assert r.patch_forms == 1 and r.patch_bytes > 0
+    # a: at the front, its canonical; b: 50 after the window; the heal has nothing to do
+    assert r.tokens_prefilled == 150 and r.heal_tokens == 0 and r.encodes == 1 and r.patch_forms == 0
     e = Replayer(b.build(), "arrival", "lru", "patch").run()
     assert e.tokens_prefilled == 200 and e.heal_tokens == 0  # eager: b's canonical and b's conditioned forward now
     assert r.est_seconds < e.est_seconds
@@ -86,7 +88,17 @@ def test_latency_first_append_costs_a_prefix_cache_append_and_heals_at_the_step(
     b.recall("b")
     b.step()
     r2 = Replayer(b.build(), "arrival", "lru", "patch-latency").run()
-    assert r2.tokens_prefilled == 200 and r2.patch_hits == 1  # the recall reads its stored patch: no forward
+    assert r2.tokens_prefilled == 200 and r2.heal_tokens == 0 and r2.encodes == 1  # the recall: 50 more, forwarded
+
+    m = TraceBuilder(TraceHeader(generator="unit"))
+    for cid, n in (("a", 100), ("b", 50), ("c", 30)):
+        m.arrive(cid, n, "h" + cid)
+    m.step()
+    m.reorder(["a", "c", "b"])
+    m.step()
+    r3 = Replayer(m.build(), "arrival", "lru", "patch-latency").run()
+    assert r3.heal_tokens == 80 and r3.heal_forwards == 2 and r3.encodes == 1  # b and c re-forwarded, no canonical
+    assert r3.tokens_prefilled == 100 + 50 + 30 + 80
 
 
 def test_kvcapsule_and_selection_rules_registered_and_priced():

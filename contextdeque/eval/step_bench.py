@@ -1,9 +1,9 @@
 """Per-step cost of re-reads: each window step followed by a one-token answer, against a
 re-prefill and a prefix cache of the same window, measured side by side in one run.
 
-The window holds ``n_pages`` pages of real text (``pydoc_data.topics``) under a budget of
-exactly that many pages; one more page was seen earlier and slid out (it is in the store). For
-each patch policy and step type:
+The window holds ``n_pages`` pages of real text (``pydoc_data.topics``) that the store has seen
+(their canonicals exist: re-reads read them) under a budget of exactly that many pages; one more
+page was seen earlier and slid out (it is in the store). For each patch policy and step type:
 
 - ``slide``: ``slide(1)``;
 - ``recall``: ``recall(old page)`` at the end (the budget slides the oldest page out);
@@ -12,7 +12,9 @@ each patch policy and step type:
 - ``fork+reorder``: ``fork()`` then the child's first two pages swapped (an order no earlier
   step stored a patch for);
 - ``append``: a page never seen before (the budget slides the oldest out): the same page for
-  every policy, so the policies' rows compare the same window.
+  every policy, so the policies' rows compare the same window. Latency-first keeps its one
+  conditioned forward's KV (exact; no canonical until something re-reads it elsewhere), so its
+  healed window differs from the eager one there: by being closer to the re-prefill.
 
 ``ttft``: the step, ``materialize()`` and the question's forward over the window (its last
 logits are the first answer token). ``reprefill``: one forward over root + window + question.
@@ -155,10 +157,11 @@ def run_steps(
     for policy in sorted(policies, key=lambda p: p != "eager"):  # eager first: the others compare to it
         # one store per policy: the eager window must not serve the latency one (or back)
         base = ContextWindow(backend, budget_tokens=n_pages * size, rank=rank, patch_policy=policy)
-        old_ref = base.append(token_ids=old)
+        # pages the store has seen (their canonicals exist): what a re-read reads
+        old_ref = base.append(chunk=backend.encode(token_ids=old))
         base.heal()
         for p in window_pages:
-            base.append(token_ids=p)
+            base.append(chunk=backend.encode(token_ids=p))
             base.heal()  # built step by step: the eager policy's window
         for step in steps:
             if progress:

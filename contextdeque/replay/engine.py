@@ -213,6 +213,11 @@ class Replayer:
         self._recalling = False
         self._provisional: dict[str, None] = {}  # entered without a canonical, not yet forwarded
         self._pending_canon: dict[str, tuple[str, ...]] = {}  # forwarded behind this content prefix; canonical at heal
+        # healed with no canonical: its forward's KV is what the eager policy would keep there (its
+        # prefix is the one it ran after, or lost only chunks that left: a survivor keeps its KV), so
+        # the canonical waits until something re-reads it elsewhere; a chunk read once never needs one
+        self._no_canon: dict[str, None] = {}
+        self._canon_due: set[str] = set()  # no-canonical chunks to turn blind (at the front): canonical at heal
         self._pending_form: dict[str, bool] = {}  # key -> re-form even where its prefix is unchanged (cascade)
         self._cascading = False
 
@@ -229,6 +234,16 @@ class Replayer:
         pc = tuple(map(self.content.__getitem__, prefix))
         c = self.content[key]
         r = self.r
+        if self._healing and key in self._no_canon:
+            # no canonical to patch: one conditioned forward behind this prefix, and still none (a
+            # stored patch would cost as much: the canonical's forward)
+            t = self.tokens[key]
+            r.patch_forms += 1
+            r.forwards += 1
+            r.tokens_prefilled += t
+            r.est_seconds += self.cost.form_s(t, sum(map(self.tokens.__getitem__, prefix)) if ctx is None else ctx)
+            self._set_formed(key, tuple(prefix))
+            return
         # (a removal patch is a correction stacked on this slot's own patches: never a store hit)
         hit = (self.graph.has_patch(c, pc) if kind == "exact" else self.graph.has_orbit(c, frozenset(pc)) if kind == "orbit"
                else False)
@@ -323,28 +338,38 @@ class Replayer:
         eager policy's conditioning for chunks that waited, store hits first; the recall cascade of
         those that were recalled). Counted in ``tokens_prefilled`` and ``heal_*``, not in
         ``est_seconds``."""
-        if not (self._pending_canon or self._pending_form):
+        if not (self._pending_canon or self._pending_form or self._canon_due):
             return
         r = self.r
         tok0, fw0, est0 = r.tokens_prefilled, r.forwards, r.est_seconds
         self._healing = True
         try:
             resident = set(self.order)
+            front = self.order[0] if self.order else None
+            for key in sorted(self._canon_due & resident, key=self.order.index):
+                if key not in self._no_canon:
+                    continue
+                i = self.order.index(key)
+                if i == 0:  # its forward's KV is stale at the front, where the canonical is exact
+                    del self._no_canon[key]
+                    self._encode(key)
+                    self._set_formed(key, ())
+                else:  # something came in front of it meanwhile: re-forwarded behind that
+                    self._form(key, self.order[:i])
+            self._canon_due.clear()
             for key, pc in self._pending_canon.items():
                 if key not in resident:  # gone with a discarded fork: its canonical is never made
                     k = ("c", self.content[key])
                     if k not in self.pool.pinned:
                         self.pool.drop(k)
                     continue
-                self._encode(key)
-                if pc:  # the patch: the provisional KV less the canonical, factorized
-                    t = self.tokens[key]
-                    r.patch_forms += 1
-                    r.est_seconds += t * self.cost.svd_s_per_token
-                    pb = self.cost.patch_bytes(t, self.rank)
-                    r.patch_bytes += pb
-                    r.bytes["device"] += pb
-                    self.graph.add(self.content[key], pc, "exact")
+                if key != front:
+                    # kept as forwarded, or (queued to re-form) re-forwarded behind its new prefix:
+                    # either way no canonical until a stored patch could serve it
+                    self._no_canon[key] = None
+                    continue
+                self._encode(key)  # at the front the canonical is exact: its KV from now on
+                self._set_formed(key, ())
             self._pending_canon.clear()
             pos = {k: i for i, k in enumerate(self.order)}
             for key, force in sorted(self._pending_form.items(), key=lambda kv: pos.get(kv[0], -1)):
@@ -377,7 +402,9 @@ class Replayer:
             del pinned[k]
         if self._defers:
             self._pending_form.pop(key, None)
-            if self._provisional.pop(key, "x") is None or self._pending_canon.pop(key, None) is not None:
+            self._canon_due.discard(key)
+            if (self._provisional.pop(key, "x") is None or self._pending_canon.pop(key, None) is not None
+                    or self._no_canon.pop(key, "x") is None):
                 if k not in pinned:  # its canonical was never computed: nothing of it stays
                     self.pool.drop(k)
 
@@ -402,6 +429,8 @@ class Replayer:
         if key in self.logical:
             self.logical.remove(key)
         self._leave(key)
+        if i == 0 and self.order and self.order[0] in self._no_canon:
+            self._canon_due.add(self.order[0])
         if not self.arm.patches or i >= len(self.order):
             return
         if self._upkeep is None:  # survivors behind the departed chunk keep their KV as it is
@@ -420,7 +449,13 @@ class Replayer:
         if action == "keep":
             r.stale_keeps += 1
         elif action == "clear":
-            self._set_formed(key, ())
+            if key in self._no_canon:
+                self._canon_due.add(key)
+            else:
+                self._set_formed(key, ())
+        elif action == "refresh-hit" and key in self._no_canon:  # the stored patch needs its canonical: at heal
+            r.refreshes += 1
+            self._pending_form[key] = False
         elif action == "refresh-hit":
             r.patch_hits += 1
             r.refreshes += 1
@@ -543,7 +578,13 @@ class Replayer:
             if tuple(prefix) == self.formed.get(k, ()) or (i < len(old) and old[:i + 1] == new_order[:i + 1]):
                 continue
             if not prefix:
-                self._set_formed(k, ())
+                if k in self._no_canon:
+                    self._canon_due.add(k)
+                else:
+                    self._set_formed(k, ())
+                continue
+            if k in self._no_canon:  # no canonical for a stored patch to serve: re-forwarded at the heal
+                self._form(k, prefix)
                 continue
             pc = frozenset(self.content[p] for p in prefix)
             if self.graph.has_orbit(self.content[k], pc):
@@ -607,11 +648,15 @@ class Replayer:
                     self.on_step()
             elif op == "fork":
                 stack.append((list(self.order), list(self.logical), dict(self.formed), self.window_tokens,
-                              Counter(self.pool.pinned)))
+                              Counter(self.pool.pinned), dict(self._no_canon)))
             elif op == "commit":
                 stack.pop()
             elif op == "discard":
-                order, logical, formed, wt, pinned = stack.pop()
+                order, logical, formed, wt, pinned, no_canon = stack.pop()
+                # the parent's slots as they were, less the canonicals the fork computed (they stay stored)
+                in_fork = set(self.order)
+                self._no_canon = {k: None for k in no_canon if k in self._no_canon or k not in in_fork}
+                self._canon_due &= set(order)
                 self.order, self.logical, self.formed, self.window_tokens = order, logical, formed, wt
                 self._formed_set = {}
                 self.pool.pinned = pinned

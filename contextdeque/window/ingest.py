@@ -20,7 +20,7 @@ from ..model.vision import pixel_key
 from . import decode
 from .context import WindowContext
 from .receipt import Meter
-from .ref import new_ref
+from .ref import ChunkRef, new_ref
 from .slot import Slot
 from .store import WindowStore
 
@@ -198,9 +198,11 @@ def canonical_of(ctx: WindowContext, provisional: Chunk, meter: Meter) -> Chunk:
         span=provisional.span, modality=provisional.modality,
     )
 
-def provisional(ctx: WindowContext, pending: Unencoded, prefix: Sequence[Slot], meter: Meter, label: str | None = None) -> Slot:
+def provisional(ctx: WindowContext, pending: Unencoded, prefix: Sequence[Slot], meter: Meter, label: str | None = None,
+                ref: ChunkRef | None = None) -> Slot:
     """New content placed after ``prefix`` with one conditioned forward (what a prefix cache
-    runs): a provisional slot holding ``KV(B | prefix)`` in the content frame."""
+    runs): a provisional slot holding ``KV(B | prefix)`` in the content frame. ``ref``: the slot's
+    ref when the content is already the window's (a re-forward, a recall), else a new one."""
     backend = ctx.backend
     inp = pending.inputs
     start = decode.next_position(ctx, prefix)
@@ -221,8 +223,15 @@ def provisional(ctx: WindowContext, pending: Unencoded, prefix: Sequence[Slot], 
         modality=inp["modality"] or ("text" if probe.token_ids is not None else "image"),
         meta={"input_digest": probe.input_digest, "provisional": "1"},
     )
-    ref = new_ref(chunk.id, chunk.n_tokens, label)
+    ref = ref if ref is not None else new_ref(chunk.id, chunk.n_tokens, label)
     return Slot(ref=ref, chunk=chunk, inline_on=tuple((s.ref, s.version) for s in prefix))
+
+
+def reforward(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], meter: Meter) -> Slot:
+    """A provisional slot conditioned anew behind ``prefix``: one conditioned forward of its
+    content, and still no canonical (a stored patch would need the canonical's forward as well)."""
+    pending = Unencoded(slot.chunk.id, slot.n_tokens, source_of(slot.chunk))
+    return provisional(ctx, pending, prefix, meter, ref=slot.ref)
 
 def check_chunk(ctx: WindowContext, chunk: Chunk) -> None:
     """Refuse a chunk encoded by another model, layout or root."""

@@ -11,14 +11,22 @@ already has instead, in this order:
    within ``staleness_budget``;
 4. the blind canonical (relocation only).
 
-New content costs what a prefix cache's append costs: one forward of its tokens after the
-window (a *provisional* slot holding ``KV(B | window)``); the canonical ``KV(B | root)`` and the
-patch (the difference, factorized: no second forward for it) are computed when healing.
-
 and queues the slot: ``ContextWindow.heal`` (or the idle healer) later carries out the eager
 policy's decision on the window as it then stands, transactionally. After a full heal the
-window holds what the eager policy would have built for it. New content still needs its
-forward; re-reads (slide, evict, recall, look-back, reorder, fork edits) run none.
+window holds what the eager policy would have built for it, except that content with no
+canonical yet holds its exact conditioned KV where the eager policy holds canonical + patch.
+New content still needs its forward; re-reads (slide, evict, recall, look-back, reorder, fork
+edits) run none, but for the recall of a chunk that left before anything needed its canonical.
+
+New content costs what a prefix cache's append costs: one forward of its tokens after the
+window (a *provisional* slot holding ``KV(B | window)``). Its canonical ``KV(B | root)`` waits
+until something needs it: a chunk read once, or kept where it was read (a survivor keeps its KV
+as the eager policy's survivors keep theirs), never costs a second forward. Healing leaves a
+provisional slot as it is; re-conditions it, where the eager policy would form a patch (it was
+moved, re-read or its antecedent recalled), by one conditioned forward behind its new prefix
+(what forming a patch costs, and exact); and computes its canonical only when it reaches the
+front, where the canonical is exact. A provisional chunk evicted is recalled the same way: one
+conditioned forward where it re-enters.
 """
 
 from __future__ import annotations
@@ -69,6 +77,8 @@ class LatencyPolicy(PatchPolicy):
     def decide(self, reason: str | None, slot: Slot, prefix: Sequence[Slot], *, valid: bool, rank: int) -> Decision:
         wanted = self.inner.decide(reason, slot, prefix, valid=valid, rank=rank)
         if slot.provisional:  # no canonical yet: it keeps its conditioned KV until healed
+            if reason is not None and not prefix:  # at the front the canonical is exact: heal computes it
+                return replace(KEEP, deferred=True)
             return KEEP if wanted.action == "keep" else replace(KEEP, deferred=True)
         if wanted.action != "form":
             return wanted
@@ -91,8 +101,8 @@ class LatencyPolicy(PatchPolicy):
 
 class HealPolicy(PatchPolicy):
     """What a heal step carries out: the eager policy's decisions, except for provisional slots
-    outside the step (they have no canonical yet: they keep their conditioned KV and stay
-    queued). Not registered: built by ``ContextWindow.heal``.
+    (they have no canonical: ``ContextWindow.heal`` keeps or re-forwards them, and computes the
+    canonical only at the front). Not registered: built by ``ContextWindow.heal``.
 
     ``carried``: for each slot healed, the antecedents its conditioning carried before it was
     deferred. The eager policy decides on the slot as it was then: a blind stand-in (its stale

@@ -128,6 +128,7 @@ class PendingModel(_Model):
     reason: str | None
     since: int
     carried: list[TagModel] = []  # what its conditioning carried before the deferral
+    requeued: bool = False  # deferred again by a later operation (a provisional slot re-forwards at heal)
 
 
 class GraphNodeModel(_Model):
@@ -370,7 +371,7 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
         refs=list(refs.values()),
         slots=slots,
         evicted=evicted,
-        pending=[PendingModel(ref=r.key, reason=p.reason, since=p.since, carried=_tags(p.carried))
+        pending=[PendingModel(ref=r.key, reason=p.reason, since=p.since, carried=_tags(p.carried), requeued=p.requeued)
                  for r, p in state.pending.items()],
         graph_nodes=nodes,
         graph_edges=edges,
@@ -544,7 +545,7 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
             source=None if e.source is None else _source(e.source),
             unhealed=e.unhealed,
         )
-    state.pending = {ref(p.ref): Pending(reason=p.reason, since=p.since, carried=tuple(tag(x) for x in p.carried))
+    state.pending = {ref(p.ref): Pending(reason=p.reason, since=p.since, carried=tuple(tag(x) for x in p.carried), requeued=p.requeued)
                      for p in m.pending}
     g = nx.DiGraph()
     for n in m.graph_nodes:

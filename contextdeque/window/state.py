@@ -9,7 +9,7 @@ failed operation leaves the window exactly as it was.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..core.errors import ArgumentTypeError, UnknownRefError, WindowError
 from ..core.chunk import Chunk
@@ -56,6 +56,7 @@ class Pending:
     reason: str | None
     since: int
     carried: tuple[Tag, ...] = ()
+    requeued: bool = False  # deferred again by a later operation (a provisional slot: moved, re-read)
 
 
 @dataclass
@@ -85,6 +86,8 @@ class WindowState:
         for ref, reason in deferred.items():
             if ref in here and ref not in pending:
                 pending[ref] = Pending(reason=reason, since=self.generation, carried=carried.get(ref, ()))
+            elif ref in here and not pending[ref].requeued:
+                pending[ref] = replace(pending[ref], requeued=True)
         self.pending = pending
 
     @property

@@ -641,11 +641,15 @@ class ContextWindow:
                 chunk = ctx.store.get_chunk(
                     entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic
                 )
-            if chunk is None and entry.unhealed:  # left before healing: the one encode it still owes
+            # left before anything needed its canonical: under a latency-first policy, one
+            # conditioned forward where it re-enters (what a prefix cache re-reading it runs; the
+            # canonical still waits), else the one encode it owes
+            forward_in = chunk is None and entry.unhealed and bool(getattr(ctx.policy, "defers_canonical", False))
+            if chunk is None and entry.unhealed and not forward_in:
                 chunk = ingest.encode_and_store(ctx, meter, **entry.source)
-            if chunk is None and entry.source is not None:  # lost or quarantined: rebuild it
+            if chunk is None and entry.source is not None and not forward_in:  # lost or quarantined: rebuild it
                 chunk = ingest.rebuilt(ctx, meter, entry.source, "its canonical was gone from the store")
-            if chunk is None:
+            if chunk is None and not forward_in:
                 budgeted = any(b is not None for b in ctx.store.store.budget_bytes().values())
                 why = "deleted, quarantined as corrupt, or dropped by a tier's budget" if budgeted else "deleted or quarantined as corrupt"
                 raise UnknownRefError(
@@ -658,10 +662,19 @@ class ContextWindow:
             left = self._make_room(state, slots, entry.n_tokens, reasons)
             pos = max(0, pos - len(left))
             del state.evicted[ref]
-            entering = Slot(ref=ref, chunk=chunk)
-            pos = window_index(ctx, state.graph, slots, entering, pos, entry.formed_on)
+            if forward_in and pos == 0:  # nothing in front: its canonical is what the model would cache
+                chunk, forward_in = ingest.encode_and_store(ctx, meter, **entry.source), False
+            if forward_in:
+                # the chunks in front as they will stand, then the forward behind them (as append)
+                slots, _ = reconcile(ctx, slots, reasons, meter)
+                slots, reasons = list(slots), {}
+                pending = ingest.Unencoded(entry.chunk_id, entry.n_tokens, entry.source)
+                entering = ingest.provisional(ctx, pending, slots[:pos], meter, ref=ref)
+            else:
+                entering = Slot(ref=ref, chunk=chunk)
+                pos = window_index(ctx, state.graph, slots, entering, pos, entry.formed_on)
             slots.insert(pos, entering)
-            reasons[ref] = "recall"
+            reasons[ref] = "append" if forward_in else "recall"  # (provisional: exact where it stands)
             for later in slots[pos + 1 :]:
                 reasons[later.ref] = "inserted"
             state.slots, cascade = reconcile(
@@ -757,7 +770,7 @@ class ContextWindow:
         check_int("max_steps", max_steps, minimum=0, none_ok=True, error=WindowError)
         t0 = time.perf_counter()
         steps: list[Receipt] = []
-        while self._state.pending or self._unhealed_evicted():
+        while self._state.pending:
             if max_steps is not None and len(steps) >= int(max_steps):
                 break
             if max_ms is not None and (time.perf_counter() - t0) * 1000.0 >= float(max_ms):
@@ -765,40 +778,37 @@ class ContextWindow:
             steps.append(self._heal_step())
         return Receipt.merged("heal", steps, wall_ms=(time.perf_counter() - t0) * 1000.0)
 
-    def _unhealed_evicted(self) -> list[ChunkRef]:
-        """Evicted chunks that left before their canonical was computed."""
-        return [r for r, e in self._state.evicted.items() if e.owes_encode]
-
     def _heal_step(self) -> Receipt:
         """One heal transaction (see :meth:`heal`)."""
 
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
             ctx = self._ctx
             if not state.pending:
-                for ref in self._unhealed_evicted()[:1]:  # canonical of a chunk that left unhealed
-                    entry = state.evicted[ref]
-                    if entry.provisional is not None:
-                        ingest.canonical_of(self._ctx, entry.provisional, meter)
-                        source = ingest.source_of(entry.provisional)  # so a lost canonical can be rebuilt
-                    else:
-                        source = entry.source
-                        if ctx.store.get_chunk(entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature,
-                                               traffic=meter.traffic) is None:
-                            ingest.encode_and_store(ctx, meter, **entry.source)
-                    state.evicted[ref] = dataclasses.replace(entry, provisional=None, unhealed=False, source=source)
-                    return {"refs": (ref,)}, None
                 return {"refs": ()}, None  # healed meanwhile (e.g. by a foreground heal): nothing to do
             target = max(state.pending, key=self.heal_priority)
             idx = state.index(target)
             batch = [s.ref for s in state.slots[: idx + 1] if s.ref in state.pending]
             reasons = {r: state.pending[r].reason for r in batch}
             eager = getattr(ctx.policy, "eager", ctx.policy)
+            carried = {r: state.pending[r].carried for r in batch}
+            heal_policy = HealPolicy(eager, carried)
             slots = list(state.slots)
             for i, s in enumerate(slots):
-                if s.ref in reasons and s.provisional:
-                    slots[i] = self._canonicalize(s, slots[:i], reasons[s.ref], eager, meter)
-            carried = {r: state.pending[r].carried for r in batch}
-            state.slots, _ = reconcile(ctx, slots, reasons, meter, policy=HealPolicy(eager, carried))
+                if s.ref not in reasons or not s.provisional:
+                    continue
+                pending = state.pending[s.ref]
+                if i == 0:  # at the front the canonical is exact: it becomes the slot's KV
+                    slots[0] = self._canonicalize(s, (), reasons[s.ref], eager, meter)
+                elif pending.reason == "append" and not pending.requeued:
+                    del reasons[s.ref]  # exact where it stands: no canonical until something needs one
+                else:  # the eager policy would re-condition it: one conditioned forward on its prefix now
+                    # heal and place what is in front first: the forward runs after their healed KV
+                    head = {r: reasons.pop(r) for r in [x.ref for x in slots[:i]] if r in reasons}
+                    slots[:i], _ = reconcile(ctx, slots[:i], head, meter, policy=heal_policy)
+                    slots[i] = ingest.reforward(ctx, s, slots[:i], meter)
+                    meter.reconditioned.add(s.ref)
+                    del reasons[s.ref]
+            state.slots, _ = reconcile(ctx, slots, reasons, meter, policy=heal_policy)
             for r in batch:
                 state.pending.pop(r, None)
             return {"refs": tuple(batch)}, None
