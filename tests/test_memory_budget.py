@@ -45,6 +45,10 @@ def test_a_window_reserves_its_pages_while_it_lives(one_thread):
     store = TieredStore([device, host])
     win = ContextWindow(backend, budget_tokens=40, store=store, patch_policy="eager")
     assert device.reserved_bytes == 40 * per_token and host.reserved_bytes == 0
+    latency = ContextWindow(backend, budget_tokens=10, store=store, patch_policy="latency")
+    assert device.reserved_bytes == 40 * per_token + 10 * 2 * per_token  # + its provisional KV
+    del latency
+    gc.collect()
     fork = win.fork()  # one family, one reservation
     assert device.reserved_bytes == 40 * per_token
     ContextWindow(backend, store=store)  # no token budget: nothing to bound, nothing reserved

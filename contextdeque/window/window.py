@@ -233,12 +233,17 @@ class ContextWindow:
     @staticmethod
     def _reserve_working_set(ctx: WindowContext) -> None:
         """A window within a token budget keeps at most ``budget_tokens`` tokens of placed pages
-        outside the store: count them against the store's memory budget while the window family
-        (this window and its forks, one context) lives."""
+        outside the store, and under a latency-first policy as many of provisional KV (content
+        whose canonical waits: the window holds it, the store does not): count them against the
+        store's memory budget while the window family (this window and its forks, one context)
+        lives."""
         if ctx.budget_tokens is None:
             return
         lay = ctx.backend.layout
-        per_token = lay.num_layers * (lay.k_heads * lay.k_dim + lay.v_heads * lay.v_dim) * ctx.backend.dtype.itemsize
+        channels = lay.num_layers * (lay.k_heads * lay.k_dim + lay.v_heads * lay.v_dim)
+        per_token = channels * ctx.backend.dtype.itemsize
+        if getattr(ctx.policy, "defers_canonical", False):
+            per_token += channels * ctx.storage.itemsize
         owner = f"window-{id(ctx):x}"
         if ctx.store.reserve_working_set(owner, ctx.budget_tokens * per_token, ctx.backend.device) is not None:
             weakref.finalize(ctx, ctx.store.reserve_working_set, owner, 0, ctx.backend.device)
