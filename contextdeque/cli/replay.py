@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--patch-policy", default="eager",
                         help="the fidelity mode's patch policy for the patch arm (default eager, as the cost model "
                              "prices it; latency, exact, ...); "
-                             "latency-first windows are also measured after heal(). 'latency' also prices the patch "
-                             "arm as latency-first in cost-model mode (arm patch-latency)")
+                             "latency-first windows are also measured after heal(). 'latency' / 'latency-shared' also "
+                             "price the patch arm so in cost-model mode (arms patch-latency / patch-latency-shared)")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG figure here")
     parser.add_argument("--json", action="store_true", help="print one JSON object (deterministic) instead of tables")
 
@@ -54,8 +54,9 @@ def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
         combos = parse_combos(args.policies, args.placement, args.eviction, args.arm)
-        if args.patch_policy == "latency":  # the cost model's rule for the patch arm on a latency-first window
-            combos = sorted({(p, e, "patch-latency" if a == "patch" else a) for p, e, a in combos})
+        if args.patch_policy in ("latency", "latency-shared"):  # the cost rule for the patch arm on such a window
+            rule = "patch-" + args.patch_policy
+            combos = sorted({(p, e, rule if a == "patch" else a) for p, e, a in combos})
         cost, note = load_calibration(path=args.calibration)
         config = ReplayConfig(budget_tokens=args.budget_tokens, device_bytes=int(args.device_gb * GiB),
                               host_bytes=int(args.host_gb * GiB), rank=args.rank, overlap_loads=args.overlap_loads)

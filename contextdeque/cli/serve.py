@@ -65,10 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-store-mb", type=float, default=4096)
     p.add_argument("--disk-store-mb", type=float, default=None)
     p.add_argument("--rank", type=int, default=32, help="patch rank")
-    p.add_argument("--patch-policy", default="default",
-                   help="window patch policy: default (= latency: no forward a request can avoid; the skipped "
-                        "conditioning is healed in idle time), eager (every patch formed on the request path), "
-                        "exact, none, or another registered name")
+    p.add_argument("--patch-policy", default=None,
+                   help="window patch policy: latency-shared (the default: no forward a request can avoid; the "
+                        "skipped conditioning and every canonical are computed in idle time, for the replicas "
+                        "sharing the store), latency (canonicals only when a re-read needs them), eager (every "
+                        "patch formed on the request path), exact, none, or another registered name")
     p.add_argument("--heal-idle-ms", type=float, default=20.0,
                    help="heal latency-first windows once no request came for this long (ms)")
     p.add_argument("--no-heal", action="store_true", help="never heal in idle time (a latency-first window stays as served)")
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..core.errors import ContextDequeError
     from ..serve.app import create_app
-    from ..serve.engine import Engine
+    from ..serve.engine import SERVE_POLICY, Engine
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         backend = load_backend(args.model, chat=True)
         store = build_store(args, backend)
         engine = Engine(
-            backend, store, model_name=args.model_name or backend.name, rank=args.rank, patch_policy=args.patch_policy,
+            backend, store, model_name=args.model_name or backend.name, rank=args.rank, patch_policy=args.patch_policy or SERVE_POLICY,
             context_tokens=args.context_tokens, max_tokens=args.max_tokens, queue_size=args.queue,
             session_memory_bytes=int(args.session_memory_mb * 1024 * 1024), plain=args.plain,
             heal_idle_ms=None if args.no_heal else args.heal_idle_ms, processor=image_processor(backend, args.model),

@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (register reuse cost rules)
     reuse_kvselect,
     reuse_patch,
     reuse_patch_latency,
+    reuse_patch_latency_shared,
     reuse_prefix_cache,
     reuse_reprefill,
     reuse_vlcache,

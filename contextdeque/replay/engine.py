@@ -217,6 +217,10 @@ class Replayer:
         # prefix is the one it ran after, or lost only chunks that left: a survivor keeps its KV), so
         # the canonical waits until something re-reads it elsewhere; a chunk read once never needs one
         self._no_canon: dict[str, None] = {}
+        # ``patch-latency-shared``: every canonical computed while healing, also of chunks that left
+        # before the heal (queued here; a recall before the heal encodes it then)
+        self._lazy = bool(getattr(self.arm, "lazy_canonicals", True))
+        self._leave_canon: dict[str, None] = {}
         self._canon_due: set[str] = set()  # no-canonical chunks to turn blind (at the front): canonical at heal
         self._pending_form: dict[str, bool] = {}  # key -> re-form even where its prefix is unchanged (cascade)
         self._cascading = False
@@ -291,6 +295,10 @@ class Replayer:
                 self.graph.add(c, pc, kind)
         self._set_formed(key, tuple(prefix))
 
+    def _prefix_content(self, key: str) -> tuple[str, ...]:
+        i = self.order.index(key)
+        return tuple(self.content[p] for p in self.order[:i])
+
     def _set_formed(self, key: str, prefix: tuple[str, ...]) -> None:
         self.formed[key] = prefix
         self._formed_set.pop(key, None)
@@ -315,7 +323,11 @@ class Replayer:
         c = self.content[key]
         pool = self.pool
         t = self.tokens[key]
-        if pool.access(("c", c), self.arm.canonical_bytes(t, self.kv_bpt)) is None:
+        if key in self._leave_canon and not self._healing:  # left before the heal computed its canonical: now
+            del self._leave_canon[key]
+            pool.access(("c", c), self.arm.canonical_bytes(t, self.kv_bpt))
+            self._encode(key)
+        elif pool.access(("c", c), self.arm.canonical_bytes(t, self.kv_bpt)) is None:
             if self._defers and not self._healing:
                 self._provisional[key] = None  # its forward comes with its conditioning (_form)
                 pool.pinned[("c", c)] += 1
@@ -338,13 +350,17 @@ class Replayer:
         eager policy's conditioning for chunks that waited, store hits first; the recall cascade of
         those that were recalled). Counted in ``tokens_prefilled`` and ``heal_*``, not in
         ``est_seconds``."""
-        if not (self._pending_canon or self._pending_form or self._canon_due):
+        if not (self._pending_canon or self._pending_form or self._canon_due or self._leave_canon):
             return
         r = self.r
         tok0, fw0, est0 = r.tokens_prefilled, r.forwards, r.est_seconds
         self._healing = True
         try:
             resident = set(self.order)
+            for key in self._leave_canon:
+                if key not in resident:
+                    self._encode(key)
+            self._leave_canon.clear()
             front = self.order[0] if self.order else None
             for key in sorted(self._canon_due & resident, key=self.order.index):
                 if key not in self._no_canon:
@@ -363,13 +379,24 @@ class Replayer:
                     if k not in self.pool.pinned:
                         self.pool.drop(k)
                     continue
-                if key != front:
+                if key != front and self._lazy:
                     # kept as forwarded, or (queued to re-form) re-forwarded behind its new prefix:
                     # either way no canonical until a stored patch could serve it
                     self._no_canon[key] = None
                     continue
-                self._encode(key)  # at the front the canonical is exact: its KV from now on
-                self._set_formed(key, ())
+                self._encode(key)
+                if key == front:  # at the front the canonical is exact: its KV from now on
+                    self._set_formed(key, ())
+                elif pc and self._prefix_content(key) == pc:  # latency-shared: the patch is the difference
+                    t = self.tokens[key]
+                    r.patch_forms += 1
+                    r.est_seconds += t * self.cost.svd_s_per_token
+                    pb = self.cost.patch_bytes(t, self.rank)
+                    r.patch_bytes += pb
+                    r.bytes["device"] += pb
+                    self.graph.add(self.content[key], pc, "exact")
+                elif key not in self._pending_form:  # moved since its forward: the eager policy forms anew
+                    self._pending_form[key] = False
             self._pending_canon.clear()
             pos = {k: i for i, k in enumerate(self.order)}
             for key, force in sorted(self._pending_form.items(), key=lambda kv: pos.get(kv[0], -1)):
@@ -403,10 +430,12 @@ class Replayer:
         if self._defers:
             self._pending_form.pop(key, None)
             self._canon_due.discard(key)
-            if (self._provisional.pop(key, "x") is None or self._pending_canon.pop(key, None) is not None
-                    or self._no_canon.pop(key, "x") is None):
-                if k not in pinned:  # its canonical was never computed: nothing of it stays
-                    self.pool.drop(k)
+            was_provisional = self._provisional.pop(key, "x") is None
+            forwarded = self._pending_canon.pop(key, None) is not None or self._no_canon.pop(key, "x") is None
+            if forwarded and not self._lazy and k not in pinned:
+                self._leave_canon[key] = None  # latency-shared: its canonical at the heal all the same
+            elif (was_provisional or forwarded) and k not in pinned:
+                self.pool.drop(k)  # its canonical was never computed: nothing of it stays
 
     # ------------------------------------------------------------------ operations
     def view(self, index: int) -> PlacementView:

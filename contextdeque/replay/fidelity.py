@@ -18,6 +18,8 @@ same order. η = (KL_blind − KL_arm) / KL_blind at that query (None without a 
 Every figure is also reported per step type — the last window operation before the query
 (append, slide, evict, recall, look-back = a recall placed inside the window, reorder, fork,
 commit, discard) — and, for a latency-first window with queued work, once more after ``heal()``.
+A latency-first window heals at every step boundary (the agent's tool time), as the cost model
+assumes.
 TTFT: wall time of (assembling the arm's KV + prefilling the query) over (re-prefilling the
 window + the query), measured side by side. The eviction policy does not change what the model
 sees, so its results are shared by every eviction combo.
@@ -96,8 +98,8 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
     from ..eval.fidelity.metrics import DEFAULT_MIN_GAP, eta
 
     rule = make_reuse(arm)
-    if rule.defers:  # patch-latency: the patch arm on a latency-first window
-        patch_policy = "latency"
+    if rule.defers:  # patch-latency(-shared): the patch arm on a latency-first window
+        patch_policy = "latency" if getattr(rule, "lazy_canonicals", True) else "latency-shared"
     arm = rule.arm or rule.name
     queries = [i for i, e in enumerate(trace.events) if e.op == "query"]
     rng = random.Random(f"{seed}:{trace.name}")
@@ -149,6 +151,9 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
         elif op == "discard":
             win.discard()
             win, logical = stack.pop()
+        elif op == "step":
+            if arm == "patch" and win.pending_refs:  # the agent's tool time: heal, as the cost model does
+                win.heal()
         elif op == "query" and i in sampled and win.refs:
             q = chunk_ids(backend, f"query:{i}", max(4, min(32, ev.tokens)))
             chunks = [win.chunk(r) for r in win.refs]

@@ -5,7 +5,8 @@ Everything that touches the model or a window runs on the worker thread, one req
 time; HTTP handlers only enqueue (`Engine.submit`, refused with `QueueFull` when the queue is
 full) and wait.
 
-Healing in idle time: under a latency-first patch policy (``patch_policy="latency"``) a request
+Healing in idle time: under a latency-first patch policy (``SERVE_POLICY``, ``"latency-shared"``: every
+canonical computed while healing, so replicas sharing the store reuse each other's work) a request
 runs no forward it can avoid (new content costs one prefix-cache-style forward; re-read content
 is served from the store's patches, a stale patch or its blind canonical) and queues the
 conditioning it skipped. A server has idle time between requests: when the queue has been empty
@@ -38,6 +39,10 @@ from ..agents import MessageWindow
 from ..agents.messages import normalize_messages
 from .conversation import Prompt, check_budget, parse_prompt, prefix_digests, turns_digest
 from .metrics import ServeMetrics
+
+SERVE_POLICY = "latency-shared"
+"""The server's default patch policy: latency-first, with every canonical computed while healing
+(``window/policy_latency_shared.py``): what one replica encodes, the others find in the store."""
 
 log = logging.getLogger("contextdeque.serve")
 
@@ -195,7 +200,7 @@ class Engine:
         *,
         model_name: str,
         rank: int = 32,
-        patch_policy: str = "default",
+        patch_policy: str = SERVE_POLICY,
         context_tokens: int | None = None,
         max_tokens: int = 256,
         queue_size: int = 16,

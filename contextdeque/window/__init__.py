@@ -10,7 +10,7 @@ transformers interop, decoding), ``disposable`` (the disposability test), ``benc
 (``contextdeque window-bench``), ``kvselect`` (decode-aware KV selection and its window policy).
 """
 
-from . import policy_default, policy_exact, policy_latency, policy_none  # noqa: F401  (register policies)
+from . import policy_default, policy_exact, policy_latency, policy_latency_shared, policy_none  # noqa: F401  (register policies)
 from .graph import CASCADE_POLICIES, Cascade, ConditioningGraph
 from .placement import PLACEMENT_POLICIES, ArrivalPlacement, PlacementPolicy, PlacementView, make_placement
 from .kvselect import SELECTORS, KVSelector, SelectionPolicy, make_selector
@@ -18,6 +18,7 @@ from .policy import PATCH_POLICIES, Decision, PatchPolicy, make_policy
 from .policy_default import DefaultPolicy
 from .policy_exact import ExactPolicy
 from .policy_latency import LatencyPolicy
+from .policy_latency_shared import SharedLatencyPolicy
 from .policy_none import NonePolicy
 from .receipt import Receipt
 from .ref import ChunkRef

@@ -649,7 +649,7 @@ class ContextWindow:
             # left before anything needed its canonical: under a latency-first policy, one
             # conditioned forward where it re-enters (what a prefix cache re-reading it runs; the
             # canonical still waits), else the one encode it owes
-            forward_in = chunk is None and entry.unhealed and bool(getattr(ctx.policy, "defers_canonical", False))
+            forward_in = chunk is None and entry.unhealed and bool(getattr(ctx.policy, "lazy_canonicals", False))
             if chunk is None and entry.unhealed and not forward_in:
                 chunk = ingest.encode_and_store(ctx, meter, **entry.source)
             if chunk is None and entry.source is not None and not forward_in:  # lost or quarantined: rebuild it
@@ -775,7 +775,7 @@ class ContextWindow:
         check_int("max_steps", max_steps, minimum=0, none_ok=True, error=WindowError)
         t0 = time.perf_counter()
         steps: list[Receipt] = []
-        while self._state.pending:
+        while self._state.pending or self._unhealed_evicted():
             if max_steps is not None and len(steps) >= int(max_steps):
                 break
             if max_ms is not None and (time.perf_counter() - t0) * 1000.0 >= float(max_ms):
@@ -783,12 +783,31 @@ class ContextWindow:
             steps.append(self._heal_step())
         return Receipt.merged("heal", steps, wall_ms=(time.perf_counter() - t0) * 1000.0)
 
+    def _unhealed_evicted(self) -> list[ChunkRef]:
+        """Evicted chunks that left before their canonical was computed, which healing encodes
+        (``latency-shared``; under ``latency`` their canonical waits for a recall that needs it)."""
+        if getattr(self._ctx.policy, "lazy_canonicals", True):
+            return []
+        return [r for r, e in self._state.evicted.items() if e.owes_encode]
+
     def _heal_step(self) -> Receipt:
         """One heal transaction (see :meth:`heal`)."""
 
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
             ctx = self._ctx
             if not state.pending:
+                for ref in self._unhealed_evicted()[:1]:  # canonical of a chunk that left unhealed
+                    entry = state.evicted[ref]
+                    if entry.provisional is not None:
+                        ingest.canonical_of(self._ctx, entry.provisional, meter)
+                        source = ingest.source_of(entry.provisional)  # so a lost canonical can be rebuilt
+                    else:
+                        source = entry.source
+                        if ctx.store.get_chunk(entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature,
+                                               traffic=meter.traffic) is None:
+                            ingest.encode_and_store(ctx, meter, **entry.source)
+                    state.evicted[ref] = dataclasses.replace(entry, provisional=None, unhealed=False, source=source)
+                    return {"refs": (ref,)}, None
                 return {"refs": ()}, None  # healed meanwhile (e.g. by a foreground heal): nothing to do
             target = max(state.pending, key=self.heal_priority)
             idx = state.index(target)
@@ -797,13 +816,14 @@ class ContextWindow:
             eager = getattr(ctx.policy, "eager", ctx.policy)
             carried = {r: state.pending[r].carried for r in batch}
             heal_policy = HealPolicy(eager, carried)
+            lazy = getattr(ctx.policy, "lazy_canonicals", True)
             slots = list(state.slots)
             for i, s in enumerate(slots):
                 if s.ref not in reasons or not s.provisional:
                     continue
                 pending = state.pending[s.ref]
-                if i == 0:  # at the front the canonical is exact: it becomes the slot's KV
-                    slots[0] = self._canonicalize(s, (), reasons[s.ref], eager, meter)
+                if i == 0 or not lazy:  # its canonical: exact at the front; latency-shared: always
+                    slots[i] = self._canonicalize(s, slots[:i], reasons[s.ref], eager, meter)
                 elif pending.reason == "append" and not pending.requeued:
                     del reasons[s.ref]  # exact where it stands: no canonical until something needs one
                 else:  # the eager policy would re-condition it: one conditioned forward on its prefix now
