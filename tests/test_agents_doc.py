@@ -28,8 +28,8 @@ def check_run(run, pages, budget):
     steps = run.steps
     reads = [s for s in steps if s.op == "read"]
     queries = [s for s in steps if s.op == "query"]
-    # every page encoded once: in its read step, or (latency-first default, a page after others:
-    # one conditioned forward in the step) in the idle-time heal before the next step
+    # every page encoded at most once: in its read step, or (latency-first default, a page after
+    # others: one conditioned forward in the step) never, unless something re-reads it elsewhere
     assert len(reads) == len(pages) and all(s.encodes <= 1 for s in reads)
     assert sum(p.n_tokens for p in pages) > budget  # the window is smaller than the document
     for s in queries:  # a re-read never encodes; the answer is measured against a re-prefill
@@ -38,7 +38,7 @@ def check_run(run, pages, budget):
         assert s.answer is not None
     assert run.window.tokens_used <= budget
     summary = run.summary()
-    assert summary["queries"] == len(queries) + len(reads) and summary["encodes"] == len(pages)
+    assert summary["queries"] == len(queries) + len(reads) and summary["encodes"] <= len(pages)
     assert all(s.answer in ("yes", "no") for s in reads)  # the model judged every page
     assert summary["prefill_avoided_vs_reprefill"] is not None
     return summary

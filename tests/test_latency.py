@@ -187,7 +187,7 @@ def test_append_costs_one_forward_like_a_prefix_cache(backend):
     leaves it so: no canonical, no patch, nothing to do."""
     win = ContextWindow(backend, rank=2, patch_policy="latency")
     first = win.append(token_ids=POOL[0])
-    assert first.receipt.forwards == 1 and first.receipt.encodes == 1  # nothing in front: the canonical
+    assert first.receipt.encodes == 1  # nothing in front: the canonical (+ the root's forward, if first)
     ref = win.append(token_ids=POOL[1])
     rc = ref.receipt
     assert rc.forwards == 1 and rc.encodes == 0 and rc.tokens_prefilled == len(POOL[1])
@@ -309,3 +309,27 @@ def test_policy_spec_and_errors(backend):
     eager = ContextWindow(backend, patch_policy="eager")
     eager.append(token_ids=POOL[0])
     assert eager.heal().forwards == 0 and not eager.pending_refs
+
+
+@pytest.mark.parametrize("op", [op_slide, op_recall, op_reorder, op_swap_front], ids=lambda f: f.__name__[3:])
+def test_latency_shared_heals_new_content_to_eager(backend, op):
+    """``latency-shared`` computes every canonical while healing (the patch from the difference,
+    no second forward): healed, a window of new content is the eager policy's, bit for bit."""
+    def fresh(policy):
+        win = ContextWindow(backend, budget_tokens=17, rank=2, patch_policy=policy)
+        refs = []
+        for p in POOL[:4]:
+            refs.append(win.append(token_ids=p))
+            win.heal()
+        return win, refs
+
+    eager, e_refs = fresh("eager")
+    shared, s_refs = fresh("latency-shared")
+    assert not any(shared.slot(r).provisional for r in shared.refs)
+    assert all(torch.equal(a, b) for x, y in zip(kv_of(eager), kv_of(shared)) for a, b in zip(x, y))
+    e_win, e_rc = op(eager, e_refs)
+    s_win, s_rc = op(shared, s_refs)
+    assert s_rc.forwards == 0
+    s_win.heal()
+    for (k1, v1), (k2, v2) in zip(kv_of(e_win), kv_of(s_win)):
+        assert torch.allclose(k1, k2, atol=1e-6, rtol=0) and torch.allclose(v1, v2, atol=1e-6, rtol=0)

@@ -90,6 +90,19 @@ def test_latency_first_append_costs_a_prefix_cache_append_and_nothing_more():
     r2 = Replayer(b.build(), "arrival", "lru", "patch-latency").run()
     assert r2.tokens_prefilled == 200 and r2.heal_tokens == 0 and r2.encodes == 1  # the recall: 50 more, forwarded
 
+    # latency-shared: every canonical while healing (b's at the step; its patch is the difference)
+    b2 = TraceBuilder(TraceHeader(generator="unit"))
+    b2.arrive("a", 100, "ha")
+    b2.arrive("b", 50, "hb")
+    s = Replayer(b2.build(), "arrival", "lru", "patch-latency-shared").run()
+    assert s.tokens_prefilled == 200 and s.heal_tokens == 50 and s.patch_forms == 1 and s.patch_bytes > 0
+    b2.step()
+    b2.evict("b")
+    b2.recall("b")
+    b2.step()
+    s2 = Replayer(b2.build(), "arrival", "lru", "patch-latency-shared").run()
+    assert s2.tokens_prefilled == 200 and s2.patch_hits == 1  # the recall reads its stored patch: no forward
+
     m = TraceBuilder(TraceHeader(generator="unit"))
     for cid, n in (("a", 100), ("b", 50), ("c", 30)):
         m.arrive(cid, n, "h" + cid)
@@ -104,7 +117,7 @@ def test_latency_first_append_costs_a_prefix_cache_append_and_nothing_more():
 def test_kvcapsule_and_selection_rules_registered_and_priced():
     from contextdeque.replay import REUSE_COSTS, make_reuse
 
-    for name in ("kvcapsule-linear", "mm-shiftkv", "snapkv", "streamingllm", "patch-latency"):
+    for name in ("kvcapsule-linear", "mm-shiftkv", "snapkv", "streamingllm", "patch-latency", "patch-latency-shared"):
         assert name in REUSE_COSTS
     sel = make_reuse("snapkv-64")
     assert sel.budget == 64 and sel.label == "snapkv-64"

@@ -184,7 +184,8 @@ def test_loadtest_command(server, tmp_path) -> None:
 
 
 def test_idle_healing_gives_way_to_a_request_and_resumes() -> None:
-    """In-process engine, latency-first policy, healing as soon as the queue is empty: a request
+    """In-process engine, latency-first policy (``latency-shared``: healing computes canonicals, so
+    a heal step runs forwards), healing as soon as the queue is empty: a request
     that arrives during a heal step interrupts it at the next decoder layer (the window is left
     as it was), is answered as a server that never heals answers it, and healing then finishes;
     the healed window answers as a fresh engine rebuilding the conversation from the store."""
@@ -207,7 +208,7 @@ def test_idle_healing_gives_way_to_a_request_and_resumes() -> None:
     def run(engine: Engine, messages: list, session: str | None = None) -> object:
         return engine.submit(GenerationRequest(messages=messages, max_new_tokens=6, session_id=session)).result(600)
 
-    ref = Engine(b, default_store(b.device), model_name="t", patch_policy="latency", heal_idle_ms=None)
+    ref = Engine(b, default_store(b.device), model_name="t", patch_policy="latency-shared", heal_idle_ms=None)
     r1 = run(ref, msgs1)
     msgs2 = msgs1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "second page: " + "epsilon zeta " * 12}]
     run(ref, msgs2)
@@ -216,7 +217,7 @@ def test_idle_healing_gives_way_to_a_request_and_resumes() -> None:
     ref.close()
 
     store = default_store(b.device)
-    e = Engine(b, store, model_name="t", patch_policy="latency", heal_idle_ms=0)
+    e = Engine(b, store, model_name="t", patch_policy="latency-shared", heal_idle_ms=0)
     layer0 = next(m for n, m in b.model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList))[0]
     box: dict = {}
 
@@ -239,7 +240,7 @@ def test_idle_healing_gives_way_to_a_request_and_resumes() -> None:
     healed = run(e, msgs2, "s1")  # the healed window itself (nothing to sync)
     e.close()
     assert healed.encodes == 0 and healed.patches_formed == 0 and not healed.restored
-    fresh = Engine(b, store, model_name="t", patch_policy="latency", heal_idle_ms=None)
+    fresh = Engine(b, store, model_name="t", patch_policy="latency-shared", heal_idle_ms=None)
     again = run(fresh, msgs2)  # rebuilt from what healing stored
     fresh.close()
     assert again.encodes == 0 and again.patches_formed == 0 and again.text == healed.text

@@ -136,13 +136,15 @@ def test_wrong_valkey_auth_refuses_to_start_and_logs_no_secret(tmp_path: Path) -
 
 
 def test_latency_first_replica_heals_in_idle_time_and_b_reuses_what_it_healed(valkey_single) -> None:
-    """``--patch-policy latency``: A's request runs no patch forward (the new messages get one
-    prefix-cache-style forward each); A heals once idle and the canonicals and patches it
-    computed reach Valkey, so B then serves the conversation with no forward at all."""
+    """``--patch-policy latency-shared`` (the server's default): A's request runs no patch forward
+    (the new messages get one prefix-cache-style forward each); A heals once idle and the
+    canonicals and patches it computed reach Valkey, so B then serves the conversation with no
+    forward at all. (Under ``latency`` a message read where it arrived never gets a canonical, so
+    there would be nothing for B to reuse.)"""
     from serve_util import wait_until
 
     trust = "l" + uuid.uuid4().hex[:8]
-    args = ("--model", "tiny:llama", "--store", valkey_single.url, "--trust-domain", trust, "--patch-policy", "latency")
+    args = ("--model", "tiny:llama", "--store", valkey_single.url, "--trust-domain", trust, "--patch-policy", "latency-shared")
     a, b = ServeProcess(*args, env=ENV).launch(), ServeProcess(*args, "--no-heal", env=ENV).launch()
     with a.wait_ready(), b.wait_ready():
         _, ua = ask(a, "tiny-llama")
