@@ -85,8 +85,6 @@ def warm_baseline(backend: Any, sections: list[list[int]], tokens: int) -> int:
     ids = [t for s in sections for t in s][:tokens]
     with torch.no_grad():
         backend.forward(input_ids=ids, positions=backend.text_positions(0, len(ids)), logits="last")
-    backend.forwards_run -= 1  # not the soak's forward
-    backend.tokens_prefilled -= len(ids)
     release_freed_heap(force=True)
     return rss_bytes()
 

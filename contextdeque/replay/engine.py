@@ -219,7 +219,7 @@ class Replayer:
         self._no_canon: dict[str, None] = {}
         # ``patch-latency-shared``: every canonical computed while healing, also of chunks that left
         # before the heal (queued here; a recall before the heal encodes it then)
-        self._lazy = bool(getattr(self.arm, "lazy_canonicals", True))
+        self._lazy = self.arm.lazy_canonicals
         self._leave_canon: dict[str, None] = {}
         self._canon_due: set[str] = set()  # no-canonical chunks to turn blind (at the front): canonical at heal
         self._pending_form: dict[str, bool] = {}  # key -> re-form even where its prefix is unchanged (cascade)

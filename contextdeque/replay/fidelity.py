@@ -99,7 +99,7 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
 
     rule = make_reuse(arm)
     if rule.defers:  # patch-latency(-shared): the patch arm on a latency-first window
-        patch_policy = "latency" if getattr(rule, "lazy_canonicals", True) else "latency-shared"
+        patch_policy = "latency" if rule.lazy_canonicals else "latency-shared"
     arm = rule.arm or rule.name
     queries = [i for i, e in enumerate(trace.events) if e.op == "query"]
     rng = random.Random(f"{seed}:{trace.name}")

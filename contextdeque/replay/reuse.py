@@ -35,6 +35,7 @@ class ReuseCost(Registered):
     canonicals: ClassVar[bool] = True
     patches: ClassVar[bool] = False
     defers: ClassVar[bool] = False
+    lazy_canonicals: ClassVar[bool] = True  # with ``defers``: canonicals only when a re-read needs them
     budgeted: ClassVar[bool] = False
     default_budget: ClassVar[int] = 256
 

@@ -84,6 +84,11 @@ class PatchPolicy(Registered):
     registry = PATCH_POLICIES
     name: ClassVar[str] = ""
     regime: ClassVar[str] = "approx"
+    #: new content costs one conditioned forward and no canonical yet (latency-first policies)
+    defers_canonical: ClassVar[bool] = False
+    #: a deferred canonical waits until a re-read needs it (``latency``), instead of being
+    #: computed while healing (``latency-shared``)
+    lazy_canonicals: ClassVar[bool] = False
 
     def decide(self, reason: str | None, slot: Slot, prefix: Sequence[Slot], *, valid: bool, rank: int) -> Decision:
         """The decision for ``slot`` placed after ``prefix``.

@@ -72,9 +72,8 @@ class LatencyPolicy(PatchPolicy):
         """The policy ``heal`` carries out."""
         return self.inner
 
-    defers_canonical = True  # new content: one conditioned forward now, no canonical yet
-    # the canonical only when a re-read needs it (``latency-shared``: every one, while healing)
-    lazy_canonicals = True
+    defers_canonical = True
+    lazy_canonicals = True  # (``latency-shared``: every canonical while healing)
 
     def decide(self, reason: str | None, slot: Slot, prefix: Sequence[Slot], *, valid: bool, rank: int) -> Decision:
         wanted = self.inner.decide(reason, slot, prefix, valid=valid, rank=rank)

@@ -242,7 +242,7 @@ class ContextWindow:
         lay = ctx.backend.layout
         channels = lay.num_layers * (lay.k_heads * lay.k_dim + lay.v_heads * lay.v_dim)
         per_token = channels * ctx.backend.dtype.itemsize
-        if getattr(ctx.policy, "defers_canonical", False):
+        if ctx.policy.defers_canonical:
             per_token += channels * ctx.storage.itemsize
         owner = f"window-{id(ctx):x}"
         if ctx.store.reserve_working_set(owner, ctx.budget_tokens * per_token, ctx.backend.device) is not None:
@@ -529,7 +529,7 @@ class ContextWindow:
                 outside the vocabulary, embeddings of another width, ...), named in the message.
         """
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], ChunkRef]:
-            defer = bool(getattr(self._ctx.policy, "defers_canonical", False))
+            defer = self._ctx.policy.defers_canonical
             inputs = ingest.check_inputs(
                 self._ctx, text=text, token_ids=token_ids, embeds=embeds, chunk=chunk,
                 rel_positions=rel_positions, span=span, modality=modality, label=label,
@@ -649,12 +649,12 @@ class ContextWindow:
             # left before anything needed its canonical: under a latency-first policy, one
             # conditioned forward where it re-enters (what a prefix cache re-reading it runs; the
             # canonical still waits), else the one encode it owes
-            forward_in = chunk is None and entry.unhealed and bool(getattr(ctx.policy, "lazy_canonicals", False))
+            forward_in = chunk is None and entry.unhealed and ctx.policy.lazy_canonicals
             if chunk is None and entry.unhealed and not forward_in:
                 chunk = ingest.encode_and_store(ctx, meter, **entry.source)
-            if chunk is None and entry.source is not None and not forward_in:  # lost or quarantined: rebuild it
+            elif chunk is None and entry.source is not None and not forward_in:  # lost or quarantined: rebuild it
                 chunk = ingest.rebuilt(ctx, meter, entry.source, "its canonical was gone from the store")
-            if chunk is None and not forward_in:
+            elif chunk is None and not forward_in:
                 budgeted = any(b is not None for b in ctx.store.store.budget_bytes().values())
                 why = "deleted, quarantined as corrupt, or dropped by a tier's budget" if budgeted else "deleted or quarantined as corrupt"
                 raise UnknownRefError(
@@ -786,7 +786,7 @@ class ContextWindow:
     def _unhealed_evicted(self) -> list[ChunkRef]:
         """Evicted chunks that left before their canonical was computed, which healing encodes
         (``latency-shared``; under ``latency`` their canonical waits for a recall that needs it)."""
-        if getattr(self._ctx.policy, "lazy_canonicals", True):
+        if self._ctx.policy.lazy_canonicals:
             return []
         return [r for r, e in self._state.evicted.items() if e.owes_encode]
 
@@ -816,7 +816,7 @@ class ContextWindow:
             eager = getattr(ctx.policy, "eager", ctx.policy)
             carried = {r: state.pending[r].carried for r in batch}
             heal_policy = HealPolicy(eager, carried)
-            lazy = getattr(ctx.policy, "lazy_canonicals", True)
+            lazy = ctx.policy.lazy_canonicals
             slots = list(state.slots)
             for i, s in enumerate(slots):
                 if s.ref not in reasons or not s.provisional:
