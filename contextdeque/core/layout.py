@@ -72,6 +72,11 @@ class KVLayout:
         return tuple(zero[i] for i in self.layer_table)
 
     @property
+    def kv_channels(self) -> int:
+        """K and V values cached per token, over all layers (x element size = KV bytes per token)."""
+        return self.num_layers * (self.k_heads * self.k_dim + self.v_heads * self.v_dim)
+
+    @property
     def n_freq(self) -> int:
         return self.rope_dim // 2
 

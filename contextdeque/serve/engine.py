@@ -222,8 +222,7 @@ class Engine:
         cfg = getattr(backend.model, "config", None)
         self.context_tokens = context_tokens or int(getattr(getattr(cfg, "get_text_config", lambda: cfg)(), "max_position_embeddings", 2048))
         self.max_tokens = max_tokens
-        lay = backend.layout
-        self.kv_bytes_per_token = lay.num_layers * (lay.k_heads * lay.k_dim + lay.v_heads * lay.v_dim) * 4
+        self.kv_bytes_per_token = backend.layout.kv_channels * 4
         self.session_memory_bytes = session_memory_bytes
         self.plain = plain
         if heal_idle_ms is not None and (not isinstance(heal_idle_ms, (int, float)) or heal_idle_ms < 0):

@@ -239,8 +239,7 @@ class ContextWindow:
         lives."""
         if ctx.budget_tokens is None:
             return
-        lay = ctx.backend.layout
-        channels = lay.num_layers * (lay.k_heads * lay.k_dim + lay.v_heads * lay.v_dim)
+        channels = ctx.backend.layout.kv_channels
         per_token = channels * ctx.backend.dtype.itemsize
         if ctx.policy.defers_canonical:
             per_token += channels * ctx.storage.itemsize
