@@ -938,11 +938,9 @@ def test_stores_import_only_allowed_modules() -> None:
                 ok = (
                     top in sys.stdlib_module_names
                     or top in allowed_third_party
-                    # core.capsule + core.chunk: the compressed-at-rest tier decodes entries into chunks (below stores);
-                    # core.heap: a CPU memory tier hands what it evicts back to the OS
+                    # core.capsule + core.chunk: the compressed-at-rest tier decodes entries into chunks (below stores)
                     or m in ("contextdeque.core.errors", "contextdeque.core.args", "contextdeque.core.kv",
-                             "contextdeque.core.registry", "contextdeque.core.capsule", "contextdeque.core.chunk",
-                             "contextdeque.core.heap")
+                             "contextdeque.core.registry", "contextdeque.core.capsule", "contextdeque.core.chunk")
                     or m.startswith("contextdeque.stores")
                 )
                 assert ok, f"{py.name} imports {m}"

@@ -5,8 +5,10 @@ heap. glibc keeps what they free for reuse instead of returning it, and a long r
 them (a window sliding for hours) fragments the heap: measured on a 200-operation soak of the
 default model, resident memory stood ~165 MiB above the bytes of live tensors, all of it freed
 but retained. ``malloc_trim(0)`` returns those pages (2-3 ms); windows call
-:func:`release_freed_heap` at the end of each operation and CPU memory tiers after evicting,
-rate-limited so it costs at most a fraction of a percent. A no-op where the C library is not
+:func:`release_freed_heap` at the end of each operation, once the operation's old state and the
+store's evicted copies are let go (a store tier trimming inside an operation would run while
+they are still referenced, and use up the rate limit), rate-limited so it costs at most a
+fraction of a percent. A no-op where the C library is not
 glibc, or when ``CONTEXTDEQUE_HEAP_TRIM=0``.
 """
 

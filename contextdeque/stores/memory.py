@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 
 from contextdeque.core.errors import ArgumentTypeError, StoreCapacityError, StoreConfigError
-from contextdeque.core.heap import release_freed_heap
 from contextdeque.stores.base import (
     EntryStat,
     Evicted,
@@ -181,9 +180,7 @@ class MemoryTier(Tier):
             self._used += stored.nbytes
             if pinned:
                 self._pins.add(key)
-        if (evicted or old is not None) and self.device.type == "cpu":
-            release_freed_heap()  # the evicted copies' heap pages (once the caller lets go of them)
-        return PutResult(stored=True, evicted=tuple(evicted))
+            return PutResult(stored=True, evicted=tuple(evicted))
 
     def _choose_victims(self, key: str, need: int) -> list[str]:
         """Keys to evict so that ``need`` more bytes fit; raises if impossible."""
@@ -219,9 +216,7 @@ class MemoryTier(Tier):
             if slot is None:
                 return False
             self._used -= slot.entry.nbytes
-        if self.device.type == "cpu":
-            release_freed_heap()
-        return True
+            return True
 
     def contains(self, key: str) -> bool:
         with self._lock:
