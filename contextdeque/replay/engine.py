@@ -532,8 +532,8 @@ class Replayer:
                     self._form(key, prefix, ctx=self.window_tokens - self.tokens[key])
                 else:
                     self._set_formed(key, ())
-                if recall and self.formed[key] != before:
-                    self._cascade({key}, {key})
+                if recall:
+                    self._cascade(key, self.formed[key] != before, {key})
             return
         if self._fast:
             key, at = entering[0]
@@ -552,7 +552,7 @@ class Replayer:
         view = self.view(index) if self._upkeep is not None else None
         # reconcile: entering chunks get conditioning; residents behind an insertion keep theirs
         # (or, under the scheduler, whatever its staleness rule decides)
-        changed: set[str] = set()
+        changed: dict[str, bool] = {}
         for i, k in enumerate(new_order):
             if k in ent:
                 prefix = new_order[:i]
@@ -561,36 +561,71 @@ class Replayer:
                     self._set_formed(k, ())
                 else:
                     self._form(k, prefix)
-                if recall and self.formed[k] != before:
-                    changed.add(k)
+                if recall:
+                    changed[k] = self.formed[k] != before
             elif old_pos.get(k, -1) != i:
                 self._resident_upkeep(view, k, new_order[:i], old_order[:old_pos[k]])
-        self._cascade(changed, ent)
+        for k, kv_changed in changed.items():
+            self._cascade(k, kv_changed, ent)
 
-    def _cascade(self, changed: set[str], entering: set[str]) -> None:
-        """Residents conditioned on a recalled chunk whose KV changed are re-formed (window order)."""
-        if not changed:
+    def _cascade(self, recalled: str, changed: bool, entering: set[str]) -> None:
+        """The recall cascade, as ``window.reconcile`` decides it: in window order, a resident that
+        transitively depends on ``recalled`` re-forms when it was conditioned on ``recalled`` and
+        that chunk's KV ``changed`` or now sits behind it, or on a chunk already in the cascade,
+        or on a dependent that now sits behind it."""
+        candidates = self._descendants(recalled)
+        if not candidates:
             return
-        seen: set[str] = set()
+        pos = {k: i for i, k in enumerate(self.order)}
+        implied: set[str] = set()
         self._cascading = True
         try:
-            self._cascade_inner(changed, entering, seen)
-        finally:
-            self._cascading = False
-
-    def _cascade_inner(self, changed: set[str], entering: set[str], seen: set[str]) -> None:
-        for k in sorted(changed, key=self.order.index):
-            for d in self.dependents(k):
-                if d in entering or d in seen:
+            for i, d in enumerate(list(self.order)):
+                if d not in candidates:
                     continue
-                seen.add(d)
-                i = self.order.index(d)
+                hit = False
+                for a in self.formed.get(d, ()):
+                    ia = pos.get(a)
+                    if ia is None:
+                        continue
+                    behind = ia > i
+                    if (a == recalled and (behind or changed)) or a in implied or (behind and a in candidates):
+                        hit = True
+                        break
+                if not hit:
+                    continue
+                implied.add(d)
+                if d in entering:
+                    continue
                 if i == 0:  # at the front its canonical is exact: nothing to re-form
                     self._set_formed(d, ())
                     continue
                 if not self._defers:  # (latency-first: counted when the heal re-forms it)
                     self.r.cascade_reforms += 1
                 self._form(d, self.order[:i])
+        finally:
+            self._cascading = False
+
+    def _descendants(self, key: str) -> set[str]:
+        """Residents that transitively depend on ``key`` (through evicted chunks too: the
+        conditioning graph keeps what an evicted chunk was formed on)."""
+        out: set[str] = set()
+        frontier = [key]
+        keys = list(self.formed)
+        while frontier:
+            a = frontier.pop()
+            for d in keys:
+                if d not in out and d != key and a in self._formed_of(d):
+                    out.add(d)
+                    frontier.append(d)
+        resident = set(self.order)
+        return {d for d in out if d in resident}
+
+    def _formed_of(self, key: str) -> frozenset:
+        s = self._formed_set.get(key)
+        if s is None:
+            s = self._formed_set[key] = frozenset(self.formed.get(key, ()))
+        return s
 
     def _reorder(self, order: list[str]) -> None:
         resident = set(self.order)
