@@ -712,15 +712,20 @@ class Replayer:
                     self.on_step()
             elif op == "fork":
                 stack.append((list(self.order), list(self.logical), dict(self.formed), self.window_tokens,
-                              Counter(self.pool.pinned), dict(self._no_canon)))
+                              Counter(self.pool.pinned), dict(self._no_canon), dict(self._pending_form),
+                              dict(self._pending_canon)))
             elif op == "commit":
                 stack.pop()
             elif op == "discard":
-                order, logical, formed, wt, pinned, no_canon = stack.pop()
+                order, logical, formed, wt, pinned, no_canon, pending_form, pending_canon = stack.pop()
                 # the parent's slots as they were, less the canonicals the fork computed (they stay stored)
                 in_fork = set(self.order)
                 self._no_canon = {k: None for k in no_canon if k in self._no_canon or k not in in_fork}
                 self._canon_due &= set(order)
+                # the parent's queued work as it was (its pending chunks are back); what the fork
+                # forwarded stays queued so the heal knows its canonical is never made
+                self._pending_form = pending_form
+                self._pending_canon = {**pending_canon, **{k: v for k, v in self._pending_canon.items() if k not in pending_canon}}
                 self.order, self.logical, self.formed, self.window_tokens = order, logical, formed, wt
                 self._formed_set = {}
                 self.pool.pinned = pinned
