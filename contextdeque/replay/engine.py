@@ -373,6 +373,17 @@ class Replayer:
                 else:  # something came in front of it meanwhile: re-forwarded behind that
                     self._form(key, self.order[:i])
             self._canon_due.clear()
+            # a forward's KV differs from its canonical + patch once the chunks it ran after are
+            # healed themselves (their KV changes): the difference is then no patch for the window
+            # as it stands, and the eager policy forms one anew (what ContextWindow.heal does)
+            healed_before: set[str] = set()
+            anew: set[str] = set()
+            queued = set(self._pending_canon) | set(self._pending_form)
+            for key in self.order:
+                if key in self._pending_canon and healed_before:
+                    anew.add(key)
+                if key in queued:
+                    healed_before.add(key)
             for key, pc in self._pending_canon.items():
                 if key not in resident:  # gone with a discarded fork: its canonical is never made
                     k = ("c", self.content[key])
@@ -387,7 +398,7 @@ class Replayer:
                 self._encode(key)
                 if key == front:  # at the front the canonical is exact: its KV from now on
                     self._set_formed(key, ())
-                elif pc and self._prefix_content(key) == pc:  # latency-shared: the patch is the difference
+                elif pc and key not in anew and self._prefix_content(key) == pc:  # latency-shared: the patch is the difference
                     t = self.tokens[key]
                     r.patch_forms += 1
                     r.est_seconds += t * self.cost.svd_s_per_token
@@ -395,8 +406,9 @@ class Replayer:
                     r.patch_bytes += pb
                     r.bytes["device"] += pb
                     self.graph.add(self.content[key], pc, "exact")
-                elif key not in self._pending_form:  # moved since its forward: the eager policy forms anew
-                    self._pending_form[key] = False
+                else:  # moved since its forward, or what it ran after was healed: the eager policy forms anew
+                    self._pending_form.setdefault(key, False)
+                    anew.add(key)
             self._pending_canon.clear()
             pos = {k: i for i, k in enumerate(self.order)}
             for key, force in sorted(self._pending_form.items(), key=lambda kv: pos.get(kv[0], -1)):
@@ -406,7 +418,7 @@ class Replayer:
                 prefix = self.order[:i]
                 if not prefix:
                     self._set_formed(key, ())
-                elif force or tuple(prefix) != self.formed.get(key, ()):
+                elif force or key in anew or tuple(prefix) != self.formed.get(key, ()):
                     if force:
                         self.r.cascade_reforms += 1
                     self._form(key, prefix)
