@@ -80,10 +80,8 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
         tier.put("calibration:disk", entry)
         tier.get("calibration:disk")
         t_disk = time.perf_counter() - t0
-    return CostModel(
-        num_layers=lay.num_layers,
-        kv_width_k=lay.k_heads * lay.k_dim,
-        kv_width_v=lay.v_heads * lay.v_dim,
+    return CostModel.geometry_of(
+        backend,
         storage_bytes=b.keys.element_size(),
         prefill=tuple(prefill),
         decode_tokens_per_s=1.0 / t_dec,

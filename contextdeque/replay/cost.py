@@ -48,6 +48,14 @@ class CostModel:
     model: str = "SmolLM2-135M-Instruct (geometry only)"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
+    @classmethod
+    def geometry_of(cls, backend: Any, *, storage_bytes: int, rank: int = 32, **speeds: Any) -> "CostModel":
+        """A cost model with ``backend``'s KV geometry (layers, K and V widths), ``storage_bytes`` per
+        stored element and ``rank``; speeds from ``speeds`` or the defaults."""
+        lay = backend.layout
+        return cls(num_layers=lay.num_layers, kv_width_k=lay.k_heads * lay.k_dim, kv_width_v=lay.v_heads * lay.v_dim,
+                   storage_bytes=int(storage_bytes), rank=int(rank), **speeds)
+
     # ------------------------------------------------------------------ sizes
     @property
     def kv_bytes_per_token(self) -> int:
