@@ -7,6 +7,7 @@ canonicals, same store, same policy); what differs between them is their ``Windo
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import OrderedDict, deque
@@ -159,3 +160,14 @@ class WindowContext:
         lay = self.layout
         return (resolve_rank(rank, n_tokens, lay.k_heads * lay.k_dim, "K", clamp=True),
                 resolve_rank(rank, n_tokens, lay.v_heads * lay.v_dim, "V", clamp=True))
+
+
+def foreground_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a window method as a foreground operation (the idle healer gives way to it)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._ctx.foreground():
+            return method(self, *args, **kwargs)
+
+    return wrapper
