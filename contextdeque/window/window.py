@@ -34,12 +34,13 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
-from ..core.chunk import Chunk, storage_dtype
-from ..core.args import check_float, check_instance, check_int, check_str, check_token_ids
+from ..core.chunk import Chunk
+from ..core.args import check_instance, check_int, check_str, check_token_ids
 from ..core.errors import BudgetError, UnknownRefError, WindowError, WindowTypeError
 from ..core.heap import release_freed_heap
 from . import decode, ingest
-from .context import DEFAULT_MAX_EVICTED, WindowContext
+from .config import DEFAULT_MAX_EVICTED, DEFAULT_RANK, WindowConfig
+from .context import WindowContext
 from .healing import WindowHealing
 from .introspection import WindowIntrospection
 from .lifecycle import WindowLifecycle
@@ -138,7 +139,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowLifecycle, WindowR
         backend: Any,
         root: str | Sequence[int] | None = None,
         budget_tokens: int | None = None,
-        rank: int = 32,
+        rank: int = DEFAULT_RANK,
         store: Any = None,
         patch_policy: "str | PatchPolicy" = "default",
         cascade_policy: str = "reform",
@@ -153,47 +154,45 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowLifecycle, WindowR
         chunk_template: str = "{text}",
         max_evicted: int | None = DEFAULT_MAX_EVICTED,
     ) -> None:
+        root = self._checked_root(backend, root)
+        config = WindowConfig(
+            budget_tokens=budget_tokens, rank=rank, patch_policy=patch_policy, cascade_policy=cascade_policy,
+            overflow=overflow, storage=storage, placement=placement, fidelity_target=fidelity_target,
+            max_patch_fraction=max_patch_fraction, kv_selection=kv_selection, beyond_trained=beyond_trained,
+            chunk_template=chunk_template, max_evicted=max_evicted,
+        )
+        self._start(backend_with_root(backend, root), store, config)
+
+    @classmethod
+    def from_config(cls, backend: Any, config: WindowConfig, *, root: str | Sequence[int] | None = None,
+                    store: Any = None) -> "ContextWindow":
+        """A window over ``backend`` with the settings of ``config`` (a :class:`WindowConfig`, checked
+        when it was made); ``root`` and ``store`` as for the constructor."""
+        if not isinstance(config, WindowConfig):
+            raise WindowTypeError(f"config must be a WindowConfig, got {type(config).__name__}")
+        win = cls.__new__(cls)
+        win._start(backend_with_root(backend, cls._checked_root(backend, root)), store, config)
+        return win
+
+    @staticmethod
+    def _checked_root(backend: Any, root: str | Sequence[int] | None) -> str | list[int] | None:
+        """``backend`` is a backend and ``root`` text or token ids of its vocabulary (or None)."""
         if not all(hasattr(backend, a) for a in ("encode", "forward", "layout", "fingerprint", "root_ids")):
             raise WindowTypeError(
                 f"backend must be an HFBackend (e.g. contextdeque.load_model()), got {type(backend).__name__}"
             )
-        if root is not None:
-            if isinstance(root, str):
-                check_str("root", root)
-            else:
-                root = check_token_ids("root", root, backend.vocab_size, error=WindowError).tolist()
-        backend = backend_with_root(backend, root)
-        if kv_selection is not None and not isinstance(kv_selection, SelectionPolicy):
-            raise WindowTypeError(f"kv_selection must be a SelectionPolicy, got {type(kv_selection).__name__}")
-        if not (isinstance(patch_policy, (str, PatchPolicy))):
-            raise WindowTypeError(f"patch_policy must be a policy name or a PatchPolicy, got {type(patch_policy).__name__}")
-        if not (isinstance(placement, (str, PlacementPolicy))):
-            raise WindowTypeError(f"placement must be a policy name or a PlacementPolicy, got {type(placement).__name__}")
-        check_str("cascade_policy", cascade_policy, error=WindowError)
-        check_str("overflow", overflow, error=WindowError)
-        if not isinstance(storage, (str, torch.dtype)):
-            raise WindowTypeError(f"storage must be a dtype or its name, got {type(storage).__name__}")
-        if not isinstance(beyond_trained, bool):
-            raise WindowTypeError(f"beyond_trained must be a bool, got {type(beyond_trained).__name__}")
-        ingest.check_template(chunk_template)
+        if root is None or isinstance(root, str):
+            return check_str("root", root) if root is not None else None
+        return check_token_ids("root", root, backend.vocab_size, error=WindowError).tolist()
+
+    def _start(self, backend: Any, store: Any, config: WindowConfig) -> None:
+        """The window family's context from ``config``, and an empty state."""
         ctx = WindowContext(
             backend=backend,
             store=WindowStore.wrap(store, backend.device),
-            policy=make_policy(patch_policy),
-            rank=check_int("rank", rank, minimum=0, error=WindowError),
-            budget_tokens=check_int("budget_tokens", budget_tokens, minimum=1, none_ok=True, error=BudgetError),
-            cascade_policy=cascade_policy,
-            overflow=overflow,
-            storage=storage_dtype(storage),
-            placement=make_placement(placement),
-            fidelity_target=check_float("fidelity_target", fidelity_target, minimum=0.0, maximum=1.0, open_min=True,
-                                        none_ok=True, error=WindowError),
-            max_patch_fraction=check_float("max_patch_fraction", max_patch_fraction, minimum=0.0, maximum=1.0,
-                                           open_min=True, error=WindowError),
-            kv_selection=kv_selection,
-            beyond_trained=beyond_trained,
-            chunk_template=chunk_template,
-            max_evicted=check_int("max_evicted", max_evicted, minimum=0, none_ok=True, error=WindowError),
+            policy=make_policy(config.patch_policy),
+            config=config,
+            placement=make_placement(config.placement),
         )
         self._setup(ctx, WindowState(), parent=None)
         self._reserve_working_set(ctx)
