@@ -180,3 +180,18 @@ def test_window_config_is_the_one_settings_object(tiny_backend_factory):
             ContextWindow(backend, **bad)
     with pytest.raises(WindowTypeError):
         ContextWindow.from_config(backend, {"rank": 4})  # type: ignore[arg-type]
+
+
+def test_receipts_add_their_counted_fields():
+    """Receipts add (``+``, ``merged``): counts, bytes per tier, wall time, refs, notes, repairs;
+    a field added to Receipt with the ``adds`` metadata is summed without listing it anywhere."""
+    from contextdeque.window.receipt import ADDED_FIELDS, Receipt
+
+    a = Receipt("append", forwards=1, tokens_prefilled=5, bytes_moved={"device": 3}, notes=("a",), left=("x",))
+    b = Receipt("heal", forwards=2, encodes=1, bytes_moved={"device": 1, "host": 2}, repairs=("r",))
+    total = Receipt.merged("trace", [a, b], wall_ms=7.0)
+    assert (total.op, total.forwards, total.tokens_prefilled, total.encodes) == ("trace", 3, 5, 1)
+    assert total.bytes_moved == {"device": 4, "host": 2} and a.bytes_moved == {"device": 3}
+    assert total.notes == ("a",) and total.repairs == ("r",) and total.left == () and total.wall_ms == 7.0
+    assert {"forwards", "tokens_prefilled", "bytes_moved", "wall_ms"} <= set(ADDED_FIELDS)
+    assert (a + b).forwards == 3 and (a + b).op == "append"

@@ -13,30 +13,12 @@ healed after it. Queries are handed to ``on_query`` (the window itself does not 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..traces.io import Trace
+from ..window.receipt import Receipt
 
 TokenIds = Callable[[Any], "list[int]"]
-
-
-@dataclass
-class LiveTotals:
-    """The window's receipts of one trace, summed: ``forwards``, ``tokens_prefilled``, ``encodes``
-    and ``bytes_moved`` per store tier (read + written) and ``pages``."""
-
-    forwards: int = 0
-    tokens_prefilled: int = 0
-    encodes: int = 0
-    bytes_moved: dict[str, int] = field(default_factory=dict)
-
-    def add(self, receipt: Any) -> None:
-        self.forwards += receipt.forwards
-        self.tokens_prefilled += receipt.tokens_prefilled
-        self.encodes += receipt.encodes
-        for tier, n in receipt.bytes_moved.items():
-            self.bytes_moved[tier] = self.bytes_moved.get(tier, 0) + n
 
 
 def recall_step(at: int | None, n_in_window: int) -> str:
@@ -45,15 +27,15 @@ def recall_step(at: int | None, n_in_window: int) -> str:
 
 
 def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
-                 on_query: Callable[[int, Any, Any, str], None] | None = None, heal_at_end: bool = True) -> LiveTotals:
-    """Run ``trace`` on ``window``; returns the summed receipts of its window operations.
+                 on_query: Callable[[int, Any, Any, str], None] | None = None, heal_at_end: bool = True) -> Receipt:
+    """Run ``trace`` on ``window``; returns the sum of its window operations' receipts (``op="trace"``).
 
     ``token_ids(arrive_event)``: the ids a chunk's content becomes (called once per chunk id).
     ``on_query(index, event, window, step)``: called at every query with the window as it stands
     and the step type of the last window operation (``append``, ``recall``, ``look-back``,
     ``slide``, ``evict``, ``reorder``, ``fork``, ``commit``, ``discard``)."""
     win = window
-    totals = LiveTotals()
+    receipts: list[Receipt] = []
     stack: list[tuple[Any, list[str]]] = []
     refs: dict[str, Any] = {}
     ids_of: dict[str, list[int]] = {}
@@ -66,41 +48,41 @@ def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
         if op == "arrive":
             if ev.id in refs and refs[ev.id] in win.evicted_refs:
                 step = recall_step(ev.at, len(logical))
-                totals.add(win.recall(refs[ev.id], at=ev.at))
+                receipts.append(win.recall(refs[ev.id], at=ev.at))
             elif ev.id not in refs or refs[ev.id] not in win.refs:
                 if ev.id not in ids_of:
                     ids_of[ev.id] = token_ids(ev)
                 refs[ev.id] = win.append(token_ids=ids_of[ev.id])  # (the window appends at the end only)
-                totals.add(win.last_receipt)
+                receipts.append(win.last_receipt)
             logical.insert(len(logical) if ev.at is None else min(ev.at, len(logical)), ev.id)
         elif op == "recall":
             step = recall_step(ev.at, len(logical))
-            totals.add(win.recall(refs[ev.id], at=ev.at))
+            receipts.append(win.recall(refs[ev.id], at=ev.at))
             logical.insert(len(logical) if ev.at is None else min(ev.at, len(logical)), ev.id)
         elif op == "evict":
-            totals.add(win.evict(refs[ev.id]))
+            receipts.append(win.evict(refs[ev.id]))
             logical.remove(ev.id)
         elif op == "slide":
             for cid in logical[: ev.n]:
-                totals.add(win.evict(refs[cid]))
+                receipts.append(win.evict(refs[cid]))
             del logical[: ev.n]
         elif op == "reorder":
-            totals.add(win.reorder([refs[c] for c in ev.order]))
+            receipts.append(win.reorder([refs[c] for c in ev.order]))
             logical = list(ev.order)
         elif op == "fork":
             stack.append((win, list(logical)))
             win = win.fork()
         elif op == "commit":
-            totals.add(win.commit())
+            receipts.append(win.commit())
             win, _ = stack.pop()
         elif op == "discard":
-            totals.add(win.discard())
+            receipts.append(win.discard())
             win, logical = stack.pop()
         elif op == "step":
             if win.pending_refs:  # the agent's tool time: heal, as the cost model does
-                totals.add(win.heal())
+                receipts.append(win.heal())
         elif op == "query" and on_query is not None:
             on_query(i, ev, win, step)
     if heal_at_end and win.pending_refs:
-        totals.add(win.heal())
-    return totals
+        receipts.append(win.heal())
+    return Receipt.merged("trace", receipts)
