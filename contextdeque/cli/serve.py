@@ -56,18 +56,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-domain", default="default", help="signing domain of the shared store")
     p.add_argument("--store-secret-env", default="CONTEXTDEQUE_STORE_SECRET", help="environment variable holding the store's HMAC secret")
     p.add_argument("--store-password-env", default="CONTEXTDEQUE_STORE_PASSWORD", help="environment variable holding the Valkey password")
-    p.add_argument("--store-tls-ca", default=None)
-    p.add_argument("--store-tls-cert", default=None)
-    p.add_argument("--store-tls-key", default=None)
+    p.add_argument("--store-tls-ca", default=None, help="CA bundle that signs a valkeys:// server's certificate")
+    p.add_argument("--store-tls-cert", default=None, help="client certificate for mutual TLS with a valkeys:// server")
+    p.add_argument("--store-tls-key", default=None, help="the client certificate's private key")
     p.add_argument("--store-ttl", type=float, default=None, help="expire shared entries this long after their last use (s)")
     p.add_argument("--store-lease", type=float, default=60.0,
                    help="sessions lease the shared entries their windows hold for this long, renewed while held (s); "
                         "a killed replica's leases lapse after it")
     p.add_argument("--store-timeout", type=float, default=5.0, help="Valkey command timeout (s); then local fallback")
     p.add_argument("--store-dir", default=None, help="also keep a local disk tier here")
-    p.add_argument("--device-store-mb", type=float, default=1024)
-    p.add_argument("--host-store-mb", type=float, default=4096)
-    p.add_argument("--disk-store-mb", type=float, default=None)
+    p.add_argument("--device-store-mb", type=float, default=1024, help="budget of the store tier where the model runs (MB)")
+    p.add_argument("--host-store-mb", type=float, default=4096, help="budget of the host-RAM store tier (MB)")
+    p.add_argument("--disk-store-mb", type=float, default=None, help="budget of the --store-dir disk tier (MB; default unbounded)")
     p.add_argument("--rank", type=int, default=32, help="patch rank")
     p.add_argument("--patch-policy", default=None,
                    help="window patch policy: latency-shared (the default: no forward a request can avoid; the "
@@ -78,12 +78,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="heal latency-first windows once no request came for this long (ms)")
     p.add_argument("--no-heal", action="store_true", help="never heal in idle time (a latency-first window stays as served)")
     p.add_argument("--context-tokens", type=int, default=None, help="most tokens per request (default: the model's)")
-    p.add_argument("--max-tokens", type=int, default=256, help="default and ceiling of max_tokens")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="default max_tokens per request, and its limit: a request asking for more gets a 400 naming it")
     p.add_argument("--queue", type=int, default=16, help="requests waiting for the model worker before 429")
     p.add_argument("--session-memory-mb", type=float, default=1024, help="budget of the sessions' window pages")
     p.add_argument("--plain", action="store_true", help="baseline: no windows, re-prefill every request's whole prompt")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error (stderr)")
 
 
 def run(args: argparse.Namespace) -> int:
