@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 from typing import Any
@@ -87,6 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", help="debug, info, warning or error (stderr)")
 
 
+def _exit_cleanly(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
@@ -136,6 +141,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"contextdeque serve: listening on http://{host}:{port}", file=sys.stderr, flush=True)
     app = create_app(engine, api_key=api_key)
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, timeout_graceful_shutdown=5)
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again under the
+    # handlers it found: with these, that ends in SystemExit through the `finally` below (the
+    # worker closed, an embedded Valkey stopped, exit status 0), not in death by the signal
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_cleanly)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
