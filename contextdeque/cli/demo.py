@@ -67,15 +67,22 @@ def _speedup(rp_ms: float | None, ms: float) -> str:
 
 
 def _step_text(row: dict[str, Any]) -> str:
-    """What the step did, and at a question its answer (cut to a line; whole in ``--json``)."""
+    """What the step did (its notes and answer are in ``--json``; answers also under the table)."""
     from rich.markup import escape
 
-    what = row["detail"] if row["op"] == "query" else f"{row['op']} {row['detail']}".strip()
-    text = escape(what)
-    if row.get("answer") is not None and not row.get("choice"):
-        answer = " ".join(row["answer"].split())
-        text += "\n[dim]→ " + escape(answer[:56] + ("…" if len(answer) > 56 else "")) + "[/dim]"
-    return text
+    return escape(row["detail"] if row["op"] == "query" else f"{row['op']} {row['detail']}".strip())
+
+
+def answer_lines(rows: list[dict[str, Any]], limit: int = 150) -> list[str]:
+    """One line per free-text answer: the question's label and the answer (cut; whole in ``--json``)."""
+    out = []
+    for r in rows:
+        if r.get("answer") is None or r.get("choice"):
+            continue
+        answer = " ".join(r["answer"].split())
+        label = r["detail"].split(":", 1)[0] if r["op"] == "query" else f"step {r['index']}"
+        out.append(f"{label} ({r['question']}) → {answer[:limit]}{'…' if len(answer) > limit else ''}")
+    return out
 
 
 def steps_table(rows: list[dict[str, Any]], title: str) -> Any:
@@ -136,10 +143,10 @@ def why_lines(summary: dict[str, Any]) -> list[str]:
         q = [r for r in rows if r.get("question") is not None]
         after_work = [r for r in q if r["forwards"] > 1]  # forwards beyond the query's own
         out.append(
-            f"why slower: at {len(after_work)} of {len(q)} model calls the step first read new material "
-            f"({sum(r['forwards'] - 1 for r in after_work)} forwards of encoding and patching on the step's clock), "
-            f"which a re-prefill reads in its one forward: the window is faster where it re-reads, not where it "
-            f"reads something new")
+            f"why slower: at {len(after_work)} of {len(q)} model calls the step's own window work ran first, on "
+            f"its clock ({sum(r['forwards'] - 1 for r in after_work)} forwards: new material encoded and patched "
+            f"on what precedes it), where a re-prefill reads everything in one forward; the window is faster "
+            f"where a step re-reads what it holds, not where every step brings something new")
     if avoided is not None and avoided < 0.25:
         out.append(
             f"why little is saved: {appended} chunks were read and only {recalled} re-read; a chunk read once "
@@ -182,7 +189,7 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     steps_tokens = summary["tokens_prefilled"] - heal.get("tokens", 0)
     lines = [
         f"prefill: contextdeque {steps_tokens:,} tokens in the steps + {heal.get('tokens', 0):,} healed in idle time "
-        f"= {summary['tokens_prefilled']:,} (reading included); at its {summary['queries']} model calls a re-prefill "
+        f"({heal.get('ms', 0) / 1000:.1f} s off the clock) = {summary['tokens_prefilled']:,} (reading included); at its {summary['queries']} model calls a re-prefill "
         f"prefills {summary['reprefill_tokens']:,}, a prefix cache {summary['prefix_cache_tokens']:,} "
         f"({_pct(summary['prefill_avoided_vs_reprefill'])} and {_pct(summary['prefill_avoided_vs_prefix_cache'])} avoided)",
     ]
@@ -201,7 +208,15 @@ def video_line(summary: dict[str, Any]) -> str:
 def render_report(console: Any, summary: dict[str, Any]) -> None:
     """The demo's output after the run, from its record alone (``summary`` with its ``rows``):
     the table, then the summary. The snapshot test renders a fixed record through this."""
+    from rich.padding import Padding
+    from rich.text import Text
+
     console.print(steps_table(summary["rows"], f"{summary['agent']} agent, step by step"))
+    answers = answer_lines(summary["rows"])
+    if answers:
+        console.print("[bold]answers[/bold]")
+        for line in answers:
+            console.print(Padding(Text(line), (0, 0, 0, 2)), highlight=False)
     console.print("[bold]summary[/bold]")
     lines = summary_lines(summary)
     if summary["agent"] == "video":
@@ -209,9 +224,6 @@ def render_report(console: Any, summary: dict[str, Any]) -> None:
     threads = summary["threads"]
     lines.append(f"ran {summary['steps']} steps in {summary['seconds']:.1f} s ({threads} thread{'s' if threads != 1 else ''}); "
                  f"replay trace: {summary['trace']}; every number per step: --json")
-    from rich.padding import Padding
-    from rich.text import Text
-
     for line in lines:
         console.print(Padding(Text(line), (0, 0, 0, 2)), highlight=False)
 
@@ -276,8 +288,12 @@ def run(args: argparse.Namespace) -> int:
         side = _SideBySide() if config.measure else None
 
         def view() -> Any:
+            from rich.text import Text
+
             table = steps_table(rows[-12:], title + (f" (last 12 of {len(rows)})" if len(rows) > 12 else ""))
-            return table if side is None else Group(table, side.progress)
+            last = answer_lines(rows, limit=60)[-1:]
+            parts = [table, *(Text("last answer: " + a, overflow="ellipsis", no_wrap=True) for a in last)]
+            return Group(*parts, *([side.progress] if side is not None else []))
 
         # transient: the final table (every step) is printed once the run is over
         live = Live(view(), console=console, refresh_per_second=4, transient=True)
