@@ -1,11 +1,10 @@
 """`contextdeque demo`'s output rendered from fixed run records (no model): recorded by
-`contextdeque demo --json` (doc and video agents, SmolLM2-135M, one thread, this machine) and
+`contextdeque demo --json` (doc, video and web agents, SmolLM2-135M, one thread, this machine) and
 rendered at COLUMNS=80. The doc record's rendering is a snapshot; ``UPDATE_SNAPSHOTS=1`` rewrites
 it after an intended change."""
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import os
@@ -40,7 +39,7 @@ def test_doc_report_matches_its_snapshot(monkeypatch) -> None:
     assert text == SNAPSHOT.read_text()
 
 
-@pytest.mark.parametrize("agent", ["doc", "video"])
+@pytest.mark.parametrize("agent", ["doc", "video", "web"])
 def test_the_report_fits_80_columns_and_no_number_wraps(agent: str, monkeypatch) -> None:
     rec = record(agent)
     lines = render(rec, monkeypatch).splitlines()
@@ -53,7 +52,7 @@ def test_the_report_fits_80_columns_and_no_number_wraps(agent: str, monkeypatch)
         assert all(c in row.split() for c in cells), (row, cells)
 
 
-@pytest.mark.parametrize("agent", ["doc", "video"])
+@pytest.mark.parametrize("agent", ["doc", "video", "web"])
 def test_the_summary_totals_are_the_sums_of_the_rows(agent: str, monkeypatch) -> None:
     rec = record(agent)
     text = render(rec, monkeypatch)
@@ -86,7 +85,9 @@ def test_why_lines_say_why_a_run_is_slower_or_saves_little(monkeypatch) -> None:
     assert record("video")["ttft_speedup_median"] < 1 and "why slower:" in video and "slower to first token" in video
     doc = render(record("doc"), monkeypatch)
     assert "why slower:" not in doc and "why little is saved:" not in doc
-    little = copy.deepcopy(record("doc"))
-    little["prefill_avoided_vs_reprefill"] = 0.07
+    little = record("web")
+    assert little["prefill_avoided_vs_reprefill"] < 0.25
     text = " ".join(render(little, monkeypatch).split())
-    assert f"why little is saved: {little['appended']} chunks were read and only {little['recalled']} re-read" in text
+    between = sum(r["tokens"] for r in little["rows"] if r["question"] is None)
+    assert (f"why little is saved: {little['queries']} model calls over {little['appended']} chunks read and only "
+            f"{little['recalled']} re-read" in text and f"also paid {between:,} tokens in steps without one" in text)

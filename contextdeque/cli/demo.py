@@ -148,10 +148,14 @@ def why_lines(summary: dict[str, Any]) -> list[str]:
             f"on what precedes it), where a re-prefill reads everything in one forward; the window is faster "
             f"where a step re-reads what it holds, not where every step brings something new")
     if avoided is not None and avoided < 0.25:
+        rows = summary.get("rows") or []
+        between = sum(r["tokens"] for r in rows if r.get("question") is None)
+        idle = (summary.get("idle_heal") or {}).get("tokens", 0)
         out.append(
-            f"why little is saved: {appended} chunks were read and only {recalled} re-read; a chunk read once "
-            f"costs the same prefill in every scheme (and contextdeque also patches it), so the saving comes "
-            f"from re-reads and from what stays in the window between questions")
+            f"why little is saved: {summary['queries']} model calls over {appended} chunks read and only "
+            f"{recalled} re-read; a re-prefill pays only at a call, while contextdeque also paid {between:,} "
+            f"tokens in steps without one (reading, notes) and {idle:,} healing in idle time: the saving grows "
+            f"with re-reads and with questions per chunk read")
     return out
 
 
