@@ -2,13 +2,16 @@
 
 The default (no arguments) is the DocAgent answering questions over Python's own reference text
 (``pydoc_data.topics``, shipped with Python) through a window smaller than the text. A live table
-shows, per step: what the window did, the forwards run, tokens prefilled by contextdeque against a
-full re-prefill and a prefix cache, time to first token against a re-prefill measured side by side,
-the answer, and the next-token KL against the re-prefill. Then a summary, and where the replay
-trace was written. ``--agent web`` browses Python's documentation server; ``--agent video``
+(80 columns, with a progress bar of the side-by-side re-prefill under it) shows, per step: what
+the window did, tokens prefilled by contextdeque in the step and healed in the idle time before
+it, what a full re-prefill prefills at that model call, time to first token and its speed-up
+against a re-prefill measured side by side, and the next-token KL against it. Then the answers, a
+summary whose totals are the table's column sums, a why-line where the run was slower or saved
+little, one verdict line, and where the replay trace was written (`render_report`: from the run
+record alone). ``--agent web`` browses Python's documentation server; ``--agent video``
 watches a clip built from real photographs (on a text-only model through the image-span
 emulation: no visual understanding; with ``--model`` a local Qwen2-VL checkpoint, through its own
-vision tower); ``--json`` prints the summary as one object.
+vision tower); ``--json`` prints the summary and every step (``rows``) as one object.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -99,9 +103,9 @@ def steps_table(rows: list[dict[str, Any]], title: str) -> Any:
                       "(dim: the step's time); KL: next-token KL vs that re-prefill (nats)",
               caption_justify="left")
     queries = [r for r in rows if r.get("question") is not None]
-    ratios = sorted(r["reprefill_ms"] / r["ms"] for r in queries if r.get("reprefill_ms") and r["ms"] > 0)
+    ratios = [r["reprefill_ms"] / r["ms"] for r in queries if r.get("reprefill_ms") and r["ms"] > 0]
     kls = [r["kl"] for r in queries if r.get("kl") is not None]
-    median = None if not ratios else ratios[len(ratios) // 2] if len(ratios) % 2 else (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
+    median = statistics.median(ratios) if ratios else None
     columns = (
         ("#", "right", ""),
         ("step", "left", "total"),
@@ -129,7 +133,7 @@ def steps_table(rows: list[dict[str, Any]], title: str) -> Any:
 
 
 def _pct(x: float | None) -> str:
-    return "—" if x is None else f"{100 * x:.0f}%"
+    return "—" if x is None else f"{int(round(100 * x))}%"  # never "-0%"
 
 
 def why_lines(summary: dict[str, Any]) -> list[str]:
