@@ -53,6 +53,7 @@ def _phase(name: str) -> None:
     if listener is not None:
         listener(name)
 
+
 @dataclass
 class AgentConfig:
     """How an agent drives its window.

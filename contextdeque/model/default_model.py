@@ -147,11 +147,11 @@ def _watch_download(dest: Path, step: Any, stop: threading.Event, every_s: float
     its temporary directory pointed there) until ``stop``: a progress bar pip gives no pipe."""
     while True:
         stopped = stop.wait(every_s)
-        sizes = []
-        for f in dest.rglob("*") if dest.is_dir() else ():
-            with contextlib.suppress(OSError):  # pip moves and removes its files as it goes
-                sizes.append(f.stat().st_size if f.is_file() else 0)
-        grown = max(sizes, default=0) - step.completed
+        try:
+            largest = max((f.stat().st_size for f in dest.rglob("*") if f.is_file()), default=0)
+        except OSError:  # pip moved or removed a file mid-walk: look again next time
+            largest = 0
+        grown = largest - step.completed
         if grown > 0:
             step.advance(grown)
         if stopped:
