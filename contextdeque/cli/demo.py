@@ -197,7 +197,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     steps_tokens = summary["tokens_prefilled"] - heal.get("tokens", 0)
     lines = [
         f"prefill: contextdeque {steps_tokens:,} tokens in the steps + {heal.get('tokens', 0):,} healed in idle time "
-        f"({heal.get('ms', 0) / 1000:.1f} s off the clock) = {summary['tokens_prefilled']:,} (reading included); at its {summary['queries']} model calls a re-prefill "
+        f"({heal.get('ms', 0) / 1000:.1f} s off the clock) = {summary['tokens_prefilled']:,} (reading included); "
+        f"at its {summary['queries']} model calls a re-prefill "
         f"prefills {summary['reprefill_tokens']:,}, a prefix cache {summary['prefix_cache_tokens']:,} "
         f"({_pct(summary['prefill_avoided_vs_reprefill'])} and {_pct(summary['prefill_avoided_vs_prefix_cache'])} avoided)",
     ]

@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-dir", default=None, help="also keep a local disk tier here")
     p.add_argument("--device-store-mb", type=float, default=1024, help="budget of the store tier where the model runs (MB)")
     p.add_argument("--host-store-mb", type=float, default=4096, help="budget of the host-RAM store tier (MB)")
-    p.add_argument("--disk-store-mb", type=float, default=None, help="budget of the --store-dir disk tier (MB; default unbounded)")
+    p.add_argument("--disk-store-mb", type=float, default=None,
+                   help="budget of the --store-dir disk tier (MB; default unbounded)")
     p.add_argument("--rank", type=int, default=32, help="patch rank")
     p.add_argument("--patch-policy", default=None,
                    help="window patch policy: latency-shared (the default: no forward a request can avoid; the "
