@@ -89,15 +89,16 @@ def answer_lines(rows: list[dict[str, Any]], limit: int = 150) -> list[str]:
     return out
 
 
-def steps_table(rows: list[dict[str, Any]], title: str) -> Any:
+def steps_table(rows: list[dict[str, Any]], title: str, *, totals: bool = True) -> Any:
     """The step-by-step table (rows: ``Step.as_dict()``), made to fit 80 columns: numbers never
     wrap; the step text wraps at words. ``tokens`` is what contextdeque prefilled in the step,
-    ``idle`` what it healed in the idle time before it; their totals add up to the summary's."""
+    ``idle`` what it healed in the idle time before it; their totals (a footer row, ``totals``)
+    add up to the summary's."""
     from rich import box
     from rich.table import Table
 
     t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), collapse_padding=True, show_edge=False,
-              show_footer=bool(rows), expand=False,
+              show_footer=totals and bool(rows), expand=False,
               caption="tokens: prefilled by contextdeque in the step; idle: healed before it (off the clock); "
                       "re-prefill: what a full re-prefill prefills at that model call; ms: time to first token "
                       "(dim: the step's time); KL: next-token KL vs that re-prefill (nats)",
@@ -299,7 +300,9 @@ def run(args: argparse.Namespace) -> int:
         def view() -> Any:
             from rich.text import Text
 
-            table = steps_table(rows[-12:], title + (f" (last 12 of {len(rows)})" if len(rows) > 12 else ""))
+            # the last 12 rows while it runs (totals only in the final table, over every row)
+            table = steps_table(rows[-12:], title + (f" (last 12 of {len(rows)})" if len(rows) > 12 else ""),
+                                totals=len(rows) <= 12)
             last = answer_lines(rows, limit=60)[-1:]
             parts = [table, *(Text("last answer: " + a, overflow="ellipsis", no_wrap=True) for a in last)]
             return Group(*parts, *([side.progress] if side is not None else []))
