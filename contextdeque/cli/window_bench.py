@@ -27,7 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--no-steps", action="store_true", help="skip the per-step re-read table")
-    parser.add_argument("--step-policies", default="eager,latency", help="policies for the per-step table")
+    parser.add_argument("--step-policies", default="eager,latency,latency+anticipate",
+                        help="policies for the per-step table (name+anticipate: with anticipate=True)")
+    parser.add_argument("--no-idle", action="store_true",
+                        help="per-step table: no heal() while its window is built (what a miss costs)")
+    parser.add_argument("--no-healer", action="store_true", help="skip the idle healer's interference probe")
     parser.add_argument("--append-chunks", type=int, default=8,
                         help="append-only flow vs a prefix cache: chunks appended (0 skips it)")
     parser.add_argument("--append-policies", default="eager,latency", help="policies for the append-only flow")
@@ -43,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         return _append_only(args, backend)
     result = run_window_bench(
         backend, n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
-        policy=args.policy, rank=args.rank, step_policies=policies,
+        policy=args.policy, rank=args.rank, step_policies=policies, step_idle=not args.no_idle,
+        healer=not args.no_healer,
     )
     steps, healer = result["steps"], result["healer"]
     flow = []
@@ -117,13 +122,13 @@ def _print_steps(steps: list[Any]) -> None:
 
     table = Table(title="re-read steps: step + first answer token vs re-prefill and prefix cache of the same window")
     for col in ("policy", "step", "fwd", "step ms", "floor ms", "TTFT ms", "re-prefill ms", "x re-prefill",
-                "prefix-cache ms", "x prefix", "KL answer", "KL healed", "KL vs eager", "heal ms"):
+                "prefix-cache ms", "x prefix", "KL answer", "KL healed", "KL vs eager", "heal ms", "served"):
         table.add_column(col, justify="right" if col not in ("policy", "step") else "left")
     for r in steps:
         table.add_row(
             r.policy, r.step, str(r.forwards), f"{r.step_ms:.2f}", f"{r.floor_ms:.2f}", f"{r.ttft_ms:.0f}",
             f"{r.reprefill_ms:.0f}", f"{r.vs_reprefill:.1f}", f"{r.prefix_cache_ms:.0f}", f"{r.vs_prefix_cache:.1f}",
             f"{r.kl_answer:.2e}", f"{r.kl_healed:.2e}", "-" if r.kl_vs_eager is None else f"{r.kl_vs_eager:.1e}",
-            f"{r.heal_ms:.0f}",
+            f"{r.heal_ms:.0f}", r.served or "-",
         )
     Console(width=200).print(table)

@@ -60,6 +60,7 @@ class StepRow:
     deferred: int
     page_mb: float
     floor_ms: float
+    served: str = ""  # what the step's receipt says each re-conditioned chunk was served (Receipt.served)
 
     @property
     def vs_reprefill(self) -> float:
@@ -142,9 +143,15 @@ def run_steps(
     rank: int = 32,
     n_pages: int = 4,
     progress: Callable[[str], None] | None = None,
+    idle: bool = True,
 ) -> list[StepRow]:
     """Measure every ``steps`` x ``policies`` (see the module doc). ``pages`` needs
-    ``n_pages + 2`` pages (an old one, the window, the page ``append`` adds)."""
+    ``n_pages + 2`` pages (an old one, the window, the page ``append`` adds).
+
+    A policy named ``"<name>+anticipate"`` runs ``<name>`` with ``anticipate=True``
+    (``window.anticipation``: ``heal()`` also prepares the next likely re-reads).
+    ``idle=False``: no ``heal()`` while the window is built (no idle time before the step: what
+    a miss costs); the healed columns still heal after the step."""
     size = len(pages[0])
     need = n_pages + 2
     if len(pages) < need:
@@ -156,13 +163,17 @@ def run_steps(
     eager_healed: dict[str, torch.Tensor] = {}  # step -> the eager window's answer logits
     for policy in sorted(policies, key=lambda p: p != "eager"):  # eager first: the others compare to it
         # one store per policy: the eager window must not serve the latency one (or back)
-        base = ContextWindow(backend, budget_tokens=n_pages * size, rank=rank, patch_policy=policy)
+        name, _, extra = policy.partition("+")
+        base = ContextWindow(backend, budget_tokens=n_pages * size, rank=rank, patch_policy=name,
+                             anticipate=extra == "anticipate")
         # pages the store has seen (their canonicals exist): what a re-read reads
         old_ref = base.append(chunk=backend.encode(token_ids=old))
-        base.heal()
+        if idle:
+            base.heal()
         for p in window_pages:
             base.append(chunk=backend.encode(token_ids=p))
-            base.heal()  # built step by step: the eager policy's window
+            if idle:
+                base.heal()  # built step by step: the eager policy's window
         for step in steps:
             if progress:
                 progress(f"{policy}: {step}")
@@ -211,6 +222,7 @@ def run_steps(
                 kl_vs_eager=kl_vs_eager,
                 deferred=len(receipt.deferred), page_mb=page_bytes / 1e6,
                 floor_ms=page_bytes / bandwidth * 1000.0,
+                served=",".join(sorted({what for _, what in receipt.served})),
             ))
             if target is not win:
                 target.discard()

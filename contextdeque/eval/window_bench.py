@@ -84,9 +84,13 @@ def run_window_bench(
     policy: str = "default",
     rank: int = 32,
     step_policies: tuple[str, ...] = ("eager", "latency"),
+    step_idle: bool = True,
+    healer: bool = True,
 ) -> dict[str, Any]:
     """Measure everything the module docstring lists on a window of ``n_chunks`` chunks of
-    ``chunk_tokens`` tokens (``step_policies=()`` skips the per-step table). Returns one dict,
+    ``chunk_tokens`` tokens (``step_policies=()`` skips the per-step table; ``step_idle``: heal
+    between the steps that build its window, see ``step_bench.run_steps``; ``healer=False`` skips
+    the idle healer's interference probe). Returns one dict,
     JSON-able but for ``steps`` (the per-step rows; each row's ``as_dict()`` is)."""
     from ..window import ContextWindow
 
@@ -135,8 +139,9 @@ def run_window_bench(
         from .step_bench import healer_interference, run_steps
 
         pages = _chunks(backend, n_chunks + 2, chunk_tokens)
-        steps = run_steps(backend, pages, _question(backend), policies=step_policies, rank=rank, n_pages=n_chunks)
-        healer = healer_interference(backend, pages[:n_chunks], rank=rank)
+        steps = run_steps(backend, pages, _question(backend), policies=step_policies, rank=rank, n_pages=n_chunks,
+                          idle=step_idle)
+        healer = healer_interference(backend, pages[:n_chunks], rank=rank) if healer else None
 
     last = slide_receipts[-1]
     result = {

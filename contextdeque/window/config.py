@@ -47,6 +47,7 @@ class WindowConfig:
     beyond_trained: bool = False
     chunk_template: str = "{text}"
     max_evicted: int | None = DEFAULT_MAX_EVICTED
+    anticipate: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_selection is not None and not isinstance(self.kv_selection, SelectionPolicy):
@@ -63,8 +64,9 @@ class WindowConfig:
             raise WindowError(f"overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}")
         if not isinstance(self.storage, (str, torch.dtype)):
             raise WindowTypeError(f"storage must be a dtype or its name, got {type(self.storage).__name__}")
-        if not isinstance(self.beyond_trained, bool):
-            raise WindowTypeError(f"beyond_trained must be a bool, got {type(self.beyond_trained).__name__}")
+        for flag in ("beyond_trained", "anticipate"):
+            if not isinstance(getattr(self, flag), bool):
+                raise WindowTypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
         from .ingest import check_template  # (ingest stands on the context, which stands on this)
 
         check_template(self.chunk_template)

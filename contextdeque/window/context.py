@@ -52,6 +52,8 @@ class WindowContext:
     placement: Any = None  # a window.placement.PlacementPolicy (None: arrival order)
     # chunk id -> antecedent id tuples whose patch was stored (a placement hint): bounded, see note_stored_prefix
     patch_index: "OrderedDict[str, dict[tuple[str, ...], None]]" = field(default_factory=OrderedDict, repr=False)
+    # store keys of the patches anticipation formed (window.anticipation): receipts say "anticipated"
+    anticipated_keys: set = field(default_factory=set, repr=False)
     op_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _waiting: list[int] = field(default_factory=lambda: [0], repr=False)
     _waiting_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

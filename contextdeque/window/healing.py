@@ -49,7 +49,8 @@ class WindowHealing:
         KV, so they go first), running the eager policy's decisions on the window as it stands;
         each step is one transaction (an error or interruption leaves the window as it was
         before that step). Stops when nothing is pending, after ``max_steps`` steps, or once
-        ``max_ms`` have passed (checked between steps). Returns one receipt for all steps
+        ``max_ms`` have passed (checked between steps). With ``anticipate=True``, what is left of
+        the budget then prepares the next likely re-reads (``window.anticipation``). Returns one receipt for all steps
         (``op="heal"``; each step is also in ``receipts``). Under an eager policy nothing is
         ever pending and this is a no-op.
         """
@@ -64,6 +65,9 @@ class WindowHealing:
             if max_ms is not None and (time.perf_counter() - t0) * 1000.0 >= float(max_ms):
                 break
             steps.append(self._heal_step())
+        if not self._state.pending and (max_ms is None or (time.perf_counter() - t0) * 1000.0 < float(max_ms)):
+            left = None if max_steps is None else int(max_steps) - len(steps)
+            steps.extend(self._anticipate(left))  # (window.anticipation; nothing unless anticipate=True)
         return Receipt.merged("heal", steps, wall_ms=(time.perf_counter() - t0) * 1000.0)
 
     def _unhealed_evicted(self) -> list[ChunkRef]:

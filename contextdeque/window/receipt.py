@@ -69,6 +69,10 @@ class Receipt:
             loading, computing, waiting on loads; loads by tier; ``overlapped`` or not).
         repairs: what the operation repaired: store copies that failed verification and were
             quarantined, and the canonicals / patches rebuilt from their source in their place.
+        served: per chunk given conditioning (or deferred), ``(ref, what)``: ``"fresh"`` (a
+            patch formed now), ``"stored"`` (a valid stored patch), ``"anticipated"`` (a valid
+            patch anticipation formed in idle time, ``window.anticipation``), ``"stale"`` /
+            ``"blind"`` / ``"conditioned"`` (deferred: as in ``deferred``).
     """
 
     op: str
@@ -89,6 +93,7 @@ class Receipt:
     load_fallbacks: tuple[LoadFallback, ...] = ()
     loading: dict[str, Any] | None = None
     repairs: tuple[str, ...] = field(default=(), metadata=ADDS)
+    served: tuple[tuple["ChunkRef", str], ...] = field(default=(), metadata=ADDS)
 
     def __add__(self, other: "Receipt") -> "Receipt":
         """The sum of two receipts' added fields (counts, bytes per tier, wall time, refs, notes,
@@ -143,6 +148,7 @@ class Receipt:
             "load_fallbacks": [f.as_dict() for f in self.load_fallbacks],
             "loading": None if self.loading is None else dict(self.loading),
             "repairs": list(self.repairs),
+            "served": [[r.key, what] for r, what in self.served],
         }
 
     def summary(self) -> str:
@@ -182,6 +188,10 @@ class Meter:
         self.reconditioned: set["ChunkRef"] = set()
         # deferred ref -> the antecedents its conditioning carried before the deferral
         self.carried: dict["ChunkRef", tuple] = {}
+        # ref -> the conditioning a chunk given new conditioning (or a deferred one) was served:
+        # "fresh" (formed now), "stored" / "anticipated" (a valid stored patch; anticipated: formed
+        # ahead in idle time, window.anticipation), "stale" / "blind" / "conditioned" (deferred)
+        self.served: dict["ChunkRef", str] = {}
         self.repairs: list[str] = []  # rebuilt from source (quarantines come from the traffic)
         self._fw0 = ctx.total_forwards()
         self._tok0 = ctx.total_tokens()
@@ -215,6 +225,7 @@ class Meter:
             traffic=self.traffic,
             notes=tuple(self.notes),
             deferred=tuple((r, served, s) for r, (_, served, s) in self.deferred.items()),
+            served=tuple(self.served.items()),
             repairs=tuple(
                 [f"quarantined a corrupt copy of {q.split(':', 1)[1][:40]} in tier {q.split(':', 1)[0]!r}"
                  for q in self.traffic.quarantined] + self.repairs

@@ -107,6 +107,7 @@ def obtain(
             meter.repairs.append(f"re-formed the {kind} patch of #{slot.ref.key} (its stored copy was corrupt)")
     else:
         meter.patches_reused += 1
+    meter.served[slot.ref] = ("anticipated" if key in ctx.anticipated_keys else "stored") if reused else "fresh"
     cap_k, cap_v = ctx.clamp_rank(FULL, slot.chunk.n_tokens)
     absolute = not PATCH_KINDS[kind].stacked or (rk >= cap_k and rv >= cap_v)
     meter.notes.append(f"#{slot.ref.key}:{kind}@{rk}{'(reused)' if reused else ''}")
@@ -130,6 +131,7 @@ def execute(
                 meter.deferred[slot.ref] = (reason, "stale", staleness(slot, prefix))
             else:
                 meter.deferred[slot.ref] = (reason, "blind", 1.0 if prefix else 0.0)
+            meter.served[slot.ref] = meter.deferred[slot.ref][1]
             return stack
         if decision.action == "keep":
             return slot.stack

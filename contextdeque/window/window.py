@@ -41,6 +41,7 @@ from ..core.heap import release_freed_heap
 from . import decode, ingest
 from .config import DEFAULT_MAX_EVICTED, DEFAULT_RANK, WindowConfig
 from .context import WindowContext
+from .anticipation import WindowAnticipation
 from .healing import WindowHealing
 from .introspection import WindowIntrospection
 from .lifecycle import WindowLifecycle
@@ -84,7 +85,7 @@ def check_refs(name: str, refs: Any) -> list[ChunkRef]:
     return out
 
 
-class ContextWindow(WindowIntrospection, WindowHealing, WindowLifecycle, WindowReading):
+class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, WindowLifecycle, WindowReading):
     """A context window of position-free KV chunks over one backend.
 
     Args:
@@ -132,6 +133,11 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowLifecycle, WindowR
             few hundred bytes). Past it the oldest evicted refs are forgotten, as ``purge`` would
             (the receipt's notes say so; their store entries stay). None: remember every one
             (memory then grows with the history).
+        anticipate: in :meth:`heal`, once the queued work is done, also prepare what the next
+            likely re-reads need (``window.anticipation``: the canonical of the chunk the next
+            slide brings to the front; the recall patches of the chunks :meth:`expect` names and
+            of the most recently evicted ones, for the arrangement their recall would produce),
+            so those steps run no forward. Idle forwards only; False: heal as before.
     """
 
     def __init__(
@@ -153,13 +159,14 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowLifecycle, WindowR
         beyond_trained: bool = False,
         chunk_template: str = "{text}",
         max_evicted: int | None = DEFAULT_MAX_EVICTED,
+        anticipate: bool = False,
     ) -> None:
         root = self._checked_root(backend, root)
         config = WindowConfig(
             budget_tokens=budget_tokens, rank=rank, patch_policy=patch_policy, cascade_policy=cascade_policy,
             overflow=overflow, storage=storage, placement=placement, fidelity_target=fidelity_target,
             max_patch_fraction=max_patch_fraction, kv_selection=kv_selection, beyond_trained=beyond_trained,
-            chunk_template=chunk_template, max_evicted=max_evicted,
+            chunk_template=chunk_template, max_evicted=max_evicted, anticipate=anticipate,
         )
         self._start(backend_with_root(backend, root), store, config)
 

@@ -1,0 +1,156 @@
+"""Anticipatory healing: in idle time, form what the next likely re-reads need, so that they find
+it in the store and run no forward on the critical path.
+
+``heal()`` on a window with ``anticipate=True`` (:class:`~.config.WindowConfig`), once the queued
+work is done, prepares, one transaction each (idle forwards only; the critical path is unchanged):
+
+1. **the next slide**: the provisional slot that a slide would bring to the front gets its
+   canonical now (exact at the front; latency-first content has none until a re-read needs one).
+   The patch that keeps it where it stands is the SVD of its provisional KV, no second forward.
+   A slide then serves the canonical at the front (0 forwards, the eager policy's fidelity).
+2. **recalls**: the chunks ``expect()`` named, then the evicted chunks, most recently evicted
+   first, at the end and in front (:data:`ANTICIPATED_RECALLS` arrangements in all): the
+   arrangement the recall would produce (the budget's slide, the eager policy's decisions for the
+   survivors and for the cascade the recall implies) is simulated on a copy of the state, and the
+   patches the eager policy forms there are formed and stored under their usual keys. A
+   recall that lands in exactly that arrangement finds it (the patch key's antecedent signature,
+   ``patch/keys.py``: the antecedent chunk ids in order and the policy regime) and runs no
+   forward; in any other arrangement the key differs and nothing anticipated is served.
+   A chunk that left before its canonical was computed gets it (a look-back at the front needs
+   only the canonical).
+
+The keys of anticipated patches are remembered per window family, so receipts can say a chunk
+was served ``"anticipated"`` (see ``reconcile.obtain``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import ingest
+from .policy_latency import HealPolicy
+from .receipt import Meter, Receipt
+from .reconcile import reconcile
+from .ref import ChunkRef
+from .slot import Slot
+from .state import WindowState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .window import ContextWindow
+
+ANTICIPATED_RECALLS = 3
+"""Recall arrangements prepared per idle period: what ``expect()`` named (latest first), then the
+most recently evicted chunks, each back at the end and as a look-back in front (the page that
+just left is the likeliest re-read)."""
+
+
+def recall_candidates(win: "ContextWindow", state: WindowState) -> list[tuple[ChunkRef, int | None]]:
+    """``(ref, at)`` for the recalls worth preparing, most likely first: expected refs that are
+    evicted, then evicted refs by recency (``at=None``: the window's end)."""
+    out: list[tuple[ChunkRef, int | None]] = [(r, at) for r, at in reversed(win.expected.items()) if r in state.evicted]
+    for ref in reversed(list(state.evicted)):  # eviction order: the last one left most recently
+        for at in (None, 0):  # back at the end, or a look-back in front
+            if (ref, at) not in out:
+                out.append((ref, at))
+    return out[:ANTICIPATED_RECALLS]
+
+
+def anticipate_slide(win: "ContextWindow", state: WindowState, meter: Meter) -> ChunkRef | None:
+    """Give the provisional slot a slide would bring to the front its canonical (see the module
+    doc, 1.). Returns its ref, or None when there is nothing to do."""
+    if len(state.slots) < 2 or not state.slots[1].provisional:
+        return None
+    ctx = win._ctx
+    eager = getattr(ctx.policy, "eager", ctx.policy)
+    slots = list(state.slots)
+    slot = slots[1]
+    slots[1] = win._canonicalize(slot, slots[:1], "append", eager, meter)
+    state.slots, _ = reconcile(ctx, slots, {slot.ref: "append"}, meter, policy=HealPolicy(eager))
+    return slot.ref
+
+
+def anticipate_recall(win: "ContextWindow", state: WindowState, ref: ChunkRef, at: int | None, meter: Meter) -> bool:
+    """Form and store ``ref``'s recall patch for the arrangement ``recall(ref, at)`` would produce
+    now (see the module doc, 2.). The state is only read (the simulation runs on a copy); the
+    store gains the canonical (if it was owed) and the patch. Returns whether anything was formed."""
+    ctx = win._ctx
+    entry = state.evicted[ref]
+    chunk = ctx.store.get_chunk(entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature,
+                                traffic=meter.traffic)
+    formed = False
+    if chunk is None:
+        source = entry.source if entry.source is not None else (
+            ingest.source_of(entry.provisional) if entry.provisional is not None else None)
+        if source is None:
+            return False
+        chunk = ingest.encode_and_store(ctx, meter, **source)
+        formed = True
+    sim = state.copy()
+    slots = list(sim.slots)
+    reasons: dict[ChunkRef, str] = {}
+    left = win._make_room(sim, slots, entry.n_tokens, reasons)
+    pos = len(slots) if at is None else max(0, min(int(at), len(slots) + len(left)) - len(left))
+    del sim.evicted[ref]
+    slots.insert(pos, Slot(ref=ref, chunk=chunk))
+    reasons[ref] = "recall"
+    for later in slots[pos + 1:]:
+        reasons[later.ref] = "inserted"
+    eager = getattr(ctx.policy, "eager", ctx.policy)
+    before = meter.patches_formed
+    # the eager policy's decisions on the simulated arrangement, as the recall would run them:
+    # the survivors, the recalled chunk's patch, the cascade it implies (formed and stored; the
+    # slots are discarded)
+    candidates = frozenset(state.graph.preview_cascade(ref, state.refs)) - set(left)
+    placed, _ = reconcile(ctx, slots, reasons, meter, recalled=ref, cascade_candidates=candidates,
+                          policy=HealPolicy(eager))
+    for new, old in zip(placed, slots):
+        if new.stack is not old.stack:
+            ctx.anticipated_keys.update(cond.key for cond in new.stack if cond.key)
+    return formed or meter.patches_formed > before
+
+
+class WindowAnticipation:
+    """The anticipation operations of a :class:`~.window.ContextWindow` (a mixin)."""
+
+    @property
+    def expected(self) -> dict[ChunkRef, int | None]:
+        """Refs an agent said it may look at next (:meth:`expect`), with where (None: the end)."""
+        return self.__dict__.setdefault("_expected", {})
+
+    def expect(self, ref: ChunkRef, at: int | None = None) -> None:
+        """Say that ``ref`` (an evicted chunk) may be recalled next, at index ``at`` (None: the
+        end): with anticipation on, ``heal()`` prepares that recall first. A hint: nothing is
+        formed now, and a recall elsewhere is served as usual."""
+        self._check_open()
+        self._state.check_known(ref)
+        self.expected.pop(ref, None)
+        self.expected[ref] = at
+        while len(self.expected) > ANTICIPATED_RECALLS:  # the latest hints count
+            del self.expected[next(iter(self.expected))]
+
+    def _anticipate(self, max_steps: int | None) -> list[Receipt]:
+        """The anticipation steps ``heal()`` runs once nothing is queued (see the module doc)."""
+        steps: list[Receipt] = []
+        if not self._ctx.config.anticipate or (max_steps is not None and max_steps <= 0):
+            return steps
+
+        def slide_body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
+            ref = anticipate_slide(self, state, meter)
+            return {"refs": () if ref is None else (ref,)}, None
+
+        receipt = self._run("anticipate", slide_body)[0]
+        if receipt.refs:
+            steps.append(receipt)
+        for ref, at in recall_candidates(self, self._state):
+            if max_steps is not None and len(steps) >= max_steps:
+                break
+
+            def recall_body(state: WindowState, meter: Meter, ref: ChunkRef = ref, at: int | None = at) -> tuple[dict[str, Any], None]:
+                formed = anticipate_recall(self, state, ref, at, meter)
+                return {"refs": (ref,) if formed else ()}, None
+
+            receipt = self._run("anticipate", recall_body, mutates=False)[0]
+            if receipt.refs:
+                steps.append(receipt)
+        return steps
+

@@ -1,0 +1,121 @@
+"""Anticipatory healing (window.anticipation): heal() prepares the next likely re-reads, which then
+run no forward and equal the eager policy's window; with anticipation off heal is as before, and
+an anticipation the window has moved past is never served."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import micro_llama
+
+from contextdeque.core import compat
+from contextdeque.core.errors import WindowTypeError
+from contextdeque.core.metrics import kl_divergence
+from contextdeque.model.hf import HFBackend
+from contextdeque.window import ContextWindow
+from contextdeque.window.config import WindowConfig
+
+POOL = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15], [20, 21, 22, 23], [30, 31, 32, 33, 34, 35, 36], [40, 41, 42],
+        [44, 45, 46, 47]]
+QUERY = [50, 51, 52]
+
+
+@pytest.fixture(scope="module")
+def backend(one_thread):
+    return HFBackend(micro_llama(7), None, root_ids=[1, 3], name="tiny-anticipation-llama")
+
+
+def answer_logits(backend: HFBackend, win: ContextWindow) -> torch.Tensor:
+    cache = win.materialize()
+    past = [tuple(t[0] for t in compat.cache_layer(cache, l)) for l in range(compat.cache_num_layers(cache))]
+    start = win.next_position()
+    return backend.forward(input_ids=QUERY, positions=backend.text_positions(start, len(QUERY)), past=past).logits[-1]
+
+
+def build(backend, policy, *, anticipate=False, provisional=False, budget=22):
+    """Five pages through a budget of four (the first slides out), healed after each append:
+    known content (canonicals exist) unless ``provisional`` (new content: latency-first appends
+    it with one conditioned forward and no canonical)."""
+    win = ContextWindow(backend, budget_tokens=budget, rank=2, patch_policy=policy, anticipate=anticipate)
+    refs = []
+    for p in POOL[:5]:
+        refs.append(win.append(token_ids=p) if provisional else win.append(chunk=backend.encode(token_ids=p)))
+        win.heal()
+    assert refs[0] not in win.refs  # slid out: the recall candidate
+    return win, refs
+
+
+STEPS = {
+    "slide": lambda w, refs: w.slide(1),
+    "recall": lambda w, refs: w.recall(refs[0]),
+    "look-back": lambda w, refs: w.recall(refs[0], at=0),
+}
+
+
+@pytest.mark.parametrize("step", sorted(STEPS))
+def test_anticipated_step_runs_no_forward_and_equals_eager(backend, step):
+    eager, refs_e = build(backend, "eager")
+    fast, refs_f = build(backend, "latency", anticipate=True)
+    r_eager = STEPS[step](eager, refs_e)
+    r_fast = STEPS[step](fast, refs_f)
+    assert r_fast.forwards == 0
+    assert not r_fast.deferred and not fast.pending_refs  # nothing served stale or blind
+    if step == "recall":  # the eager policy forms patches there: anticipation had them ready
+        assert r_eager.forwards > 0 and r_eager.patches_formed > 0
+        assert r_fast.served and all(what == "anticipated" for _, what in r_fast.served)
+    else:  # at the front the canonical is exact: the eager policy forms nothing either
+        assert r_eager.forwards == 0
+    assert kl_divergence(answer_logits(backend, eager), answer_logits(backend, fast)) <= 1e-6
+
+
+def test_anticipation_off_heals_as_before(backend):
+    """anticipate=False (the default): heal does only the queued work, the recall of the page
+    that left is served blind and deferred, as the latency policy serves it without anticipation."""
+    plain, refs_p = build(backend, "latency")
+    off, refs_o = build(backend, "latency", anticipate=False)
+    assert not off._ctx.anticipated_keys and not any(r.op == "anticipate" for r in off.receipts)
+    r_plain, r_off = plain.recall(refs_p[0]), off.recall(refs_o[0])
+    assert r_off.forwards == r_plain.forwards == 0
+    assert r_off.deferred and [d[1:] for d in r_off.deferred] == [d[1:] for d in r_plain.deferred]
+    assert "anticipated" not in {what for _, what in r_off.served}
+    assert torch.equal(answer_logits(backend, plain), answer_logits(backend, off))
+    assert WindowConfig().anticipate is False
+    with pytest.raises(WindowTypeError):
+        WindowConfig(anticipate=1)
+
+
+def test_stale_anticipation_is_not_served(backend):
+    """The context changed after the anticipation was formed (another page appended, one more
+    slid out): the recall lands in another arrangement, the anticipated patch's key differs, and
+    the recall is served as without anticipation (deferred), never the anticipated patch."""
+    win, refs = build(backend, "latency", anticipate=True)
+    assert win._ctx.anticipated_keys  # heal formed some
+    win.append(chunk=backend.encode(token_ids=POOL[5]))  # no heal: nothing anticipated for this arrangement
+    r = win.recall(refs[0])
+    assert r.forwards == 0 and r.patches_reused == 0
+    assert "anticipated" not in {what for _, what in r.served}
+    assert refs[0] in {ref for ref, _, _ in r.deferred}
+    healed = win.heal()  # the eager policy's decisions, formed now
+    assert healed.forwards > 0
+
+
+def test_expect_prepares_that_recall_first(backend):
+    win, refs = build(backend, "latency", anticipate=True)
+    win.evict(refs[2])  # a middle page leaves; the agent says it will look at it again in front
+    win.expect(refs[2], at=0)
+    win.heal()
+    r = win.recall(refs[2], at=0)
+    assert r.forwards == 0 and not r.deferred
+
+
+def test_provisional_page_reaching_the_front_is_exact(backend):
+    """New content (no canonical): anticipation gives the page the next slide brings to the front
+    its canonical, so the slide serves the exact canonical there as the eager policy does."""
+    eager, refs_e = build(backend, "eager", provisional=True)
+    fast, refs_f = build(backend, "latency", anticipate=True, provisional=True)
+    r = fast.slide(1)
+    eager.slide(1)
+    assert r.forwards == 0
+    front = fast.slot(fast.refs[0])
+    assert not front.provisional and not front.stack  # the canonical: exact at the front
+    assert torch.equal(front.chunk.keys, eager.slot(eager.refs[0]).chunk.keys)
