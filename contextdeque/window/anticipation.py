@@ -75,6 +75,9 @@ def anticipate_recall(win: "ContextWindow", state: WindowState, ref: ChunkRef, a
     store gains the canonical (if it was owed) and the patch. Returns whether anything was formed."""
     ctx = win._ctx
     entry = state.evicted[ref]
+    room = ctx.budget_tokens is None or state.tokens_used + entry.n_tokens <= ctx.budget_tokens
+    if not room and ctx.overflow == "error":  # that recall would be refused: nothing to prepare
+        return False
     chunk = ctx.store.get_chunk(entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature,
                                 traffic=meter.traffic)
     formed = False
