@@ -119,3 +119,18 @@ def test_provisional_page_reaching_the_front_is_exact(backend):
     front = fast.slot(fast.refs[0])
     assert not front.provisional and not front.stack  # the canonical: exact at the front
     assert torch.equal(front.chunk.keys, eager.slot(eager.refs[0]).chunk.keys)
+
+
+def test_anticipation_skips_a_recall_the_budget_would_refuse(backend):
+    """overflow='error': a recall that would not fit is refused, so heal prepares none (and does
+    not raise); one that fits (after an eviction) is prepared."""
+    win = ContextWindow(backend, budget_tokens=15, rank=2, patch_policy="latency", overflow="error", anticipate=True)
+    refs = [win.append(chunk=backend.encode(token_ids=p)) for p in POOL[:3]]
+    win.evict(refs[0])
+    win.append(chunk=backend.encode(token_ids=POOL[4]))  # 6 + 4 + 3 = 13 of 15: refs[0] (5) no longer fits
+    win.heal()
+    assert not win._ctx.anticipated_keys
+    win.evict(refs[2])
+    win.heal()
+    r = win.recall(refs[0])
+    assert r.forwards == 0 and not r.deferred and r.served and all(w == "anticipated" for _, w in r.served)
