@@ -331,3 +331,11 @@ def test_max_evicted_survives_a_session(backend, tmp_path):
     opened.evict(opened.refs[-1])
     opened.evict(opened.refs[-1])
     assert len(opened.evicted_refs) == 1
+
+
+def test_anticipate_survives_a_session(backend, tmp_path):
+    """Anticipation is configuration: a reopened window prepares re-reads as the saved one did."""
+    win = busy_window(backend, anticipate=True)
+    win.save(tmp_path / "ant.cdq")
+    assert read_manifest(tmp_path / "ant.cdq")[0].config.anticipate is True
+    assert ContextWindow.open(tmp_path / "ant.cdq", backend)._ctx.config.anticipate is True
