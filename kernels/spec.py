@@ -299,3 +299,83 @@ def layer_arg(arg, i: int, stacked_dim: int):
     if stacked_factors(arg):
         return (arg[0][i], arg[1][i])
     return arg[i]
+
+
+# ----------------------------------------------------------------------------- layers laid out alike
+# A whole chunk goes to a backend in one call when every layer is laid out like layer 0: layer 0
+# is checked in full (build_jobs), the others only for that likeness, and each per-layer argument
+# is reduced to its layers' data addresses.
+
+
+class LayerMismatch(Exception):
+    """A layer is laid out differently from layer 0: the caller uses the per-layer path."""
+
+
+def tensor_signature(t: torch.Tensor) -> tuple:
+    """What two layers' tensors must share to run with layer 0's parameters."""
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def dest_tensors(d: Dest) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (K, V) cache tensors of a destination."""
+    return (d.k, d.v) if isinstance(d, ContiguousDest) else (d.k_cache, d.v_cache)
+
+
+def same_dests(dests: "list[Dest] | tuple[Dest, ...]") -> bool:
+    """Whether every destination is laid out like ``dests[0]``, on its device (checked per layer, so kept lean)."""
+    d0 = dests[0]
+    t0k, t0v = dest_tensors(d0)
+    if isinstance(d0, ContiguousDest):
+        key = (d0.batch, d0.start)
+        same_key = lambda d: isinstance(d, ContiguousDest) and (d.batch, d.start) == key  # noqa: E731
+    else:
+        same_key = lambda d: isinstance(d, PagedDest) and d.slot_mapping is d0.slot_mapping  # noqa: E731
+    # contiguous tensors of equal shape have equal strides: skip the (slower) stride tuple
+    checks = [(t0.shape, t0.dtype, t0.is_contiguous(), t0.stride(), t0.device) for t0 in (t0k, t0v)]
+    for d in dests[1:]:
+        if not same_key(d):
+            return False
+        for t, (shape, dtype, contig, stride, device) in zip(dest_tensors(d), checks):
+            if t.shape != shape or t.dtype is not dtype or t.device != device:
+                return False
+            if not (contig and t.is_contiguous()) and t.stride() != stride:
+                return False
+    return True
+
+
+def dest_addresses(dests: "list[Dest] | tuple[Dest, ...]") -> tuple[list[int], list[int]]:
+    """Data addresses of each layer's (K, V) destination tensors."""
+    pairs = [dest_tensors(d) for d in dests]
+    return [k.data_ptr() for k, _ in pairs], [v.data_ptr() for _, v in pairs]
+
+
+def layer_addresses(arg, L: int, stacked_dim: int, ref: torch.Tensor) -> list[int]:
+    """Data address of each layer's tensor of a per-layer argument laid out like ``ref`` (layer 0's).
+
+    Raises :class:`LayerMismatch` when a layer's tensor is laid out differently."""
+    if isinstance(arg, torch.Tensor):
+        if arg.dim() == stacked_dim + 1:  # stacked
+            base, step = arg.data_ptr(), arg.stride(0) * arg.element_size()
+            return [base + i * step for i in range(L)]
+        return [arg.data_ptr()] * L  # shared by every layer
+    sig = tensor_signature(ref)
+    out = []
+    for t in arg:
+        if not isinstance(t, torch.Tensor) or tensor_signature(t) != sig:
+            raise LayerMismatch
+        out.append(t.data_ptr())
+    return out
+
+
+def factor_addresses(f, L: int, job: TensorJob) -> tuple[list[int], list[int]]:
+    """Per-layer data addresses of ``(u, w)`` (zeros when layer 0 is unpatched, and so every layer)."""
+    if job.u is None or job.w is None:  # layer 0 unpatched: so must every layer be
+        if f is not None and not stacked_factors(f) and any(x is not None for x in f):
+            raise LayerMismatch
+        return [0] * L, [0] * L
+    if stacked_factors(f):
+        return layer_addresses(f[0], L, 2, job.u), layer_addresses(f[1], L, 2, job.w)
+    pairs = list(f)
+    if any(x is None for x in pairs):
+        raise LayerMismatch
+    return layer_addresses([x[0] for x in pairs], L, 2, job.u), layer_addresses([x[1] for x in pairs], L, 2, job.w)

@@ -27,7 +27,17 @@ from typing import Any
 
 import torch
 
-from .spec import TensorJob
+from .spec import (
+    ContiguousDest,
+    LayerMismatch,
+    TensorJob,
+    build_jobs,
+    dest_addresses,
+    factor_addresses,
+    layer_addresses,
+    layer_arg,
+    same_dests,
+)
 
 try:  # triton is optional: an extra, never required to install or to test
     import triton
@@ -40,6 +50,10 @@ except Exception:  # pragma: no cover - exercised only where triton is missing o
     HAVE_TRITON = False
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+#: Launch-shape overrides (``block_t``, ``num_warps``) for tuning sweeps
+#: (``contextdeque.eval.gpu_check``); empty: the defaults of :func:`_launch`.
+LAUNCH_OVERRIDES: dict[str, int] = {}
 
 
 def interpreting() -> bool:
@@ -108,6 +122,7 @@ if HAVE_TRITON:
         o_ptr, o_sh, o_st,
         slot_ptr, block_size, o_sblk, o_soff, num_slots,
         T, D, n_pass,
+        c_sl, u_sl, w_sl, cs_sl, o_sl,
         PAGED: tl.constexpr, HAS_PATCH: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
         WIDEN_DOT: tl.constexpr, FP32_DOT: tl.constexpr, OUT_KIND: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -115,6 +130,14 @@ if HAVE_TRITON:
     ):
         pid_t = tl.program_id(0)
         h = tl.program_id(1).to(tl.int64)
+        # layer (grid axis 2): every layer is laid out like layer 0, ``*_sl`` elements apart
+        layer = tl.program_id(2).to(tl.int64)
+        c_ptr += layer * c_sl
+        u_ptr += layer * u_sl
+        w_ptr += layer * w_sl
+        cos_ptr += layer * cs_sl
+        sin_ptr += layer * cs_sl
+        o_ptr += layer * o_sl
         tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         t_mask = tok < T
         tok64 = tok.to(tl.int64)
@@ -182,7 +205,9 @@ def _ceil_to(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-def _launch(job: TensorJob) -> None:
+def _launch(job: TensorJob, layers: int = 1, layer_steps: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)) -> None:
+    """One launch for ``job`` (layer 0) and, with ``layers > 1``, the ``layers - 1`` layers laid out
+    like it ``layer_steps`` = (content, u, w, cos/sin, destination) elements apart."""
     c = job.content
     H, T, D = c.shape
     if c.stride(2) != 1:
@@ -209,9 +234,9 @@ def _launch(job: TensorJob) -> None:
         slot_args = (slots, buf.shape[1], buf.stride(0), buf.stride(1), buf.shape[0] * buf.shape[1])
     widen = interp or (u is not None and w is not None and u.dtype != w.dtype)
     fp32_dot = widen or (u is not None and u.dtype == torch.float32)
-    block_t = 16 if interp else (32 if D > 256 else 64)
+    block_t = LAUNCH_OVERRIDES.get("block_t") or (16 if interp else (32 if D > 256 else 64))
     block_n, block_p, block_m = _pow2_at_least(n_pass, 16, 128), _pow2_at_least(half, 16, 64), _pow2_at_least(m, 16, 64)
-    grid = (triton.cdiv(T, block_t), H)  # type: ignore[union-attr]
+    grid = (triton.cdiv(T, block_t), H, layers)  # type: ignore[union-attr]
     _fused_kernel[grid](
         c, c.stride(0), c.stride(1),
         u if u is not None else c, u.stride(0) if u is not None else 0,
@@ -220,6 +245,7 @@ def _launch(job: TensorJob) -> None:
         o_ptr, o_sh, o_st,
         *slot_args,
         T, D, n_pass,
+        *layer_steps,
         PAGED=job.slots is not None,
         HAS_PATCH=m > 0,
         ROPE=half > 0,
@@ -234,6 +260,7 @@ def _launch(job: TensorJob) -> None:
         N_LOOP=_ceil_to(n_pass, block_n),
         P_LOOP=_ceil_to(half, block_p),
         M_LOOP=_ceil_to(m, block_m),
+        num_warps=LAUNCH_OVERRIDES.get("num_warps", 4),
     )
 
 
@@ -243,3 +270,68 @@ def run_jobs(jobs: list[TensorJob]) -> None:
         raise RuntimeError("triton is not installed (pip install contextdeque[triton])")
     for job in jobs:
         _launch(job)
+
+
+def _step(addresses: list[int], element_size: int) -> int:
+    """The constant distance, in elements, between consecutive layers' addresses (``LayerMismatch`` if none)."""
+    if len(addresses) < 2:
+        return 0
+    step, rem = divmod(addresses[1] - addresses[0], element_size)
+    if rem or any(b - a != addresses[1] - addresses[0] for a, b in zip(addresses[1:], addresses[2:])):
+        raise LayerMismatch
+    return step
+
+
+def _unit_channel_strides(job: TensorJob) -> bool:
+    """Whether the kernel reads ``job``'s tensors in place (no contiguous copies it would make per layer)."""
+    if job.content.stride(2) != 1:
+        return False
+    if job.u is not None and (job.u.stride(1) != 1 or job.w.stride(1) != 1):  # type: ignore[union-attr]
+        return False
+    if job.cos is not None and not (job.cos.is_contiguous() and job.sin.is_contiguous()):  # type: ignore[union-attr]
+        return False
+    return job.slots is None or job.slots.stride(0) == 1
+
+
+def run_all_layers(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v, L: int) -> bool:
+    """Two launches (K, V) for all ``L`` layers of a chunk when they are laid out alike, each
+    layer's tensors a constant distance apart (stacked tensors, per-layer views of them, or
+    equally spaced allocations); layer 0 is checked in full, the others only for that.
+
+    Returns ``False`` (nothing written) otherwise, for the per-layer path."""
+    own = dests is None
+    dest0 = ContiguousDest(out_k[0], out_v[0]) if own else dests[0]
+    jobs0 = build_jobs(
+        layer_arg(k, 0, 3), layer_arg(v, 0, 3), rope, layer_arg(cos, 0, 2), layer_arg(sin, 0, 2),
+        layer_arg(kf, 0, 2), layer_arg(vf, 0, 2), dest0,
+    )
+    if not all(_unit_channel_strides(j) for j in jobs0):
+        return False
+    try:
+        if own:
+            d_k, d_v = layer_addresses(out_k, L, 4, out_k[0]), layer_addresses(out_v, L, 4, out_v[0])
+        else:
+            if not same_dests(dests):
+                return False
+            d_k, d_v = dest_addresses(dests)
+        launches = []
+        for job, content, f, dest in ((jobs0[0], k, kf, d_k), (jobs0[1], v, vf, d_v)):
+            u, w = factor_addresses(f, L, job)
+            cs_step = 0
+            if job.half:
+                cs_step = _step(layer_addresses(cos, L, 2, job.cos), 4)  # type: ignore[arg-type]
+                if _step(layer_addresses(sin, L, 2, job.sin), 4) != cs_step:  # type: ignore[arg-type]
+                    raise LayerMismatch
+            steps = (
+                _step(layer_addresses(content, L, 3, job.content), job.content.element_size()),
+                _step(u, job.u.element_size()) if job.u is not None else 0,
+                _step(w, job.w.element_size()) if job.w is not None else 0,
+                cs_step,
+                _step(dest, job.buf.element_size()),
+            )
+            launches.append((job, steps))
+    except LayerMismatch:
+        return False
+    for job, steps in launches:
+        _launch(job, L, steps)
+    return True

@@ -187,6 +187,24 @@ VARIANTS = {
 }
 
 
+def stacked_layers_case(L, H, T, d, m, dtype, seed=100):
+    """A chunk of L layers as the operator passes it: stacked contents ``[L, H, T, d]``, stacked
+    factors and per-layer tables ``[L, T, d/2]``; with the per-layer inputs for the oracle."""
+    rope = RopeSpec("k", 0, d)
+    layers = [make_inputs(H, T, d, m, dtype, rope, seed=seed + i) for i in range(L)]
+    stack = lambda j: torch.stack([x[j] for x in layers])  # noqa: E731
+    kf = (torch.stack([x[2][0] for x in layers]), torch.stack([x[2][1] for x in layers]))
+    vf = (torch.stack([x[3][0] for x in layers]), torch.stack([x[3][1] for x in layers]))
+    return rope, stack(0), stack(1), kf, vf, stack(4), stack(5), layers
+
+
+def check_layers_against_oracle(out, rope, layers, m, what=""):
+    for i, (k, v, kf, vf, cos, sin) in enumerate(layers):
+        ek, ev, sk, sv = oracle(k, v, rope, cos, sin, kf, vf)
+        assert_ulp_close(out[i][0].cpu(), ek, sk, k.dtype, m, what=f"{what} layer {i} k")
+        assert_ulp_close(out[i][1].cpu(), ev, sv, v.dtype, m, what=f"{what} layer {i} v")
+
+
 def run_backend(backend, k, v, rope, cos, sin, kf, vf, out_dtype=None):
     return fused_apply(k, v, rope, cos, sin, kf, vf, out_dtype=out_dtype, backend=backend)
 
@@ -736,7 +754,7 @@ INTERP_DTYPES = DTYPES
 INTERP_MAIN = [(d, r) for d in HEAD_DIMS for r in RANKS]
 INTERP_VARIANTS = sorted(VARIANTS)
 INTERP_PAGED = [(4, 5), (16, 13)]
-N_INTERP_CASES = len(INTERP_DTYPES) * (len(INTERP_MAIN) + len(INTERP_VARIANTS) + len(INTERP_PAGED)) + 3
+N_INTERP_CASES = len(INTERP_DTYPES) * (len(INTERP_MAIN) + len(INTERP_VARIANTS) + len(INTERP_PAGED) + 1) + 3
 
 if IN_INTERP_CHILD:
 
@@ -804,6 +822,27 @@ if IN_INTERP_CHILD:
     def test_interp_auto_never_picks_the_interpreter():
         assert os.environ["TRITON_INTERPRET"] == "1"
         assert select_backend("cpu") in ("native", "torch")
+
+    @pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
+    def test_interp_all_layers_in_two_launches(dtype, monkeypatch):
+        """Layers laid out alike, a constant distance apart: two launches (K, V) for all of them;
+        per-layer destinations not equally spaced: one launch per layer and tensor, same values."""
+        from contextdeque.kernels import triton_fused
+
+        L, m = 3, 16
+        rope, k, v, kf, vf, cos, sin, layers = stacked_layers_case(L, 2, 21, 64, m, dtype)
+        launches = []
+        real = triton_fused._launch
+        monkeypatch.setattr(triton_fused, "_launch", lambda job, *a: (launches.append(a[:1] or (1,)), real(job, *a)))
+        out = fused_apply_layers(k, v, rope, cos, sin, kf, vf, backend="triton")
+        assert launches == [(L,), (L,)]
+        check_layers_against_oracle(out, rope, layers, m, "stacked")
+        launches.clear()
+        bufs = [torch.empty(1, 2, 21 + 7 * i, 64, dtype=dtype) for i in range(2 * L)]  # unequal sizes
+        dests = [ContiguousDest(bufs[2 * i], bufs[2 * i + 1]) for i in range(L)]
+        fused_apply_layers(k, v, rope, cos, sin, kf, vf, dests, backend="triton")
+        assert launches == [(1,)] * (2 * L)
+        check_layers_against_oracle([(d.k[0, :, :21], d.v[0, :, :21]) for d in dests], rope, layers, m, "per layer")
 
     def test_interp_mixed_factor_dtype_and_fp32_out():
         rope = RopeSpec("k", 0, 64)
