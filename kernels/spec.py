@@ -322,24 +322,28 @@ def dest_tensors(d: Dest) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def same_dests(dests: "list[Dest] | tuple[Dest, ...]") -> bool:
-    """Whether every destination is laid out like ``dests[0]``, on its device (checked per layer, so kept lean)."""
+    """Whether every destination is laid out like ``dests[0]``, on its device.
+
+    Runs per call for every layer, so the per-layer work is list comprehensions compared in one
+    go (shape, dtype and device index; strides only where a tensor is not contiguous, since
+    contiguous tensors of equal shape have equal strides)."""
     d0 = dests[0]
-    t0k, t0v = dest_tensors(d0)
     if isinstance(d0, ContiguousDest):
-        key = (d0.batch, d0.start)
-        same_key = lambda d: isinstance(d, ContiguousDest) and (d.batch, d.start) == key  # noqa: E731
-    else:
-        same_key = lambda d: isinstance(d, PagedDest) and d.slot_mapping is d0.slot_mapping  # noqa: E731
-    # contiguous tensors of equal shape have equal strides: skip the (slower) stride tuple
-    checks = [(t0.shape, t0.dtype, t0.is_contiguous(), t0.stride(), t0.device) for t0 in (t0k, t0v)]
-    for d in dests[1:]:
-        if not same_key(d):
+        key = (ContiguousDest, d0.batch, d0.start)
+        if [(type(d), d.batch, d.start) for d in dests] != [key] * len(dests):  # type: ignore[union-attr]
             return False
-        for t, (shape, dtype, contig, stride, device) in zip(dest_tensors(d), checks):
-            if t.shape != shape or t.dtype is not dtype or t.device != device:
-                return False
-            if not (contig and t.is_contiguous()) and t.stride() != stride:
-                return False
+        pairs = [(d.k, d.v) for d in dests]  # type: ignore[union-attr]
+    else:
+        if any(type(d) is not PagedDest or d.slot_mapping is not d0.slot_mapping for d in dests):  # type: ignore[union-attr]
+            return False
+        pairs = [(d.k_cache, d.v_cache) for d in dests]  # type: ignore[union-attr]
+    for i in (0, 1):
+        ts = [p[i] for p in pairs]
+        t0 = ts[0]
+        if [(t.shape, t.dtype, t.get_device()) for t in ts] != [(t0.shape, t0.dtype, t0.get_device())] * len(ts):
+            return False
+        if not all(t.is_contiguous() for t in ts) and [t.stride() for t in ts] != [t0.stride()] * len(ts):
+            return False
     return True
 
 

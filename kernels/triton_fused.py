@@ -37,6 +37,7 @@ from .spec import (
     layer_addresses,
     layer_arg,
     same_dests,
+    stacked_factors,
 )
 
 try:  # triton is optional: an extra, never required to install or to test
@@ -274,12 +275,21 @@ def run_jobs(jobs: list[TensorJob]) -> None:
 
 def _step(addresses: list[int], element_size: int) -> int:
     """The constant distance, in elements, between consecutive layers' addresses (``LayerMismatch`` if none)."""
-    if len(addresses) < 2:
-        return 0
-    step, rem = divmod(addresses[1] - addresses[0], element_size)
-    if rem or any(b - a != addresses[1] - addresses[0] for a, b in zip(addresses[1:], addresses[2:])):
+    a0 = addresses[0]
+    delta = addresses[1] - a0 if len(addresses) > 1 else 0
+    if delta % element_size:
         raise LayerMismatch
-    return step
+    expected = [a0] * len(addresses) if delta == 0 else list(range(a0, a0 + delta * len(addresses), delta))
+    if addresses != expected:  # one C-level comparison: this runs per call, for every argument
+        raise LayerMismatch
+    return delta // element_size
+
+
+def _layer_step(arg, L: int, stacked_dim: int, ref: torch.Tensor) -> int:
+    """Elements between consecutive layers' tensors of a per-layer argument laid out like ``ref``."""
+    if isinstance(arg, torch.Tensor):
+        return arg.stride(0) if arg.dim() == stacked_dim + 1 else 0  # stacked, or shared by every layer
+    return _step(layer_addresses(arg, L, stacked_dim, ref), ref.element_size())
 
 
 def _unit_channel_strides(job: TensorJob) -> bool:
@@ -309,26 +319,28 @@ def run_all_layers(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v, L: int) ->
         return False
     try:
         if own:
-            d_k, d_v = layer_addresses(out_k, L, 4, out_k[0]), layer_addresses(out_v, L, 4, out_v[0])
+            o_k, o_v = out_k.stride(0), out_v.stride(0)
         else:
             if not same_dests(dests):
                 return False
             d_k, d_v = dest_addresses(dests)
+            o_k, o_v = _step(d_k, jobs0[0].buf.element_size()), _step(d_v, jobs0[1].buf.element_size())
         launches = []
-        for job, content, f, dest in ((jobs0[0], k, kf, d_k), (jobs0[1], v, vf, d_v)):
-            u, w = factor_addresses(f, L, job)
-            cs_step = 0
+        for job, content, f, o_step in ((jobs0[0], k, kf, o_k), (jobs0[1], v, vf, o_v)):
+            u_step = w_step = cs_step = 0
+            if job.u is not None and job.w is not None:
+                if stacked_factors(f):
+                    u_step, w_step = f[0].stride(0), f[1].stride(0)
+                else:
+                    u, w = factor_addresses(f, L, job)
+                    u_step, w_step = _step(u, job.u.element_size()), _step(w, job.w.element_size())
+            elif f is not None and not stacked_factors(f) and any(x is not None for x in f):
+                raise LayerMismatch  # layer 0 unpatched: so must every layer be
             if job.half:
-                cs_step = _step(layer_addresses(cos, L, 2, job.cos), 4)  # type: ignore[arg-type]
-                if _step(layer_addresses(sin, L, 2, job.sin), 4) != cs_step:  # type: ignore[arg-type]
+                cs_step = _layer_step(cos, L, 2, job.cos)  # type: ignore[arg-type]
+                if _layer_step(sin, L, 2, job.sin) != cs_step:  # type: ignore[arg-type]
                     raise LayerMismatch
-            steps = (
-                _step(layer_addresses(content, L, 3, job.content), job.content.element_size()),
-                _step(u, job.u.element_size()) if job.u is not None else 0,
-                _step(w, job.w.element_size()) if job.w is not None else 0,
-                cs_step,
-                _step(dest, job.buf.element_size()),
-            )
+            steps = (_layer_step(content, L, 3, job.content), u_step, w_step, cs_step, o_step)
             launches.append((job, steps))
     except LayerMismatch:
         return False

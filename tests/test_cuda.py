@@ -260,7 +260,6 @@ def test_cuda_materialize_and_generate_vs_reprefill(dtype):
     the window's own cache. flash-attention 2 where flash-attn imports, else SDPA (recorded)."""
     from contextdeque.core.metrics import kl_divergence
     from contextdeque.window import ContextWindow
-    from contextdeque.window.decode import answer  # noqa: F401 - the decode path must import on CUDA
 
     impl = _attention_implementation()
     backend = _cuda_backend({**SMOLLM2_135M_CONFIG, "num_hidden_layers": 6}, seed=3, dtype=dtype, attn=impl)
