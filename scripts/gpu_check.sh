@@ -25,10 +25,13 @@ if [ -n "$WHL" ] && ls "$WHL"/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl || exit 99
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# contextdeque without a build step: kernels/ and agents/ install inside the package
-rm -rf /tmp/cdq && mkdir -p /tmp/cdq && cp -r contextdeque /tmp/cdq/ && cp -r kernels /tmp/cdq/contextdeque/kernels \
-  && cp -r agents /tmp/cdq/contextdeque/agents || exit 98
-export PYTHONPATH=/tmp/cdq${PYTHONPATH:+:$PYTHONPATH}
+# contextdeque without a build step, in a copy of the checkout (this one stays untouched) where
+# kernels/ and agents/ are linked inside the package, as the install maps them
+OUT=$(cd "$OUT" && pwd) TOK=$(cd "$TOK" && pwd)
+rm -rf /tmp/cdq-repo && mkdir -p /tmp/cdq-repo && cp -r contextdeque kernels agents tests pyproject.toml /tmp/cdq-repo/ \
+  && ln -s ../kernels /tmp/cdq-repo/contextdeque/kernels && ln -s ../agents /tmp/cdq-repo/contextdeque/agents || exit 98
+cd /tmp/cdq-repo || exit 98
+export PYTHONPATH=/tmp/cdq-repo${PYTHONPATH:+:$PYTHONPATH}
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
