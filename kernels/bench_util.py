@@ -15,8 +15,10 @@ For a model shape (layers, KV heads, head dim, rank) and a chunk of T tokens:
   the per-shape floors above carry launch costs of their own (60 ``addmm`` calls), so this is
   the floor the GPU target is held to.
 
-On CUDA every call is timed with CUDA events (device time of the work the call enqueued, warm-up
-first, so compilation stays out) and the cache flush rewrites a buffer twice the L2.
+On CUDA every call is timed with CUDA events (from the call's start to the end of the work it
+enqueued: host checks and launches included, warm-up first, so compilation stays out) and the
+cache flush rewrites a buffer twice the L2; the apply is also timed as a CUDA-graph replay
+(:func:`device_time`: the kernels alone, without the host's share).
 
 Every timed call starts from a cold cache (a buffer twice the last-level cache is rewritten
 before it, untimed), as a chunk fetched from a store would. Timing on shared machines is noisy,
@@ -80,7 +82,7 @@ class ApplyCase:
     @property
     def flops(self) -> int:
         """Multiply-add FLOPs of the rank-m products: ``2 T m H d`` per layer and tensor."""
-        return sum(2 * self.tokens * self.rank * t[0].numel() for t in (self.k, self.v)) if self.rank else 0
+        return sum(2 * self.rank * t.numel() for t in (self.k, self.v))  # t: [L, H, T, d]
 
     def layer_factors(self, i: int) -> tuple:
         """``(k_factors, v_factors)`` of layer ``i`` (pairs of views, or ``None``)."""
@@ -256,6 +258,24 @@ def time_interleaved(
     return {k: Timing(min(v), statistics.median(v)) for k, v in samples.items()}
 
 
+def device_time(fn: Callable[[], None], device: "torch.device | str", rounds: int = 20) -> Optional[Timing]:
+    """The device time of the work ``fn`` enqueues, without its host costs (argument checks,
+    launches): ``fn`` captured once into a CUDA graph whose replays are timed with events, each
+    from a cold L2. ``None`` off CUDA. ``fn`` must only launch work (no allocation, no sync)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        fn()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_interleaved({"graph": graph.replay}, rounds=rounds, device=dev)["graph"]
+
+
 @dataclass
 class Ceilings:
     """A device's measured ceilings: copy bandwidth (bytes read + written per second) and the
@@ -327,6 +347,8 @@ class BenchResult:
     flops: int = 0
     true_floor_s: Optional[float] = None
     true_ratio: Optional[float] = None
+    apply_device_s: Optional[float] = None
+    device_ratio: Optional[float] = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -362,6 +384,7 @@ def bench_apply(
     t = time_interleaved(fns, rounds=rounds, device=device)
     gemm = t["gemm"].min_s if "gemm" in t else None
     true_floor = ceilings.floor_s(case) if ceilings is not None else None
+    on_device = device_time(fns["apply"], device, rounds)
     floor = max(t["memcpy"].min_s, gemm or 0.0)
     return BenchResult(
         tokens=tokens,
@@ -383,4 +406,6 @@ def bench_apply(
         flops=case.flops,
         true_floor_s=true_floor,
         true_ratio=t["apply"].min_s / true_floor if true_floor else None,
+        apply_device_s=on_device.min_s if on_device else None,
+        device_ratio=on_device.min_s / true_floor if on_device and true_floor else None,
     )

@@ -65,7 +65,6 @@ from .spec import (
     factor_addresses,
     layer_addresses,
     layer_arg,
-    same_dests,
 )
 
 #: The kernel's C source, shipped as package data beside this module.
@@ -303,9 +302,10 @@ def run_all_layers(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v, L: int) ->
         if own:
             d_k, d_v = layer_addresses(out_k, L, 4, out_k[0]), layer_addresses(out_v, L, 4, out_v[0])
         else:
-            if not same_dests(dests):
+            addresses = dest_addresses(dests)
+            if addresses is None:
                 raise LayerMismatch
-            d_k, d_v = dest_addresses(dests)
+            d_k, d_v = addresses
         jk, jv = jobs0
         per_tensor = []
         for job, content, f, dest in ((jk, k, kf, d_k), (jv, v, vf, d_v)):

@@ -321,8 +321,9 @@ def dest_tensors(d: Dest) -> tuple[torch.Tensor, torch.Tensor]:
     return (d.k, d.v) if isinstance(d, ContiguousDest) else (d.k_cache, d.v_cache)
 
 
-def same_dests(dests: "list[Dest] | tuple[Dest, ...]") -> bool:
-    """Whether every destination is laid out like ``dests[0]``, on its device.
+def dest_addresses(dests: "list[Dest] | tuple[Dest, ...]") -> "tuple[list[int], list[int]] | None":
+    """Data addresses of each layer's (K, V) destination tensors when every destination is laid
+    out like ``dests[0]`` on its device; ``None`` when one is not.
 
     Runs per call for every layer, so the per-layer work is list comprehensions compared in one
     go (shape, dtype and device index; strides only where a tensor is not contiguous, since
@@ -331,26 +332,23 @@ def same_dests(dests: "list[Dest] | tuple[Dest, ...]") -> bool:
     if isinstance(d0, ContiguousDest):
         key = (ContiguousDest, d0.batch, d0.start)
         if [(type(d), d.batch, d.start) for d in dests] != [key] * len(dests):  # type: ignore[union-attr]
-            return False
+            return None
         pairs = [(d.k, d.v) for d in dests]  # type: ignore[union-attr]
     else:
         if any(type(d) is not PagedDest or d.slot_mapping is not d0.slot_mapping for d in dests):  # type: ignore[union-attr]
-            return False
+            return None
         pairs = [(d.k_cache, d.v_cache) for d in dests]  # type: ignore[union-attr]
+    addresses = []
     for i in (0, 1):
         ts = [p[i] for p in pairs]
         t0 = ts[0]
-        if [(t.shape, t.dtype, t.get_device()) for t in ts] != [(t0.shape, t0.dtype, t0.get_device())] * len(ts):
-            return False
+        sig0 = (t0.shape, t0.dtype, t0.get_device())
+        if [(t.shape, t.dtype, t.get_device()) for t in ts] != [sig0] * len(ts):
+            return None
         if not all(t.is_contiguous() for t in ts) and [t.stride() for t in ts] != [t0.stride()] * len(ts):
-            return False
-    return True
-
-
-def dest_addresses(dests: "list[Dest] | tuple[Dest, ...]") -> tuple[list[int], list[int]]:
-    """Data addresses of each layer's (K, V) destination tensors."""
-    pairs = [dest_tensors(d) for d in dests]
-    return [k.data_ptr() for k, _ in pairs], [v.data_ptr() for _, v in pairs]
+            return None
+        addresses.append([t.data_ptr() for t in ts])
+    return addresses[0], addresses[1]
 
 
 def layer_addresses(arg, L: int, stacked_dim: int, ref: torch.Tensor) -> list[int]:

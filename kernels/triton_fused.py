@@ -36,7 +36,6 @@ from .spec import (
     factor_addresses,
     layer_addresses,
     layer_arg,
-    same_dests,
     stacked_factors,
 )
 
@@ -196,7 +195,7 @@ if HAVE_TRITON:
 
 
 def _pow2_at_least(n: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))  # type: ignore[union-attr]
+    return max(lo, min(hi, 1 << (max(n, 1) - 1).bit_length()))  # plain ints: triton's helpers cost µs per call
 
 
 def _ceil_to(n: int, block: int) -> int:
@@ -237,7 +236,7 @@ def _launch(job: TensorJob, layers: int = 1, layer_steps: tuple[int, int, int, i
     fp32_dot = widen or (u is not None and u.dtype == torch.float32)
     block_t = LAUNCH_OVERRIDES.get("block_t") or (16 if interp else (32 if D > 256 else 64))
     block_n, block_p, block_m = _pow2_at_least(n_pass, 16, 128), _pow2_at_least(half, 16, 64), _pow2_at_least(m, 16, 64)
-    grid = (triton.cdiv(T, block_t), H, layers)  # type: ignore[union-attr]
+    grid = (-(-T // block_t), H, layers)
     _fused_kernel[grid](
         c, c.stride(0), c.stride(1),
         u if u is not None else c, u.stride(0) if u is not None else 0,
@@ -321,9 +320,10 @@ def run_all_layers(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v, L: int) ->
         if own:
             o_k, o_v = out_k.stride(0), out_v.stride(0)
         else:
-            if not same_dests(dests):
+            addresses = dest_addresses(dests)
+            if addresses is None:
                 return False
-            d_k, d_v = dest_addresses(dests)
+            d_k, d_v = addresses
             o_k, o_v = _step(d_k, jobs0[0].buf.element_size()), _step(d_v, jobs0[1].buf.element_size())
         launches = []
         for job, content, f, o_step in ((jobs0[0], k, kf, o_k), (jobs0[1], v, vf, o_v)):

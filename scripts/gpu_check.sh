@@ -40,17 +40,17 @@ export PYTHONPATH=/tmp/cdq-repo${PYTHONPATH:+:$PYTHONPATH}
 
 MODEL_TESTS="verify or window or materialize or relocation_runs"
 if want kernels; then  # many Triton specializations, compiled in parallel processes
-  timeout 150 python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider -n 8 -k "not ($MODEL_TESTS)" \
+  timeout 120 python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider -n 8 -k "not ($MODEL_TESTS)" \
     >"$OUT/tests_kernels.log" 2>&1 || failed=$((failed + 1))
   tail -3 "$OUT/tests_kernels.log"
 fi
 if want bench; then
-  timeout 120 python3 -m contextdeque.eval.gpu_check "$OUT" --tokenizer-dir "$TOK" --steps env,smollm2,sweep \
+  timeout 150 python3 -m contextdeque.eval.gpu_check "$OUT" --tokenizer-dir "$TOK" --steps env,smollm2,sweep \
     2>&1 | tee -a "$OUT/gpu_check.log" | grep '^\[gpu_check\]'
   [ "${PIPESTATUS[0]}" = 0 ] || failed=$((failed + 1))
 fi
 if want models; then
-  timeout 100 python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider -s -k "$MODEL_TESTS" \
+  timeout 90 python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider -s --tb=short -k "$MODEL_TESTS" \
     >"$OUT/tests_models.log" 2>&1 || failed=$((failed + 1))
   tail -3 "$OUT/tests_models.log"
 fi

@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
             console.print(
                 f"storage {dt}, vs the true floor (bytes / copy bandwidth, FLOPs / GEMM rate): "
                 + "; ".join(
-                    f"{T}: apply {r['apply_vs_true_floor']:.2f}x, relocate {r['relocate_vs_true_floor']:.2f}x"
+                    f"{T}: apply {r['apply_vs_true_floor']:.2f}x (kernels alone {r['apply_device_vs_true_floor']:.2f}x), "
+                    f"relocate {r['relocate_vs_true_floor']:.2f}x (kernels alone {r['relocate_device_vs_true_floor']:.2f}x)"
                     for T, r in rows.items()
                 )
             )

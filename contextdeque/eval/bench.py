@@ -139,6 +139,11 @@ def run_bench(
                     "apply_vs_true_floor": r.true_ratio,
                     "relocate_true_floor_s": r0.true_floor_s,
                     "relocate_vs_true_floor": r0.true_ratio,
+                    # the kernels alone (CUDA-graph replay: no argument checks, no launch costs)
+                    "apply_device_s": r.apply_device_s,
+                    "apply_device_vs_true_floor": r.device_ratio,
+                    "relocate_device_s": r0.apply_device_s,
+                    "relocate_device_vs_true_floor": r0.device_ratio,
                 }
             fp = out["by_dtype"][dtypes[0]][str(T)]
             out["apply_s"][str(T)] = fp["apply_s"]

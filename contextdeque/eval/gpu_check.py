@@ -12,7 +12,8 @@ keeps what it measured:
   weights are 0.5 GB and do not travel to the lent device; timings and relocation exactness do
   not depend on the weights);
 - ``sweep.json``: the Triton kernel's apply time over launch shapes (token block, warps) at 8,192
-  tokens, against the true floor, to pick the defaults from;
+  tokens, against the true floor, per call and as a CUDA-graph replay (the kernels alone), to
+  pick the defaults from;
 - ``bench_llama3_8b.json``: the same bench on Meta-Llama-3-8B's published architecture (32
   layers, 8 KV heads of 128, vocabulary 128,256) with random bf16 weights built on the device,
   the SmolLM2 tokenizer's ids (all inside the larger vocabulary).
@@ -138,7 +139,7 @@ def host_cost_us(tokens: int = 16, repeats: int = 200) -> dict[str, float]:
 def sweep(tokens: int = 8192) -> list[dict[str, Any]]:
     """Apply time per Triton launch shape at the SmolLM2 shape, vs the true floor."""
     from ..kernels import triton_fused
-    from ..kernels.bench_util import apply_fn, make_case, measure_ceilings, time_interleaved
+    from ..kernels.bench_util import apply_fn, device_time, make_case, measure_ceilings, time_interleaved
 
     ceilings = measure_ceilings("cuda", (torch.bfloat16,), copy_bytes=1 << 30)
     rows = []
@@ -160,9 +161,12 @@ def sweep(tokens: int = 8192) -> list[dict[str, Any]]:
             fns["default"] = apply_fn(case)
             t = time_interleaved(fns, rounds=10, device="cuda")
             for name, tm in t.items():
+                dev = device_time(fns[name], "cuda", rounds=10)
+                assert dev is not None
                 rows.append({
                     "dtype": str(dtype).replace("torch.", ""), "rank": rank, "tokens": tokens, "launch": name,
                     "apply_s": tm.min_s, "median_s": tm.median_s, "true_floor_s": floor, "vs_true_floor": tm.min_s / floor,
+                    "device_s": dev.min_s, "device_vs_true_floor": dev.min_s / floor,
                 })
     return rows
 
