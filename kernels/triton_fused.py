@@ -51,9 +51,15 @@ except Exception:  # pragma: no cover - exercised only where triton is missing o
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-#: Launch-shape overrides (``block_t``, ``num_warps``) for tuning sweeps
+#: Launch-shape overrides (``block_t``, ``num_warps``, ``dot_then_add``) for tuning sweeps
 #: (``contextdeque.eval.gpu_check``); empty: the defaults of :func:`_launch`.
-LAUNCH_OVERRIDES: dict[str, int] = {}
+LAUNCH_OVERRIDES: dict[str, Any] = {}
+#: Whether the patch product accumulates from zero, the content added after it (see
+#: ``_content_plus_delta``); ``CONTEXTDEQUE_TRITON_DOT_THEN_ADD=1`` turns it on.
+DOT_THEN_ADD = os.environ.get("CONTEXTDEQUE_TRITON_DOT_THEN_ADD", "0") == "1"
+#: ``tl.dot``'s precision for fp32 operands: "ieee" (never TF32), or "tf32x3" (three TF32 passes
+#: on the matrix units) with ``CONTEXTDEQUE_TRITON_FP32_PRECISION=tf32x3``.
+FP32_PRECISION = os.environ.get("CONTEXTDEQUE_TRITON_FP32_PRECISION", "ieee")
 
 
 def interpreting() -> bool:
@@ -90,12 +96,17 @@ if HAVE_TRITON:
         c_ptr, c_rows, t_mask, cols, col_mask,
         u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
         HAS_PATCH: tl.constexpr, WIDEN_DOT: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-        M_LOOP: tl.constexpr,
+        M_LOOP: tl.constexpr, DOT_THEN_ADD: tl.constexpr, FP32_PRECISION: tl.constexpr,
     ):
-        """fp32 ``content[rows, cols] + u[rows, :] @ w[:, w_col0 + cols]`` for a [BLOCK_T, N] tile."""
+        """fp32 ``content[rows, cols] + u[rows, :] @ w[:, w_col0 + cols]`` for a [BLOCK_T, N] tile.
+
+        ``DOT_THEN_ADD``: the product accumulates from zero and the content is added after it
+        (the content stays in its load layout, no round trip into the matrix units' layout);
+        otherwise the content is the accumulator's start."""
         mask = t_mask[:, None] & col_mask[None, :]
         x = tl.load(c_ptr + c_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_PATCH:
+        if HAS_PATCH and DOT_THEN_ADD:
+            acc = tl.zeros(x.shape, dtype=tl.float32)
             for j0 in range(0, M_LOOP, BLOCK_M):
                 j = j0 + tl.arange(0, BLOCK_M)
                 j_mask = j < m
@@ -109,7 +120,25 @@ if HAVE_TRITON:
                     uu = uu.to(tl.float32)
                     ww = ww.to(tl.float32)
                 if FP32_DOT:
-                    x = tl.dot(uu, ww, x, input_precision="ieee")
+                    acc = tl.dot(uu, ww, acc, input_precision=FP32_PRECISION)
+                else:
+                    acc = tl.dot(uu, ww, acc)
+            x = x + acc
+        elif HAS_PATCH:
+            for j0 in range(0, M_LOOP, BLOCK_M):
+                j = j0 + tl.arange(0, BLOCK_M)
+                j_mask = j < m
+                uu = tl.load(u_ptr + u_rows[:, None] + j[None, :], mask=t_mask[:, None] & j_mask[None, :], other=0.0)
+                ww = tl.load(
+                    w_ptr + j[:, None].to(tl.int64) * w_sr + (w_col0 + cols)[None, :],
+                    mask=j_mask[:, None] & col_mask[None, :],
+                    other=0.0,
+                )
+                if WIDEN_DOT:
+                    uu = uu.to(tl.float32)
+                    ww = ww.to(tl.float32)
+                if FP32_DOT:
+                    x = tl.dot(uu, ww, x, input_precision=FP32_PRECISION)
                 else:
                     x = tl.dot(uu, ww, x)
         return x
@@ -124,7 +153,8 @@ if HAVE_TRITON:
         T, D, n_pass,
         c_sl, u_sl, w_sl, cs_sl, o_sl,
         PAGED: tl.constexpr, HAS_PATCH: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
-        WIDEN_DOT: tl.constexpr, FP32_DOT: tl.constexpr, OUT_KIND: tl.constexpr,
+        WIDEN_DOT: tl.constexpr, FP32_DOT: tl.constexpr, OUT_KIND: tl.constexpr, DOT_THEN_ADD: tl.constexpr,
+        FP32_PRECISION: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
         N_LOOP: tl.constexpr, P_LOOP: tl.constexpr, M_LOOP: tl.constexpr,
     ):
@@ -163,7 +193,7 @@ if HAVE_TRITON:
                 cols = q
             x = _content_plus_delta(
                 c_ptr, c_rows, t_mask, cols, q_mask, u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
-                HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP,
+                HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP, DOT_THEN_ADD, FP32_PRECISION,
             )
             tl.store(o_ptr + o_rows[:, None] + cols[None, :], _round_out(x, OUT_KIND), mask=t_ok[:, None] & q_mask[None, :])
 
@@ -179,11 +209,11 @@ if HAVE_TRITON:
                     col2 = col1 + half
                 x1 = _content_plus_delta(
                     c_ptr, c_rows, t_mask, col1, p_mask, u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
-                    HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP,
+                    HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP, DOT_THEN_ADD, FP32_PRECISION,
                 )
                 x2 = _content_plus_delta(
                     c_ptr, c_rows, t_mask, col2, p_mask, u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
-                    HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP,
+                    HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP, DOT_THEN_ADD, FP32_PRECISION,
                 )
                 cs_off = tok64[:, None] * cs_st + pp[None, :]
                 cs_mask = t_mask[:, None] & p_mask[None, :]
@@ -251,6 +281,8 @@ def _launch(job: TensorJob, layers: int = 1, layer_steps: tuple[int, int, int, i
         ROPE=half > 0,
         INTERLEAVED=bool(job.interleaved),
         WIDEN_DOT=widen,
+        DOT_THEN_ADD=bool(LAUNCH_OVERRIDES.get("dot_then_add", DOT_THEN_ADD)),
+        FP32_PRECISION=str(LAUNCH_OVERRIDES.get("fp32_precision", FP32_PRECISION)),
         FP32_DOT=fp32_dot,
         OUT_KIND=_OUT_KIND[buf.dtype],
         BLOCK_T=block_t,

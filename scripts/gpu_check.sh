@@ -10,7 +10,8 @@
 # installed offline into /tmp/site. Each stage has its own time limit, so one that hangs leaves
 # the others their time; the exit status is the number of stages that failed. STAGES picks stages:
 # kernels (the kernel tests), bench (env, SmolLM2 bench, launch sweep), models (the model tests on
-# CUDA), large (the Llama-3-8B-architecture bench).
+# CUDA), large (the Llama-3-8B-architecture bench), variants (the kernel tests under the kernel
+# variants of contextdeque.kernels.triton_fused, and the variant sweep).
 set -u
 STAGES=${STAGES:-kernels,bench,models,large}
 want() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
@@ -40,24 +41,35 @@ export PYTHONPATH=/tmp/cdq-repo${PYTHONPATH:+:$PYTHONPATH}
 
 MODEL_TESTS="verify or window or materialize or relocation_runs"
 if want kernels; then  # many Triton specializations, compiled in parallel processes
-  timeout 120 python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider -n 8 -k "not ($MODEL_TESTS)" \
+  timeout 90 python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider -n 8 -k "not ($MODEL_TESTS)" \
     >"$OUT/tests_kernels.log" 2>&1 || failed=$((failed + 1))
   tail -3 "$OUT/tests_kernels.log"
 fi
 if want bench; then
-  timeout 150 python3 -m contextdeque.eval.gpu_check "$OUT" --tokenizer-dir "$TOK" --steps env,smollm2,sweep \
+  timeout 120 python3 -m contextdeque.eval.gpu_check "$OUT" --tokenizer-dir "$TOK" --steps env,smollm2,sweep \
     2>&1 | tee -a "$OUT/gpu_check.log" | grep '^\[gpu_check\]'
   [ "${PIPESTATUS[0]}" = 0 ] || failed=$((failed + 1))
 fi
 if want models; then
-  timeout 90 python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider -s --tb=short -k "$MODEL_TESTS" \
+  timeout 80 python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider -s --tb=short -k "$MODEL_TESTS" \
     >"$OUT/tests_models.log" 2>&1 || failed=$((failed + 1))
   tail -3 "$OUT/tests_models.log"
 fi
 if want large; then
-  timeout 150 python3 -m contextdeque.eval.gpu_check "$OUT" --tokenizer-dir "$TOK" --steps llama3_8b \
+  timeout 120 python3 -m contextdeque.eval.gpu_check "$OUT" --tokenizer-dir "$TOK" --steps llama3_8b \
     2>&1 | tee -a "$OUT/gpu_check.log" | grep '^\[gpu_check\]'
   [ "${PIPESTATUS[0]}" = 0 ] || failed=$((failed + 1))
+fi
+if want variants; then
+  CONTEXTDEQUE_TRITON_DOT_THEN_ADD=1 timeout 60 python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider -n 8 \
+    -k "not ($MODEL_TESTS)" >"$OUT/tests_dot_then_add.log" 2>&1 || failed=$((failed + 1))
+  tail -2 "$OUT/tests_dot_then_add.log"
+  timeout 60 python3 -m contextdeque.eval.gpu_check "$OUT" --tokenizer-dir "$TOK" --steps sweep \
+    2>&1 | tee -a "$OUT/gpu_check.log" | grep '^\[gpu_check\]'
+  [ "${PIPESTATUS[0]}" = 0 ] || failed=$((failed + 1))
+  CONTEXTDEQUE_TRITON_DOT_THEN_ADD=1 CONTEXTDEQUE_TRITON_FP32_PRECISION=tf32x3 timeout 30 python3 -m pytest tests/test_cuda.py \
+    -m cuda -q -p no:cacheprovider -n 8 -k "not ($MODEL_TESTS) and float32" >"$OUT/tests_tf32x3.log" 2>&1 || failed=$((failed + 1))
+  tail -2 "$OUT/tests_tf32x3.log"
 fi
 echo "gpu_check: $failed stage(s) failed"
 exit $failed
