@@ -15,7 +15,8 @@ One program handles ``BLOCK_T`` tokens of one head of one cache tensor:
 Under the interpreter ``tl.dot`` on bf16 operands is wrong (it multiplies the raw bit patterns),
 so operands are widened to fp32 there (``WIDEN_DOT``); on GPUs bf16/fp16 operands go to the tensor
 cores as they are (their products are exact in fp32 and accumulation is fp32 either way), fp32
-operands use ``input_precision="ieee"`` (never TF32).
+operands use ``input_precision="ieee"`` (never plain TF32), or from rank 16 on "tf32x3" (see
+:data:`TF32X3_MIN_RANK`).
 
 Importable without triton: :data:`HAVE_TRITON` is then ``False`` and :func:`run_jobs` raises.
 """
@@ -51,15 +52,17 @@ except Exception:  # pragma: no cover - exercised only where triton is missing o
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-#: Launch-shape overrides (``block_t``, ``num_warps``, ``dot_then_add``) for tuning sweeps
-#: (``contextdeque.eval.gpu_check``); empty: the defaults of :func:`_launch`.
+#: Launch overrides for tuning sweeps (``contextdeque.eval.gpu_check``): ``block_t``,
+#: ``num_warps``, ``dot_then_add``, ``fp32_precision``; empty: the defaults of :func:`_launch`.
 LAUNCH_OVERRIDES: dict[str, Any] = {}
-#: Whether the patch product accumulates from zero, the content added after it (see
-#: ``_content_plus_delta``); ``CONTEXTDEQUE_TRITON_DOT_THEN_ADD=1`` turns it on.
-DOT_THEN_ADD = os.environ.get("CONTEXTDEQUE_TRITON_DOT_THEN_ADD", "0") == "1"
-#: ``tl.dot``'s precision for fp32 operands: "ieee" (never TF32), or "tf32x3" (three TF32 passes
-#: on the matrix units) with ``CONTEXTDEQUE_TRITON_FP32_PRECISION=tf32x3``.
-FP32_PRECISION = os.environ.get("CONTEXTDEQUE_TRITON_FP32_PRECISION", "ieee")
+
+#: fp32 factors of at least this rank go to the matrix units as three TF32 passes ("tf32x3",
+#: the product accumulated from zero, the content added after it) instead of IEEE fp32 FMA
+#: ("ieee"). Measured on an H200 (docs/gpu.md): rank-32 apply at 8,192 tokens 22x the true floor
+#: with "ieee", 1.5x with "tf32x3" (SmolLM2 shape). tf32x3 drops the low x low partial products
+#: (~2^-21 of |u w| per product): within the kernels' tolerance, (m + 4) * 2^-24 of the summed
+#: magnitudes, from rank 16 on; at rank 1 it was measured 5% past it, so lower ranks stay "ieee".
+TF32X3_MIN_RANK = 16
 
 
 def interpreting() -> bool:
@@ -101,8 +104,8 @@ if HAVE_TRITON:
         """fp32 ``content[rows, cols] + u[rows, :] @ w[:, w_col0 + cols]`` for a [BLOCK_T, N] tile.
 
         ``DOT_THEN_ADD``: the product accumulates from zero and the content is added after it
-        (the content stays in its load layout, no round trip into the matrix units' layout);
-        otherwise the content is the accumulator's start."""
+        (the path measured and tested with "tf32x3"); otherwise the content is the accumulator's
+        start. ``FP32_PRECISION``: ``tl.dot``'s precision for fp32 operands."""
         mask = t_mask[:, None] & col_mask[None, :]
         x = tl.load(c_ptr + c_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_PATCH and DOT_THEN_ADD:
@@ -264,6 +267,8 @@ def _launch(job: TensorJob, layers: int = 1, layer_steps: tuple[int, int, int, i
         slot_args = (slots, buf.shape[1], buf.stride(0), buf.stride(1), buf.shape[0] * buf.shape[1])
     widen = interp or (u is not None and w is not None and u.dtype != w.dtype)
     fp32_dot = widen or (u is not None and u.dtype == torch.float32)
+    # fp32 factors (not widened ones: the tested and measured case) of rank >= TF32X3_MIN_RANK
+    tf32x3 = fp32_dot and not widen and m >= TF32X3_MIN_RANK
     block_t = LAUNCH_OVERRIDES.get("block_t") or (16 if interp else (32 if D > 256 else 64))
     block_n, block_p, block_m = _pow2_at_least(n_pass, 16, 128), _pow2_at_least(half, 16, 64), _pow2_at_least(m, 16, 64)
     grid = (-(-T // block_t), H, layers)
@@ -281,8 +286,8 @@ def _launch(job: TensorJob, layers: int = 1, layer_steps: tuple[int, int, int, i
         ROPE=half > 0,
         INTERLEAVED=bool(job.interleaved),
         WIDEN_DOT=widen,
-        DOT_THEN_ADD=bool(LAUNCH_OVERRIDES.get("dot_then_add", DOT_THEN_ADD)),
-        FP32_PRECISION=str(LAUNCH_OVERRIDES.get("fp32_precision", FP32_PRECISION)),
+        DOT_THEN_ADD=bool(LAUNCH_OVERRIDES.get("dot_then_add", tf32x3)),
+        FP32_PRECISION=str(LAUNCH_OVERRIDES.get("fp32_precision", "tf32x3" if tf32x3 else "ieee")),
         FP32_DOT=fp32_dot,
         OUT_KIND=_OUT_KIND[buf.dtype],
         BLOCK_T=block_t,
