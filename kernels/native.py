@@ -56,16 +56,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .spec import (
-    ContiguousDest,
-    LayerMismatch,
-    TensorJob,
-    build_jobs,
-    dest_addresses,
-    factor_addresses,
-    layer_addresses,
-    layer_arg,
-)
+from .spec import LayerMismatch, TensorJob, dest_addresses, factor_addresses, layer0_jobs, layer_addresses
 
 #: The kernel's C source, shipped as package data beside this module.
 SOURCE_PATH = Path(__file__).resolve().parent / "csrc" / "cd_fused.c"
@@ -291,11 +282,7 @@ def run_all_layers(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v, L: int) ->
 
     Returns ``False`` (nothing written) when the layers differ, to use the per-layer path."""
     own = dests is None
-    dest0 = ContiguousDest(out_k[0], out_v[0]) if own else dests[0]
-    jobs0 = build_jobs(
-        layer_arg(k, 0, 3), layer_arg(v, 0, 3), rope, layer_arg(cos, 0, 2), layer_arg(sin, 0, 2),
-        layer_arg(kf, 0, 2), layer_arg(vf, 0, 2), dest0,
-    )
+    jobs0 = layer0_jobs(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v)
     if not all(supports(j) for j in jobs0):
         return False
     try:

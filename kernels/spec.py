@@ -351,6 +351,16 @@ def dest_addresses(dests: "list[Dest] | tuple[Dest, ...]") -> "tuple[list[int], 
     return addresses[0], addresses[1]
 
 
+def layer0_jobs(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v) -> tuple[TensorJob, TensorJob]:
+    """Layer 0's checked (K, V) jobs of a whole-chunk call: into ``dests[0]``, or into
+    ``out_k[0]`` / ``out_v[0]`` when ``dests`` is ``None`` (arguments as :func:`fused_apply_layers`'s)."""
+    dest0 = ContiguousDest(out_k[0], out_v[0]) if dests is None else dests[0]
+    return build_jobs(
+        layer_arg(k, 0, 3), layer_arg(v, 0, 3), rope, layer_arg(cos, 0, 2), layer_arg(sin, 0, 2),
+        layer_arg(kf, 0, 2), layer_arg(vf, 0, 2), dest0,
+    )
+
+
 def layer_addresses(arg, L: int, stacked_dim: int, ref: torch.Tensor) -> list[int]:
     """Data address of each layer's tensor of a per-layer argument laid out like ``ref`` (layer 0's).
 

@@ -28,17 +28,7 @@ from typing import Any
 
 import torch
 
-from .spec import (
-    ContiguousDest,
-    LayerMismatch,
-    TensorJob,
-    build_jobs,
-    dest_addresses,
-    factor_addresses,
-    layer_addresses,
-    layer_arg,
-    stacked_factors,
-)
+from .spec import LayerMismatch, TensorJob, dest_addresses, factor_addresses, layer0_jobs, layer_addresses, stacked_factors
 
 try:  # triton is optional: an extra, never required to install or to test
     import triton
@@ -108,8 +98,11 @@ if HAVE_TRITON:
         start. ``FP32_PRECISION``: ``tl.dot``'s precision for fp32 operands."""
         mask = t_mask[:, None] & col_mask[None, :]
         x = tl.load(c_ptr + c_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_PATCH and DOT_THEN_ADD:
-            acc = tl.zeros(x.shape, dtype=tl.float32)
+        if HAS_PATCH:
+            if DOT_THEN_ADD:
+                acc = tl.zeros(x.shape, dtype=tl.float32)
+            else:
+                acc = x
             for j0 in range(0, M_LOOP, BLOCK_M):
                 j = j0 + tl.arange(0, BLOCK_M)
                 j_mask = j < m
@@ -126,24 +119,10 @@ if HAVE_TRITON:
                     acc = tl.dot(uu, ww, acc, input_precision=FP32_PRECISION)
                 else:
                     acc = tl.dot(uu, ww, acc)
-            x = x + acc
-        elif HAS_PATCH:
-            for j0 in range(0, M_LOOP, BLOCK_M):
-                j = j0 + tl.arange(0, BLOCK_M)
-                j_mask = j < m
-                uu = tl.load(u_ptr + u_rows[:, None] + j[None, :], mask=t_mask[:, None] & j_mask[None, :], other=0.0)
-                ww = tl.load(
-                    w_ptr + j[:, None].to(tl.int64) * w_sr + (w_col0 + cols)[None, :],
-                    mask=j_mask[:, None] & col_mask[None, :],
-                    other=0.0,
-                )
-                if WIDEN_DOT:
-                    uu = uu.to(tl.float32)
-                    ww = ww.to(tl.float32)
-                if FP32_DOT:
-                    x = tl.dot(uu, ww, x, input_precision=FP32_PRECISION)
-                else:
-                    x = tl.dot(uu, ww, x)
+            if DOT_THEN_ADD:
+                x = x + acc
+            else:
+                x = acc
         return x
 
     @triton.jit
@@ -346,11 +325,7 @@ def run_all_layers(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v, L: int) ->
 
     Returns ``False`` (nothing written) otherwise, for the per-layer path."""
     own = dests is None
-    dest0 = ContiguousDest(out_k[0], out_v[0]) if own else dests[0]
-    jobs0 = build_jobs(
-        layer_arg(k, 0, 3), layer_arg(v, 0, 3), rope, layer_arg(cos, 0, 2), layer_arg(sin, 0, 2),
-        layer_arg(kf, 0, 2), layer_arg(vf, 0, 2), dest0,
-    )
+    jobs0 = layer0_jobs(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v)
     if not all(_unit_channel_strides(j) for j in jobs0):
         return False
     try:
