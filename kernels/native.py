@@ -174,16 +174,7 @@ _DT_SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 def supports(job: TensorJob) -> bool:
     """Whether the native kernel can run this job as laid out (CPU, unit channel strides)."""
-    c = job.content
-    if c.device.type != "cpu" or c.stride(2) != 1:
-        return False
-    if job.u is not None and (job.u.stride(1) != 1 or job.w.stride(1) != 1):  # type: ignore[union-attr]
-        return False
-    if job.cos is not None and not (job.cos.is_contiguous() and job.sin.is_contiguous()):  # type: ignore[union-attr]
-        return False
-    if job.slots is not None and job.slots.stride(0) != 1:
-        return False
-    return True
+    return job.content.device.type == "cpu" and job.unit_channel_strides()
 
 
 def _params(job: TensorJob) -> list[int]:

@@ -141,6 +141,17 @@ class TensorJob:
     def rank(self) -> int:
         return 0 if self.u is None else int(self.u.shape[1])
 
+    def unit_channel_strides(self) -> bool:
+        """Whether every tensor is read in place by a kernel that takes unit channel strides
+        (content and factors along channels, contiguous tables, contiguous slots)."""
+        if self.content.stride(2) != 1:
+            return False
+        if self.u is not None and (self.u.stride(1) != 1 or self.w.stride(1) != 1):  # type: ignore[union-attr]
+            return False
+        if self.cos is not None and not (self.cos.is_contiguous() and self.sin.is_contiguous()):  # type: ignore[union-attr]
+            return False
+        return self.slots is None or self.slots.stride(0) == 1
+
     def out_view(self) -> torch.Tensor:
         """The ``[H, T, d]`` destination view (contiguous destinations only)."""
         assert self.slots is None

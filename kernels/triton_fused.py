@@ -307,17 +307,6 @@ def _layer_step(arg, L: int, stacked_dim: int, ref: torch.Tensor) -> int:
     return _step(layer_addresses(arg, L, stacked_dim, ref), ref.element_size())
 
 
-def _unit_channel_strides(job: TensorJob) -> bool:
-    """Whether the kernel reads ``job``'s tensors in place (no contiguous copies it would make per layer)."""
-    if job.content.stride(2) != 1:
-        return False
-    if job.u is not None and (job.u.stride(1) != 1 or job.w.stride(1) != 1):  # type: ignore[union-attr]
-        return False
-    if job.cos is not None and not (job.cos.is_contiguous() and job.sin.is_contiguous()):  # type: ignore[union-attr]
-        return False
-    return job.slots is None or job.slots.stride(0) == 1
-
-
 def run_all_layers(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v, L: int) -> bool:
     """Two launches (K, V) for all ``L`` layers of a chunk when they are laid out alike, each
     layer's tensors a constant distance apart (stacked tensors, per-layer views of them, or
@@ -326,7 +315,7 @@ def run_all_layers(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v, L: int) ->
     Returns ``False`` (nothing written) otherwise, for the per-layer path."""
     own = dests is None
     jobs0 = layer0_jobs(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v)
-    if not all(_unit_channel_strides(j) for j in jobs0):
+    if not all(j.unit_channel_strides() for j in jobs0):  # no per-layer contiguous copies
         return False
     try:
         if own:
