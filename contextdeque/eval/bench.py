@@ -29,14 +29,10 @@ DEFAULT_TOKENS = (256, 512, 1024, 2048)
 
 
 def _text_ids(backend: Any, n: int) -> torch.Tensor:
-    from pydoc_data.topics import topics
+    """``[n]`` ids of real text (folded into the vocabulary for a tokenizer-less model)."""
+    from .window_bench import _chunks
 
-    ids: list[int] = []
-    for key in sorted(topics):
-        ids += backend.tokenize(topics[key])
-        if len(ids) >= n:
-            break
-    return torch.tensor(ids[:n], dtype=torch.long)
+    return torch.tensor(_chunks(backend, 1, n)[0], dtype=torch.long)
 
 
 def _best_of(fn, repeats: int, device: "torch.device | str" = "cpu") -> float:
