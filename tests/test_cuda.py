@@ -204,6 +204,17 @@ def test_cuda_verify_model_tiny_llama():
     assert report.details and all(d.ok for d in report.details)
 
 
+def test_cuda_verify_model_cli(capsys):
+    """``contextdeque verify-model --device cuda`` (added after the H200 run of docs/gpu.md)."""
+    import json
+
+    from contextdeque.cli import main
+
+    rc = main(["verify-model", "--arch", "llama", "--random", "--device", "cuda", "--tokens", "48", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["ok"], out
+
+
 def test_cuda_verify_model_smollm2_architecture(smollm2_random):
     from contextdeque.eval.verify import verify_backend
 
