@@ -10,8 +10,9 @@ MODEL_HELP = ("a local HF model dir or .gguf file, or tiny:<arch> (tiny: a tiny 
               "for a tiny random-weight model (default: the embedded SmolLM2-135M-Instruct)")
 
 
-def load_backend(spec: str | None, *, chat: bool = False, verify_at_load: bool = True) -> Any:
-    """The ``HFBackend`` named by ``spec`` (see the module docstring; ``tiny``: a tiny llama).
+def load_backend(spec: str | None, *, chat: bool = False, verify_at_load: bool = True, device: str = "cpu") -> Any:
+    """The ``HFBackend`` named by ``spec`` (see the module docstring; ``tiny``: a tiny llama), its
+    model on ``device`` (e.g. ``"cuda"``).
 
     ``chat=True`` (commands that take chat messages, e.g. ``serve``): a tiny model gets the
     default model's tokenizer and chat template (its vocabulary sized to match), so it can be
@@ -19,6 +20,16 @@ def load_backend(spec: str | None, *, chat: bool = False, verify_at_load: bool =
     (``verify-model`` runs the full gate itself)."""
     from ..model import load_model
 
+    if device != "cpu":
+        from ..model.hf import HFBackend
+
+        # loaded on the CPU (unproven), moved, then wrapped again: the layout proof runs on the
+        # device the chunks will be placed on (its verdict is cached per device type)
+        cpu = load_backend(spec, chat=chat, verify_at_load=False)
+        return HFBackend(
+            cpu.model.to(device), cpu.tokenizer, root_ids=cpu.root_ids, name=cpu.name, fingerprint=cpu.fingerprint,
+            verify_at_load=verify_at_load,
+        )
     if spec == "tiny" or (spec and spec.startswith("tiny:")):
         from ..model.testing import tiny_backend
 
