@@ -9,7 +9,7 @@ import json
 import torch
 
 from ..eval.bench import DEFAULT_TOKENS, run_bench
-from .model_spec import MODEL_HELP, load_backend
+from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,14 +17,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="chunk sizes, comma-separated")
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--rounds", type=int, default=20, help="interleaved timing rounds for the kernel measurements")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    backend = load_backend(args.model)
+    backend = load_backend(args.model, threads=args.threads)
     res = run_bench(
         backend, tuple(int(x) for x in args.tokens.split(",") if x), rank=args.rank, rounds=args.rounds,
         progress=not args.json,

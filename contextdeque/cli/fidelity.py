@@ -21,7 +21,7 @@ from ..core.chunk import storage_dtype
 from ..eval.fidelity.harness import FAMILIES, HarnessConfig, run_fidelity
 from ..eval.fidelity.metrics import DEFAULT_MIN_GAP
 from ..eval.fidelity.probes import probe_set
-from .model_spec import MODEL_HELP, load_backend
+from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -65,8 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-gap", type=float, default=DEFAULT_MIN_GAP,
                         help="blind KL below which an item has no measurable gap (excluded from eta medians)")
     parser.add_argument("--per-item", action="store_true", help="with --json: also every sample's KLs and answers")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (1 is fastest on a machine shared with other jobs)")
+    add_threads_argument(parser)
     parser.add_argument("--max-chunk-tokens", type=int, default=512, help="cut longer text chunks (test models)")
     parser.add_argument("--image-grid", default=None, metavar="RxC", help="override every image span's patch grid")
     parser.add_argument("--capsule-retention", type=retention, default=0.4,
@@ -200,12 +199,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    if args.threads:
-        torch.set_num_threads(int(args.threads))
     err = Console(stderr=True)
     out = Console(width=None if sys.stdout.isatty() else 132) if not args.json else err
     t0 = time.perf_counter()
-    backend = load_backend(args.model)
+    backend = load_backend(args.model, threads=args.threads)
     grid = None
     if args.image_grid:
         r, c = (int(x) for x in args.image_grid.lower().split("x"))

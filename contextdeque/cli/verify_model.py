@@ -10,7 +10,7 @@ from typing import Any
 from ..core.errors import ContextDequeError
 from ..eval.verify import DEFAULT_OFFSETS, verify_backend
 from ..model.testing import TinyBuildError
-from .model_spec import MODEL_HELP, load_backend
+from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offsets", default=",".join(map(str, DEFAULT_OFFSETS)), help="comma-separated position offsets")
     p.add_argument("--tokens", type=int, default=96, help="tokens of real text to encode")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_threads_argument(p)
 
 
 def _backend_from_args(args: argparse.Namespace) -> Any:
@@ -32,7 +33,7 @@ def _backend_from_args(args: argparse.Namespace) -> Any:
         spec = f"tiny:{args.arch}"
     try:
         # verify-model runs the full gate itself: the shorter proof at load would only repeat it
-        return load_backend(spec, verify_at_load=False)
+        return load_backend(spec, verify_at_load=False, threads=args.threads)
     except KeyError:
         raise SystemExit(f"unknown tiny arch {spec!r}: not a tiny arch nor a causal-LM model_type") from None
     except TinyBuildError as exc:
