@@ -26,7 +26,7 @@ NO_MODEL = "/nonexistent/contextdeque-model"
 # command -> (a typical mistake's arguments, its exit status, a word its one line must hold)
 MISTAKES: dict[str, tuple[list[str], int, str]] = {
     "demo": (["--model", NO_MODEL, "--no-measure"], USAGE_EXIT, "ModelLoadError"),
-    "verify-model": ([NO_MODEL], 1, "ModelLoadError"),  # documented: the gate's verdict "refused" is 1
+    "verify-model": ([NO_MODEL], USAGE_EXIT, "ModelLoadError"),  # (a model it refuses is its verdict, exit 1)
     "zoo": (["--threads", "many"], USAGE_EXIT, "--threads"),
     "fidelity": (["--model", NO_MODEL, "--items", "1"], USAGE_EXIT, "ModelLoadError"),
     "bench": (["--model", NO_MODEL], USAGE_EXIT, "ModelLoadError"),
@@ -39,7 +39,7 @@ MISTAKES: dict[str, tuple[list[str], int, str]] = {
     "replay": (["/nonexistent/trace.jsonl"], 1, "trace.jsonl"),
     "replay-bench": (["--seeds", "four"], USAGE_EXIT, "--seeds"),
     "soak": (["--model", NO_MODEL, "--ops", "1"], USAGE_EXIT, "ModelLoadError"),
-    "calibrate": (["--model", NO_MODEL], 1, "ModelLoadError"),
+    "calibrate": (["--model", NO_MODEL], USAGE_EXIT, "ModelLoadError"),
 }
 
 _DRIVER = """

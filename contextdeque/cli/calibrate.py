@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from ..replay.calibrate import calibrate
@@ -21,15 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..core.errors import ContextDequeError
-
-    try:
-        backend = load_backend(args.model, threads=args.threads)
-        model = calibrate(backend, rank=args.rank, repeats=args.repeats)
-        path = save_calibration(model, args.cache_dir)
-    except (ContextDequeError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    # a model that cannot be loaded or a cache directory that cannot be written: one line, exit 2
+    # (contextdeque.cli.main)
+    backend = load_backend(args.model, threads=args.threads)
+    model = calibrate(backend, rank=args.rank, repeats=args.repeats)
+    path = save_calibration(model, args.cache_dir)
     print(f"calibration saved to {path}")
     for k, v in model.to_json().items():
         if k != "extra":

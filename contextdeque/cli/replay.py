@@ -52,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
     from ..replay.run import default_jobs, parse_combos, replay_many, to_json
 
     err = Console(stderr=True)
+    missing = [str(p) for p in args.traces if not p.is_file()]
+    if missing:  # before any work or notes: the one line the user needs
+        print(f"error: no such trace file: {', '.join(missing)}", file=sys.stderr)
+        return 1
     try:
         combos = parse_combos(args.policies, args.placement, args.eviction, args.arm)
         if args.patch_policy in ("latency", "latency-shared"):  # the cost rule for the patch arm on such a window

@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from ..core.errors import ContextDequeError
+from ..core.errors import ContextDequeError, ModelLoadError
 from ..eval.verify import DEFAULT_OFFSETS, verify_backend
 from ..model.testing import TinyBuildError
 from .model_spec import MODEL_HELP, add_threads_argument, load_backend
@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         backend = _backend_from_args(args)
         report = verify_backend(backend, [int(x) for x in args.offsets.split(",") if x], args.tokens, backend.name)
+    except ModelLoadError:
+        raise  # no model to judge: a user error (one line, exit 2), not the gate's verdict
     except ContextDequeError as exc:
         reason = getattr(exc, "reason", None)
         error = f"{type(exc).__name__}" + (f" ({reason})" if reason else "") + f": {exc}"
