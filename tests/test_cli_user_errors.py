@@ -92,6 +92,10 @@ def test_help_and_a_mistake_per_command_from_the_base_install(base_site, tmp_pat
     cases: list[tuple[list[str], tuple[int, str] | None]] = [([name, "--help"], None) for name in COMMANDS]
     cases += [([name, *args], (code, word)) for name, (args, code, word) in MISTAKES.items()]
     cases += [(["no-such-command"], (USAGE_EXIT, "invalid choice")), (["bench", "--threads", "-1"], (USAGE_EXIT, "--threads"))]
+    # a --plot from the base install names the plot extra before any work
+    cases += [([name, *args, "--plot", str(tmp_path / "p.png")], (USAGE_EXIT, "pip install 'contextdeque[plot]'"))
+              for name, args in (("fidelity", ["--model", "tiny"]), ("loadtest", ["--url", "http://127.0.0.1:9"]),
+                                 ("replay", ["/nonexistent/trace.jsonl"]))]
     results = _drive(base_site, [argv for argv, _ in cases], tmp_path)
     for (argv, expect), r in zip(cases, results):
         code, stderr = r["code"], r["stderr"]

@@ -159,10 +159,7 @@ def _targets_table(summary: dict[str, Any]) -> Any:
 
 def write_plot(summary: dict[str, Any], path: str) -> None:
     """η vs patch rank (median and mean) with the token arms as reference lines; KL per arm."""
-    try:
-        import matplotlib
-    except ImportError as exc:  # an optional extra
-        raise ImportError("--plot needs matplotlib: pip install 'contextdeque[plot]'") from exc
+    import matplotlib  # the plot extra (checked before the run: run())
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -199,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    if args.plot:
+        import matplotlib  # noqa: F401  (the plot extra: named now, not after the run)
     err = Console(stderr=True)
     out = Console(width=None if sys.stdout.isatty() else 132) if not args.json else err
     t0 = time.perf_counter()

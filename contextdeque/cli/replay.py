@@ -51,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     from ..replay.engine import ReplayConfig
     from ..replay.run import default_jobs, parse_combos, replay_many, to_json
 
+    if args.plot:
+        import matplotlib  # noqa: F401  (the plot extra: named now, not after the run)
     err = Console(stderr=True)
     missing = [str(p) for p in args.traces if not p.is_file()]
     if missing:  # before any work or notes: the one line the user needs
