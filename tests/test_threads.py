@@ -82,3 +82,13 @@ def test_every_model_command_takes_the_one_threads_option(capsys):
         with pytest.raises(SystemExit):
             build_parser(name).parse_args([name, "--threads", "-2"])
     capsys.readouterr()
+
+
+def test_thread_bench_window_operations_count_their_work(tiny_backend_factory):
+    """The measurement behind the default: each operation timed, healing forms the reordered
+    pages' patches, generation makes its tokens (timings are printed, never thresholds)."""
+    from contextdeque.eval.thread_bench import run_window_ops
+
+    r = run_window_ops(tiny_backend_factory("llama"), pages=3, page_tokens=16, new_tokens=3, rank=4)
+    assert r["append_forwards"] >= 3 and r["heal_forwards"] >= 2 and r["generated_tokens"] == 3
+    assert min(r["append_s"], r["heal_s"], r["generate_s"]) > 0 and r["threads"] == torch.get_num_threads()
