@@ -120,7 +120,7 @@ def choose_threads(threads: "int | str | None" = None, *, model_params: int | No
         except OSError:
             load = 0.0
     idle = max(1, min(cores, math.floor(cores - load + 0.5)))
-    size_cap = max(1, (model_params or 0) // PARAMS_PER_THREAD) if model_params else cores
+    size_cap = max(1, model_params // PARAMS_PER_THREAD) if model_params else cores
     chosen = max(1, min(idle, size_cap))
     return ThreadChoice(chosen, f"auto: {cores} cores available, load {load:.1f}, "
                                 f"{'model cap ' + str(size_cap) if model_params else 'no model size'}")
