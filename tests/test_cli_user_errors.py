@@ -137,6 +137,12 @@ def test_help_and_import_load_no_command_and_no_transformers():
             "assert 'scheduler' in PLACEMENT_POLICIES\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_base_env())
     assert proc.returncode == 0, proc.stderr
+    # the agents (the demo's --placement scheduler) register the scheduler's placement themselves
+    code = ("from contextdeque.agents.base import AgentConfig\n"
+            "from contextdeque.window.placement import PLACEMENT_POLICIES\n"
+            "assert 'scheduler' in PLACEMENT_POLICIES\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_base_env())
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_public_names_load_on_first_use():
