@@ -38,9 +38,10 @@ def apply_threads_argument(args: argparse.Namespace, model_params: int | None = 
     return apply_threads(getattr(args, "threads", None), model_params=model_params)
 
 
-def load_backend(spec: str | None, *, chat: bool = False, verify_at_load: bool = True,
+def load_backend(spec: str | None, *, chat: bool = False, verify_at_load: bool = True, device: str = "cpu",
                  threads: int | str | None = None) -> Any:
-    """The ``HFBackend`` named by ``spec`` (see the module docstring; ``tiny``: a tiny llama).
+    """The ``HFBackend`` named by ``spec`` (see the module docstring; ``tiny``: a tiny llama), its
+    model on ``device`` (e.g. ``"cuda"``).
 
     ``chat=True`` (commands that take chat messages, e.g. ``serve``): a tiny model gets the
     default model's tokenizer and chat template (its vocabulary sized to match), so it can be
@@ -50,6 +51,16 @@ def load_backend(spec: str | None, *, chat: bool = False, verify_at_load: bool =
     from ..model import load_model
     from ..model.threads import apply_threads, parameter_count
 
+    if device != "cpu":
+        from ..model.hf import HFBackend
+
+        # loaded on the CPU (unproven), moved, then wrapped again: the layout proof runs on the
+        # device the chunks will be placed on (its verdict is cached per device type)
+        cpu = load_backend(spec, chat=chat, verify_at_load=False, threads=threads)
+        return HFBackend(
+            cpu.model.to(device), cpu.tokenizer, root_ids=cpu.root_ids, name=cpu.name, fingerprint=cpu.fingerprint,
+            verify_at_load=verify_at_load,
+        )
     if spec == "tiny" or (spec and spec.startswith("tiny:")):
         from ..model.testing import tiny_backend
 

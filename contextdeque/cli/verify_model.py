@@ -21,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random", action="store_true", help="random weights (required with --arch)")
     p.add_argument("--offsets", default=",".join(map(str, DEFAULT_OFFSETS)), help="comma-separated position offsets")
     p.add_argument("--tokens", type=int, default=96, help="tokens of real text to encode")
+    p.add_argument("--device", default="cpu", help="where the model and the kernels run: cpu or cuda (default cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_threads_argument(p)
 
@@ -33,7 +34,7 @@ def _backend_from_args(args: argparse.Namespace) -> Any:
         spec = f"tiny:{args.arch}"
     try:
         # verify-model runs the full gate itself: the shorter proof at load would only repeat it
-        return load_backend(spec, verify_at_load=False, threads=args.threads)
+        return load_backend(spec, verify_at_load=False, device=args.device, threads=args.threads)
     except KeyError:
         raise SystemExit(f"unknown tiny arch {spec!r}: not a tiny arch nor a causal-LM model_type") from None
     except TinyBuildError as exc:
