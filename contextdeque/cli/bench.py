@@ -6,10 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
 
 from ..eval.bench import DEFAULT_TOKENS, run_bench
-from .model_spec import MODEL_HELP, load_backend
+from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="chunk sizes, comma-separated")
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--rounds", type=int, default=20, help="interleaved timing rounds for the kernel measurements")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_threads_argument(p)
     p.add_argument("--device", default="cpu", help="where the model and the kernels run: cpu or cuda (default cpu)")
     p.add_argument(
         "--window-step-tokens", type=int, default=None,
@@ -28,9 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    backend = load_backend(args.model, device=args.device)
+    backend = load_backend(args.model, device=args.device, threads=args.threads)
     step_tokens = args.window_step_tokens
     if step_tokens is None:
         step_tokens = 2048 if backend.device.type == "cuda" else 0
