@@ -41,6 +41,7 @@ computed with contextdeque's own; a mismatch switches loading off (``refused`` i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -65,6 +66,7 @@ from ..core.rotation import TableCache
 from ..kernels import fused_apply
 from ..stores.traffic import TierTraffic
 from ..window import ContextWindow
+from ..window.policy import make_policy
 from ..window.store import WindowStore, default_store
 from .paged import PagedLayout, PromptCut, PromptCutter, paged_layout_for
 
@@ -183,6 +185,7 @@ class LoadSpec:
     start: int
     end: int
     block_ids: tuple[int, ...]
+    policy: str
 
 
 @dataclass(frozen=True)
@@ -234,13 +237,12 @@ class Runtime:
 
     def __init__(self, model: str, store: str | None, policy: str, rank: int, encode_on_finish: bool) -> None:
         from ..model.load import load_model
-        from ..window.policy import make_policy
 
         self.backend = load_model(model)
         self.store = open_store(store, self.backend)
         self.window_store = WindowStore.wrap(self.store, self.backend.device)
         self.policy_name = policy
-        self.exact = make_policy(policy).regime == "exact"
+        make_policy(policy)  # an unknown name fails at load, not on the first request
         self.rank = int(rank)
         self.encode_on_finish = encode_on_finish
         self.cutter = PromptCutter(self.backend.tokenizer)
@@ -311,7 +313,7 @@ class Runtime:
         """Per layer ``(k [H, S, d], v [H, S, d])``: the root and the chunks placed by a window under
         the connector's policy (positions ``0..S-1``, rotated as vLLM caches them)."""
         with self._lock:
-            win = ContextWindow(self.view(spec.root), store=self.store, patch_policy=self.policy_name, rank=self.rank,
+            win = ContextWindow(self.view(spec.root), store=self.store, patch_policy=spec.policy, rank=self.rank,
                                 overflow="error")
             try:
                 for tokens in spec.chunks:
@@ -376,7 +378,7 @@ class ContextDequeConnector(KVConnectorBase_V1):
         check_vllm_rotary(layout, model_cfg.hf_config, int(model_cfg.max_model_len))
         self.layout = layout
         # scheduler side
-        self._matches: dict[str, tuple[Match, int]] = {}
+        self._matches: dict[str, tuple[Match, int, str]] = {}
         self._to_load: dict[str, LoadSpec] = {}
         # worker side
         self._paged: PagedLayout | None = None
@@ -391,9 +393,23 @@ class ContextDequeConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler side
     @staticmethod
-    def _off(request: "Request") -> bool:
-        params = getattr(request, "kv_transfer_params", None) or {}
-        return params.get(PARAMS_KEY) == "off"
+    def _params(request: Any) -> Any:
+        """The request's ``kv_transfer_params[PARAMS_KEY]`` (a scheduler ``Request`` or the
+        ``NewRequestData`` the worker metadata is built from)."""
+        params = getattr(request, "kv_transfer_params", None)
+        if params is None:
+            sampling = getattr(request, "sampling_params", None)
+            params = ((getattr(sampling, "extra_args", None) or {}).get("kv_transfer_params")) if sampling is not None else None
+        return (params or {}).get(PARAMS_KEY)
+
+    def _off(self, request: Any) -> bool:
+        return self._params(request) == "off"
+
+    def _policy(self, request: Any) -> str:
+        """The request's patch policy: ``kv_transfer_params={"contextdeque": {"patch_policy": P}}``,
+        else the connector's."""
+        p = self._params(request)
+        return str(p.get("patch_policy")) if isinstance(p, dict) and p.get("patch_policy") else self.rt.policy_name
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         if self._off(request):
@@ -410,22 +426,23 @@ class ContextDequeConnector(KVConnectorBase_V1):
         match = Match(match.cut, n)
         if not n or match.n_tokens <= num_computed_tokens:
             return 0, False
-        if not self.rt.exact and not (request.cache_salt or "").startswith(SALT_PREFIX):
+        policy = self._policy(request)
+        if make_policy(policy).regime != "exact" and not (request.cache_salt or "").startswith(SALT_PREFIX):
             # approximate KV: this request's blocks get their own hashes, never found as exact ones
             request.cache_salt = SALT_PREFIX + request.request_id + (":" + request.cache_salt if request.cache_salt else "")
             request.block_hashes = []
             request.update_block_hashes()
-        self._matches[request.request_id] = (match, num_computed_tokens)
+        self._matches[request.request_id] = (match, num_computed_tokens, policy)
         return match.n_tokens - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
         got = self._matches.pop(request.request_id, None)
         if got is None or num_external_tokens <= 0:
             return
-        match, start = got
+        match, start, policy = got
         end = start + int(num_external_tokens)
         chunks = match.cut.chunks[: match.n_chunks]
-        self._to_load[request.request_id] = LoadSpec(request.request_id, match.cut.root, chunks, start, end, ())
+        self._to_load[request.request_id] = LoadSpec(request.request_id, match.cut.root, chunks, start, end, (), policy)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = ContextDequeConnectorMetadata()
@@ -433,7 +450,7 @@ class ContextDequeConnector(KVConnectorBase_V1):
             blocks = tuple(int(b) for b in req.block_ids[0])
             spec = self._to_load.pop(req.req_id, None)
             if spec is not None:
-                meta.loads.append(LoadSpec(spec.req_id, spec.root, spec.chunks, spec.start, spec.end, blocks))
+                meta.loads.append(dataclasses.replace(spec, block_ids=blocks))
             save = self._save_spec(req, blocks, scheduler_output.num_scheduled_tokens.get(req.req_id, 0), spec)
             if save is not None:
                 meta.saves.append(save)
