@@ -114,11 +114,13 @@ def kv_transfer_config(
 # ---------------------------------------------------------------------------- load-time checks
 
 
-def check_vllm_rotary(layout: KVLayout, hf_config: Any, max_position: int) -> None:
+def check_vllm_rotary(layout: KVLayout, hf_config: Any, max_position: int, vllm_config: Any = None) -> None:
     """Refuse (``UnsupportedLayoutError`` with the reason) a model whose KV vLLM caches otherwise
     than contextdeque relocates it: structure the paged writers do not carry, or a rotary table
     vLLM computes differently (vLLM's own ``get_rope`` for the model's ``rope_parameters`` against
-    contextdeque's tables, on random keys at positions up to ``max_position``)."""
+    contextdeque's tables, on random keys at positions up to ``max_position``). ``vllm_config``:
+    the engine's (vLLM builds its custom ops under one; default: vLLM's defaults)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
     def refuse(why: str, reason: str, measured: float | None = None) -> None:
@@ -137,8 +139,9 @@ def check_vllm_rotary(layout: KVLayout, hf_config: Any, max_position: int) -> No
         refuse(f"{layout.rope_type} RoPE switches tables with length; vLLM computes one table for the whole context",
                "vllm-rope-regime")
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    rope = get_rope(layout.k_dim, max_position=max_position, is_neox_style=not layout.interleaved,
-                    rope_parameters=params, dtype=torch.float32)
+    with set_current_vllm_config(vllm_config if vllm_config is not None else VllmConfig()):
+        rope = get_rope(layout.k_dim, max_position=max_position, is_neox_style=not layout.interleaved,
+                        rope_parameters=params, dtype=torch.float32)
     if int(getattr(rope, "rotary_dim", layout.k_dim)) != layout.rope_dim:
         refuse(f"vLLM rotates {getattr(rope, 'rotary_dim', '?')} channels per head, contextdeque {layout.rope_dim}",
                "vllm-rope-mismatch")
@@ -375,7 +378,7 @@ class ContextDequeConnector(KVConnectorBase_V1):
             int(extra.get("rank", 32)), bool(extra.get("encode_on_finish", True)),
         )
         layout = self.rt.backend.layout
-        check_vllm_rotary(layout, model_cfg.hf_config, int(model_cfg.max_model_len))
+        check_vllm_rotary(layout, model_cfg.hf_config, int(model_cfg.max_model_len), vllm_config)
         self.layout = layout
         # scheduler side
         self._matches: dict[str, tuple[Match, int, str]] = {}
