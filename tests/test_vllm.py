@@ -84,11 +84,11 @@ def test_reread_in_another_order_is_served_by_the_connector_exactly(runs):
     w = runs["writer"]
     pair = w["reread"]
     assert pair["got"]["cached_tokens"] == pair["prefix_lens"][4]  # root + the four pages
-    assert pair["stats"]["tokens_loaded"] == pair["prefix_lens"][4] and pair["stats"]["loads"] == 1
-    assert pair["stats"]["window_encodes"] == 0
+    assert pair["stats"].get("tokens_loaded", 0) == pair["prefix_lens"][4] and pair["stats"].get("loads", 0) == 1
+    assert pair["stats"].get("window_encodes", 0) == 0
     _same_answer(pair)
     # turn 1 stored what it read: the first page straight from vLLM's KV (un-rotated), the rest encoded
-    assert w["turn1_stats"]["saved_from_vllm"] == 1 and w["turn1_stats"]["encodes"] == 4
+    assert w["turn1_stats"].get("saved_from_vllm", 0) == 1 and w["turn1_stats"].get("encodes", 0) == 4
     assert w["refused"] is None and w["stats"]["root_check_max_rel_err"] < 1e-4
 
 
@@ -97,8 +97,8 @@ def test_second_engine_on_the_shared_store_serves_them_with_zero_encodes(runs):
     message from the store, 0 encodes, same answer as its own prefill."""
     pair = runs["reader"]["reread"]
     assert pair["got"]["cached_tokens"] == pair["prefix_lens"][-1]  # every message, the question too
-    assert pair["stats"]["encodes"] == 0 and pair["stats"]["window_encodes"] == 0
-    assert pair["stats"]["tokens_loaded"] == pair["prefix_lens"][-1]
+    assert pair["stats"].get("encodes", 0) == 0 and pair["stats"].get("window_encodes", 0) == 0
+    assert pair["stats"].get("tokens_loaded", 0) == pair["prefix_lens"][-1]
     _same_answer(pair)
 
 
@@ -108,9 +108,18 @@ def test_bad_entries_fall_back_to_vllms_own_prefill(runs, fault):
     serves the first page only, vLLM prefills from the bad one on, and the answer is vLLM's own."""
     pair = runs["reader"]["faults"][fault]
     assert pair["got"]["cached_tokens"] == pair["prefix_lens"][1]
-    assert pair["stats"]["tokens_loaded"] == pair["prefix_lens"][1]
+    assert pair["stats"].get("tokens_loaded", 0) == pair["prefix_lens"][1]
     if fault == "corrupt":
-        assert pair["stats"]["quarantined"] >= 1
+        assert pair["stats"].get("quarantined", 0) >= 1
     if fault == "other_model":
-        assert pair["stats"]["refused_entries"] >= 1
+        assert pair["stats"].get("refused_entries", 0) >= 1
     _same_answer(pair)
+
+
+def test_approximate_kv_never_enters_vllms_prefix_cache_as_exact(runs):
+    """After a latency-policy load (approximate KV), the same prompt with the connector off finds
+    nothing in vLLM's prefix cache (the request's blocks were salted); after an exact-policy load
+    (vLLM's own KV to fp32 rounding) it finds the loaded blocks."""
+    r = runs["reader"]["prefix_cache"]
+    assert r["latency"]["served_cached"] > 0 and r["latency"]["again_cached"] == 0
+    assert r["exact"]["served_cached"] > 0 and r["exact"]["again_cached"] >= 128

@@ -78,11 +78,27 @@ def main(mode: str, store: str, out_path: str) -> None:
         out["reread"] = pair((2, 0, 3, 1), 2)
     else:
         out["reread"] = pair((2, 0, 3, 1), 2)
+        out["prefix_cache"] = prefix_cache(llm, tok, text)
         out["faults"] = faults(llm, rt, tok, text, pair)
     out["stats"] = dict(rt.stats)
     out["refused"] = rt.refused
     with open(out_path, "w") as f:
         json.dump(out, f)
+
+
+def prefix_cache(llm: Any, tok: Any, text: list[str]) -> dict[str, Any]:
+    """What vLLM's prefix cache finds after the connector served a prompt: the same prompt again
+    with the connector off, after an approximate (latency-policy) load and after an exact one."""
+    from contextdeque.integrations.vllm_bench import conversation, prompt_ids, run_turn
+
+    ids = prompt_ids(tok, conversation((3, 2, 1, 0), 1, text))
+    out = {}
+    for policy in ("latency", "exact"):
+        llm.reset_prefix_cache()
+        served = run_turn(llm, ids, policy=policy, max_tokens=1)
+        again = run_turn(llm, ids, mode="off", max_tokens=1)
+        out[policy] = {"served_cached": served.cached_tokens, "again_cached": again.cached_tokens}
+    return out
 
 
 def faults(llm: Any, rt: Any, tok: Any, text: list[str], pair: Any) -> dict[str, Any]:
