@@ -3,7 +3,8 @@ file in that interpreter, one engine per process, and checks the JSON it writes)
 
 ``python tests/vllm_cases.py writer|reader STORE_URL OUT.json``
 
-- writer: a fresh engine with the connector (exact policy) on a shared store. Turn 1 reads four
+- writer: first the load-time rotary check (vLLM's rotary for the model's own parameters passes,
+  for another RoPE base it is refused); then a fresh engine with the connector (exact policy) on a shared store. Turn 1 reads four
   pages; turn 2 re-reads them in another order: served by the connector, and again by vLLM's own
   full prefill (prefix cache skipped) as the reference.
 - reader: a second engine (another process) on the same store: turn 2 again (every chunk was
@@ -21,7 +22,7 @@ import sys
 from typing import Any
 
 
-def refusal(out_path: str) -> None:
+def refusal() -> dict[str, Any]:
     """The load-time rotary check on the default model's layout: vLLM's rotary for its own
     ``rope_parameters`` passes; for another RoPE base (a model vLLM would rotate differently) it is
     refused with the reason."""
@@ -42,13 +43,11 @@ def refusal(out_path: str) -> None:
         out["other_theta"] = None
     except UnsupportedLayoutError as exc:
         out["other_theta"] = {"reason": exc.reason, "message": str(exc), "measured": exc.measured}
-    with open(out_path, "w") as f:
-        json.dump(out, f)
+    return out
 
 
 def main(mode: str, store: str, out_path: str) -> None:
-    if mode == "refusal":
-        return refusal(out_path)
+    out: dict[str, Any] = {"refusal": refusal()} if mode == "writer" else {}
     from contextdeque.integrations.vllm import runtimes
     from contextdeque.integrations.vllm_bench import conversation, make_engine, pages, prompt_ids, run_turn
     from contextdeque.model.default_model import ensure_default_model
@@ -57,7 +56,6 @@ def main(mode: str, store: str, out_path: str) -> None:
     tok = llm.get_tokenizer()
     text = pages()
     rt = runtimes()[0]
-    out: dict[str, Any] = {}
 
     def pair(order: tuple[int, ...], question: int) -> dict[str, Any]:
         """The connector's answer and vLLM's own full prefill of the same prompt."""
