@@ -457,6 +457,15 @@ class ContextDequeConnector(KVConnectorBase_V1):
             save = self._save_spec(req, blocks, scheduler_output.num_scheduled_tokens.get(req.req_id, 0), spec)
             if save is not None:
                 meta.saves.append(save)
+        # a preempted request that comes back is looked up again; its (new) block table comes whole
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            spec = self._to_load.pop(req_id, None)
+            if spec is None:
+                continue
+            if req_id not in cached.resumed_req_ids or cached.new_block_ids[i] is None:
+                raise RuntimeError(f"contextdeque: request {req_id} was matched but its whole block table is not known")
+            meta.loads.append(dataclasses.replace(spec, block_ids=tuple(int(b) for b in cached.new_block_ids[i][0])))
         self._to_load.clear()
         return meta
 
