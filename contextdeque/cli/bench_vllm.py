@@ -18,15 +18,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import importlib.util
+    import sys
     import tempfile
 
     from ..model.default_model import ensure_default_model
 
-    try:
-        from ..integrations.vllm_bench import run_bench
-    except ImportError as exc:
-        print(f"contextdeque bench-vllm: vLLM is not importable here ({exc}); see docs/vllm.md")
+    if importlib.util.find_spec("vllm") is None:
+        print("contextdeque bench-vllm: vLLM is not installed in this environment: "
+              "pip install 'contextdeque[vllm]' (docs/vllm.md)", file=sys.stderr)
         return 2
+    from ..integrations.vllm_bench import run_bench
     model = args.model or str(ensure_default_model())
     store = args.store or tempfile.mkdtemp(prefix="contextdeque-vllm-bench-")
     res = run_bench(model, store=store, max_tokens=args.max_tokens, repeats=args.repeats)
@@ -36,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"re-read turn of {res['turn_tokens'][-1]} prompt tokens (earlier turns {res['turn_tokens'][:-1]}), model {model}")
     for name, a in res["arms"].items():
         print(f"  {name:16s} TTFT {a['ttft_ms']:8.1f} ms   prefilled {a['prefilled']:5d} tokens "
-              f"(vLLM {a['vllm_prefilled']}, contextdeque forwards {a['window_tokens']}; cached {a['cached_tokens']})")
+              f"(vLLM {a['vllm_prefilled']}, contextdeque: loading {a['window_tokens']}, new messages' canonicals "
+              f"{a['encode_tokens']}; cached {a['cached_tokens']})")
     print(f"  connector vs prefix caching: {res['prefill_ratio']:.1f}x fewer tokens prefilled, TTFT {res['ttft_ratio']:.2f}x lower")
     print(f"  answers identical to vLLM's: exact policy {res['exact_identical']}, latency policy {res['latency_identical']}")
     return 0

@@ -83,12 +83,14 @@ def make_engine(model: str, *, store: str | None, patch_policy: str = "latency",
 @dataclass
 class TurnResult:
     """One request's outcome: its prompt length, the tokens vLLM took as computed (its prefix cache
-    plus the connector), the tokens contextdeque's own forwards prefilled while loading, time to
-    first token (ms), the greedy answer ids and the first token's top logprobs."""
+    plus the connector), the tokens contextdeque's own forwards prefilled while loading and after
+    it (encoding the canonicals of the request's new messages when it finished), time to first
+    token (ms), the greedy answer ids and the first token's top logprobs."""
 
     prompt_tokens: int
     cached_tokens: int
     window_tokens: int
+    encode_tokens: int
     ttft_ms: float
     answer_ids: list[int]
     top_logprobs: dict[int, float]
@@ -100,11 +102,12 @@ class TurnResult:
     @property
     def prefilled(self) -> int:
         """Every token some forward prefilled for this request: vLLM's and contextdeque's."""
-        return self.vllm_prefilled + self.window_tokens
+        return self.vllm_prefilled + self.window_tokens + self.encode_tokens
 
     def as_dict(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "vllm_prefilled": self.vllm_prefilled, "window_tokens": self.window_tokens,
+                "encode_tokens": self.encode_tokens,
                 "prefilled": self.prefilled, "ttft_ms": round(self.ttft_ms, 1), "answer_ids": self.answer_ids}
 
 
@@ -120,7 +123,10 @@ def run_turn(llm: Any, ids: list[int], *, mode: str = "on", policy: str | None =
     params: Any = "off" if mode == "off" else ({"patch_policy": policy} if policy else "on")
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5, skip_reading_prefix_cache=fresh_prefill,
                         extra_args={"kv_transfer_params": {PARAMS_KEY: params}})
-    before = sum(rt.stats["window_tokens_prefilled"] for rt in runtimes())
+    def counted(name: str) -> int:
+        return int(sum(rt.stats[name] for rt in runtimes()))
+
+    before = {k: counted(k) for k in ("window_tokens_prefilled", "encode_tokens")}
     t0 = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
     wall_ms = (time.perf_counter() - t0) * 1000.0
@@ -129,7 +135,8 @@ def run_turn(llm: Any, ids: list[int], *, mode: str = "on", policy: str | None =
     comp = out.outputs[0]
     return TurnResult(
         prompt_tokens=len(out.prompt_token_ids), cached_tokens=int(out.num_cached_tokens or 0),
-        window_tokens=int(sum(rt.stats["window_tokens_prefilled"] for rt in runtimes()) - before),
+        window_tokens=counted("window_tokens_prefilled") - before["window_tokens_prefilled"],
+        encode_tokens=counted("encode_tokens") - before["encode_tokens"],
         ttft_ms=first * 1000.0 if first else wall_ms, answer_ids=list(comp.token_ids),
         top_logprobs={int(t): float(lp.logprob) for t, lp in (comp.logprobs[0] if comp.logprobs else {}).items()},
     )
