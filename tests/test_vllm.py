@@ -123,3 +123,11 @@ def test_approximate_kv_never_enters_vllms_prefix_cache_as_exact(runs):
     r = runs["reader"]["prefix_cache"]
     assert r["latency"]["served_cached"] > 0 and r["latency"]["again_cached"] == 0
     assert r["exact"]["served_cached"] > 0 and r["exact"]["again_cached"] >= 128
+
+
+def test_a_load_that_fails_on_the_worker_is_recomputed_by_vllm(runs):
+    """The match succeeded but the worker could not build the KV: the blocks are reported, vLLM
+    recomputes them (``kv_load_failure_policy="recompute"``) and answers as its own prefill."""
+    pair = runs["reader"]["load_failure"]
+    assert pair["stats"].get("load_failures", 0) == 1 and pair["stats"].get("loads", 0) == 0
+    _same_answer(pair)

@@ -77,6 +77,7 @@ def main(mode: str, store: str, out_path: str) -> None:
     else:
         out["reread"] = pair((2, 0, 3, 1), 2)
         out["prefix_cache"] = prefix_cache(llm, tok, text)
+        out["load_failure"] = load_failure(rt, pair)
         out["faults"] = faults(llm, rt, tok, text, pair)
     out["stats"] = dict(rt.stats)
     out["refused"] = rt.refused
@@ -97,6 +98,24 @@ def prefix_cache(llm: Any, tok: Any, text: list[str]) -> dict[str, Any]:
         again = run_turn(llm, ids, mode="off", max_tokens=1)
         out[policy] = {"served_cached": served.cached_tokens, "again_cached": again.cached_tokens}
     return out
+
+
+def load_failure(rt: Any, pair: Any) -> dict[str, Any]:
+    """The worker side cannot build the matched KV (the store lost it between the match and the
+    load): the connector reports the blocks and vLLM recomputes them."""
+    from contextdeque.core.errors import StoreError
+
+    real = rt.window_kv
+
+    def lost(spec: Any) -> Any:
+        rt.window_kv = real
+        raise StoreError("injected: the store lost the entry between match and load")
+
+    rt.window_kv = lost
+    try:
+        return pair((0, 2, 1, 3), 0)
+    finally:
+        rt.window_kv = real
 
 
 def faults(llm: Any, rt: Any, tok: Any, text: list[str], pair: Any) -> dict[str, Any]:

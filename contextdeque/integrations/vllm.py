@@ -107,8 +107,9 @@ def kv_transfer_config(
     """
     extra = {"store": store, "patch_policy": patch_policy, "rank": int(rank), "model": model,
              "encode_on_finish": bool(encode_on_finish)}
+    # a load that fails on the worker side is recomputed by vLLM, never served wrong or failed
     return KVTransferConfig(kv_connector=CONNECTOR_NAME, kv_connector_module_path=__name__, kv_role="kv_both",
-                            kv_connector_extra_config=extra)
+                            kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
 
 
 # ---------------------------------------------------------------------------- load-time checks
@@ -194,8 +195,8 @@ class LoadSpec:
 @dataclass(frozen=True)
 class SaveSpec:
     """A chunk whose canonical vLLM computes in this step: ``tokens`` at positions
-    ``[start, start + len)`` right after ``root`` (read back after the forward); ``check_root``:
-    also compare the root's KV with contextdeque's."""
+    ``[start, start + len)`` right after ``root`` (read back after the forward, with the root's KV
+    for the run-time comparison with contextdeque's)."""
 
     req_id: str
     root: tuple[int, ...]
