@@ -431,7 +431,12 @@ class ContextDequeConnector(KVConnectorBase_V1):
         if not n or match.n_tokens <= num_computed_tokens:
             return 0, False
         policy = self._policy(request)
-        if make_policy(policy).regime != "exact" and not (request.cache_salt or "").startswith(SALT_PREFIX):
+        try:
+            regime = make_policy(policy).regime
+        except ContextDequeError as exc:  # a request naming no registered policy is vLLM's alone
+            log.warning("contextdeque: request %s: %s; vLLM prefills it", request.request_id, exc)
+            return 0, False
+        if regime != "exact" and not (request.cache_salt or "").startswith(SALT_PREFIX):
             # approximate KV: this request's blocks get their own hashes, never found as exact ones
             request.cache_salt = SALT_PREFIX + request.request_id + (":" + request.cache_salt if request.cache_salt else "")
             request.block_hashes = []
