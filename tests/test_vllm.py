@@ -123,6 +123,7 @@ def test_approximate_kv_never_enters_vllms_prefix_cache_as_exact(runs):
     r = runs["reader"]["prefix_cache"]
     assert r["latency"]["served_cached"] > 0 and r["latency"]["again_cached"] == 0
     assert r["exact"]["served_cached"] > 0 and r["exact"]["again_cached"] >= 128
+    assert r["unknown_policy_cached"] == 0  # a request naming no registered policy: vLLM's alone
 
 
 def test_a_load_that_fails_on_the_worker_is_recomputed_by_vllm(runs):

@@ -97,6 +97,8 @@ def prefix_cache(llm: Any, tok: Any, text: list[str]) -> dict[str, Any]:
         served = run_turn(llm, ids, policy=policy, max_tokens=1)
         again = run_turn(llm, ids, mode="off", max_tokens=1)
         out[policy] = {"served_cached": served.cached_tokens, "again_cached": again.cached_tokens}
+    llm.reset_prefix_cache()
+    out["unknown_policy_cached"] = run_turn(llm, ids, policy="no-such-policy", max_tokens=1).cached_tokens
     return out
 
 
