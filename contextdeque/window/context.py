@@ -18,7 +18,9 @@ import torch
 
 from ..core.cooperative import in_background
 from ..core.errors import BudgetError, WindowError
-from ..patch.rank import resolve_rank
+from ..model.envelope import load_envelope
+from ..patch.alloc import DEFAULT_ON_MISS, ON_MISS, FidelityRule
+from ..patch.rank import FULL, resolve_rank
 from .graph import CASCADE_POLICIES
 from .policy import PatchPolicy
 from .store import WindowStore
@@ -59,8 +61,9 @@ class WindowContext:
     counters: dict[str, int] = field(default_factory=lambda: {"encodes": 0, "decode_forwards": 0, "decode_tokens": 0})
     expected_reuse: Callable[..., float] | None = None
     placement: Any = None  # a window.placement.PlacementPolicy (None: arrival order)
-    fidelity_target: float | None = None  # adaptive patch rank (the safety envelope); None: fixed rank
-    max_patch_fraction: float = 0.25  # adaptive rank's byte cap: patch bytes / page bytes
+    fidelity_target: float | None = None  # η target: per-layer ranks allocated to meet it; None: fixed rank
+    max_patch_fraction: float = 0.25  # the target's byte cap: patch bytes / page bytes
+    on_miss: str = DEFAULT_ON_MISS  # what a patch the cap cannot fit the target into does (patch.alloc.ON_MISS)
     beyond_trained: bool = False  # allow positions past the model's trained context length
     chunk_template: str = "{text}"  # how text appends are rendered (see ContextWindow)
     max_evicted: int | None = DEFAULT_MAX_EVICTED  # evicted refs remembered (oldest forgotten past it); None: all
@@ -69,6 +72,7 @@ class WindowContext:
     op_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _waiting: list[int] = field(default_factory=lambda: [0], repr=False)
     _waiting_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _fidelity_rule: "FidelityRule | None" = field(default=None, repr=False)
     last_foreground: float = field(default_factory=time.monotonic, repr=False)
     foreground_waits_ms: deque = field(default_factory=lambda: deque(maxlen=1000), repr=False)
 
@@ -123,6 +127,8 @@ class WindowContext:
             raise WindowError(f"fidelity_target must be in (0, 1], got {self.fidelity_target}")
         if not 0.0 < float(self.max_patch_fraction) <= 1.0:
             raise WindowError(f"max_patch_fraction must be in (0, 1], got {self.max_patch_fraction}")
+        if self.on_miss not in ON_MISS:
+            raise WindowError(f"on_miss must be one of {ON_MISS}, got {self.on_miss!r}")
 
     @property
     def layout(self):
@@ -142,16 +148,24 @@ class WindowContext:
     def total_tokens(self) -> int:
         return int(self.backend.tokens_prefilled) + self.counters["decode_tokens"]
 
-    def adaptive_cap(self, n_tokens: int) -> tuple[int, int]:
-        """The adaptive rank's cap for a chunk of ``n_tokens``: the largest (rank_k, rank_v) whose
-        patch stays within ``max_patch_fraction`` of the page's bytes (m (T + F) <= f T F per
-        layer, K and V each), and never above full rank."""
-        lay = self.layout
-        out = []
-        for f in (lay.k_heads * lay.k_dim, lay.v_heads * lay.v_dim):
-            m = int(self.max_patch_fraction * n_tokens * f / (n_tokens + f))
-            out.append(max(1, min(m, n_tokens, f)))
-        return out[0], out[1]
+    @property
+    def fidelity_rule(self) -> "FidelityRule | None":
+        """The rule every patch is formed under when ``fidelity_target`` is set: the target (an η)
+        through the model's calibrated envelope (``contextdeque calibrate``; cached per model
+        fingerprint) — read as an energy when the model has none — under the byte cap, with
+        ``on_miss``. None without a target."""
+        if self.fidelity_target is None:
+            return None
+        if self._fidelity_rule is None:
+            self._fidelity_rule = FidelityRule.for_target(
+                float(self.fidelity_target), load_envelope(self.fingerprint), float(self.max_patch_fraction), self.on_miss)
+        return self._fidelity_rule
+
+    def formation_ranks(self, rank: int | str, n_tokens: int) -> tuple[int, int]:
+        """(rank_k, rank_v) a patch of a chunk of ``n_tokens`` is formed at (and keyed by): under a
+        fidelity target every direction (the allocation then cuts it per layer), else ``rank``
+        clamped (:meth:`clamp_rank`). A full-rank ask stays full rank either way."""
+        return self.clamp_rank(FULL if self.fidelity_target is not None else rank, n_tokens)
 
     def clamp_rank(self, rank: int | str, n_tokens: int) -> tuple[int, int]:
         """(rank_k, rank_v) for a chunk of ``n_tokens``: ``"full"`` or anything above

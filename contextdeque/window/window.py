@@ -45,6 +45,7 @@ from ..core.errors import BudgetError, UnknownRefError, WindowError, WindowTypeE
 from ..core.heap import release_freed_heap
 from ..core.kv import LayerKV, kv_nbytes
 from ..patch import Patch, form_patch
+from ..patch.alloc import DEFAULT_ON_MISS, ON_MISS
 from . import decode, ingest
 from .context import DEFAULT_MAX_EVICTED, WindowContext
 from .disposable import Verdict, run_test
@@ -141,10 +142,19 @@ class ContextWindow:
             ``"scheduler"`` (``contextdeque.scheduler``: the place that keeps stored patches
             valid and forms the fewest new ones), another registered name or a
             ``PlacementPolicy``.
-        fidelity_target: the safety envelope: when set (e.g. 0.99), each patch's rank is chosen
-            per chunk from Δ's singular spectrum — the smallest m capturing this fraction of Δ's
-            energy (K and V separately) — instead of the global ``rank``, capped so a patch
-            never exceeds ``max_patch_fraction`` of its page's bytes.
+        fidelity_target: an η target (e.g. 0.99: the patch closes 99% of the next-token KL gap
+            blind reuse leaves against a re-prefill, on the model's median calibration item).
+            When set, each patch gets per-layer K and V ranks allocated from Δ's singular spectra
+            where its energy is, as few bytes as capture the energy the model's calibrated
+            envelope says the target needs (``contextdeque calibrate --model``; without one the
+            target is read as that energy), within ``max_patch_fraction`` of its page's bytes;
+            ``rank`` is then not used. See docs/fidelity.md.
+        max_patch_fraction: the byte cap of a patch under ``fidelity_target``: its bytes over
+            its page's bytes.
+        on_miss: what a patch does when the cap cannot fit the target: ``"report"`` (the default:
+            keep the best patch within the cap; the receipt's ``fidelity_misses``, ``show()`` and
+            the patch's estimated η say so), ``"exceed_budget"`` (take the bytes the target
+            needs), ``"recompute"`` (the exact conditioning, every direction).
         kv_selection: a ``SelectionPolicy``: under memory pressure (more rows per KV head than
             its threshold) ``generate`` decodes over the rows its selector keeps (MM-ShiftKV,
             SnapKV, StreamingLLM); None: always the full window.
@@ -180,6 +190,7 @@ class ContextWindow:
         placement: "str | PlacementPolicy" = "arrival",
         fidelity_target: float | None = None,
         max_patch_fraction: float = 0.25,
+        on_miss: str = DEFAULT_ON_MISS,
         kv_selection: "SelectionPolicy | None" = None,
         beyond_trained: bool = False,
         chunk_template: str = "{text}",
@@ -222,6 +233,7 @@ class ContextWindow:
                                         none_ok=True, error=WindowError),
             max_patch_fraction=check_float("max_patch_fraction", max_patch_fraction, minimum=0.0, maximum=1.0,
                                            open_min=True, error=WindowError),
+            on_miss=check_str("on_miss", on_miss, choices=ON_MISS, error=WindowError),
             kv_selection=kv_selection,
             beyond_trained=beyond_trained,
             chunk_template=chunk_template,
