@@ -1,0 +1,121 @@
+"""ContextWindow(fidelity_target=...) on tiny models of three families with different K/V widths
+(llama: GQA; qwen2: q/k/v bias; deepseek_v3: MLA, K = the latent, V = k_pe, of different widths):
+the allocation forms per-layer ranks within the byte cap, and every miss is reported — in the
+receipt, ``show()``, the patch — or handled as ``on_miss`` says. Random weights exercise the
+mechanics; docs/fidelity.md has the default model's figures."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import contextdeque as cd
+from contextdeque.core import compat
+from contextdeque.core.errors import WindowError
+from contextdeque.patch import fidelity_report
+from helpers import seeded_ids
+
+FAMILIES = ("llama", "qwen2", "deepseek_v3")
+
+
+def _window(be, **kw):
+    w = cd.ContextWindow(be, patch_policy="eager", fidelity_target=0.99, **kw)
+    return w, _append_three(w)
+
+
+def _append_three(w):
+    receipts = []
+    for n, s in ((20, 1), (26, 2), (30, 3)):
+        w.append(token_ids=seeded_ids(n, s, 200))
+        receipts.append(w.last_receipt)
+    return receipts
+
+
+def test_the_families_differ_in_kv_width(tiny_backend_factory):
+    widths = {a: (tiny_backend_factory(a).layout.k_heads * tiny_backend_factory(a).layout.k_dim,
+                  tiny_backend_factory(a).layout.v_heads * tiny_backend_factory(a).layout.v_dim) for a in FAMILIES}
+    assert widths["deepseek_v3"][0] != widths["deepseek_v3"][1]
+    assert len(set(widths.values())) >= 2
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_binding_cap_reports_every_miss(tiny_backend_factory, one_thread, arch):
+    be = tiny_backend_factory(arch)
+    w, receipts = _window(be, max_patch_fraction=0.02)
+    patched = [r for r in w.refs if w.patches(r)]
+    assert len(patched) == 2
+    missed = [m for rc in receipts for m in rc.fidelity_misses]
+    assert sorted(m.ref.key for m in missed) == sorted(r.key for r in patched)  # every miss, and only those
+    for m in missed:
+        (p,) = w.patches(m.ref)
+        rep = fidelity_report(p)
+        assert m.action == "reported" and m.missed and rep["miss"]
+        assert p.nbytes <= m.budget_bytes == int(0.02 * w.chunk(m.ref).nbytes)
+        assert m.energy < m.energy_target
+        assert "fidelity miss" in receipts[-1].summary() or any("fidelity miss" in rc.summary() for rc in receipts)
+    out = io.StringIO()
+    from rich.console import Console
+
+    w.show(Console(file=out, width=240))
+    text = out.getvalue()
+    assert text.count("MISS") == 2 and "fidelity miss" in text
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_roomy_cap_meets_the_target_with_per_layer_ranks(tiny_backend_factory, one_thread, arch):
+    be = tiny_backend_factory(arch)
+    w, receipts = _window(be, max_patch_fraction=1.0)
+    assert not any(rc.fidelity_misses for rc in receipts)
+    for r in w.refs:
+        for p in w.patches(r):
+            rep = fidelity_report(p)
+            assert rep["action"] == "within-budget" and rep["energy"] >= rep["energy_target"] - 1e-9
+            assert p.nbytes <= rep["budget_bytes"]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_on_miss_exceed_budget_takes_the_bytes_the_target_needs(tiny_backend_factory, one_thread, arch):
+    be = tiny_backend_factory(arch)
+    w, receipts = _window(be, max_patch_fraction=0.02, on_miss="exceed_budget")
+    over = [m for rc in receipts for m in rc.fidelity_misses]
+    assert len(over) == 2 and all(m.action == "exceeded-budget" and not m.missed for m in over)
+    for m in over:
+        assert m.energy >= m.energy_target - 1e-9 and m.patch_bytes > m.budget_bytes
+    assert "over the patch byte cap" in receipts[-1].summary()
+
+
+def test_on_miss_recompute_gives_the_reprefill_kv(tiny_backend_factory, one_thread):
+    """The oracle: with on_miss="recompute" every missing chunk gets its exact conditioning, so the
+    window's KV equals the model's own forward over root + chunks."""
+    be = tiny_backend_factory("qwen2")
+    w, receipts = _window(be, max_patch_fraction=0.02, on_miss="recompute")
+    assert [m.action for rc in receipts for m in rc.fidelity_misses] == ["recomputed", "recomputed"]
+    ids = torch.tensor([list(be.root_ids) + sum((w.chunk(r).token_ids.tolist() for r in w.refs), [])])
+    with torch.no_grad():
+        out = be.model(input_ids=ids, use_cache=True)
+    cache = w.materialize()
+    for i in range(compat.cache_num_layers(out.past_key_values)):
+        (k, v), (k2, v2) = compat.cache_layer(cache, i), compat.cache_layer(out.past_key_values, i)
+        torch.testing.assert_close(k, k2, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(v, v2, atol=2e-4, rtol=1e-4)
+
+
+def test_reused_patches_report_their_miss_again(tiny_backend_factory, one_thread):
+    be = tiny_backend_factory("llama")
+    w, _ = _window(be, max_patch_fraction=0.02)
+    w2 = cd.ContextWindow(be, patch_policy="eager", fidelity_target=0.99, max_patch_fraction=0.02, store=w.store)
+    receipts = _append_three(w2)
+    assert sum(rc.patches_reused for rc in receipts) == 2
+    assert len([m for rc in receipts for m in rc.fidelity_misses]) == 2
+
+
+def test_on_miss_is_checked_and_saved(tiny_backend_factory, tmp_path, one_thread):
+    be = tiny_backend_factory("llama")
+    with pytest.raises(WindowError):
+        cd.ContextWindow(be, fidelity_target=0.99, on_miss="ignore")
+    w, _ = _window(be, max_patch_fraction=0.02, on_miss="exceed_budget")
+    w.save(tmp_path / "s")
+    back = cd.ContextWindow.open(tmp_path / "s", be)
+    assert back.context.on_miss == "exceed_budget"
