@@ -119,3 +119,44 @@ def test_on_miss_is_checked_and_saved(tiny_backend_factory, tmp_path, one_thread
     w.save(tmp_path / "s")
     back = cd.ContextWindow.open(tmp_path / "s", be)
     assert back.context.on_miss == "exceed_budget"
+
+
+def test_replay_fidelity_mode_lists_the_misses(tiny_backend_factory, one_thread, tmp_path):
+    from contextdeque.replay.fidelity import run_fidelity_mode
+    from contextdeque.traces import generate, write_trace
+
+    be = tiny_backend_factory("qwen2")
+    t = generate("video", seed=3, segments=5)
+    p = str(write_trace(tmp_path / f"{t.name}.jsonl", t.header, t.events))
+    combo = ("arrival", "lru", "patch")
+    out = run_fidelity_mode([p], [combo], 1, seed=1, scale=1 / 32, backend=be,
+                            window_options=dict(fidelity_target=0.99, max_patch_fraction=0.02))
+    res = out[(t.name, *combo)]
+    assert res["fidelity_misses"] >= 1 and res["fidelity_misses"] == len(res["fidelity_miss_list"])
+    assert all(m["action"] == "reported" and m["chunk"] for m in res["fidelity_miss_list"])
+    plain = run_fidelity_mode([p], [combo], 1, seed=1, scale=1 / 32, backend=be)[(t.name, *combo)]
+    assert plain["fidelity_misses"] == 0  # no target: nothing to miss
+
+
+def test_serve_engine_counts_and_lists_misses(one_thread):
+    from contextdeque.cli.model_spec import load_backend
+    from contextdeque.serve.engine import Engine, GenerationRequest
+    from contextdeque.serve.metrics import parse_text
+    from contextdeque.window import default_store
+
+    b = load_backend("tiny:llama", chat=True)
+    e = Engine(b, default_store(b.device), model_name="t", patch_policy="eager", heal_idle_ms=None,
+               window_options=dict(fidelity_target=0.99, max_patch_fraction=0.02))
+    try:
+        msgs = [{"role": "system", "content": "You are brief."},
+                {"role": "user", "content": "first page: " + "alpha beta gamma " * 12}]
+        r = e.submit(GenerationRequest(messages=msgs, max_new_tokens=4)).result(600)
+        msgs += [{"role": "assistant", "content": r.text}, {"role": "user", "content": "second page: " + "delta " * 20}]
+        r = e.submit(GenerationRequest(messages=msgs, max_new_tokens=4, session_id=r.session_id)).result(600)
+        assert r.patches_formed >= 1
+        assert r.fidelity_misses and all(m["action"] == "reported" for m in r.fidelity_misses)
+        assert r.usage_extra()["fidelity_misses"] == r.fidelity_misses
+        page = parse_text(e.metrics.render().decode())
+        assert page['contextdeque_fidelity_misses_total{action="reported"}'] == len(r.fidelity_misses)
+    finally:
+        e.close()

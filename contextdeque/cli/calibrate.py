@@ -1,36 +1,67 @@
 """``contextdeque calibrate``: measure the replay cost model on this machine's backend
-(``contextdeque.replay.calibrate``) and save it."""
+(``contextdeque.replay.calibrate``) and save it; with ``--envelope``, also the model's fidelity
+envelope (how a patch's captured energy maps to η, ``contextdeque.eval.fidelity.envelope``),
+cached beside the layout proofs and keyed by the weights' fingerprint, which a window's
+``fidelity_target`` reads."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..replay.calibrate import calibrate
 from ..replay.cost import save_calibration
+from .model_spec import MODEL_HELP
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="a local checkpoint (default: the embedded default model)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--cache-dir", type=Path, default=None, help="cache root (default: $CONTEXTDEQUE_CACHE or ~/.cache/contextdeque)")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="the cost model's cache root (default: $CONTEXTDEQUE_CACHE or ~/.cache/contextdeque; "
+                        "the envelope is cached under $CONTEXTDEQUE_CACHE)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--envelope", action="store_true",
+                        help="also measure the model's fidelity envelope (energy -> η on a few probe items; minutes "
+                             "on a CPU) and cache it beside the layout proofs, measured afresh even when cached")
+    parser.add_argument("--only-envelope", action="store_true", help="the fidelity envelope only (no cost model)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a shared machine)")
+
+
+def print_envelope(env: Any, out: Any = print) -> None:
+    """The envelope as a few lines: where it came from, and the energy and η per calibration point."""
+    from ..model.envelope import envelope_path
+
+    out(f"fidelity envelope of {env.model or env.fingerprint[:12]}: {env.summary()}")
+    out(f"  cached at {envelope_path(env.fingerprint)}")
+    out("  energy    median η   p10 η   bytes/page")
+    for e, m, p, b in zip(env.energies, env.median_eta, env.p10_eta, env.mean_bytes_fraction):
+        out(f"  {e:<8g}  {m:>8.4f}  {p:>6.4f}  {b:>10.3f}")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..model import load_model
-    from ..core.errors import ContextDequeError
+    import torch
 
+    from ..core.errors import ContextDequeError
+    from .model_spec import load_backend
+
+    if args.threads:
+        torch.set_num_threads(int(args.threads))
     try:
-        backend = load_model(args.model)
-        model = calibrate(backend, rank=args.rank, repeats=args.repeats)
-        path = save_calibration(model, args.cache_dir)
+        backend = load_backend(args.model)
+        if not args.only_envelope:
+            model = calibrate(backend, rank=args.rank, repeats=args.repeats)
+            path = save_calibration(model, args.cache_dir)
+            print(f"calibration saved to {path}")
+            for k, v in model.to_json().items():
+                if k != "extra":
+                    print(f"  {k}: {v}")
+        if args.envelope or args.only_envelope:
+            from ..eval.fidelity.envelope import ensure_envelope
+
+            print_envelope(ensure_envelope(backend, refresh=True))
     except (ContextDequeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"calibration saved to {path}")
-    for k, v in model.to_json().items():
-        if k != "extra":
-            print(f"  {k}: {v}")
     return 0

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..core.errors import ContextDequeError
+from ..patch.alloc import DEFAULT_ON_MISS, ON_MISS
 
 GiB = 1 << 30
 
@@ -39,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prices it; latency, exact, ...); "
                              "latency-first windows are also measured after heal(). 'latency' / 'latency-shared' also "
                              "price the patch arm so in cost-model mode (arms patch-latency / patch-latency-shared)")
+    parser.add_argument("--fidelity-target", type=float, default=None,
+                        help="the fidelity mode's patch window gets this η target (docs/fidelity.md); the patches "
+                             "its byte cap could not fit it into are counted (fidelity_misses) and listed with --json")
+    parser.add_argument("--max-patch-fraction", type=float, default=0.25, help="the fidelity target's byte cap")
+    parser.add_argument("--on-miss", choices=ON_MISS, default=DEFAULT_ON_MISS, help="what a patch the cap cannot fit the target into does")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG figure here")
     parser.add_argument("--json", action="store_true", help="print one JSON object (deterministic) instead of tables")
 
@@ -79,12 +85,14 @@ def run(args: argparse.Namespace) -> int:
 
                 torch.set_num_threads(int(args.threads))
 
+            options = {} if args.fidelity_target is None else dict(
+                fidelity_target=args.fidelity_target, max_patch_fraction=args.max_patch_fraction, on_miss=args.on_miss)
             fid = run_fidelity_mode([str(p) for p in args.traces], combos, args.fidelity, seed=args.seed, console=err,
-                                    patch_policy=args.patch_policy)
+                                    patch_policy=args.patch_policy, window_options=options)
             for r in results:
                 r.update(fid.get((r["trace"], r["placement"], r["eviction"], r["arm"]), {}))
             extra["fidelity"] = {"queries_per_policy": args.fidelity, "seed": args.seed, "model": "SmolLM2-135M-Instruct",
-                                 "patch_policy": args.patch_policy}
+                                 "patch_policy": args.patch_policy, **options}
     except (ContextDequeError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -105,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     cols = ["trace", "placement", "eviction", "arm", "tokens_prefilled", "forwards", "patch_forms", "patch_hits",
             "device_hits", "device_misses", "est_seconds"]
     if args.fidelity:
-        cols += ["kl", "eta", "ttft_ratio"]
+        cols += ["kl", "eta", "ttft_ratio"] + (["fidelity_misses", "fidelity_over_cap"] if args.fidelity_target else [])
     for c in cols:
         table.add_column(c, justify="right" if c not in ("trace", "placement", "eviction", "arm") else "left")
     for r in results:

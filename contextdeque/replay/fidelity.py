@@ -71,10 +71,11 @@ def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [tuple(t[0] for t in cache_layer(cache, i)) for i in range(cache_num_layers(cache))]  # type: ignore[misc]
 
 
-def _window_for(backend: Any, placement: str, arm: str, patch_policy: str) -> Any:
+def _window_for(backend: Any, placement: str, arm: str, patch_policy: str, window_options: dict[str, Any]) -> Any:
     from ..window import ContextWindow
 
-    return ContextWindow(backend, placement=placement, patch_policy=patch_policy if arm == "patch" else "none")
+    return ContextWindow(backend, placement=placement, patch_policy=patch_policy if arm == "patch" else "none",
+                         **(window_options if arm == "patch" else {}))
 
 
 def _recall_step(at: int | None, n_in_window: int) -> str:
@@ -88,10 +89,13 @@ def _by_step(samples: dict[str, list[float]]) -> dict[str, float]:
 
 @torch.no_grad()
 def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *, seed: int = 0,
-                 scale: float = DEFAULT_SCALE, patch_policy: str = "eager") -> dict[str, Any]:
+                 scale: float = DEFAULT_SCALE, patch_policy: str = "eager",
+                 window_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Drive one window through ``trace``; measure at ``n`` sampled queries. Returns medians, overall
     and per step type (``kl_by_step`` ...; ``kl_healed_by_step`` where a latency-first window had
-    work queued at the query)."""
+    work queued at the query). ``window_options``: more ``ContextWindow`` settings of the patch
+    arm's window (e.g. ``fidelity_target=``); the patches its byte cap could not fit the target
+    into are listed (``fidelity_misses``: trace chunk id, estimated η, action)."""
     from ..eval.arms import BlindArm, ReprefillArm, ReuseRequest, make_arm
     from ..eval.fidelity.harness import score_query
     from ..core.metrics import kl_divergence
@@ -104,7 +108,18 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
     queries = [i for i, e in enumerate(trace.events) if e.op == "query"]
     rng = random.Random(f"{seed}:{trace.name}")
     sampled = set(rng.sample(queries, min(n, len(queries))))
-    win = _window_for(backend, placement, arm, patch_policy)
+    win = _window_for(backend, placement, arm, patch_policy, dict(window_options or {}))
+    misses: list[dict[str, Any]] = []
+    seen: list[Any] = [None]
+
+    def collect() -> None:
+        """The fidelity misses of the window's newest receipt, once."""
+        rec = win.last_receipt
+        if rec is not None and rec is not seen[0]:
+            seen[0] = rec
+            names = {r: cid for cid, r in refs.items()}
+            misses.extend({**m.as_dict(), "chunk": names.get(m.ref)} for m in rec.fidelity_misses)
+
     served = make_arm(arm) if arm not in ("patch", "blind", "reprefill") else None  # one instance: a prefix cache keeps what it saw
     stack: list[Any] = []
     refs: dict[str, Any] = {}
@@ -116,6 +131,7 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
     step_healed: dict[str, list[float]] = {}
     step = "append"
     for i, ev in enumerate(trace.events):
+        collect()  # the previous event's
         op = ev.op
         if op not in ("query", "step"):
             step = op if op not in ("arrive", "recall") else "append"
@@ -183,6 +199,7 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
                 win.heal()
                 healed, _ = score_query(backend, _layers(win.materialize()), start, q, 0)
                 step_healed.setdefault(step, []).append(kl_divergence(ref_logits, healed))
+    collect()
     defined = [e for e in etas if e is not None]
     return {
         "kl": statistics.median(kls) if kls else None,
@@ -192,12 +209,15 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
         "kl_by_step": _by_step(step_kl),
         "ttft_ratio_by_step": _by_step(step_ttft),
         "kl_healed_by_step": _by_step(step_healed),
+        "fidelity_misses": sum(1 for m in misses if m["action"] == "reported"),
+        "fidelity_over_cap": sum(1 for m in misses if m["action"] != "reported"),
+        "fidelity_miss_list": misses,
     }
 
 
 def run_fidelity_mode(traces: Sequence[str], combos: Sequence[tuple[str, str, str]], n: int, *, seed: int = 0,
                       scale: float = DEFAULT_SCALE, backend: Any = None, console: Any = None,
-                      patch_policy: str = "eager") -> dict[tuple, dict[str, Any]]:
+                      patch_policy: str = "eager", window_options: dict[str, Any] | None = None) -> dict[tuple, dict[str, Any]]:
     """Fidelity figures keyed by ``(trace, placement, eviction, arm)`` for every combo."""
     for _, _, arm in combos:  # refused before any model work
         rule = make_reuse(arm)
@@ -218,6 +238,6 @@ def run_fidelity_mode(traces: Sequence[str], combos: Sequence[tuple[str, str, st
                 if console is not None:
                     console.print(f"[dim]fidelity: {t.name} {placement}/{arm}[/dim]")
                 done[key] = fidelity_run(backend, t, placement, arm, n, seed=seed, scale=scale,
-                                         patch_policy=patch_policy)
+                                         patch_policy=patch_policy, window_options=window_options)
             out[(t.name, placement, eviction, arm)] = done[key]
     return out
