@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on a CPU) and cache it beside the layout proofs, measured afresh even when cached")
     parser.add_argument("--only-envelope", action="store_true", help="the fidelity envelope only (no cost model)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a shared machine)")
+    parser.add_argument("--max-chunk-tokens", type=int, default=512, help="the envelope's probe chunks are cut to this (test models)")
+    parser.add_argument("--image-grid", default=None, metavar="RxC", help="the envelope's image spans' grid (test models)")
 
 
 def print_envelope(env: Any, out: Any = print) -> None:
@@ -60,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         if args.envelope or args.only_envelope:
             from ..eval.fidelity.envelope import ensure_envelope
 
-            print_envelope(ensure_envelope(backend, refresh=True))
+            grid = None if not args.image_grid else tuple(int(x) for x in args.image_grid.lower().split("x"))
+            print_envelope(ensure_envelope(backend, refresh=True, max_chunk_tokens=args.max_chunk_tokens, image_grid=grid))
     except (ContextDequeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
