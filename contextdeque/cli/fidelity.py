@@ -21,7 +21,7 @@ from ..core.chunk import storage_dtype
 from ..eval.fidelity.harness import FAMILIES, HarnessConfig, run_fidelity
 from ..eval.fidelity.metrics import DEFAULT_MIN_GAP
 from ..eval.fidelity.probes import probe_set
-from ..patch.alloc import DEFAULT_ON_MISS, ON_MISS
+from .fidelity_target import add_fidelity_target_arguments, fraction
 from .model_spec import MODEL_HELP, load_backend
 
 
@@ -32,28 +32,6 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not vals or any(v <= 0 for v in vals):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
-
-
-def retention(text: str) -> float:
-    """A ``--...-retention`` value: the kept fraction, in (0, 1]."""
-    try:
-        val = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 < val <= 1.0:
-        raise argparse.ArgumentTypeError(f"a retention is a kept fraction in (0, 1], got {text!r}")
-    return val
-
-
-def _target_list(text: str) -> tuple[float, ...]:
-    """``--fidelity-target``: comma-separated η targets in (0, 1]."""
-    try:
-        vals = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not vals or any(not 0.0 < v <= 1.0 for v in vals):
-        raise argparse.ArgumentTypeError(f"a fidelity target is an η in (0, 1], got {text!r}")
     return vals
 
 
@@ -81,19 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads (1 is fastest on a machine shared with other jobs)")
     parser.add_argument("--max-chunk-tokens", type=int, default=512, help="cut longer text chunks (test models)")
     parser.add_argument("--image-grid", default=None, metavar="RxC", help="override every image span's patch grid")
-    parser.add_argument("--capsule-retention", type=retention, default=0.4,
+    parser.add_argument("--capsule-retention", type=fraction, default=0.4,
                         help="kvcapsule-linear: mean kept fraction of the pyramid schedule (default 0.4)")
     parser.add_argument("--select-budgets", type=_int_list, default=(64, 128, 256, 512),
                         help="KV selection budgets, rows per KV head (default 64,128,256,512)")
-    parser.add_argument("--fidelity-target", type=_target_list, default=(), metavar="T[,T...]",
-                        help="also run a window's fidelity rule per η target (arms target-T, with the patch family): "
-                             "per-layer ranks allocated through the model's calibrated envelope (measured now when "
-                             "not cached) under --max-patch-fraction; reports median and 10th-percentile η, ranks, "
-                             "bytes and misses per arm")
-    parser.add_argument("--max-patch-fraction", type=retention, default=0.25,
-                        help="the fidelity targets' byte cap: patch bytes over page bytes (default 0.25)")
-    parser.add_argument("--on-miss", choices=ON_MISS, default=DEFAULT_ON_MISS,
-                        help=f"what a patch the cap cannot fit the target into does (default {DEFAULT_ON_MISS})")
+    add_fidelity_target_arguments(
+        parser, "also run a window's fidelity rule per η target (arms target-T, with the patch family): per-layer "
+                "ranks allocated through the model's calibrated envelope (measured now when not cached) under "
+                "--max-patch-fraction; reports median and 10th-percentile η, ranks, bytes and misses per arm",
+        several=True)
     parser.add_argument("--vlcache-schedule", default=None, metavar="R0,R1,...",
                         help="VLCache per-layer recompute ratios, non-increasing, one per layer "
                              "(default: a linear ramp with mean 0.15)")

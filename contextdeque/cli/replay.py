@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..core.errors import ContextDequeError
-from ..patch.alloc import DEFAULT_ON_MISS, ON_MISS
+from .fidelity_target import add_fidelity_target_arguments, window_options
 
 GiB = 1 << 30
 
@@ -40,11 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prices it; latency, exact, ...); "
                              "latency-first windows are also measured after heal(). 'latency' / 'latency-shared' also "
                              "price the patch arm so in cost-model mode (arms patch-latency / patch-latency-shared)")
-    parser.add_argument("--fidelity-target", type=float, default=None,
-                        help="the fidelity mode's patch window gets this η target (docs/fidelity.md); the patches "
-                             "its byte cap could not fit it into are counted (fidelity_misses) and listed with --json")
-    parser.add_argument("--max-patch-fraction", type=float, default=0.25, help="the fidelity target's byte cap")
-    parser.add_argument("--on-miss", choices=ON_MISS, default=DEFAULT_ON_MISS, help="what a patch the cap cannot fit the target into does")
+    add_fidelity_target_arguments(parser, "the fidelity mode's patch window gets this η target (docs/fidelity.md); the "
+                                          "patches its byte cap could not fit it into are counted and listed with --json")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG figure here")
     parser.add_argument("--json", action="store_true", help="print one JSON object (deterministic) instead of tables")
 
@@ -85,8 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
                 torch.set_num_threads(int(args.threads))
 
-            options = {} if args.fidelity_target is None else dict(
-                fidelity_target=args.fidelity_target, max_patch_fraction=args.max_patch_fraction, on_miss=args.on_miss)
+            options = window_options(args)
             fid = run_fidelity_mode([str(p) for p in args.traces], combos, args.fidelity, seed=args.seed, console=err,
                                     patch_policy=args.patch_policy, window_options=options)
             for r in results:

@@ -15,7 +15,7 @@ import socket
 import sys
 from typing import Any
 
-from ..patch.alloc import DEFAULT_ON_MISS, ON_MISS
+from .fidelity_target import add_fidelity_target_arguments, window_options
 from .model_spec import MODEL_HELP, image_processor, load_backend
 
 log = logging.getLogger("contextdeque.serve")
@@ -66,11 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-store-mb", type=float, default=4096)
     p.add_argument("--disk-store-mb", type=float, default=None)
     p.add_argument("--rank", type=int, default=32, help="patch rank")
-    p.add_argument("--fidelity-target", type=float, default=None,
-                   help="an η target for every session's patches (per-layer ranks through the model's calibrated "
-                        "envelope, see docs/fidelity.md); misses in /metrics and each response's usage")
-    p.add_argument("--max-patch-fraction", type=float, default=0.25, help="the fidelity target's byte cap (patch bytes / page bytes)")
-    p.add_argument("--on-miss", choices=ON_MISS, default=DEFAULT_ON_MISS, help="what a patch the cap cannot fit the target into does")
+    add_fidelity_target_arguments(p, "an η target for every session's patches (per-layer ranks through the model's "
+                                     "calibrated envelope, docs/fidelity.md); misses in /metrics and each response's usage")
     p.add_argument("--patch-policy", default=None,
                    help="window patch policy: latency-shared (the default: no forward a request can avoid; the "
                         "skipped conditioning and every canonical are computed in idle time, for the replicas "
@@ -108,8 +105,7 @@ def run(args: argparse.Namespace) -> int:
             context_tokens=args.context_tokens, max_tokens=args.max_tokens, queue_size=args.queue,
             session_memory_bytes=int(args.session_memory_mb * 1024 * 1024), plain=args.plain,
             heal_idle_ms=None if args.no_heal else args.heal_idle_ms, processor=image_processor(backend, args.model),
-            window_options={} if args.fidelity_target is None else dict(
-                fidelity_target=args.fidelity_target, max_patch_fraction=args.max_patch_fraction, on_miss=args.on_miss),
+            window_options=window_options(args),
         )
     except ContextDequeError as e:
         print(f"contextdeque serve: {type(e).__name__}: {e}", file=sys.stderr)

@@ -58,11 +58,13 @@ class Allocation:
     energy_k: float  # fraction of Δ_K's energy the K ranks capture (1.0 for a zero Δ_K)
     energy_v: float
     nbytes: int
+    k_share: float = 0.5  # K's weight in ``energy``
 
     @property
     def energy(self) -> float:
-        """The mean of K's and V's captured fractions (the quantity the envelope maps to η)."""
-        return 0.5 * (self.energy_k + self.energy_v)
+        """K's and V's captured fractions weighed by their shares (the quantity the envelope maps
+        to η)."""
+        return self.k_share * self.energy_k + (1.0 - self.k_share) * self.energy_v
 
 
 def direction_bytes(n_tokens: int, width: int, element_size: int) -> int:
@@ -79,6 +81,9 @@ def allocate_ranks(
     bytes_v: int,
     target: float | None = None,
     budget: int | None = None,
+    weight_k: torch.Tensor | None = None,
+    weight_v: torch.Tensor | None = None,
+    kv_share: float | None = 0.5,
 ) -> Allocation:
     """Per-layer K and V ranks by greedy marginal energy per byte (see the module docstring).
 
@@ -88,6 +93,10 @@ def allocate_ranks(
         bytes_k, bytes_v: bytes of one K / V direction (:func:`direction_bytes`).
         target: stop as soon as the captured energy reaches this fraction (None: fill the budget).
         budget: most bytes in all (None: no cap).
+        weight_k, weight_v: ``[L]`` per-layer weights of the energy (None: 1), e.g. one over the
+            layer's canonical K / V energy, which counts each layer's deficit relative to its KV.
+        kv_share: K's share of the objective (V has the rest): 0.5 weighs K's and V's captured
+            fractions equally; None pools K and V (weighted) energy in one fraction.
 
     Returns the :class:`Allocation`; it falls short of ``target`` only when ``budget`` binds.
     Raises:
@@ -103,14 +112,24 @@ def allocate_ranks(
         raise PatchError(f"a direction costs a positive number of bytes, got K {bytes_k} and V {bytes_v}")
     L = s2_k.shape[0]
     s2 = [s2_k.to(torch.float64).clamp_min(0.0), s2_v.to(torch.float64).clamp_min(0.0)]
+    for t, wt in ((0, weight_k), (1, weight_v)):
+        if wt is not None:
+            if wt.shape != (L,) or bool((wt < 0).any()):
+                raise PatchError(f"per-layer weights must be [L={L}] and non-negative, got {tuple(wt.shape)}")
+            s2[t] = s2[t] * wt.to(torch.float64).view(L, 1)
     totals = [float(x.sum()) for x in s2]
+    if kv_share is None:  # one pool: each tensor's share is its part of the (weighted) total
+        both = totals[0] + totals[1]
+        share = [totals[0] / both, totals[1] / both] if both > 0 else [0.5, 0.5]
+    else:
+        share = [float(kv_share), 1.0 - float(kv_share)]
     costs = (int(bytes_k), int(bytes_v))
     # candidate directions: (value per byte, value, tensor, layer); zero-energy ones are never taken
     values, tensor_ids, layer_ids = [], [], []
     for t in (0, 1):
         if totals[t] <= 0.0:
             continue
-        v = 0.5 * s2[t] / totals[t]
+        v = share[t] * s2[t] / totals[t]
         values.append(v.reshape(-1))
         tensor_ids.append(torch.full((v.numel(),), t, dtype=torch.int64))
         layer_ids.append(torch.arange(L).repeat_interleave(v.shape[1]))
@@ -118,7 +137,7 @@ def allocate_ranks(
     captured = [0.0, 0.0]
     spent = 0
     need = None if target is None else float(target) - 1e-12
-    base = 0.5 * sum(1.0 for t in (0, 1) if totals[t] <= 0.0)  # a zero Δ is captured at rank 0
+    base = sum(share[t] for t in (0, 1) if totals[t] <= 0.0)  # a zero Δ is captured at rank 0
     if values and (need is None or base < need):
         value = torch.cat(values)
         tensor = torch.cat(tensor_ids)
@@ -140,8 +159,8 @@ def allocate_ranks(
             energy += val
             if need is not None and energy >= need:
                 break
-    frac = [1.0 if totals[t] <= 0.0 else min(1.0, 2.0 * captured[t]) for t in (0, 1)]
-    return Allocation(tuple(ranks[0]), tuple(ranks[1]), frac[0], frac[1], spent)
+    frac = [1.0 if totals[t] <= 0.0 or share[t] <= 0.0 else min(1.0, captured[t] / share[t]) for t in (0, 1)]
+    return Allocation(tuple(ranks[0]), tuple(ranks[1]), frac[0], frac[1], spent, share[0])
 
 
 def layer_spectra(patch: Patch) -> tuple[torch.Tensor, torch.Tensor]:

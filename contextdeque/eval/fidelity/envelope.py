@@ -43,14 +43,19 @@ from .probes import ProbeItem, materialize, probe_set
 FIXED_RANKS = (16, 32, 64)
 TARGETS = (0.95, 0.99)
 CALIBRATION_ENERGIES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999)
-CALIBRATION_ITEMS = 6
-"""Probe items the calibration measures: the *last* ones of the interleaved probe set (every
-family), so the first items that ``contextdeque fidelity --items N`` checks are held out."""
+CALIBRATION_PER_FAMILY = 2
+"""Probe items per family the calibration measures: the *last* ones of each family, so the first
+items of the interleaved probe set (what ``contextdeque fidelity --items N`` checks, N <= 20) are
+held out."""
 
 
-def calibration_items(n: int = CALIBRATION_ITEMS) -> list[ProbeItem]:
-    """The calibration's probe items (deterministic; the tail of :func:`probe_set`)."""
-    return probe_set()[-int(n):]
+def calibration_items(per_family: int = CALIBRATION_PER_FAMILY) -> list[ProbeItem]:
+    """The calibration's probe items (deterministic): the last ``per_family`` of each family."""
+    items = probe_set()
+    out: list[ProbeItem] = []
+    for fam in dict.fromkeys(i.family for i in items):
+        out += [i for i in items if i.family == fam][-int(per_family):]
+    return out
 
 
 @dataclass
