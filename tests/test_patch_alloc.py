@@ -14,7 +14,7 @@ import torch
 from contextdeque.core.errors import CorruptEntryError, PatchError
 from contextdeque.core.operator import relocate
 from contextdeque.patch import FidelityRule, allocate_ranks, fidelity_report, form_patch
-from contextdeque.patch.alloc import direction_bytes, layer_spectra
+from contextdeque.patch.alloc import direction_bytes, layer_spectra, relative_weights
 from contextdeque.patch.base import Patch
 from contextdeque.patch.ops import cut_patch, truncate_patch
 
@@ -92,6 +92,25 @@ def test_a_layer_without_deficit_gets_rank_zero_and_a_zero_delta_needs_nothing()
     assert none.ranks_k == none.ranks_v == (0, 0, 0) and none.energy == 1.0 and none.nbytes == 0
     half = allocate_ranks(zero, s2v[:3], bytes_k=3, bytes_v=3, target=0.9)  # zero Δ_K: V alone carries it
     assert sum(half.ranks_k) == 0 and half.energy_k == 1.0 and half.energy >= 0.9
+
+
+def test_layer_weights_and_pooled_kv_are_a_rescaling_of_the_spectra():
+    """Weights multiply each layer's energies (the same allocation as on pre-weighted spectra);
+    ``kv_share=None`` pools K and V: each tensor's share is its part of the total energy."""
+    s2k, s2v = spectra(5, 3, 4), spectra(6, 3, 4)
+    wk = torch.tensor([0.1, 1.0, 5.0], dtype=torch.float64)
+    wv = torch.tensor([2.0, 0.0, 1.0], dtype=torch.float64)
+    got = allocate_ranks(s2k, s2v, bytes_k=3, bytes_v=5, target=0.9, weight_k=wk, weight_v=wv)
+    same = allocate_ranks(s2k * wk[:, None], s2v * wv[:, None], bytes_k=3, bytes_v=5, target=0.9)
+    assert got == same and got.ranks_v[1] == 0  # a zero-weight layer gets nothing
+    pooled = allocate_ranks(s2k, s2v, bytes_k=3, bytes_v=3, target=0.8, kv_share=None)
+    share = float(s2k.sum() / (s2k.sum() + s2v.sum()))
+    assert pooled.k_share == pytest.approx(share)
+    kept = sum(float(s2k[l, :m].sum()) for l, m in enumerate(pooled.ranks_k)) + \
+        sum(float(s2v[l, :m].sum()) for l, m in enumerate(pooled.ranks_v))
+    assert pooled.energy == pytest.approx(kept / float(s2k.sum() + s2v.sum()), abs=1e-12) and pooled.energy >= 0.8
+    with pytest.raises(PatchError):
+        allocate_ranks(s2k, s2v, bytes_k=1, bytes_v=1, target=0.5, weight_k=-wk)
 
 
 def test_budget_binds_and_bad_input_is_refused():
@@ -210,20 +229,22 @@ def test_rule_records_its_decision_and_honours_on_miss(full_patch):
     _, _, b, full = full_patch
     page = b.nbytes
     tight = FidelityRule(energy=0.999, max_patch_fraction=0.01)
-    reported = tight.shape(full, page)
+    reported = tight.shape(full, b)
     rep = fidelity_report(reported)
     assert rep["shortfall"] and rep["miss"] and rep["action"] == "reported"
     assert reported.nbytes <= rep["budget_bytes"] == int(0.01 * page) and rep["energy"] < 0.999
-    over = dataclasses.replace(tight, on_miss="exceed_budget").shape(full, page)
+    over = dataclasses.replace(tight, on_miss="exceed_budget").shape(full, b)
     rep = fidelity_report(over)
     assert rep["action"] == "exceeded-budget" and not rep["miss"] and rep["energy"] >= 0.999 - 1e-9
     assert over.nbytes > rep["budget_bytes"]
-    exact = dataclasses.replace(tight, on_miss="recompute").shape(full, page)
+    exact = dataclasses.replace(tight, on_miss="recompute").shape(full, b)
     assert fidelity_report(exact)["action"] == "recomputed" and exact.layer_ranks == full.layer_ranks
-    roomy = FidelityRule(energy=0.5, max_patch_fraction=1.0).shape(full, page)
+    roomy = FidelityRule(energy=0.5, max_patch_fraction=1.0).shape(full, b)
     rep = fidelity_report(roomy)
     assert rep["action"] == "within-budget" and not rep["shortfall"] and rep["energy"] >= 0.5
     s2k, s2v = layer_spectra(full)
+    wk, wv = relative_weights(b, full.layers)  # the rule counts each layer's deficit relative to its KV
+    s2k, s2v = s2k * wk[:, None], s2v * wv[:, None]
     kept = {l: i for i, l in enumerate(roomy.layers)}
     rk = [roomy.layer_ranks[0][kept[l]] if l in kept else 0 for l in full.layers]
     rv = [roomy.layer_ranks[1][kept[l]] if l in kept else 0 for l in full.layers]

@@ -566,4 +566,4 @@ def form_patch(
 
         fidelity = FidelityRule(energy=float(energy))
     # the allocation cuts the patch formed at the caps, per layer, where Δ's energy is
-    return patch if fidelity is None else fidelity.shape(patch, chunk.nbytes)
+    return patch if fidelity is None else fidelity.shape(patch, chunk)

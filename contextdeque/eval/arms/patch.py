@@ -54,7 +54,7 @@ class PatchArm(ReuseArm):
             given = request.patches_for(i)
             if given:
                 cut = [truncate_patch(p, self.rank, self.rank_v) for p in given]
-                out.append(cut if self.fidelity is None else [self.fidelity.shape(p, chunk.nbytes) for p in cut])
+                out.append(cut if self.fidelity is None else [self.fidelity.shape(p, chunk) for p in cut])
             elif i == 0:
                 out.append([])
             else:

@@ -177,13 +177,13 @@ def fixed_variant(rank: int) -> Variant:
 
 def energy_variant(energy: float) -> Variant:
     rule = FidelityRule(energy=energy)
-    return Variant(f"energy-{energy:g}", "energy", energy, lambda p, c: rule.shape(p, c.nbytes))
+    return Variant(f"energy-{energy:g}", "energy", energy, lambda p, c: rule.shape(p, c))
 
 
 def target_variant(target: float, envelope: FidelityEnvelope | None, max_patch_fraction: float | None,
                    on_miss: str = "report") -> Variant:
     rule = FidelityRule.for_target(target, envelope, max_patch_fraction, on_miss)
-    return Variant(f"target-{target:g}", "target", target, lambda p, c: rule.shape(p, c.nbytes))
+    return Variant(f"target-{target:g}", "target", target, lambda p, c: rule.shape(p, c))
 
 
 @torch.no_grad()
