@@ -21,7 +21,7 @@ from pathlib import Path
 from ..core.errors import EnvelopeError
 from .detect import _DISK, _proof_dir
 
-ENVELOPE_VERSION = 2
+ENVELOPE_VERSION = 3
 """Scheme of the calibration (probe items, energy grid, statistic): part of the cache file name."""
 
 

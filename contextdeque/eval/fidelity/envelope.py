@@ -43,9 +43,9 @@ from .probes import ProbeItem, materialize, probe_set
 FIXED_RANKS = (16, 32, 64)
 TARGETS = (0.95, 0.99)
 CALIBRATION_ENERGIES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999)
-CALIBRATION_PER_FAMILY = 2
+CALIBRATION_PER_FAMILY = 4
 """Probe items per family the calibration measures: the *last* ones of each family, so the first
-items of the interleaved probe set (what ``contextdeque fidelity --items N`` checks, N <= 20) are
+items of the interleaved probe set (what ``contextdeque fidelity --items N`` checks, N <= 14) are
 held out."""
 
 
