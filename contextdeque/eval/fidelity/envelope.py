@@ -14,7 +14,8 @@ directions they keep:
 
 Each variant's next-token KL against re-prefill gives η (items with a measurable blind gap only).
 
-    python -m contextdeque.eval.fidelity.envelope --items 8 --json out.json --plot docs/envelope.png
+    python -m contextdeque.eval.fidelity.envelope --items 8 --ranks 8,16,24,32,64 \
+        --targets 0.95,0.97,0.98,0.99,0.995 --max-patch-fraction 0.25 --json out.json
     python -m contextdeque.eval.fidelity.envelope --arch qwen2   # a tiny random non-llama family
 """
 
@@ -181,9 +182,9 @@ def energy_variant(energy: float) -> Variant:
 
 
 def target_variant(target: float, envelope: FidelityEnvelope | None, max_patch_fraction: float | None,
-                   on_miss: str = "report") -> Variant:
+                   on_miss: str = "report", name: str | None = None) -> Variant:
     rule = FidelityRule.for_target(target, envelope, max_patch_fraction, on_miss)
-    return Variant(f"target-{target:g}", "target", target, lambda p, c: rule.shape(p, c))
+    return Variant(name or f"target-{target:g}", "target", target, lambda p, c: rule.shape(p, c))
 
 
 @torch.no_grad()
@@ -268,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default=None, help="a tiny random architecture (contextdeque.model.testing) instead of the default model")
     ap.add_argument("--ranks", default=",".join(map(str, FIXED_RANKS)))
     ap.add_argument("--targets", default=",".join(map(str, TARGETS)))
-    ap.add_argument("--max-patch-fraction", type=float, default=0.25)
+    ap.add_argument("--max-patch-fraction", default="0.25",
+                    help="the targets' byte caps, comma-separated ('none': no cap); one target arm per target and cap")
+    ap.add_argument("--on-miss", default="report", help="comma-separated on_miss values; one target arm per value")
     ap.add_argument("--max-chunk-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared, busy CPU)")
     ap.add_argument("--json", default=None, help="write the summary here")
@@ -285,7 +288,13 @@ def main(argv: list[str] | None = None) -> int:
         be, grid = load_model(), None
     env = ensure_envelope(be, max_chunk_tokens=args.max_chunk_tokens, image_grid=grid)
     variants = [fixed_variant(int(r)) for r in args.ranks.split(",") if r]
-    variants += [target_variant(float(t), env, args.max_patch_fraction) for t in args.targets.split(",") if t]
+    caps = [None if c.strip() == "none" else float(c) for c in args.max_patch_fraction.split(",") if c.strip()]
+    misses = [m.strip() for m in args.on_miss.split(",") if m.strip()]
+    for t in (float(x) for x in args.targets.split(",") if x):
+        for cap in caps:
+            for m in misses:
+                name = f"target-{t:g}" if len(caps) == len(misses) == 1 else f"target-{t:g}@{cap}-{m}"
+                variants.append(target_variant(t, env, cap, m, name))
     s = run_variants(be, probe_set(args.items), variants, max_chunk_tokens=args.max_chunk_tokens, image_grid=grid)
     s["model"] = getattr(be, "name", str(args.arch))
     s["envelope"] = env.as_dict()
