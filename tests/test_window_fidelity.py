@@ -185,7 +185,7 @@ def _window_eta(be, chunks, **kw):
     for i, r in enumerate(refs[1:], 1):
         (p,) = w.patches(r)
         full = form_patch(be, w.chunk(r), [(w.chunk(q), list(w.patches(q))) for q in refs[:i]], rank="full")
-        if captured(full, p) < need - 1e-6:
+        if captured(full, p, w.chunk(r)) < need - 1e-6:
             short.add(r)
     req = ReuseRequest(be, list(chunks))
     start = req.next_position

@@ -35,6 +35,7 @@ from ...core.chunk import Chunk
 from ...core.metrics import kl_divergence
 from ...model.envelope import ENVELOPE_VERSION, FidelityEnvelope, load_envelope, save_envelope
 from ...patch import FidelityRule, Patch, fidelity_report, form_patch
+from ...patch.alloc import relative_weights
 from ...patch.ops import truncate_patch
 from ..arms import BlindArm, PatchArm, ReprefillArm, ReuseRequest
 from .harness import score_query
@@ -129,7 +130,7 @@ class Variant:
             self.ranks_k.append(sum(rk))
             self.ranks_v.append(sum(rv))
             self.layers.append(sum(1 for a, b in zip(rk, rv) if a or b))
-            energies.append(captured(p, q))
+            energies.append(captured(p, q, chunk))
             weights.append(chunk.n_tokens)
             rep = fidelity_report(q)
             if rep is not None:
@@ -161,12 +162,16 @@ class Variant:
         }
 
 
-def captured(full: Patch, cut: Patch) -> float:
-    """Energy of ``full``'s Δ that ``cut`` holds: the mean of K's and V's fractions (the
-    allocation's measure), from the factors' column norms."""
+def captured(full: Patch, cut: Patch, chunk: Chunk) -> float:
+    """Energy of ``full``'s Δ that ``cut`` holds, in the rule's measure (each layer's deficit
+    relative to ``chunk``'s KV, K and V weighed equally: ``contextdeque.patch.alloc``), from the
+    factors' column norms — independent of the allocation that chose ``cut``."""
+    weights = dict(zip(("k", "v"), relative_weights(chunk, full.layers)))
+
     def frac(which: str) -> float:
-        tot = sum(float(full.layer_factors(which, i)[0].pow(2).sum()) for i in range(len(full.layers)))
-        got = sum(float(cut.layer_factors(which, i)[0].pow(2).sum()) for i in range(len(cut.layers)))
+        w = {l: float(weights[which][i]) for i, l in enumerate(full.layers)}
+        tot = sum(w[l] * float(full.layer_factors(which, i)[0].pow(2).sum()) for i, l in enumerate(full.layers))
+        got = sum(w[l] * float(cut.layer_factors(which, i)[0].pow(2).sum()) for i, l in enumerate(cut.layers))
         return 1.0 if tot <= 0 else got / tot
 
     return 0.5 * (frac("k") + frac("v"))
