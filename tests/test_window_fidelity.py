@@ -112,13 +112,16 @@ def test_reused_patches_report_their_miss_again(tiny_backend_factory, one_thread
 
 
 def test_on_miss_is_checked_and_saved(tiny_backend_factory, tmp_path, one_thread):
-    be = tiny_backend_factory("llama")
+    be = tiny_backend_factory("gemma3_text")  # three layers: two carry a deficit, with ranks of their own
     with pytest.raises(WindowError):
         cd.ContextWindow(be, fidelity_target=0.99, on_miss="ignore")
-    w, _ = _window(be, max_patch_fraction=0.02, on_miss="exceed_budget")
+    w, _ = _window(be, max_patch_fraction=0.1, on_miss="report")
     w.save(tmp_path / "s")
     back = cd.ContextWindow.open(tmp_path / "s", be)
-    assert back.context.on_miss == "exceed_budget"
+    assert back.context.on_miss == "report"
+    saved = [p for r in w.refs for p in w.patches(r)]
+    assert any(p.per_layer for p in saved)  # per-layer ranks round-trip through the session file
+    assert [p.id for r in back.refs for p in back.patches(r)] == [p.id for p in saved]
 
 
 def test_replay_fidelity_mode_lists_the_misses(tiny_backend_factory, one_thread, tmp_path):

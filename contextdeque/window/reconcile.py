@@ -50,9 +50,9 @@ def patch_key_for(ctx: WindowContext, chunk, prefix_ids: Sequence[str], kind: st
 
     The signature (``patch.keys.patch_signature``) covers the antecedent chunk ids as the kind
     orders them, what the kind adds for the patches it is stacked on (``base_ids``), and the
-    window's formation context: the policy's regime and the adaptive rank's target when one is
-    set (its energy, byte cap and ``on_miss``). Exact and recall patches measure the same thing (one conditioned forward on the
-    antecedents) and share one store kind, so a recall behind the antecedents a chunk was first
+    window's formation context: the policy's regime and, under a fidelity target, the rule's
+    parts (energy, byte cap, ``on_miss``). Exact and recall patches measure the same thing (one
+    conditioned forward on the antecedents) and share one store kind, so a recall behind the antecedents a chunk was first
     placed after is a store hit."""
     context = [f"regime:{ctx.policy.regime}"]
     rule = ctx.fidelity_rule
@@ -108,7 +108,11 @@ def obtain(
     else:
         meter.patches_reused += 1
     cap_k, cap_v = ctx.clamp_rank(FULL, slot.chunk.n_tokens)
-    absolute = not PATCH_KINDS[kind].stacked or (rk >= cap_k and rv >= cap_v)
+    # a stacked correction replaces the conditioning only when it holds every direction of every
+    # layer (what it holds, not what it was asked for: the fidelity rule cuts it per layer)
+    ranks_k, ranks_v = patch.layer_ranks
+    absolute = not PATCH_KINDS[kind].stacked or (
+        len(patch.layers) == slot.chunk.num_layers and min(ranks_k, default=0) >= cap_k and min(ranks_v, default=0) >= cap_v)
     meter.notes.append(f"#{slot.ref.key}:{kind}@{patch.rank_label if patch.per_layer else rk}{'(reused)' if reused else ''}")
     meter.note_fidelity(slot, patch)
     formed_on = tuple((s.ref, s.version) for s in prefix)
