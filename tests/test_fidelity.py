@@ -211,3 +211,37 @@ def test_cli_fidelity_target_reports_eta_ranks_bytes_and_misses(capsys, tmp_path
                  "--image-grid", "2x2"]) == 0
     printed = capsys.readouterr().out
     assert "fidelity envelope of tiny-llama" in printed and str(tmp_path) in printed
+
+
+def test_a_failing_arm_is_reported_and_the_run_completes(capsys, monkeypatch):
+    """The capsule fit raising on one item (as a singular key Gram once did) and the recall group
+    raising on every item: the CLI run still exits 0, every other arm is scored, and the JSON
+    summary and stderr name each failure with its items."""
+    from contextdeque.cli import main
+    from contextdeque.eval.arms.kvcapsule import KVCapsuleArm
+    from contextdeque.eval.fidelity import harness
+
+    real_run, calls = KVCapsuleArm.run, []
+
+    def flaky(self, request):
+        calls.append(1)
+        if len(calls) <= 2:  # both capsule arms of the first item
+            raise RuntimeError("Pivots given to lu_solve must all be greater or equal to 1")
+        return real_run(self, request)
+
+    def broken_group(*_args):
+        raise ValueError("recall went wrong")
+
+    monkeypatch.setattr(KVCapsuleArm, "run", flaky)
+    monkeypatch.setitem(harness._GROUPS, "recall", broken_group)
+    rc = main(["fidelity", "--model", "tiny:llama", "--items", "2", "--ranks", "4", "--max-chunk-tokens", "10",
+               "--image-grid", "2x2", "--arms", "patch,kvcapsule,recall", "--json", "--threads", "1"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    first, second = [i.id for i in probe_set(2)]
+    failures = out["failures"]
+    assert failures["kvcapsule-linear"]["items"] == [first] and "lu_solve" in failures["kvcapsule-linear"]["error"]
+    assert failures["recall"]["n_failed"] == 2 and failures["recall"]["error"] == "ValueError: recall went wrong"
+    assert out["arms"]["kvcapsule-linear"]["n"] == 1 and out["arms"]["patch-r4"]["n"] == 2
+    assert "arm kvcapsule-linear failed on 1 of 2 items" in captured.err

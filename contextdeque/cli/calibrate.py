@@ -7,17 +7,17 @@ cached beside the layout proofs and keyed by the weights' fingerprint, which a w
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 from ..replay.calibrate import calibrate
 from ..replay.cost import save_calibration
-from .model_spec import MODEL_HELP
+from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help=MODEL_HELP)
+    add_threads_argument(parser)
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--cache-dir", type=Path, default=None, help="the cost model's cache root (default: $CONTEXTDEQUE_CACHE or ~/.cache/contextdeque; "
                         "the envelope is cached under $CONTEXTDEQUE_CACHE)")
@@ -26,7 +26,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also measure the model's fidelity envelope (energy -> η on a few probe items; minutes "
                              "on a CPU) and cache it beside the layout proofs, measured afresh even when cached")
     parser.add_argument("--only-envelope", action="store_true", help="the fidelity envelope only (no cost model)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a shared machine)")
     parser.add_argument("--max-chunk-tokens", type=int, default=512, help="the envelope's probe chunks are cut to this (test models)")
     parser.add_argument("--image-grid", default=None, metavar="RxC", help="the envelope's image spans' grid (test models)")
 
@@ -43,28 +42,19 @@ def print_envelope(env: Any, out: Any = print) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    # a model that cannot be loaded, a cache directory that cannot be written or a model with
+    # nothing to calibrate η on: one line, exit 2 (contextdeque.cli.main)
+    backend = load_backend(args.model, threads=args.threads)
+    if not args.only_envelope:
+        model = calibrate(backend, rank=args.rank, repeats=args.repeats)
+        path = save_calibration(model, args.cache_dir)
+        print(f"calibration saved to {path}")
+        for k, v in model.to_json().items():
+            if k != "extra":
+                print(f"  {k}: {v}")
+    if args.envelope or args.only_envelope:
+        from ..eval.fidelity.envelope import ensure_envelope
 
-    from ..core.errors import ContextDequeError
-    from .model_spec import load_backend
-
-    if args.threads:
-        torch.set_num_threads(int(args.threads))
-    try:
-        backend = load_backend(args.model)
-        if not args.only_envelope:
-            model = calibrate(backend, rank=args.rank, repeats=args.repeats)
-            path = save_calibration(model, args.cache_dir)
-            print(f"calibration saved to {path}")
-            for k, v in model.to_json().items():
-                if k != "extra":
-                    print(f"  {k}: {v}")
-        if args.envelope or args.only_envelope:
-            from ..eval.fidelity.envelope import ensure_envelope
-
-            grid = None if not args.image_grid else tuple(int(x) for x in args.image_grid.lower().split("x"))
-            print_envelope(ensure_envelope(backend, refresh=True, max_chunk_tokens=args.max_chunk_tokens, image_grid=grid))
-    except (ContextDequeError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        grid = None if not args.image_grid else tuple(int(x) for x in args.image_grid.lower().split("x"))
+        print_envelope(ensure_envelope(backend, refresh=True, max_chunk_tokens=args.max_chunk_tokens, image_grid=grid))
     return 0

@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def _conditioning(slot: Any) -> str:
     if slot.provisional:
-        return "own forward (pending canonical)"
+        return "own forward"  # exact where it sits; flagged "canonical pending"
     if not slot.stack:
         return "blind"
     return " + ".join(f"{c.patch.kind}@{c.patch.rank_label if c.patch.per_layer else c.patch.rank_k}"
@@ -37,10 +37,19 @@ def _fidelity(patch: Any) -> str:
     return text
 
 
+# (header, justify, wraps): short headers that are never cut (each column at least its header's
+# width); the free-text columns wrap, the figures never do, so the table reads at 80 columns
+_COLUMNS = (("#", "right", False), ("ref", "left", False), ("label", "left", True), ("span", "left", False),
+            ("tokens", "right", False), ("patch", "left", True), ("stale", "right", False),
+            ("tier", "left", False), ("flags", "left", True))
+
+
 def window_table(win: "ContextWindow") -> Any:
-    """Columns: index, ref, label, positions ``[start, end)``, tokens, conditioning (kind, rank,
-    and under a fidelity target the estimated η), staleness, tier (of the canonical), flags
-    (stale / pending heal / fidelity miss). Evicted chunks follow, with their tier."""
+    """Columns: index, ref, label, span (positions ``[start, end)``), tokens, patch (the
+    conditioning: kind@rank, blind, or the chunk's own forward; under a fidelity target the
+    estimated η, MISS where it falls short), staleness, tier (of the canonical), flags (stale /
+    canonical pending / pending heal / fidelity miss). Evicted chunks follow, with their tier."""
+    from rich import box
     from rich.table import Table
 
     state = win._state
@@ -49,17 +58,16 @@ def window_table(win: "ContextWindow") -> Any:
     table = Table(
         title=f"ContextWindow: {len(state.slots)} chunks, {state.tokens_used}{b} tokens, "
               f"{len(state.evicted)} evicted, root {win.context.root_len} tokens, policy {win.policy.name}",
-        title_justify="left",
+        title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1), pad_edge=False, collapse_padding=True,
     )
-    for col, kw in (("#", {"justify": "right"}), ("ref", {}), ("label", {}), ("positions", {}),
-                    ("tokens", {"justify": "right"}), ("conditioning", {}), ("staleness", {"justify": "right"}),
-                    ("tier", {}), ("flags", {})):
-        table.add_column(col, **kw)
+    for col, justify, wraps in _COLUMNS:
+        table.add_column(col, justify=justify, min_width=len(col), no_wrap=not wraps,
+                         overflow="fold" if col == "label" else "ellipsis")  # a label is never cut
     for i, s in enumerate(state.slots):
         tier = "-" if s.provisional else (store.tier_of(WindowStore.chunk_key(s.chunk)) or "not stored")
         missed = any((fidelity_report(c.patch) or {}).get("action") == "reported" for c in s.stack)
-        flags = ", ".join(f for f, on in (("stale", s.stale), ("pending heal", s.ref in state.pending),
-                                          ("fidelity miss", missed)) if on)
+        flags = ", ".join(f for f, on in (("stale", s.stale), ("canonical pending", s.provisional),
+                                          ("pending heal", s.ref in state.pending), ("fidelity miss", missed)) if on)
         table.add_row(
             str(i), f"#{s.ref.key}", s.ref.label or "", f"[{s.start}, {s.end})", str(s.n_tokens),
             _conditioning(s), f"{staleness(s, state.slots[:i]):.2f}", tier, flags,
