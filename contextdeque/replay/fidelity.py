@@ -38,6 +38,7 @@ import torch
 
 from ..scheduler.eviction import PolicyError
 from ..traces.io import Trace, read_trace
+from .live import drive_window
 from .reuse import make_reuse
 
 DEFAULT_SCALE = 1 / 16
@@ -71,18 +72,6 @@ def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [tuple(t[0] for t in cache_layer(cache, i)) for i in range(cache_num_layers(cache))]  # type: ignore[misc]
 
 
-def _window_for(backend: Any, placement: str, arm: str, patch_policy: str, window_options: dict[str, Any]) -> Any:
-    from ..window import ContextWindow
-
-    return ContextWindow(backend, placement=placement, patch_policy=patch_policy if arm == "patch" else "none",
-                         **(window_options if arm == "patch" else {}))
-
-
-def _recall_step(at: int | None, n_in_window: int) -> str:
-    """``recall`` appends at the end; ``look-back`` brings a chunk back inside the window."""
-    return "recall" if at is None or at >= n_in_window else "look-back"
-
-
 def _by_step(samples: dict[str, list[float]]) -> dict[str, float]:
     return {step: statistics.median(v) for step, v in sorted(samples.items()) if v}
 
@@ -95,111 +84,65 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
     and per step type (``kl_by_step`` ...; ``kl_healed_by_step`` where a latency-first window had
     work queued at the query). ``window_options``: more ``ContextWindow`` settings of the patch
     arm's window (e.g. ``fidelity_target=``); the patches its byte cap could not fit the target
-    into are listed (``fidelity_misses``: trace chunk id, estimated η, action)."""
+    into are listed (``fidelity_miss_list``: ref, estimated η, action; the root window's
+    receipts, the last 1000)."""
     from ..eval.arms import BlindArm, ReprefillArm, ReuseRequest, make_arm
     from ..eval.fidelity.harness import score_query
     from ..core.metrics import kl_divergence
     from ..eval.fidelity.metrics import DEFAULT_MIN_GAP, eta
+    from ..window import ContextWindow
 
     rule = make_reuse(arm)
     if rule.defers:  # patch-latency(-shared): the patch arm on a latency-first window
-        patch_policy = "latency" if rule.lazy_canonicals else "latency-shared"
+        patch_policy = rule.window_policy
     arm = rule.arm or rule.name
     queries = [i for i, e in enumerate(trace.events) if e.op == "query"]
     rng = random.Random(f"{seed}:{trace.name}")
     sampled = set(rng.sample(queries, min(n, len(queries))))
-    win = _window_for(backend, placement, arm, patch_policy, dict(window_options or {}))
-    misses: list[dict[str, Any]] = []
-    seen: list[Any] = [None]
-
-    def collect() -> None:
-        """The fidelity misses of the window's newest receipt, once."""
-        rec = win.last_receipt
-        if rec is not None and rec is not seen[0]:
-            seen[0] = rec
-            names = {r: cid for cid, r in refs.items()}
-            misses.extend({**m.as_dict(), "chunk": names.get(m.ref)} for m in rec.fidelity_misses)
-
+    win = ContextWindow(backend, placement=placement, patch_policy=patch_policy if arm == "patch" else "none",
+                        **(dict(window_options or {}) if arm == "patch" else {}))
     served = make_arm(arm) if arm not in ("patch", "blind", "reprefill") else None  # one instance: a prefix cache keeps what it saw
-    stack: list[Any] = []
-    refs: dict[str, Any] = {}
-    logical: list[str] = []
-    ids_of: dict[str, list[int]] = {}
     kls, etas, ttfts = [], [], []
     step_kl: dict[str, list[float]] = {}
     step_ttft: dict[str, list[float]] = {}
     step_healed: dict[str, list[float]] = {}
-    step = "append"
-    for i, ev in enumerate(trace.events):
-        collect()  # the previous event's
-        op = ev.op
-        if op not in ("query", "step"):
-            step = op if op not in ("arrive", "recall") else "append"
-        if op == "arrive":
-            if ev.id not in ids_of:
-                ids_of[ev.id] = chunk_ids(backend, ev.hash, max(MIN_TOKENS, int(round(ev.tokens * scale))))
-            if ev.id in refs and refs[ev.id] in win.evicted_refs:
-                step = _recall_step(ev.at, len(logical))
-                win.recall(refs[ev.id])
-            elif ev.id not in refs or refs[ev.id] not in win.refs:
-                refs[ev.id] = win.append(token_ids=ids_of[ev.id])
-            logical.insert(len(logical) if ev.at is None else min(ev.at, len(logical)), ev.id)
-        elif op == "recall":
-            step = _recall_step(ev.at, len(logical))
-            win.recall(refs[ev.id])
-            logical.insert(len(logical) if ev.at is None else min(ev.at, len(logical)), ev.id)
-        elif op == "evict":
-            win.evict(refs[ev.id])
-            logical.remove(ev.id)
-        elif op == "slide":
-            for cid in logical[: ev.n]:
-                win.evict(refs[cid])
-            del logical[: ev.n]
-        elif op == "reorder":
-            win.reorder([refs[c] for c in ev.order])
-            logical = list(ev.order)
-        elif op == "fork":
-            stack.append((win, list(logical)))
-            win = win.fork()
-        elif op == "commit":
-            win.commit()
-            win, _ = stack.pop()
-        elif op == "discard":
-            win.discard()
-            win, logical = stack.pop()
-        elif op == "step":
-            if arm == "patch" and win.pending_refs:  # the agent's tool time: heal, as the cost model does
-                win.heal()
-        elif op == "query" and i in sampled and win.refs:
-            q = chunk_ids(backend, f"query:{i}", max(4, min(32, ev.tokens)))
-            chunks = [win.chunk(r) for r in win.refs]
-            req = ReuseRequest(backend, chunks)
-            start = req.next_position
-            t0 = time.perf_counter()
-            ref_logits, _ = score_query(backend, ReprefillArm().run(req).kv, start, q, 0)
-            t_ref = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            if arm in ("patch", "blind"):
-                kv = _layers(win.materialize())
-            elif arm == "reprefill":
-                kv = ReprefillArm().run(req).kv
-            else:
-                kv = served.run(req).kv
-            logits, _ = score_query(backend, kv, start, q, 0)
-            t_arm = time.perf_counter() - t0
-            blind_logits, _ = score_query(backend, BlindArm().run(req).kv, start, q, 0)
-            kl_blind = kl_divergence(ref_logits, blind_logits)
-            kl = kl_divergence(ref_logits, logits)
-            kls.append(kl)
-            etas.append(eta(kl_blind, kl, DEFAULT_MIN_GAP))
-            ttfts.append(t_arm / t_ref)
-            step_kl.setdefault(step, []).append(kl)
-            step_ttft.setdefault(step, []).append(t_arm / t_ref)
-            if arm == "patch" and win.pending_refs:  # latency-first: what the answer would be once healed
-                win.heal()
-                healed, _ = score_query(backend, _layers(win.materialize()), start, q, 0)
-                step_healed.setdefault(step, []).append(kl_divergence(ref_logits, healed))
-    collect()
+
+    def on_query(i: int, ev: Any, win: Any, step: str) -> None:
+        if i not in sampled or not win.refs:
+            return
+        q = chunk_ids(backend, f"query:{i}", max(4, min(32, ev.tokens)))
+        chunks = [win.chunk(r) for r in win.refs]
+        req = ReuseRequest(backend, chunks)
+        start = req.next_position
+        t0 = time.perf_counter()
+        ref_logits, _ = score_query(backend, ReprefillArm().run(req).kv, start, q, 0)
+        t_ref = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if arm in ("patch", "blind"):
+            kv = _layers(win.materialize())
+        elif arm == "reprefill":
+            kv = ReprefillArm().run(req).kv
+        else:
+            kv = served.run(req).kv
+        logits, _ = score_query(backend, kv, start, q, 0)
+        t_arm = time.perf_counter() - t0
+        blind_logits, _ = score_query(backend, BlindArm().run(req).kv, start, q, 0)
+        kl_blind = kl_divergence(ref_logits, blind_logits)
+        kl = kl_divergence(ref_logits, logits)
+        kls.append(kl)
+        etas.append(eta(kl_blind, kl, DEFAULT_MIN_GAP))
+        ttfts.append(t_arm / t_ref)
+        step_kl.setdefault(step, []).append(kl)
+        step_ttft.setdefault(step, []).append(t_arm / t_ref)
+        if arm == "patch" and win.pending_refs:  # latency-first: what the answer would be once healed
+            win.heal()
+            healed, _ = score_query(backend, _layers(win.materialize()), start, q, 0)
+            step_healed.setdefault(step, []).append(kl_divergence(ref_logits, healed))
+
+    drive_window(win, trace, lambda ev: chunk_ids(backend, ev.hash, max(MIN_TOKENS, int(round(ev.tokens * scale)))),
+                 on_query=on_query, heal_at_end=False)
+    # the patches the byte cap could not fit the target into, from the window's receipts
+    misses = [{**m.as_dict(), "chunk": m.ref.label or m.ref.key} for rec in win.receipts for m in rec.fidelity_misses]
     defined = [e for e in etas if e is not None]
     return {
         "kl": statistics.median(kls) if kls else None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,9 @@ class LoadFallback:
 
     def as_dict(self) -> dict[str, Any]:
         return {"chunk_id": self.chunk_id, "tier": self.tier, "error": self.error}
+
+
+ADDS = {"adds": True}  # field metadata: receipts sum this field (Receipt.__add__ / merged)
 
 
 @dataclass(frozen=True)
@@ -108,43 +112,46 @@ class Receipt:
     """
 
     op: str
-    forwards: int = 0
-    tokens_prefilled: int = 0
-    encodes: int = 0
-    patches_formed: int = 0
-    patches_reused: int = 0
-    pages_written: int = 0
-    bytes_moved: dict[str, int] = field(default_factory=dict)
-    wall_ms: float = 0.0
-    refs: tuple["ChunkRef", ...] = ()
+    forwards: int = field(default=0, metadata=ADDS)
+    tokens_prefilled: int = field(default=0, metadata=ADDS)
+    encodes: int = field(default=0, metadata=ADDS)
+    patches_formed: int = field(default=0, metadata=ADDS)
+    patches_reused: int = field(default=0, metadata=ADDS)
+    pages_written: int = field(default=0, metadata=ADDS)
+    bytes_moved: dict[str, int] = field(default_factory=dict, metadata=ADDS)
+    wall_ms: float = field(default=0.0, metadata=ADDS)
+    refs: tuple["ChunkRef", ...] = field(default=(), metadata=ADDS)
     left: tuple["ChunkRef", ...] = ()
     cascade: "Cascade | None" = None
     deferred: tuple[tuple["ChunkRef", str, float], ...] = ()
     traffic: TierTraffic = field(default_factory=TierTraffic, repr=False)
-    notes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=(), metadata=ADDS)
     load_fallbacks: tuple[LoadFallback, ...] = ()
     loading: dict[str, Any] | None = None
-    repairs: tuple[str, ...] = ()
-    fidelity_misses: tuple[FidelityMiss, ...] = ()
+    repairs: tuple[str, ...] = field(default=(), metadata=ADDS)
+    fidelity_misses: tuple[FidelityMiss, ...] = field(default=(), metadata=ADDS)
+
+    def __add__(self, other: "Receipt") -> "Receipt":
+        """The sum of two receipts' added fields (counts, bytes per tier, wall time, refs, notes,
+        repairs, fidelity misses), under this receipt's ``op``; the per-operation fields are this one's."""
+        out = dataclasses.replace(self)
+        for f in ADDED_FIELDS:
+            a, b = getattr(self, f), getattr(other, f)
+            if isinstance(a, dict):
+                merged = dict(a)
+                for k, v in b.items():
+                    merged[k] = merged.get(k, 0) + v
+                setattr(out, f, merged)
+            else:
+                setattr(out, f, a + b)
+        return out
 
     @classmethod
     def merged(cls, op: str, receipts: "list[Receipt]", wall_ms: float | None = None) -> "Receipt":
-        """One receipt summing ``receipts`` (e.g. the steps of a heal)."""
+        """One receipt summing ``receipts`` (e.g. the steps of a heal): their added fields."""
         out = cls(op=op)
         for r in receipts:
-            out.forwards += r.forwards
-            out.tokens_prefilled += r.tokens_prefilled
-            out.encodes += r.encodes
-            out.patches_formed += r.patches_formed
-            out.patches_reused += r.patches_reused
-            out.pages_written += r.pages_written
-            for k, v in r.bytes_moved.items():
-                out.bytes_moved[k] = out.bytes_moved.get(k, 0) + v
-            out.wall_ms += r.wall_ms
-            out.refs += r.refs
-            out.notes += r.notes
-            out.repairs += r.repairs
-            out.fidelity_misses += r.fidelity_misses
+            out = out + r
         if wall_ms is not None:
             out.wall_ms = wall_ms
         return out
@@ -200,6 +207,9 @@ class Receipt:
             f"patches {self.patches_formed} formed/{self.patches_reused} reused, {self.pages_written} pages, "
             f"moved {moved}, {self.wall_ms:.1f} ms{extra}"
         )
+
+
+ADDED_FIELDS = tuple(f.name for f in dataclasses.fields(Receipt) if f.metadata.get("adds"))
 
 
 class Meter:

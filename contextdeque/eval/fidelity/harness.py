@@ -50,6 +50,7 @@ from ...core.kv import LayerKV
 from ...core.operator import relocate
 from ...patch import FidelityRule, Patch, form_patch
 from ...patch.ops import combine_patches, patch_from_conditioned, truncate_patch
+from ...window.decode import greedy_steps
 from .metrics import DEFAULT_MIN_GAP, BytesReport, eta, flip_recover, n_flips, percentile, pooled_eta
 from ...core.metrics import kl_divergence, ulp_error, ulp_error_at_scale
 from .probes import MaterializedItem, ProbeItem, materialize
@@ -132,37 +133,18 @@ def score_query(
     """Prefill ``query_ids`` after ``kv`` (per layer ``[H, S, d]``) at positions ``start..``, then
     greedy-decode up to ``n_decode`` tokens (stopping at EOS). Returns the next-token logits
     ``[vocab]`` (fp32) after the query and the decoded token ids."""
-    model, dev = backend.model, backend.device
+    dev = backend.device
     cache = compat.cache_from_layers([(k.unsqueeze(0).to(dev), v.unsqueeze(0).to(dev)) for k, v in kv])
-    past = kv[0][0].shape[1]
     eos = getattr(backend.tokenizer, "eos_token_id", None) if backend.tokenizer is not None else None
 
-    def step(ids: list[int], pos0: int, seen: int) -> torch.Tensor:
-        out = model(
-            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
-            position_ids=backend.position_ids(backend.text_positions(pos0, len(ids))),
-            past_key_values=cache,
-            attention_mask=torch.ones(1, seen + len(ids), dtype=torch.long, device=dev),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+    def count(n: int) -> None:
         backend.forwards_run += 1
-        backend.tokens_prefilled += len(ids)
-        return out.logits[0, -1].to(torch.float32)
+        backend.tokens_prefilled += n
 
-    q = [int(t) for t in query_ids]
-    logits = step(q, start, past)
-    first = logits.clone()
-    out: list[int] = []
-    pos, seen = start + len(q), past + len(q)
-    for _ in range(max(0, n_decode)):
-        tok = int(torch.argmax(logits))
-        out.append(tok)
-        if (eos is not None and tok == eos) or len(out) >= n_decode:
-            break
-        logits = step([tok], pos, seen)
-        pos, seen = pos + 1, seen + 1
-    return first, tuple(out)
+    # the window's one decoding loop; it always decodes one token: n_decode=0 keeps none of them
+    first, answer = greedy_steps(backend, cache, kv[0][0].shape[1], start, [int(t) for t in query_ids],
+                                 max(1, n_decode), [] if eos is None else [eos], count)
+    return first, tuple(answer[: max(0, n_decode)])
 
 
 class _Scorer:
