@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("contextdeque.eval", "contextdeque.traces", "contextdeque.scheduler"),
     ("contextdeque.replay",),
     ("contextdeque.agents",),
-    ("contextdeque.serve",),
+    ("contextdeque.serve", "contextdeque.integrations"),
     ("contextdeque.cli",),
 ]
 RANK = {prefix: rank for rank, group in enumerate(LAYERS) for prefix in group}

@@ -78,10 +78,14 @@ def _by_step(samples: dict[str, list[float]]) -> dict[str, float]:
 
 @torch.no_grad()
 def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *, seed: int = 0,
-                 scale: float = DEFAULT_SCALE, patch_policy: str = "eager") -> dict[str, Any]:
+                 scale: float = DEFAULT_SCALE, patch_policy: str = "eager",
+                 window_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Drive one window through ``trace``; measure at ``n`` sampled queries. Returns medians, overall
     and per step type (``kl_by_step`` ...; ``kl_healed_by_step`` where a latency-first window had
-    work queued at the query)."""
+    work queued at the query). ``window_options``: more ``ContextWindow`` settings of the patch
+    arm's window (e.g. ``fidelity_target=``); the patches its byte cap could not fit the target
+    into are listed (``fidelity_miss_list``: ref, estimated η, action; the root window's
+    receipts, the last 1000)."""
     from ..eval.arms import BlindArm, ReprefillArm, ReuseRequest, make_arm
     from ..eval.fidelity.harness import score_query
     from ..core.metrics import kl_divergence
@@ -95,7 +99,8 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
     queries = [i for i, e in enumerate(trace.events) if e.op == "query"]
     rng = random.Random(f"{seed}:{trace.name}")
     sampled = set(rng.sample(queries, min(n, len(queries))))
-    win = ContextWindow(backend, placement=placement, patch_policy=patch_policy if arm == "patch" else "none")
+    win = ContextWindow(backend, placement=placement, patch_policy=patch_policy if arm == "patch" else "none",
+                        **(dict(window_options or {}) if arm == "patch" else {}))
     served = make_arm(arm) if arm not in ("patch", "blind", "reprefill") else None  # one instance: a prefix cache keeps what it saw
     kls, etas, ttfts = [], [], []
     step_kl: dict[str, list[float]] = {}
@@ -136,6 +141,8 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
 
     drive_window(win, trace, lambda ev: chunk_ids(backend, ev.hash, max(MIN_TOKENS, int(round(ev.tokens * scale)))),
                  on_query=on_query, heal_at_end=False)
+    # the patches the byte cap could not fit the target into, from the window's receipts
+    misses = [{**m.as_dict(), "chunk": m.ref.label or m.ref.key} for rec in win.receipts for m in rec.fidelity_misses]
     defined = [e for e in etas if e is not None]
     return {
         "kl": statistics.median(kls) if kls else None,
@@ -145,12 +152,15 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
         "kl_by_step": _by_step(step_kl),
         "ttft_ratio_by_step": _by_step(step_ttft),
         "kl_healed_by_step": _by_step(step_healed),
+        "fidelity_misses": sum(1 for m in misses if m["action"] == "reported"),
+        "fidelity_over_cap": sum(1 for m in misses if m["action"] != "reported"),
+        "fidelity_miss_list": misses,
     }
 
 
 def run_fidelity_mode(traces: Sequence[str], combos: Sequence[tuple[str, str, str]], n: int, *, seed: int = 0,
                       scale: float = DEFAULT_SCALE, backend: Any = None, console: Any = None,
-                      patch_policy: str = "eager") -> dict[tuple, dict[str, Any]]:
+                      patch_policy: str = "eager", window_options: dict[str, Any] | None = None) -> dict[tuple, dict[str, Any]]:
     """Fidelity figures keyed by ``(trace, placement, eviction, arm)`` for every combo."""
     for _, _, arm in combos:  # refused before any model work
         rule = make_reuse(arm)
@@ -171,6 +181,6 @@ def run_fidelity_mode(traces: Sequence[str], combos: Sequence[tuple[str, str, st
                 if console is not None:
                     console.print(f"[dim]fidelity: {t.name} {placement}/{arm}[/dim]")
                 done[key] = fidelity_run(backend, t, placement, arm, n, seed=seed, scale=scale,
-                                         patch_policy=patch_policy)
+                                         patch_policy=patch_policy, window_options=window_options)
             out[(t.name, placement, eviction, arm)] = done[key]
     return out

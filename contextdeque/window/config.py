@@ -17,6 +17,7 @@ import torch
 from ..core.args import check_float, check_int, check_str
 from ..core.chunk import storage_dtype
 from ..core.errors import BudgetError, WindowError, WindowTypeError
+from ..patch.alloc import DEFAULT_ON_MISS, ON_MISS
 from .graph import CASCADE_POLICIES
 from .kvselect import SelectionPolicy
 from .placement import PlacementPolicy
@@ -43,6 +44,7 @@ class WindowConfig:
     placement: "str | PlacementPolicy" = "arrival"
     fidelity_target: float | None = None
     max_patch_fraction: float = 0.25
+    on_miss: str = DEFAULT_ON_MISS
     kv_selection: SelectionPolicy | None = None
     beyond_trained: bool = False
     chunk_template: str = "{text}"
@@ -59,6 +61,7 @@ class WindowConfig:
         check_str("cascade_policy", self.cascade_policy, error=WindowError)
         if self.cascade_policy not in CASCADE_POLICIES:
             raise WindowError(f"cascade_policy must be one of {CASCADE_POLICIES}, got {self.cascade_policy!r}")
+        check_str("on_miss", self.on_miss, choices=ON_MISS, error=WindowError)
         check_str("overflow", self.overflow, error=WindowError)
         if self.overflow not in OVERFLOW_POLICIES:
             raise WindowError(f"overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}")

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..core.cooperative import in_background
-from ..patch.rank import resolve_rank
+from ..model.envelope import load_envelope
+from ..patch.alloc import FidelityRule
+from ..patch.rank import FULL, resolve_rank
 from .config import DEFAULT_MAX_EVICTED, OVERFLOW_POLICIES, WindowConfig  # noqa: F401  (re-exported)
 from .policy import PatchPolicy
 from .store import WindowStore
@@ -57,6 +59,7 @@ class WindowContext:
     op_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _waiting: list[int] = field(default_factory=lambda: [0], repr=False)
     _waiting_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _fidelity_rule: "FidelityRule | None" = field(default=None, repr=False)
     last_foreground: float = field(default_factory=time.monotonic, repr=False)
     foreground_waits_ms: deque = field(default_factory=lambda: deque(maxlen=1000), repr=False)
 
@@ -105,8 +108,9 @@ class WindowContext:
     overflow = property(lambda self: self.config.overflow)
     storage = property(lambda self: self.config.storage, doc="the dtype canonicals are stored in")
     kv_selection = property(lambda self: self.config.kv_selection, doc="a kvselect.SelectionPolicy, or None")
-    fidelity_target = property(lambda self: self.config.fidelity_target, doc="adaptive patch rank (the safety envelope); None: fixed rank")
-    max_patch_fraction = property(lambda self: self.config.max_patch_fraction, doc="adaptive rank's byte cap: patch bytes / page bytes")
+    fidelity_target = property(lambda self: self.config.fidelity_target, doc="η target: per-layer ranks allocated to meet it; None: fixed rank")
+    max_patch_fraction = property(lambda self: self.config.max_patch_fraction, doc="the target's byte cap: patch bytes / page bytes")
+    on_miss = property(lambda self: self.config.on_miss, doc="what a patch the cap cannot fit the target into does (patch.alloc.ON_MISS)")
     beyond_trained = property(lambda self: self.config.beyond_trained, doc="allow positions past the model's trained context length")
     chunk_template = property(lambda self: self.config.chunk_template, doc="how text appends are rendered (see ContextWindow)")
     max_evicted = property(lambda self: self.config.max_evicted, doc="evicted refs remembered (oldest forgotten past it); None: all")
@@ -129,16 +133,24 @@ class WindowContext:
     def total_tokens(self) -> int:
         return int(self.backend.tokens_prefilled) + self.counters["decode_tokens"]
 
-    def adaptive_cap(self, n_tokens: int) -> tuple[int, int]:
-        """The adaptive rank's cap for a chunk of ``n_tokens``: the largest (rank_k, rank_v) whose
-        patch stays within ``max_patch_fraction`` of the page's bytes (m (T + F) <= f T F per
-        layer, K and V each), and never above full rank."""
-        lay = self.layout
-        out = []
-        for f in (lay.k_heads * lay.k_dim, lay.v_heads * lay.v_dim):
-            m = int(self.max_patch_fraction * n_tokens * f / (n_tokens + f))
-            out.append(max(1, min(m, n_tokens, f)))
-        return out[0], out[1]
+    @property
+    def fidelity_rule(self) -> "FidelityRule | None":
+        """The rule every patch is formed under when ``fidelity_target`` is set: the target (an η)
+        through the model's calibrated envelope (``contextdeque calibrate``; cached per model
+        fingerprint) — read as an energy when the model has none — under the byte cap, with
+        ``on_miss``. None without a target."""
+        if self.fidelity_target is None:
+            return None
+        if self._fidelity_rule is None:
+            self._fidelity_rule = FidelityRule.for_target(
+                float(self.fidelity_target), load_envelope(self.fingerprint), float(self.max_patch_fraction), self.on_miss)
+        return self._fidelity_rule
+
+    def formation_ranks(self, rank: int | str, n_tokens: int) -> tuple[int, int]:
+        """(rank_k, rank_v) a patch of a chunk of ``n_tokens`` is formed at (and keyed by): under a
+        fidelity target every direction (the allocation then cuts it per layer), else ``rank``
+        clamped (:meth:`clamp_rank`). A full-rank ask stays full rank either way."""
+        return self.clamp_rank(FULL if self.fidelity_target is not None else rank, n_tokens)
 
     def clamp_rank(self, rank: int | str, n_tokens: int) -> tuple[int, int]:
         """(rank_k, rank_v) for a chunk of ``n_tokens``: ``"full"`` or anything above

@@ -10,7 +10,7 @@ import torch
 
 from ..core.args import check_float, check_int
 from ..core.errors import WindowError
-from ..core.kv import kv_nbytes
+from ..core.kv import LayerKV, kv_nbytes
 from . import decode, ingest
 from .disposable import Verdict, run_test
 from .receipt import Meter, Receipt
@@ -44,10 +44,16 @@ class WindowReading:
         Continue it with ``model.generate(input_ids=window.input_ids_for(q),
         past_key_values=cache, ...)``. Under the exact policy it equals the KV of one forward
         over the root and the chunks (to float rounding)."""
-        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], Any]:
+        return decode.to_cache(self._ctx, self.kv_layers())
+
+    def kv_layers(self) -> list[LayerKV]:
+        """What :meth:`materialize` holds, as plain tensors: per layer ``(k [H_k, S, d_k],
+        v [H_v, S, d_v])`` at positions ``0..S-1`` (root, then every chunk), rotated as the model
+        caches them. Fresh tensors (e.g. to copy into another engine's paged cache)."""
+        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], list[LayerKV]]:
             layers = decode.assemble(self._ctx, state.slots)
             meter.page_bytes += kv_nbytes(layers)
-            return {"refs": state.refs}, decode.to_cache(self._ctx, layers)
+            return {"refs": state.refs}, layers
 
         return self._run("materialize", body, mutates=False)[1]
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..patch.alloc import fidelity_report
 from ..stores import TierTraffic
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,6 +33,43 @@ class LoadFallback:
 
 
 ADDS = {"adds": True}  # field metadata: receipts sum this field (Receipt.__add__ / merged)
+
+
+@dataclass(frozen=True)
+class FidelityMiss:
+    """A chunk whose patch falls short of the window's ``fidelity_target`` (the byte cap could not
+    fit it and ``on_miss="report"``), or that met it only past the cap (``exceeded-budget``,
+    ``recomputed``): ``action`` says which (see ``contextdeque.patch.alloc.ON_MISS``).
+
+    ``eta_est``: η the model's calibrated envelope expects of the patch (None when the model has
+    no envelope: then ``energy`` against ``energy_target`` is the measure); ``patch_bytes`` /
+    ``budget_bytes``: what the patch holds and what the cap allowed."""
+
+    ref: "ChunkRef"
+    chunk_id: str
+    eta_target: float | None
+    eta_est: float | None
+    energy_target: float
+    energy: float
+    patch_bytes: int
+    budget_bytes: int | None
+    action: str
+
+    @property
+    def missed(self) -> bool:
+        """The patch the window holds falls short of the target."""
+        return self.action == "reported"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ref": self.ref.key, "chunk_id": self.chunk_id, "eta_target": self.eta_target, "eta_est": self.eta_est,
+                "energy_target": self.energy_target, "energy": self.energy, "patch_bytes": self.patch_bytes,
+                "budget_bytes": self.budget_bytes, "action": self.action}
+
+    def describe(self) -> str:
+        est = f"η≈{self.eta_est:.3f}" if self.eta_est is not None else f"energy {self.energy:.3f}"
+        want = f"η {self.eta_target:g}" if self.eta_est is not None else f"energy {self.energy_target:.3f}"
+        cap = "-" if self.budget_bytes is None else f"{self.budget_bytes / 1024:.0f}KiB"
+        return f"#{self.ref.key}: {est} for {want} ({self.action}; {self.patch_bytes / 1024:.0f}KiB, cap {cap})"
 
 
 @dataclass
@@ -69,10 +107,15 @@ class Receipt:
             loading, computing, waiting on loads; loads by tier; ``overlapped`` or not).
         repairs: what the operation repaired: store copies that failed verification and were
             quarantined, and the canonicals / patches rebuilt from their source in their place.
+<<<<<<< HEAD
         served: per chunk given conditioning (or deferred), ``(ref, what)``: ``"fresh"`` (a
             patch formed now), ``"stored"`` (a valid stored patch), ``"anticipated"`` (a valid
             patch anticipation formed in idle time, ``window.anticipation``), ``"stale"`` /
             ``"blind"`` / ``"conditioned"`` (deferred: as in ``deferred``).
+=======
+        fidelity_misses: chunks (re)conditioned by this operation whose patch the byte cap could
+            not fit ``fidelity_target`` into, and what ``on_miss`` did (:class:`FidelityMiss`).
+>>>>>>> main
     """
 
     op: str
@@ -93,11 +136,15 @@ class Receipt:
     load_fallbacks: tuple[LoadFallback, ...] = ()
     loading: dict[str, Any] | None = None
     repairs: tuple[str, ...] = field(default=(), metadata=ADDS)
+<<<<<<< HEAD
     served: tuple[tuple["ChunkRef", str], ...] = field(default=(), metadata=ADDS)
+=======
+    fidelity_misses: tuple[FidelityMiss, ...] = field(default=(), metadata=ADDS)
+>>>>>>> main
 
     def __add__(self, other: "Receipt") -> "Receipt":
         """The sum of two receipts' added fields (counts, bytes per tier, wall time, refs, notes,
-        repairs), under this receipt's ``op``; the per-operation fields are this one's."""
+        repairs, fidelity misses), under this receipt's ``op``; the per-operation fields are this one's."""
         out = dataclasses.replace(self)
         for f in ADDED_FIELDS:
             a, b = getattr(self, f), getattr(other, f)
@@ -148,7 +195,11 @@ class Receipt:
             "load_fallbacks": [f.as_dict() for f in self.load_fallbacks],
             "loading": None if self.loading is None else dict(self.loading),
             "repairs": list(self.repairs),
+<<<<<<< HEAD
             "served": [[r.key, what] for r, what in self.served],
+=======
+            "fidelity_misses": [m.as_dict() for m in self.fidelity_misses],
+>>>>>>> main
         }
 
     def summary(self) -> str:
@@ -161,6 +212,11 @@ class Receipt:
             extra += f", {len(self.deferred)} deferred"
         if self.repairs:
             extra += f", {len(self.repairs)} repair(s)"
+        missed = sum(1 for m in self.fidelity_misses if m.missed)
+        if missed:
+            extra += f", {missed} fidelity miss(es)"
+        if len(self.fidelity_misses) > missed:
+            extra += f", {len(self.fidelity_misses) - missed} over the patch byte cap"
         return (
             f"{self.op}: {self.forwards} fwd, {self.tokens_prefilled} tok prefilled, {self.encodes} enc, "
             f"patches {self.patches_formed} formed/{self.patches_reused} reused, {self.pages_written} pages, "
@@ -193,6 +249,7 @@ class Meter:
         # ahead in idle time, window.anticipation), "stale" / "blind" / "conditioned" (deferred)
         self.served: dict["ChunkRef", str] = {}
         self.repairs: list[str] = []  # rebuilt from source (quarantines come from the traffic)
+        self.fidelity_misses: list[FidelityMiss] = []
         self._fw0 = ctx.total_forwards()
         self._tok0 = ctx.total_tokens()
         self._enc0 = ctx.counters["encodes"]
@@ -201,6 +258,16 @@ class Meter:
     def page(self, nbytes: int) -> None:
         self.pages_written += 1
         self.page_bytes += int(nbytes)
+
+    def note_fidelity(self, slot: Any, patch: Any) -> None:
+        """Record ``slot``'s patch if the fidelity rule could not meet its target within the cap."""
+        rep = fidelity_report(patch)
+        if rep is None or not rep.get("shortfall"):
+            return
+        self.fidelity_misses.append(FidelityMiss(
+            ref=slot.ref, chunk_id=slot.chunk.id, eta_target=rep.get("eta_target"), eta_est=rep.get("eta_est"),
+            energy_target=float(rep["energy_target"]), energy=float(rep["energy"]), patch_bytes=int(patch.nbytes),
+            budget_bytes=rep.get("budget_bytes"), action=str(rep["action"])))
 
     def finish(self, **fields: Any) -> Receipt:
         moved: dict[str, int] = {}
@@ -230,5 +297,6 @@ class Meter:
                 [f"quarantined a corrupt copy of {q.split(':', 1)[1][:40]} in tier {q.split(':', 1)[0]!r}"
                  for q in self.traffic.quarantined] + self.repairs
             ),
+            fidelity_misses=tuple(self.fidelity_misses),
             **fields,
         )

@@ -39,6 +39,7 @@ from ..core.args import check_instance, check_int, check_str, check_token_ids
 from ..core.errors import BudgetError, UnknownRefError, WindowError, WindowTypeError
 from ..core.heap import release_freed_heap
 from . import decode, ingest
+from ..patch.alloc import DEFAULT_ON_MISS
 from .config import DEFAULT_MAX_EVICTED, DEFAULT_RANK, WindowConfig
 from .context import WindowContext
 from .anticipation import WindowAnticipation
@@ -111,10 +112,19 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             ``"scheduler"`` (``contextdeque.scheduler``: the place that keeps stored patches
             valid and forms the fewest new ones), another registered name or a
             ``PlacementPolicy``.
-        fidelity_target: the safety envelope: when set (e.g. 0.99), each patch's rank is chosen
-            per chunk from Δ's singular spectrum — the smallest m capturing this fraction of Δ's
-            energy (K and V separately) — instead of the global ``rank``, capped so a patch
-            never exceeds ``max_patch_fraction`` of its page's bytes.
+        fidelity_target: an η target (e.g. 0.99: the patch closes 99% of the next-token KL gap
+            blind reuse leaves against a re-prefill, on the model's median calibration item).
+            When set, each patch gets per-layer K and V ranks allocated from Δ's singular spectra
+            where its energy is, as few bytes as capture the energy the model's calibrated
+            envelope says the target needs (``contextdeque calibrate --model``; without one the
+            target is read as that energy), within ``max_patch_fraction`` of its page's bytes;
+            ``rank`` is then not used. See docs/fidelity.md.
+        max_patch_fraction: the byte cap of a patch under ``fidelity_target``: its bytes over
+            its page's bytes.
+        on_miss: what a patch does when the cap cannot fit the target: ``"report"`` (the default:
+            keep the best patch within the cap; the receipt's ``fidelity_misses``, ``show()`` and
+            the patch's estimated η say so), ``"exceed_budget"`` (take the bytes the target
+            needs), ``"recompute"`` (the exact conditioning, every direction).
         kv_selection: a ``SelectionPolicy``: under memory pressure (more rows per KV head than
             its threshold) ``generate`` decodes over the rows its selector keeps (MM-ShiftKV,
             SnapKV, StreamingLLM); None: always the full window.
@@ -155,6 +165,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
         placement: "str | PlacementPolicy" = "arrival",
         fidelity_target: float | None = None,
         max_patch_fraction: float = 0.25,
+        on_miss: str = DEFAULT_ON_MISS,
         kv_selection: "SelectionPolicy | None" = None,
         beyond_trained: bool = False,
         chunk_template: str = "{text}",
@@ -165,8 +176,13 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
         config = WindowConfig(
             budget_tokens=budget_tokens, rank=rank, patch_policy=patch_policy, cascade_policy=cascade_policy,
             overflow=overflow, storage=storage, placement=placement, fidelity_target=fidelity_target,
+<<<<<<< HEAD
             max_patch_fraction=max_patch_fraction, kv_selection=kv_selection, beyond_trained=beyond_trained,
             chunk_template=chunk_template, max_evicted=max_evicted, anticipate=anticipate,
+=======
+            max_patch_fraction=max_patch_fraction, on_miss=on_miss, kv_selection=kv_selection,
+            beyond_trained=beyond_trained, chunk_template=chunk_template, max_evicted=max_evicted,
+>>>>>>> main
         )
         self._start(backend_with_root(backend, root), store, config)
 
