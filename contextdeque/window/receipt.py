@@ -107,15 +107,12 @@ class Receipt:
             loading, computing, waiting on loads; loads by tier; ``overlapped`` or not).
         repairs: what the operation repaired: store copies that failed verification and were
             quarantined, and the canonicals / patches rebuilt from their source in their place.
-<<<<<<< HEAD
         served: per chunk given conditioning (or deferred), ``(ref, what)``: ``"fresh"`` (a
             patch formed now), ``"stored"`` (a valid stored patch), ``"anticipated"`` (a valid
             patch anticipation formed in idle time, ``window.anticipation``), ``"stale"`` /
             ``"blind"`` / ``"conditioned"`` (deferred: as in ``deferred``).
-=======
         fidelity_misses: chunks (re)conditioned by this operation whose patch the byte cap could
             not fit ``fidelity_target`` into, and what ``on_miss`` did (:class:`FidelityMiss`).
->>>>>>> main
     """
 
     op: str
@@ -136,11 +133,8 @@ class Receipt:
     load_fallbacks: tuple[LoadFallback, ...] = ()
     loading: dict[str, Any] | None = None
     repairs: tuple[str, ...] = field(default=(), metadata=ADDS)
-<<<<<<< HEAD
     served: tuple[tuple["ChunkRef", str], ...] = field(default=(), metadata=ADDS)
-=======
     fidelity_misses: tuple[FidelityMiss, ...] = field(default=(), metadata=ADDS)
->>>>>>> main
 
     def __add__(self, other: "Receipt") -> "Receipt":
         """The sum of two receipts' added fields (counts, bytes per tier, wall time, refs, notes,
@@ -195,11 +189,8 @@ class Receipt:
             "load_fallbacks": [f.as_dict() for f in self.load_fallbacks],
             "loading": None if self.loading is None else dict(self.loading),
             "repairs": list(self.repairs),
-<<<<<<< HEAD
             "served": [[r.key, what] for r, what in self.served],
-=======
             "fidelity_misses": [m.as_dict() for m in self.fidelity_misses],
->>>>>>> main
         }
 
     def summary(self) -> str:

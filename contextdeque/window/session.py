@@ -165,11 +165,8 @@ class ConfigModel(_Model):
     fidelity_target: float | None
     max_patch_fraction: float
     max_evicted: int | None = DEFAULT_MAX_EVICTED  # absent in sessions saved before it was recorded
-<<<<<<< HEAD
-    anticipate: bool = False  # (the same)
-=======
     on_miss: str = DEFAULT_ON_MISS  # absent in sessions saved before it was recorded
->>>>>>> main
+    anticipate: bool = False  # (the same)
 
 
 class ReceiptSummary(_Model):
@@ -371,11 +368,8 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
             budget_tokens=ctx.budget_tokens, rank=ctx.rank, patch_policy=policy_spec(ctx.policy),
             cascade_policy=ctx.cascade_policy, overflow=ctx.overflow, storage=str(ctx.storage).removeprefix("torch."),
             placement=getattr(placement, "name", "arrival") or "arrival", fidelity_target=ctx.fidelity_target,
-<<<<<<< HEAD
-            max_patch_fraction=ctx.max_patch_fraction, max_evicted=ctx.max_evicted, anticipate=ctx.config.anticipate,
-=======
             max_patch_fraction=ctx.max_patch_fraction, max_evicted=ctx.max_evicted, on_miss=ctx.on_miss,
->>>>>>> main
+            anticipate=ctx.config.anticipate,
         ),
         generation=state.generation,
         refs=list(refs.values()),
@@ -454,11 +448,7 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
         budget_tokens=c.budget_tokens, rank=c.rank, patch_policy=c.patch_policy, cascade_policy=c.cascade_policy,
         overflow=c.overflow, storage=storage_dtype(c.storage), placement=c.placement,
         fidelity_target=c.fidelity_target, max_patch_fraction=c.max_patch_fraction, max_evicted=c.max_evicted,
-<<<<<<< HEAD
-        anticipate=c.anticipate,
-=======
-        on_miss=c.on_miss,
->>>>>>> main
+        on_miss=c.on_miss, anticipate=c.anticipate,
     )
     kwargs.update(overrides)
     win = cls(backend, **kwargs)

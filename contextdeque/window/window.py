@@ -176,13 +176,9 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
         config = WindowConfig(
             budget_tokens=budget_tokens, rank=rank, patch_policy=patch_policy, cascade_policy=cascade_policy,
             overflow=overflow, storage=storage, placement=placement, fidelity_target=fidelity_target,
-<<<<<<< HEAD
-            max_patch_fraction=max_patch_fraction, kv_selection=kv_selection, beyond_trained=beyond_trained,
-            chunk_template=chunk_template, max_evicted=max_evicted, anticipate=anticipate,
-=======
             max_patch_fraction=max_patch_fraction, on_miss=on_miss, kv_selection=kv_selection,
             beyond_trained=beyond_trained, chunk_template=chunk_template, max_evicted=max_evicted,
->>>>>>> main
+            anticipate=anticipate,
         )
         self._start(backend_with_root(backend, root), store, config)
 
