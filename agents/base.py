@@ -28,7 +28,7 @@ from contextdeque.core.metrics import kl_divergence
 from contextdeque.traces import TraceBuilder, TraceHeader, content_hash, write_trace
 from contextdeque.window import ChunkRef, ContextWindow, Receipt
 
-from .measure import common_prefix, reprefill_first_token, window_first_token, window_stream
+from contextdeque.session.measure import common_prefix, reprefill_first_token, window_first_token, window_stream
 
 @dataclass
 class AgentConfig:
@@ -115,7 +115,7 @@ class Step:
 
 def query_ids(backend: Any, question: str) -> list[int]:
     """The question's token ids, closing the user turn the window root opened (chat template)."""
-    from contextdeque.eval.fidelity.probes import query_suffix, tokenize
+    from contextdeque.model.text import query_suffix, tokenize
 
     return tokenize(backend, "\n\n" + question + query_suffix(backend))
 

@@ -21,18 +21,9 @@ from typing import Any
 
 import torch
 
+from ..model.text import pydoc_text_ids
+
 DEFAULT_TOKENS = (256, 512, 1024, 2048)
-
-
-def _text_ids(backend: Any, n: int) -> torch.Tensor:
-    from pydoc_data.topics import topics
-
-    ids: list[int] = []
-    for key in sorted(topics):
-        ids += backend.tokenize(topics[key])
-        if len(ids) >= n:
-            break
-    return torch.tensor(ids[:n], dtype=torch.long)
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -79,7 +70,7 @@ def run_bench(
     steps = len(tokens) * (2 + 2 * len(dtypes)) + 2
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("bench", total=steps)
-        ids_all = _text_ids(backend, max(tokens) + 256)
+        ids_all = pydoc_text_ids(backend, max(tokens) + 256)
         root = backend.root_kv()
         chunks = {}
         for T in tokens:
