@@ -550,7 +550,8 @@ class ValkeyTier(Tier):
         with self._lock:
             held = key in self._holds()
             self._holds().discard(key)
-        return held or bool(self._call_or(lambda c: c.zrem(self._base(key) + ":l", self.holder_id), False))
+        removed = self._call_or(lambda c: c.zrem(self._base(key) + ":l", self.holder_id), False)
+        return held or bool(removed)
 
     def is_pinned(self, key: str) -> bool:
         """Whether any holder (any process) has a lease on ``key`` that has not expired."""
