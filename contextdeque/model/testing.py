@@ -178,195 +178,122 @@ class TinyArch:
     multimodal: bool = False
 
 
+_TOKEN_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _rope(theta: float = 10_000.0, **extra: Any) -> dict[str, Any]:
+    """Plain (unscaled) ``rope_parameters`` with base ``theta`` and any extra keys."""
+    return {"rope_type": "default", "rope_theta": theta, **extra}
+
+
 def _common(**kw: Any) -> dict[str, Any]:
     base = dict(
-        vocab_size=_VOCAB,
-        hidden_size=_HIDDEN,
-        intermediate_size=_INTERMEDIATE,
-        num_hidden_layers=_LAYERS,
-        num_attention_heads=_HEADS,
-        num_key_value_heads=_KV_HEADS,
-        head_dim=_HEAD_DIM,
-        max_position_embeddings=_MAX_POS,
-        initializer_range=_INIT_RANGE,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+        vocab_size=_VOCAB, hidden_size=_HIDDEN, intermediate_size=_INTERMEDIATE, num_hidden_layers=_LAYERS,
+        num_attention_heads=_HEADS, num_key_value_heads=_KV_HEADS, head_dim=_HEAD_DIM,
+        max_position_embeddings=_MAX_POS, initializer_range=_INIT_RANGE, tie_word_embeddings=False, **_TOKEN_IDS,
     )
     base.update(kw)
     return base
 
 
+def _config(name: str, over: dict[str, Any], *, derive_head_dim: bool = False, **kw: Any) -> PreTrainedConfig:
+    """``transformers.<name>`` from the common tiny sizes with ``kw`` and then ``over`` on top;
+    ``derive_head_dim``: the config derives head_dim itself (hidden / heads, = 32 here)."""
+    import transformers
+
+    args = _common(**kw)
+    if derive_head_dim:
+        args.pop("head_dim")
+    args.update(over)
+    return getattr(transformers, name)(**args)
+
+
 def _llama(rope: dict[str, Any] | None = None) -> Callable[[dict[str, Any]], PreTrainedConfig]:
-    def make(over: dict[str, Any]) -> PreTrainedConfig:
-        from transformers import LlamaConfig
-
-        params = {"rope_type": "default", "rope_theta": 10_000.0}
-        if rope is not None:
-            params = {"rope_theta": 10_000.0, **rope}
-        return LlamaConfig(**_common(rope_parameters=params, **over))
-
-    return make
+    params = _rope() if rope is None else {"rope_theta": 10_000.0, **rope}
+    return lambda over: _config("LlamaConfig", over, rope_parameters=params)
 
 
 def _qwen2(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import Qwen2Config
-
-    kw = _common(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
-    kw.pop("head_dim")  # Qwen2 derives head_dim = hidden / heads (= 32 here)
-    kw.update(over)
-    return Qwen2Config(**kw)
+    return _config("Qwen2Config", over, derive_head_dim=True, rope_parameters=_rope(1_000_000.0))
 
 
 def _gemma3_text(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import Gemma3TextConfig
-
-    kw = _common(
+    return _config(
+        "Gemma3TextConfig", over,
         num_hidden_layers=3,
         # Real pattern is 5 sliding : 1 full; 2 : 1 keeps both kinds with 3 layers.
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         sliding_window=16,
         query_pre_attn_scalar=_HEAD_DIM,
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-        },
+        rope_parameters={"sliding_attention": _rope(), "full_attention": _rope(1_000_000.0)},
         tie_word_embeddings=True,
     )
-    kw.update(over)
-    return Gemma3TextConfig(**kw)
 
 
-def _mla_common(**kw: Any) -> dict[str, Any]:
-    """What the tiny DeepSeek-V2 / V3 (MLA + MoE) configs share: 4 KV heads (one per query head),
-    a 4-expert MoE after a dense layer 0, latent rank 32, rope / nope dims 16 / 32."""
-    base = _common(
-        num_key_value_heads=_HEADS,
-        moe_intermediate_size=64,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,  # layer 0 dense MLP, layer 1 MoE
-        kv_lora_rank=32,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-    )
-    base.pop("head_dim")  # the DeepSeek configs set head_dim = qk_rope_head_dim themselves
-    base.update(kw)
-    return base
+# What the tiny DeepSeek-V2 / V3 (MLA + MoE) configs share: 4 KV heads (one per query head), a
+# 4-expert MoE after a dense layer 0 (first_k_dense_replace), latent rank 32, rope / nope dims 16 / 32.
+# The DeepSeek configs set head_dim = qk_rope_head_dim themselves.
+_MLA = dict(
+    num_key_value_heads=_HEADS, moe_intermediate_size=64, n_shared_experts=1, n_routed_experts=4,
+    num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32,
+    v_head_dim=32, rope_parameters=_rope(),
+)
 
 
 def _deepseek_v3(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import DeepseekV3Config
-
-    kw = _mla_common(
-        # The grouped router needs n_group | n_routed_experts and topk_group <= n_group.
-        n_group=1,
-        topk_group=1,
-        q_lora_rank=48,
-        rope_interleave=True,
-    )
-    kw.update(over)
-    return DeepseekV3Config(**kw)
+    # The grouped router needs n_group | n_routed_experts and topk_group <= n_group.
+    return _config("DeepseekV3Config", over, derive_head_dim=True, **_MLA, n_group=1, topk_group=1, q_lora_rank=48,
+                   rope_interleave=True)
 
 
 def _deepseek_v2(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import DeepseekV2Config
-
-    kw = _mla_common(
-        topk_method="greedy",
-        q_lora_rank=None,  # V2-Lite has no query compression
-    )
-    kw.update(over)
-    return DeepseekV2Config(**kw)
+    # V2-Lite has no query compression
+    return _config("DeepseekV2Config", over, derive_head_dim=True, **_MLA, topk_method="greedy", q_lora_rank=None)
 
 
 def _phi(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import PhiConfig
-
-    kw = _common(
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
-    )
-    kw.pop("head_dim")  # Phi derives head_dim = hidden / heads
-    kw.update(over)
-    return PhiConfig(**kw)
+    return _config("PhiConfig", over, derive_head_dim=True, rope_parameters=_rope(partial_rotary_factor=0.5))
 
 
 def _stablelm(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import StableLmConfig
-
-    kw = _common(
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25},
-        qk_layernorm=True,  # per-head LayerNorm on keys before RoPE (StableLM-2 style)
-    )
-    kw.pop("head_dim")
-    kw.update(over)
-    return StableLmConfig(**kw)
+    # qk_layernorm: per-head LayerNorm on keys before RoPE (StableLM-2 style)
+    return _config("StableLmConfig", over, derive_head_dim=True, rope_parameters=_rope(partial_rotary_factor=0.25),
+                   qk_layernorm=True)
 
 
 def _glm(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import GlmConfig
-
-    kw = _common(
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
-    )
-    kw.update(over)
-    return GlmConfig(**kw)
+    return _config("GlmConfig", over, rope_parameters=_rope(partial_rotary_factor=0.5))
 
 
 def _cohere(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import CohereConfig
-
-    kw = _common(
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-        use_qk_norm=True,  # Command-R+ style per-head LayerNorm on keys before RoPE
-    )
-    kw.pop("head_dim")
-    kw.update(over)
-    return CohereConfig(**kw)
+    # use_qk_norm: Command-R+ style per-head LayerNorm on keys before RoPE
+    return _config("CohereConfig", over, derive_head_dim=True, rope_parameters=_rope(), use_qk_norm=True)
 
 
 def _gptj(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import GPTJConfig
 
     kw = dict(
-        vocab_size=_VOCAB,
-        n_embd=_HIDDEN,
-        n_layer=_LAYERS,
-        n_head=_HEADS,
+        vocab_size=_VOCAB, n_embd=_HIDDEN, n_layer=_LAYERS, n_head=_HEADS, n_inner=_INTERMEDIATE,
         rotary_dim=16,  # GPT-J-6B rotates 64 of 256 channels; here 16 of 32
-        n_inner=_INTERMEDIATE,
-        n_positions=_MAX_POS,
-        initializer_range=_INIT_RANGE,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+        n_positions=_MAX_POS, initializer_range=_INIT_RANGE, **_TOKEN_IDS,
     )
     kw.update(over)
     return GPTJConfig(**kw)
 
 
 def _phi3_longrope(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import Phi3Config
-
     half = _HEAD_DIM // 2
-    kw = _common(
-        rope_parameters={
-            "rope_type": "longrope",
-            "rope_theta": 10_000.0,
-            "short_factor": [1.0 + 0.05 * i for i in range(half)],
-            "long_factor": [1.0 + 0.5 * i for i in range(half)],
-            "original_max_position_embeddings": _ORIG_MAX_POS,
-            "factor": _MAX_POS / _ORIG_MAX_POS,
-        },
-    )
-    kw.pop("head_dim")
-    kw["original_max_position_embeddings"] = _ORIG_MAX_POS
-    kw.update(over)
-    return Phi3Config(**kw)
+    longrope = {
+        "rope_type": "longrope",
+        "rope_theta": 10_000.0,
+        "short_factor": [1.0 + 0.05 * i for i in range(half)],
+        "long_factor": [1.0 + 0.5 * i for i in range(half)],
+        "original_max_position_embeddings": _ORIG_MAX_POS,
+        "factor": _MAX_POS / _ORIG_MAX_POS,
+    }
+    return _config("Phi3Config", over, derive_head_dim=True, rope_parameters=longrope,
+                   original_max_position_embeddings=_ORIG_MAX_POS)
 
 
 def _vl_text(**over: Any) -> dict[str, Any]:

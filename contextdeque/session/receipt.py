@@ -26,6 +26,20 @@ class MessageOp:
     receipt: Receipt
 
 
+def _summed(name: str) -> property:
+    """A read-only total of the window receipts' ``name`` over a sync's ops."""
+    return property(lambda self: sum(int(getattr(o.receipt, name)) for o in self.ops),
+                    doc=f"``{name}`` summed over the window operations' receipts.")
+
+
+# `SyncReceipt.as_dict`'s fields, in order (then ``wall_ms`` and ``ops``)
+_AS_DICT = (
+    "messages", "kept", "appended", "evicted", "returned", "moved", "reordered", "rebuilt", "forwards",
+    "tokens_prefilled", "encodes", "returned_encodes", "patches_formed", "patches_reused", "reprefill_tokens",
+    "prefix_cache_tokens",
+)
+
+
 @dataclass
 class SyncReceipt:
     """What one ``MessageWindow.sync`` did and cost, beside what a re-prefill and a prefix cache
@@ -51,57 +65,23 @@ class SyncReceipt:
     prefix_cache_tokens: int = 0
     wall_ms: float = 0.0
 
-    def _sum(self, name: str) -> int:
-        return sum(int(getattr(o.receipt, name)) for o in self.ops)
-
-    @property
-    def forwards(self) -> int:
-        return self._sum("forwards")
-
-    @property
-    def tokens_prefilled(self) -> int:
-        return self._sum("tokens_prefilled")
-
-    @property
-    def encodes(self) -> int:
-        return self._sum("encodes")
+    # the window's work, summed over the ops' receipts
+    forwards = _summed("forwards")
+    tokens_prefilled = _summed("tokens_prefilled")
+    encodes = _summed("encodes")
+    patches_formed = _summed("patches_formed")
+    patches_reused = _summed("patches_reused")
 
     @property
     def returned_encodes(self) -> int:
         """Chunks encoded while recalling returning messages: always 0 (the point of recall)."""
         return sum(o.receipt.encodes for o in self.ops if o.why == "returned")
 
-    @property
-    def patches_formed(self) -> int:
-        return self._sum("patches_formed")
-
-    @property
-    def patches_reused(self) -> int:
-        return self._sum("patches_reused")
-
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "messages": self.messages,
-            "kept": self.kept,
-            "appended": self.appended,
-            "evicted": self.evicted,
-            "returned": self.returned,
-            "moved": self.moved,
-            "reordered": self.reordered,
-            "rebuilt": self.rebuilt,
-            "forwards": self.forwards,
-            "tokens_prefilled": self.tokens_prefilled,
-            "encodes": self.encodes,
-            "returned_encodes": self.returned_encodes,
-            "patches_formed": self.patches_formed,
-            "patches_reused": self.patches_reused,
-            "reprefill_tokens": self.reprefill_tokens,
-            "prefix_cache_tokens": self.prefix_cache_tokens,
-            "wall_ms": round(self.wall_ms, 3),
-            "ops": [
-                {"op": o.op, "index": o.index, "role": o.role, "why": o.why, **o.receipt.as_dict()} for o in self.ops
-            ],
-        }
+        out = {name: getattr(self, name) for name in _AS_DICT}
+        out["wall_ms"] = round(self.wall_ms, 3)
+        out["ops"] = [{"op": o.op, "index": o.index, "role": o.role, "why": o.why, **o.receipt.as_dict()} for o in self.ops]
+        return out
 
     def summary(self) -> str:
         parts = [f"{n} {k}" for k, n in (("kept", self.kept), ("appended", self.appended), ("evicted", self.evicted),

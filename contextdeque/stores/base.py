@@ -59,6 +59,11 @@ META_DIGEST = "content_digest"
 # --------------------------------------------------------------------------------------
 
 
+def _meta_field(key: str, doc: str) -> property:
+    """A read-only view of one metadata item of an entry (None when absent)."""
+    return property(lambda self: self.meta.get(key), doc=doc)
+
+
 @dataclass(frozen=True, eq=False)
 class StoreEntry:
     """One stored bundle: named tensors plus flat string metadata.
@@ -112,25 +117,10 @@ class StoreEntry:
         if bad:
             raise InvalidEntryError(f"metadata keys {bad} use the reserved prefix {RESERVED_META_PREFIX!r}")
 
-    @property
-    def fingerprint(self) -> str | None:
-        """The model fingerprint recorded in the metadata, if any."""
-        return self.meta.get(META_FINGERPRINT)
-
-    @property
-    def layout(self) -> str | None:
-        """The layout signature recorded in the metadata, if any."""
-        return self.meta.get(META_LAYOUT)
-
-    @property
-    def kind(self) -> str | None:
-        """``"chunk" | "patch" | "embeds"`` (or whatever the writer recorded)."""
-        return self.meta.get(META_KIND)
-
-    @property
-    def content_digest(self) -> str | None:
-        """The collision guard's witness (``meta["content_digest"]``), if any."""
-        return self.meta.get(META_DIGEST)
+    fingerprint = _meta_field(META_FINGERPRINT, "The model fingerprint recorded in the metadata, if any.")
+    layout = _meta_field(META_LAYOUT, "The layout signature recorded in the metadata, if any.")
+    kind = _meta_field(META_KIND, '``"chunk" | "patch" | "embeds"`` (or whatever the writer recorded).')
+    content_digest = _meta_field(META_DIGEST, 'The collision guard\'s witness (``meta["content_digest"]``), if any.')
 
     def with_tensors(self, tensors: Mapping[str, torch.Tensor]) -> StoreEntry:
         """A new entry with the same metadata and the given tensors (e.g. moved to a device)."""

@@ -44,16 +44,7 @@ from contextdeque.core.errors import (
     StorePermissionError,
     StoreWriteError,
 )
-from contextdeque.stores.base import (
-    EntryStat,
-    Evicted,
-    Expect,
-    PutRequest,
-    PutResult,
-    StoreEntry,
-    Tier,
-    check_collision,
-)
+from contextdeque.stores.base import EntryStat, Evicted, Expect, PutRequest, PutResult, StoreEntry, Tier, check_collision
 from contextdeque.stores.format import Header, decode_entry, encode_entry, parse_header
 from contextdeque.stores.holders import holder_alive, host_id, pid_alive, proc_start
 from contextdeque.stores.policy import EvictionPolicy

@@ -9,16 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from contextdeque.core.errors import ArgumentTypeError, StoreCapacityError, StoreConfigError
-from contextdeque.stores.base import (
-    EntryStat,
-    Evicted,
-    Expect,
-    PutRequest,
-    PutResult,
-    StoreEntry,
-    Tier,
-    check_collision,
-)
+from contextdeque.stores.base import EntryStat, Evicted, Expect, PutRequest, PutResult, StoreEntry, Tier, check_collision
 from contextdeque.stores.policy import EvictionPolicy
 
 

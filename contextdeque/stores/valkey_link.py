@@ -98,11 +98,17 @@ def redact_url(url: str) -> str:
         return "<unparseable URL>"
 
 
-@dataclass
-class ValkeyStats:
-    """Counters of one `ValkeyTier` (since construction). Thread-safe increments via `bump`.
+VALKEY_COUNTS = (
+    "gets", "hits", "misses", "evicted", "corrupt", "rejected", "puts", "put_dedup",
+    "bytes_read", "bytes_written", "outages", "recoveries",
+)
 
-    Attributes:
+
+class ValkeyStats:
+    """Counters of one `ValkeyTier` (since construction), read as attributes (``stats.hits``).
+    Thread-safe increments via `bump`.
+
+    Counters (`VALKEY_COUNTS`):
         gets / hits / misses: reads, and how they ended (a rejected, evicted or corrupt entry
             counts as a miss too).
         evicted: reads that found a manifest whose parts the server had evicted or expired.
@@ -110,28 +116,24 @@ class ValkeyStats:
         rejected: reads (and peeks) of entries whose signature did not verify (``secret`` set).
         puts / put_dedup: entries written / puts that found the same content already there.
         bytes_read / bytes_written: entry bytes moved (framing included).
-        fallbacks: reason -> operations answered without the server (it was away).
         outages / recoveries: transitions to away and back.
+    ``fallbacks``: reason -> operations answered without the server (it was away).
     """
 
-    gets: int = 0
-    hits: int = 0
-    misses: int = 0
-    evicted: int = 0
-    corrupt: int = 0
-    rejected: int = 0
-    puts: int = 0
-    put_dedup: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    fallbacks: dict[str, int] = field(default_factory=dict)
-    outages: int = 0
-    recoveries: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(VALKEY_COUNTS, 0)
+        self.fallbacks: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> int:
+        counts = self.__dict__.get("_counts")
+        if counts is None or name not in counts:
+            raise AttributeError(name)
+        return counts[name]
 
     def bump(self, name: str, n: int = 1) -> None:
         with self._lock:
-            setattr(self, name, getattr(self, name) + n)
+            self._counts[name] += n
 
     def fallback(self, reason: str) -> None:
         with self._lock:
@@ -143,9 +145,10 @@ class ValkeyStats:
 
     def as_dict(self) -> dict[str, Any]:
         with self._lock:
-            d = {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}
-            d["fallbacks"] = dict(self.fallbacks)
-        return d
+            return {**self._counts, "fallbacks": dict(self.fallbacks)}
+
+    def __repr__(self) -> str:
+        return f"ValkeyStats({self.as_dict()})"
 
 
 class Away(Exception):
