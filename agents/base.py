@@ -28,7 +28,7 @@ from contextdeque.core.metrics import kl_divergence
 from contextdeque.traces import TraceBuilder, TraceHeader, content_hash, write_trace
 from contextdeque.window import ChunkRef, ContextWindow, Receipt
 
-from contextdeque.session.measure import common_prefix, reprefill_first_token, window_first_token, window_stream
+from .measure import common_prefix, reprefill_first_token, window_first_token, window_stream
 
 @dataclass
 class AgentConfig:

@@ -1,5 +1,6 @@
-"""The side-by-side measurements moved to :mod:`contextdeque.session.measure` (the layer the server
-and the agents share); their names stay importable here."""
+"""The side-by-side measurements every agent reports (the window against a full re-prefill, what a
+prefix cache would prefill): their home is :mod:`contextdeque.session.measure`, the layer the server
+and the agents share; the agents name them from here."""
 
 from contextdeque.session.measure import (
     FirstToken,
