@@ -175,16 +175,15 @@ class CapsuleTier(Tier):
     def is_pinned(self, key: str) -> bool:
         return self.inner.is_pinned(key)
 
-    def lease(self, keys: "list[str] | tuple[str, ...]") -> None:
+    # leases are the inner tier's (it renews them)
+    def _take_leases(self, keys: list[str]) -> None:
         self.inner.lease(keys)
 
-    def unlease(self, keys: "list[str] | tuple[str, ...]") -> None:
+    def _drop_leases(self, keys: list[str]) -> None:
         self.inner.unlease(keys)
 
-    def leased(self) -> set[str]:
-        return self.inner.leased()
-
     def close(self) -> None:
+        super().close()
         self.inner.close()
 
     def __repr__(self) -> str:
