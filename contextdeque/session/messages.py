@@ -12,13 +12,11 @@ from typing import Any, Mapping, Sequence
 from contextdeque.core.errors import MessageFormatError, MessageTypeError
 from contextdeque.model.images import load_image, pixel_digest
 
-
 ROLES = ("system", "developer", "user", "assistant", "tool")
 """Roles a message may have (``developer`` is read as ``system``, as OpenAI's API does)."""
 
-_IMAGE_MARK = "\x00cdq-image\x00"
-
-
+IMAGE_MARK = "\x00cdq-image\x00"
+"""What stands for an image in a message's text as the template sees it (never in user text)."""
 
 
 # ---------------------------------------------------------------------------- messages
@@ -108,13 +106,13 @@ def normalize_messages(messages: Any) -> list[ChatMessage]:
                     if src is None:
                         raise MessageFormatError(f"{pw} of type {kind!r} carries no image")
                     images.append(load_image(src, name=pw))
-                    texts.append(_IMAGE_MARK)
+                    texts.append(IMAGE_MARK)
                 else:
                     raise MessageFormatError(f"{pw}.type {kind!r} is not one of 'text', 'image_url', 'image'")
         else:
             raise MessageTypeError(f"{where}.content must be a string, a list of parts or None, got {type(content).__name__}")
         text = "".join(texts)
-        if _IMAGE_MARK in text and text.count(_IMAGE_MARK) != len(images):
+        if IMAGE_MARK in text and text.count(IMAGE_MARK) != len(images):
             raise MessageFormatError(f"{where}: its text contains contextdeque's reserved image marker")
         if tool_calls:
             try:

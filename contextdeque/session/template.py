@@ -11,9 +11,9 @@ from typing import Any, Hashable, Mapping, Sequence
 from contextdeque.core.errors import TemplateError
 from contextdeque.model.images import pixel_digest
 
-from .messages import _IMAGE_MARK, ChatMessage
+from .messages import IMAGE_MARK, ChatMessage
 
-
+# a system message no conversation holds: what the template renders around it is its header
 _PROBE = {"role": "system", "content": "\x00cdq-probe\x00"}
 
 
@@ -123,7 +123,7 @@ class ChatTemplate:
         gen = self.ids(with_gen[len(full) :])
         pieces = []
         for seg in segs:
-            parts = seg.split(_IMAGE_MARK)
+            parts = seg.split(IMAGE_MARK)
             run: list[tuple[int, ...] | int] = []
             for j, text in enumerate(parts):
                 if j:
@@ -184,7 +184,7 @@ class ChatTemplate:
                 else:
                     runs[-1].extend(pc)
         runs[-1].extend(gen)
-        whole = [list(self.ids(t)) for t in with_gen.split(_IMAGE_MARK)]
+        whole = [list(self.ids(t)) for t in with_gen.split(IMAGE_MARK)]
         if runs != whole:
             raise TemplateError(
                 "tokenizing message by message gives other tokens than tokenizing the whole rendered "
