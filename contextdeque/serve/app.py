@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -24,7 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..core.errors import AgentInputError, BudgetError, WindowError
+from ..core.errors import AgentInputError, BudgetError, MediaError, MessageFormatError, MessageTypeError, WindowError
+from .compat import refusal, unserved_endpoint
 from .engine import Engine, GenerationRequest, GenerationResult, QueueFull
 from .metrics import CONTENT_TYPE
 
@@ -46,6 +48,21 @@ class APIError(Exception):
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+_WHERE = re.compile(r"^(messages\[\d+\](?:\.[A-Za-z_]+(?:\[\d+\])?)*)")
+
+
+def input_error(e: AgentInputError | WindowError) -> APIError:
+    """The 400 of a request whose messages the window refused: an OpenAI ``code`` by kind
+    (``invalid_type``, ``invalid_value``, ``invalid_image``, ``invalid_request``) and the
+    message's place (``messages[1].role``) as ``param`` where the error names one."""
+    if isinstance(e, BudgetError):
+        return APIError(400, str(e), code="context_length_exceeded", param="messages")
+    code = ("invalid_type" if isinstance(e, MessageTypeError) else "invalid_value" if isinstance(e, MessageFormatError)
+            else "invalid_image" if isinstance(e, MediaError) else "invalid_request")
+    m = _WHERE.match(str(e))
+    return APIError(400, str(e), code=code, param=m.group(1) if m else "messages")
 
 
 class ChatMessage(BaseModel):
@@ -133,7 +150,10 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(status_code=exc.status_code, content=error_body(str(exc.detail), "invalid_request_error", code))
+        message = str(exc.detail)
+        if exc.status_code in (404, 405):  # say what is served instead of a bare "Not Found"
+            message = unserved_endpoint(request.method, request.url.path)
+        return JSONResponse(status_code=exc.status_code, content=error_body(message, "invalid_request_error", code))
 
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception) -> JSONResponse:
@@ -169,33 +189,45 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
         if body.model != engine.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist; this server serves '{engine.model_name}'",
                            code="model_not_found", param="model")
+        refused = refusal(body.model_dump(exclude_unset=True), model_name=engine.model_name,
+                          tools_supported=engine.tools_supported)
+        if refused is not None:
+            raise APIError(400, refused.message, code=refused.code, param=refused.param)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         wanted = body.max_completion_tokens or body.max_tokens or engine.max_tokens
+        if wanted > engine.max_tokens:  # never a silent clamp
+            param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+            raise APIError(400, f"{param} is {wanted}, over this server's limit of {engine.max_tokens} new tokens "
+                                f"per request (contextdeque serve --max-tokens)", code="invalid_value", param=param)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4:
             raise APIError(400, "at most 4 stop sequences", param="stop")
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Any] = asyncio.Queue()
+        session_chosen: asyncio.Future[str] = loop.create_future()
+
+        def chose(sid: str) -> None:
+            loop.call_soon_threadsafe(lambda: session_chosen.done() or session_chosen.set_result(sid))
+
         req = GenerationRequest(
-            messages=messages, max_new_tokens=min(wanted, engine.max_tokens), session_id=request.headers.get(SESSION_HEADER),
+            messages=messages, max_new_tokens=wanted, session_id=request.headers.get(SESSION_HEADER),
             temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=stop,
             on_text=(lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d)) if body.stream else None,
+            on_session=chose if body.stream else None,
         )
         try:
             fut = engine.submit(req)
         except QueueFull as e:
             raise APIError(429, f"{e}; retry shortly", "rate_limit_error", "rate_limit_exceeded") from None
-        except BudgetError as e:
-            raise APIError(400, str(e), code="context_length_exceeded", param="messages") from None
         except (AgentInputError, WindowError) as e:
-            raise APIError(400, str(e), param="messages") from None
+            raise input_error(e) from None
         cid = "chatcmpl-" + uuid.uuid4().hex
         now = int(time.time())
         if not body.stream:
             try:
                 res: GenerationResult = await asyncio.wrap_future(fut)
-            except BudgetError as e:
-                raise APIError(400, str(e), code="context_length_exceeded", param="messages") from None
+            except (AgentInputError, WindowError) as e:
+                raise input_error(e) from None
             payload = {
                 "id": cid, "object": "chat.completion", "created": now, "model": engine.model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text},
@@ -204,6 +236,18 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
             }
             return JSONResponse(payload, headers={SESSION_HEADER: res.session_id})
 
+        # the response's X-Session-Id names the session, so the headers wait until the worker has
+        # chosen it (the request waits for the worker anyway); a request that fails before that
+        # is answered with its error status, not a stream
+        outcome = asyncio.wrap_future(fut)
+        outcome.add_done_callback(lambda f: f.cancelled() or f.exception())  # read in events(): never "unretrieved"
+        await asyncio.wait([session_chosen, outcome], return_when=asyncio.FIRST_COMPLETED)
+        if not session_chosen.done():
+            try:
+                outcome.result()
+            except (AgentInputError, WindowError) as e:
+                raise input_error(e) from None
+        session_id = session_chosen.result() if session_chosen.done() else req.session_id
         done = object()
         fut.add_done_callback(lambda _f: loop.call_soon_threadsafe(deltas.put_nowait, done))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -222,8 +266,9 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
                 yield chunk({"content": item})
             try:
                 res = fut.result()
-            except BudgetError as e:
-                yield f"data: {json.dumps(error_body(str(e), 'invalid_request_error', 'context_length_exceeded', 'messages'))}\n\n"
+            except (AgentInputError, WindowError) as e:
+                err = input_error(e)
+                yield f"data: {json.dumps(error_body(err.message, err.type, err.code, err.param))}\n\n"
                 yield "data: [DONE]\n\n"
                 return
             except Exception as e:  # noqa: BLE001 - reported in the stream; headers are already sent
@@ -238,9 +283,7 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
                 yield f"data: {json.dumps(u)}\n\n"
             yield "data: [DONE]\n\n"
 
-        # the session id is known only when the worker picks the request up: name it up front
-        # when the client chose it; otherwise it arrives in the usage chunk
-        headers = {SESSION_HEADER: req.session_id} if req.session_id else {}
+        headers = {SESSION_HEADER: session_id} if session_id else {}
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     return app

@@ -36,6 +36,7 @@ from ..core.cooperative import Interrupted, background, install_layer_checkpoint
 from ..window import decode
 from ..window.policy import make_policy
 from ..session import MessageWindow, normalize_messages
+from .compat import template_supports_tools
 from .conversation import Prompt, check_budget, parse_prompt, prefix_digests, turns_digest
 from .metrics import ServeMetrics
 
@@ -74,6 +75,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     on_text: Callable[[str], None] | None = None  # streaming: called with each text delta
+    on_session: Callable[[str], None] | None = None  # called with the session id once the worker chose it
     enqueued: float = field(default_factory=time.perf_counter)
     prompt: Prompt | None = None  # set by Engine.submit
 
@@ -215,6 +217,7 @@ class Engine:
         self.processor = processor
         # the template MessageWindow cuts with (image parts wrapped in the model's vision tokens)
         self.template = MessageWindow(backend, processor=processor).template
+        self.tools_supported = template_supports_tools(backend.tokenizer)
         self.rank = rank
         make_policy(patch_policy)  # an unknown name is refused now (WindowError), not on the first request
         self.patch_policy = patch_policy
@@ -427,10 +430,14 @@ class Engine:
     def _generate(self, req: GenerationRequest) -> GenerationResult:
         t0 = time.perf_counter()
         if self.plain:
+            if req.on_session is not None:
+                req.on_session("plain")
             return self._generate_plain(req, t0)
         session, new = self._session_for(req)
         session.busy = True
         try:
+            if req.on_session is not None:
+                req.on_session(session.id)
             mw = session.conversation
             prompt = req.prompt or parse_prompt(self.template, req.messages, self.processor)
             rec = mw.sync(list(prompt.raw))  # a transaction: a failure leaves the window as it was

