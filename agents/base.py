@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterator, Sequence
 
+from contextdeque.scheduler import SchedulerPlacement  # noqa: F401  (registers AgentConfig's placement="scheduler")
 from contextdeque.core.errors import WindowError
 from contextdeque.core.metrics import kl_divergence
 from contextdeque.traces import TraceBuilder, TraceHeader, content_hash, write_trace

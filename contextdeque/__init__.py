@@ -6,20 +6,58 @@ Public API (stable names)::
     backend = cd.load_model()                  # embedded default model, a path, or a PreTrainedModel
     chunk = backend.encode("some text")        # canonical KV(B|root) in the content frame -> cd.Chunk
     kv = cd.relocate(chunk, start)             # exact placement at any position, zero forwards
+
+The public names are imported when first used (``__getattr__`` below), so ``import contextdeque``
+costs no more than the standard library and transformers is loaded only with a model. The typed
+errors are plain Python and imported at once.
 """
 
 from __future__ import annotations
 
-from .core.chunk import Chunk
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .core.errors import *  # noqa: F401,F403  (typed errors are public)
-from .core.layout import KVLayout
-from .core.operator import apply, relocate
-from .model import HFBackend, load_model
-from .model.detect import detect_layout
-from .patch import Patch, SharedBasis, form_patch
-from .window import ChunkRef, ContextWindow, Receipt
-from . import scheduler as _scheduler  # noqa: F401,E402  (registers placement="scheduler" for ContextWindow)
 
 __version__ = "0.1.0"
 
-__all__ = ["load_model", "HFBackend", "Chunk", "KVLayout", "detect_layout", "relocate", "apply", "form_patch", "Patch", "SharedBasis", "ContextWindow", "ChunkRef", "Receipt"]
+# public name -> the module that defines it
+_PUBLIC: dict[str, str] = {
+    "load_model": ".model", "HFBackend": ".model", "Chunk": ".core.chunk", "KVLayout": ".core.layout",
+    "detect_layout": ".model.detect", "relocate": ".core.operator", "apply": ".core.operator",
+    "form_patch": ".patch", "Patch": ".patch", "SharedBasis": ".patch", "ContextWindow": ".window",
+    "ChunkRef": ".window", "Receipt": ".window", "RelocatedKV": ".core.kv", "choose_threads": ".model.threads",
+    "ThreadChoice": ".model.threads",
+}
+# names whose module needs more registered first: the window's placement="scheduler" lives in
+# a higher layer (the scheduler), which registers itself when imported
+_ALSO_IMPORT: dict[str, tuple[str, ...]] = {".window": (".scheduler",)}
+
+__all__ = list(_PUBLIC)
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on first use
+    from .core.chunk import Chunk
+    from .core.kv import RelocatedKV
+    from .core.layout import KVLayout
+    from .core.operator import apply, relocate
+    from .model import HFBackend, load_model
+    from .model.detect import detect_layout
+    from .model.threads import ThreadChoice, choose_threads
+    from .patch import Patch, SharedBasis, form_patch
+    from .window import ChunkRef, ContextWindow, Receipt
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _PUBLIC.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'contextdeque' has no attribute {name!r}")
+    module = importlib.import_module(module_name, __name__)
+    for also in _ALSO_IMPORT.get(module_name, ()):
+        importlib.import_module(also, __name__)
+    value = getattr(module, name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -8,7 +8,17 @@ For a model shape (layers, KV heads, head dim, rank) and a chunk of T tokens:
   apply carries too;
 - **GEMM floor**: per layer and tensor, ``torch.addmm(content, u, w, out=dest)`` over the same
   buffers -- the rank-m factor products alone, with the add folded in (rank 0: not defined);
-- **floor** = max(memcpy, GEMM); the target is apply <= 1.5x floor (rank 0: <= 1.5x memcpy).
+- **floor** = max(memcpy, GEMM); the target is apply <= 1.5x floor (rank 0: <= 1.5x memcpy);
+- **true floor** (with ``ceilings``, see :func:`measure_ceilings`): the bytes the apply must move
+  (contents and factors read, destinations written, the tables once) over the device's measured
+  copy bandwidth, or its FLOPs over a large GEMM's measured rate, whichever is larger. On a GPU
+  the per-shape floors above carry launch costs of their own (60 ``addmm`` calls), so this is
+  the floor the GPU target is held to.
+
+On CUDA every call is timed with CUDA events (from the call's start to the end of the work it
+enqueued: host checks and launches included, warm-up first, so compilation stays out) and the
+cache flush rewrites a buffer twice the L2; the apply is also timed as a CUDA-graph replay
+(:func:`device_time`: the kernels alone, without the host's share).
 
 Every timed call starts from a cold cache (a buffer twice the last-level cache is rewritten
 before it, untimed), as a chunk fetched from a store would. Timing on shared machines is noisy,
@@ -40,7 +50,7 @@ class ApplyCase:
 
     Contents and factors are stacked over layers (``k [L, H, T, d]``, ``k_factors = (u [L, T, m],
     w [L, m, H*d])``), the layout :func:`fused_apply_layers` handles fastest; ``dests`` holds one
-    contiguous ``[1, H, T, d]`` destination per layer, like a per-layer HF cache.
+    contiguous ``[1, H, T, d]`` destination per layer (views of one stacked buffer per tensor).
     """
 
     tokens: int
@@ -58,6 +68,21 @@ class ApplyCase:
     @property
     def layers(self) -> int:
         return self.k.shape[0]
+
+    @property
+    def bytes_moved(self) -> int:
+        """The fewest bytes the apply must move: contents and factors read, destinations written,
+        the cos/sin tables read once."""
+        factors = sum(
+            t.numel() * t.element_size() for f in (self.k_factors, self.v_factors) if f is not None for t in f
+        )
+        tables = sum(t.numel() * t.element_size() for t in (self.cos, self.sin))
+        return self.bytes_read + self.bytes_written + factors + tables
+
+    @property
+    def flops(self) -> int:
+        """Multiply-add FLOPs of the rank-m products: ``2 T m H d`` per layer and tensor."""
+        return sum(2 * self.rank * t.numel() for t in (self.k, self.v))  # t: [L, H, T, d]
 
     def layer_factors(self, i: int) -> tuple:
         """``(k_factors, v_factors)`` of layer ``i`` (pairs of views, or ``None``)."""
@@ -82,9 +107,14 @@ def make_case(
     rank: int = 32,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    device: "torch.device | str" = "cpu",
 ) -> ApplyCase:
     """Random content, rank-``rank`` factors on K and V, fp32 tables and a contiguous destination
-    ``[1, heads, tokens, head_dim]`` per layer (full half-split rotation of K)."""
+    ``[1, heads, tokens, head_dim]`` per layer (full half-split rotation of K), on ``device``.
+
+    The destinations are per-layer views of one ``[L, 1, heads, tokens, head_dim]`` buffer per
+    tensor, the layout the operator's own outputs have (one kernel call for all layers on CPU,
+    two launches on CUDA)."""
     g = torch.Generator().manual_seed(seed)
     rope = RopeSpec("k", 0, head_dim)
     pos = torch.arange(tokens, dtype=torch.float32) + 1000.0
@@ -92,7 +122,7 @@ def make_case(
     ang = pos[:, None] * inv_freq[None, :]
 
     def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (scale * torch.randn(*shape, generator=g)).to(dtype)
+        return (scale * torch.randn(*shape, generator=g)).to(device=device, dtype=dtype)
 
     def factors() -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         if not rank:
@@ -100,24 +130,21 @@ def make_case(
         return rnd(layers, tokens, rank), rnd(layers, rank, heads * head_dim, scale=0.1)
 
     case = ApplyCase(
-        tokens, rank, dtype, rope, torch.cos(ang), torch.sin(ang),
+        tokens, rank, dtype, rope, torch.cos(ang).to(device), torch.sin(ang).to(device),
         k=rnd(layers, heads, tokens, head_dim), v=rnd(layers, heads, tokens, head_dim),
         k_factors=factors(), v_factors=factors(),
     )
-    for _ in range(layers):
-        case.dests.append(
-            ContiguousDest(
-                torch.empty(1, heads, tokens, head_dim, dtype=dtype), torch.empty(1, heads, tokens, head_dim, dtype=dtype)
-            )
-        )
+    out_k = torch.empty(layers, 1, heads, tokens, head_dim, dtype=dtype, device=device)
+    out_v = torch.empty(layers, 1, heads, tokens, head_dim, dtype=dtype, device=device)
+    case.dests.extend(ContiguousDest(out_k[i], out_v[i]) for i in range(layers))
     return case
 
 
 def memcpy_fn(case: ApplyCase) -> Callable[[], None]:
     """One flat copy of ``bytes_read`` bytes onto a buffer of the same size (the memory floor)."""
     n = case.bytes_read // 2  # int16 elements: a dtype-agnostic byte copy
-    src = torch.ones(n, dtype=torch.int16)
-    dst = torch.empty(n, dtype=torch.int16)
+    src = torch.ones(n, dtype=torch.int16, device=case.k.device)
+    dst = torch.empty(n, dtype=torch.int16, device=case.k.device)
     return lambda: dst.copy_(src)
 
 
@@ -178,28 +205,123 @@ class Timing:
     median_s: float
 
 
+def _flush_buffer(device: torch.device) -> torch.Tensor:
+    """A buffer twice the last-level cache of ``device`` (the L2 on CUDA)."""
+    if device.type == "cuda":
+        llc = torch.cuda.get_device_properties(device).L2_cache_size
+    else:
+        llc = _last_level_cache_bytes()
+    return torch.empty(2 * llc // 4, dtype=torch.float32, device=device)
+
+
 def time_interleaved(
-    fns: dict[str, Callable[[], None]], rounds: int = 30, warmup: int = 2, flush: bool = True
+    fns: dict[str, Callable[[], None]],
+    rounds: int = 30,
+    warmup: int = 2,
+    flush: bool = True,
+    device: "torch.device | str" = "cpu",
 ) -> dict[str, Timing]:
     """Time each function once per round, rounds interleaved; min and median seconds per function.
 
     With ``flush`` every timed call starts from a cold cache (a buffer twice the last-level cache
     is rewritten first, untimed): otherwise a function would profit from data the previous one
-    left in cache, and the order of the functions would bias the comparison.
+    left in cache, and the order of the functions would bias the comparison. On CUDA each call
+    is bracketed by CUDA events (the device time of what it enqueued, the launch gaps included).
     """
-    scratch = torch.empty(2 * _last_level_cache_bytes() // 4, dtype=torch.float32) if flush else None
+    dev = torch.device(device)
+    scratch = _flush_buffer(dev) if flush else None
     for _ in range(warmup):
         for f in fns.values():
             f()
     samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, f in fns.items():
-            if scratch is not None:
-                scratch.fill_(1.0)
-            t0 = time.perf_counter()
-            f()
-            samples[name].append(time.perf_counter() - t0)
+    if dev.type == "cuda":
+        events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {k: [] for k in fns}
+        for _ in range(rounds):
+            for name, f in fns.items():
+                if scratch is not None:
+                    scratch.fill_(1.0)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                f()
+                end.record()
+                events[name].append((start, end))
+        torch.cuda.synchronize(dev)
+        samples = {k: [a.elapsed_time(b) / 1e3 for a, b in v] for k, v in events.items()}
+    else:
+        for _ in range(rounds):
+            for name, f in fns.items():
+                if scratch is not None:
+                    scratch.fill_(1.0)
+                t0 = time.perf_counter()
+                f()
+                samples[name].append(time.perf_counter() - t0)
     return {k: Timing(min(v), statistics.median(v)) for k, v in samples.items()}
+
+
+def device_time(fn: Callable[[], None], device: "torch.device | str", rounds: int = 20) -> Optional[Timing]:
+    """The device time of the work ``fn`` enqueues, without its host costs (argument checks,
+    launches): ``fn`` captured once into a CUDA graph whose replays are timed with events, each
+    from a cold L2. ``None`` off CUDA. ``fn`` must only launch work (no allocation, no sync)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        fn()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_interleaved({"graph": graph.replay}, rounds=rounds, device=dev)["graph"]
+
+
+@dataclass
+class Ceilings:
+    """A device's measured ceilings: copy bandwidth (bytes read + written per second) and the
+    rate of a large GEMM per storage dtype (FLOP/s)."""
+
+    device: str
+    copy_bytes_per_s: float
+    gemm_flops_per_s: dict[str, float]
+
+    def floor_s(self, case: "ApplyCase") -> float:
+        """The true floor of ``case``'s apply: max(bytes moved / bandwidth, FLOPs / GEMM rate)."""
+        rate = self.gemm_flops_per_s.get(str(case.dtype).replace("torch.", ""))
+        compute = case.flops / rate if rate and case.flops else 0.0
+        return max(case.bytes_moved / self.copy_bytes_per_s, compute)
+
+
+def copy_bandwidth(nbytes: int, device: "torch.device | str" = "cpu", repeats: int = 5) -> float:
+    """Measured bytes/s (read + written) of one ``copy_`` of ``nbytes`` on ``device`` (best of ``repeats``)."""
+    dev = torch.device(device)
+    n = max(1, nbytes // 4)
+    src, dst = torch.randn(n, device=dev), torch.empty(n, device=dev)
+    t = time_interleaved({"copy": lambda: dst.copy_(src)}, rounds=repeats, warmup=1, flush=False, device=dev)
+    return 2 * n * 4 / t["copy"].min_s
+
+
+def gemm_rate(dtype: torch.dtype, device: "torch.device | str" = "cpu", size: int = 8192, repeats: int = 5) -> float:
+    """Measured FLOP/s of a ``size``-cubed ``dtype`` matrix product on random data (best of ``repeats``)."""
+    dev = torch.device(device)
+    a, b = torch.randn(size, size, device=dev).to(dtype), torch.randn(size, size, device=dev).to(dtype)
+    out = torch.empty(size, size, device=dev, dtype=dtype)
+    t = time_interleaved({"gemm": lambda: torch.mm(a, b, out=out)}, rounds=repeats, warmup=1, flush=False, device=dev)
+    return 2 * size**3 / t["gemm"].min_s
+
+
+def measure_ceilings(
+    device: "torch.device | str", dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16), copy_bytes: int = 4 << 30,
+    gemm_size: int = 8192,
+) -> Ceilings:
+    """Measure the copy bandwidth (``copy_bytes`` copied) and each dtype's GEMM rate on ``device``
+    (GPU sizes by default: several times the L2; pass smaller ones on CPUs)."""
+    dev = torch.device(device)
+    return Ceilings(
+        device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        copy_bytes_per_s=copy_bandwidth(copy_bytes, dev),
+        gemm_flops_per_s={str(dt).replace("torch.", ""): gemm_rate(dt, dev, gemm_size) for dt in dtypes},
+    )
 
 
 @dataclass
@@ -221,6 +343,12 @@ class BenchResult:
     gemm_median_s: Optional[float]
     bytes_read: int
     backend: str
+    bytes_moved: int = 0
+    flops: int = 0
+    true_floor_s: Optional[float] = None
+    true_ratio: Optional[float] = None
+    apply_device_s: Optional[float] = None
+    device_ratio: Optional[float] = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -237,11 +365,14 @@ def bench_apply(
     backend: Backend = "auto",
     per_layer: bool = False,
     rounds: int = 30,
+    device: "torch.device | str" = "cpu",
+    ceilings: Optional[Ceilings] = None,
 ) -> BenchResult:
-    """Time apply vs its floors for one shape (defaults: SmolLM2-135M, rank 32); see the module doc."""
+    """Time apply vs its floors for one shape (defaults: SmolLM2-135M, rank 32) on ``device``;
+    with ``ceilings`` also vs the true floor; see the module doc."""
     from .dispatch import select_backend
 
-    case = make_case(tokens, layers=layers, heads=heads, head_dim=head_dim, rank=rank, dtype=dtype)
+    case = make_case(tokens, layers=layers, heads=heads, head_dim=head_dim, rank=rank, dtype=dtype, device=device)
     fns: dict[str, Callable[[], None]] = {
         "memcpy": memcpy_fn(case),
         "memcpy_per_tensor": memcpy_per_tensor_fn(case),
@@ -250,8 +381,10 @@ def bench_apply(
     g = gemm_fn(case)
     if g is not None:
         fns["gemm"] = g
-    t = time_interleaved(fns, rounds=rounds)
+    t = time_interleaved(fns, rounds=rounds, device=device)
     gemm = t["gemm"].min_s if "gemm" in t else None
+    true_floor = ceilings.floor_s(case) if ceilings is not None else None
+    on_device = device_time(fns["apply"], device, rounds)
     floor = max(t["memcpy"].min_s, gemm or 0.0)
     return BenchResult(
         tokens=tokens,
@@ -268,5 +401,11 @@ def bench_apply(
         memcpy_median_s=t["memcpy"].median_s,
         gemm_median_s=t["gemm"].median_s if "gemm" in t else None,
         bytes_read=case.bytes_read,
-        backend=select_backend("cpu") if backend == "auto" else backend,
+        backend=select_backend(device) if backend == "auto" else backend,
+        bytes_moved=case.bytes_moved,
+        flops=case.flops,
+        true_floor_s=true_floor,
+        true_ratio=t["apply"].min_s / true_floor if true_floor else None,
+        apply_device_s=on_device.min_s if on_device else None,
+        device_ratio=on_device.min_s / true_floor if on_device and true_floor else None,
     )

@@ -6,7 +6,8 @@ Backends (``backend=``):
   on CPU when the C kernel is built (see :mod:`.native`), else ``"torch"``. "auto" never picks
   the Triton interpreter, whatever ``TRITON_INTERPRET`` says: that is a test tool, ask for it
   with ``backend="triton"``.
-- ``"triton"``: :mod:`.triton_fused` (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+- ``"triton"``: :mod:`.triton_fused` (CUDA, or CPU under ``TRITON_INTERPRET=1``); a whole chunk
+  whose layers are laid out alike is two launches (K, V), not two per layer.
 - ``"native"``: the compiled CPU kernel; a job whose strides it does not take runs on ``"torch"``.
 - ``"torch"``: :mod:`.torch_path`, any device.
 - ``"reference"``: :mod:`.reference`, the slow fp32 oracle.
@@ -73,6 +74,16 @@ def _run(jobs: list[TensorJob], backend: str) -> None:
     else:
         for job in jobs:
             torch_path.run_job(job)
+
+
+def _triton_all_layers(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v, L: int) -> bool:
+    """All layers in two Triton launches where the layers are laid out alike (see
+    :func:`.triton_fused.run_all_layers`); ``False`` when that path does not apply."""
+    from . import triton_fused
+
+    if not triton_fused.available_for(layer_arg(k, 0, 3).device):
+        return False  # the per-layer path raises the clear error
+    return triton_fused.run_all_layers(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v, L)
 
 
 def _new_dest(k_content: torch.Tensor, v_content: torch.Tensor, out_dtype: Optional[torch.dtype]) -> ContiguousDest:
@@ -182,7 +193,9 @@ def fused_apply_layers(
     When every layer is laid out alike (same shapes, strides and dtypes; destinations of one
     layout, e.g. a per-layer HF cache, or a paged cache's layers sharing one slot mapping), the
     native backend checks layer 0 in full and the others only for that likeness, and runs all
-    layers in one call. Stacked tensors make that check cheapest.
+    layers in one call; the Triton backend likewise, in two launches, when each layer's tensors
+    also lie a constant distance apart (stacked tensors or views of them). Stacked tensors make
+    that check cheapest.
     """
     L = k_contents.shape[0] if isinstance(k_contents, torch.Tensor) else len(k_contents)
     if L == 0:
@@ -206,6 +219,10 @@ def fused_apply_layers(
         out_v = torch.empty((L, 1, *v0.shape), dtype=out_dtype or v0.dtype, device=v0.device)
     chosen = select_backend(layer_arg(k_contents, 0, 3).device) if backend == "auto" else backend
     if chosen == "native" and native.available() and native.run_all_layers(
+        k_contents, v_contents, rope, cos, sin, k_factors, v_factors, dests, out_k, out_v, L
+    ):
+        pass
+    elif chosen == "triton" and _triton_all_layers(
         k_contents, v_contents, rope, cos, sin, k_factors, v_factors, dests, out_k, out_v, L
     ):
         pass

@@ -51,12 +51,12 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
 
-from .spec import ContiguousDest, Dest, PagedDest, TensorJob, build_jobs, layer_arg, stacked_factors
+from .spec import LayerMismatch, TensorJob, dest_addresses, factor_addresses, layer0_jobs, layer_addresses
 
 #: The kernel's C source, shipped as package data beside this module.
 SOURCE_PATH = Path(__file__).resolve().parent / "csrc" / "cd_fused.c"
@@ -174,16 +174,7 @@ _DT_SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 def supports(job: TensorJob) -> bool:
     """Whether the native kernel can run this job as laid out (CPU, unit channel strides)."""
-    c = job.content
-    if c.device.type != "cpu" or c.stride(2) != 1:
-        return False
-    if job.u is not None and (job.u.stride(1) != 1 or job.w.stride(1) != 1):  # type: ignore[union-attr]
-        return False
-    if job.cos is not None and not (job.cos.is_contiguous() and job.sin.is_contiguous()):  # type: ignore[union-attr]
-        return False
-    if job.slots is not None and job.slots.stride(0) != 1:
-        return False
-    return True
+    return job.content.device.type == "cpu" and job.unit_channel_strides()
 
 
 def _params(job: TensorJob) -> list[int]:
@@ -276,104 +267,33 @@ def run_layers(jobs0: tuple[TensorJob, TensorJob], *, k: tuple[list[int], ...], 
     _call(np.ascontiguousarray(np.concatenate(blocks)), 2 * len(k[0]), footprint)
 
 
-def _sig(t: torch.Tensor) -> tuple:
-    return (t.shape, t.stride(), t.dtype, t.device)
-
-
-def _dest_tensors(d) -> tuple[torch.Tensor, torch.Tensor]:
-    return (d.k, d.v) if isinstance(d, ContiguousDest) else (d.k_cache, d.v_cache)
-
-
-def _same_dests(dests: Sequence[Dest]) -> bool:
-    """Whether every destination is laid out like ``dests[0]`` (checked per layer, so kept lean)."""
-    d0 = dests[0]
-    t0k, t0v = _dest_tensors(d0)
-    if isinstance(d0, ContiguousDest):
-        key = (d0.batch, d0.start)
-        same_key = lambda d: isinstance(d, ContiguousDest) and (d.batch, d.start) == key  # noqa: E731
-    else:
-        same_key = lambda d: isinstance(d, PagedDest) and d.slot_mapping is d0.slot_mapping  # noqa: E731
-    checks = []
-    for t0 in (t0k, t0v):
-        if not t0.is_cpu:
-            return False
-        # contiguous tensors of equal shape have equal strides: skip the (slower) stride tuple
-        checks.append((t0.shape, t0.dtype, t0.is_contiguous(), t0.stride()))
-    for d in dests[1:]:
-        if not same_key(d):
-            return False
-        for t, (shape, dtype, contig, stride) in zip(_dest_tensors(d), checks):
-            if t.shape != shape or t.dtype is not dtype or not t.is_cpu:
-                return False
-            if not (contig and t.is_contiguous()) and t.stride() != stride:
-                return False
-    return True
-
-
-class _Mismatch(Exception):
-    """A layer is laid out differently from layer 0: use the per-layer path."""
-
-
-def _addresses(arg, L: int, stacked_dim: int, ref: torch.Tensor) -> list[int]:
-    """Data address of each layer's tensor of a per-layer argument laid out like ``ref`` (layer 0's)."""
-    if isinstance(arg, torch.Tensor):
-        if arg.dim() == stacked_dim + 1:  # stacked
-            base, step = arg.data_ptr(), arg.stride(0) * arg.element_size()
-            return [base + i * step for i in range(L)]
-        return [arg.data_ptr()] * L  # shared by every layer
-    sig = _sig(ref)
-    out = []
-    for t in arg:
-        if not isinstance(t, torch.Tensor) or _sig(t) != sig:
-            raise _Mismatch
-        out.append(t.data_ptr())
-    return out
-
-
-def _factor_addresses(f, L: int, job: TensorJob) -> tuple[list[int], list[int]]:
-    if job.u is None or job.w is None:  # layer 0 unpatched: so must every layer be
-        if f is not None and not stacked_factors(f) and any(x is not None for x in f):
-            raise _Mismatch
-        return [0] * L, [0] * L
-    if stacked_factors(f):
-        return _addresses(f[0], L, 2, job.u), _addresses(f[1], L, 2, job.w)
-    pairs = list(f)
-    if any(x is None for x in pairs):
-        raise _Mismatch
-    return _addresses([x[0] for x in pairs], L, 2, job.u), _addresses([x[1] for x in pairs], L, 2, job.w)
-
-
 def run_all_layers(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v, L: int) -> bool:
     """Native path for many layers laid out alike: layer 0 is checked in full, the other layers
     only for having the same shapes, strides, dtypes and devices; then one kernel call.
 
     Returns ``False`` (nothing written) when the layers differ, to use the per-layer path."""
     own = dests is None
-    dest0 = ContiguousDest(out_k[0], out_v[0]) if own else dests[0]
-    jobs0 = build_jobs(
-        layer_arg(k, 0, 3), layer_arg(v, 0, 3), rope, layer_arg(cos, 0, 2), layer_arg(sin, 0, 2),
-        layer_arg(kf, 0, 2), layer_arg(vf, 0, 2), dest0,
-    )
+    jobs0 = layer0_jobs(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v)
     if not all(supports(j) for j in jobs0):
         return False
     try:
         if own:
-            d_k, d_v = _addresses(out_k, L, 4, out_k[0]), _addresses(out_v, L, 4, out_v[0])
+            d_k, d_v = layer_addresses(out_k, L, 4, out_k[0]), layer_addresses(out_v, L, 4, out_v[0])
         else:
-            if not _same_dests(dests):
-                raise _Mismatch
-            d_k = [_dest_tensors(d)[0].data_ptr() for d in dests]
-            d_v = [_dest_tensors(d)[1].data_ptr() for d in dests]
+            addresses = dest_addresses(dests)
+            if addresses is None:
+                raise LayerMismatch
+            d_k, d_v = addresses
         jk, jv = jobs0
         per_tensor = []
         for job, content, f, dest in ((jk, k, kf, d_k), (jv, v, vf, d_v)):
-            u, w = _factor_addresses(f, L, job)
+            u, w = factor_addresses(f, L, job)
             if job.half:
-                c, s_ = _addresses(cos, L, 2, job.cos), _addresses(sin, L, 2, job.sin)  # type: ignore[arg-type]
+                c, s_ = layer_addresses(cos, L, 2, job.cos), layer_addresses(sin, L, 2, job.sin)  # type: ignore[arg-type]
             else:
                 c = s_ = [0] * L
-            per_tensor.append((_addresses(content, L, 3, job.content), u, w, c, s_, dest))
+            per_tensor.append((layer_addresses(content, L, 3, job.content), u, w, c, s_, dest))
         run_layers(jobs0, k=per_tensor[0], v=per_tensor[1])
-    except _Mismatch:
+    except LayerMismatch:
         return False
     return True

@@ -141,6 +141,17 @@ class TensorJob:
     def rank(self) -> int:
         return 0 if self.u is None else int(self.u.shape[1])
 
+    def unit_channel_strides(self) -> bool:
+        """Whether every tensor is read in place by a kernel that takes unit channel strides
+        (content and factors along channels, contiguous tables, contiguous slots)."""
+        if self.content.stride(2) != 1:
+            return False
+        if self.u is not None and (self.u.stride(1) != 1 or self.w.stride(1) != 1):  # type: ignore[union-attr]
+            return False
+        if self.cos is not None and not (self.cos.is_contiguous() and self.sin.is_contiguous()):  # type: ignore[union-attr]
+            return False
+        return self.slots is None or self.slots.stride(0) == 1
+
     def out_view(self) -> torch.Tensor:
         """The ``[H, T, d]`` destination view (contiguous destinations only)."""
         assert self.slots is None
@@ -299,3 +310,95 @@ def layer_arg(arg, i: int, stacked_dim: int):
     if stacked_factors(arg):
         return (arg[0][i], arg[1][i])
     return arg[i]
+
+
+# ----------------------------------------------------------------------------- layers laid out alike
+# A whole chunk goes to a backend in one call when every layer is laid out like layer 0: layer 0
+# is checked in full (build_jobs), the others only for that likeness, and each per-layer argument
+# is reduced to its layers' data addresses.
+
+
+class LayerMismatch(Exception):
+    """A layer is laid out differently from layer 0: the caller uses the per-layer path."""
+
+
+def tensor_signature(t: torch.Tensor) -> tuple:
+    """What two layers' tensors must share to run with layer 0's parameters."""
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def dest_tensors(d: Dest) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (K, V) cache tensors of a destination."""
+    return (d.k, d.v) if isinstance(d, ContiguousDest) else (d.k_cache, d.v_cache)
+
+
+def dest_addresses(dests: "list[Dest] | tuple[Dest, ...]") -> "tuple[list[int], list[int]] | None":
+    """Data addresses of each layer's (K, V) destination tensors when every destination is laid
+    out like ``dests[0]`` on its device; ``None`` when one is not.
+
+    Runs per call for every layer, so the per-layer work is list comprehensions compared in one
+    go (shape, dtype and device index; strides only where a tensor is not contiguous, since
+    contiguous tensors of equal shape have equal strides)."""
+    d0 = dests[0]
+    if isinstance(d0, ContiguousDest):
+        key = (ContiguousDest, d0.batch, d0.start)
+        if [(type(d), d.batch, d.start) for d in dests] != [key] * len(dests):  # type: ignore[union-attr]
+            return None
+        pairs = [(d.k, d.v) for d in dests]  # type: ignore[union-attr]
+    else:
+        if any(type(d) is not PagedDest or d.slot_mapping is not d0.slot_mapping for d in dests):  # type: ignore[union-attr]
+            return None
+        pairs = [(d.k_cache, d.v_cache) for d in dests]  # type: ignore[union-attr]
+    addresses = []
+    for i in (0, 1):
+        ts = [p[i] for p in pairs]
+        t0 = ts[0]
+        sig0 = (t0.shape, t0.dtype, t0.get_device())
+        if [(t.shape, t.dtype, t.get_device()) for t in ts] != [sig0] * len(ts):
+            return None
+        if not all(t.is_contiguous() for t in ts) and [t.stride() for t in ts] != [t0.stride()] * len(ts):
+            return None
+        addresses.append([t.data_ptr() for t in ts])
+    return addresses[0], addresses[1]
+
+
+def layer0_jobs(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v) -> tuple[TensorJob, TensorJob]:
+    """Layer 0's checked (K, V) jobs of a whole-chunk call: into ``dests[0]``, or into
+    ``out_k[0]`` / ``out_v[0]`` when ``dests`` is ``None`` (arguments as :func:`fused_apply_layers`'s)."""
+    dest0 = ContiguousDest(out_k[0], out_v[0]) if dests is None else dests[0]
+    return build_jobs(
+        layer_arg(k, 0, 3), layer_arg(v, 0, 3), rope, layer_arg(cos, 0, 2), layer_arg(sin, 0, 2),
+        layer_arg(kf, 0, 2), layer_arg(vf, 0, 2), dest0,
+    )
+
+
+def layer_addresses(arg, L: int, stacked_dim: int, ref: torch.Tensor) -> list[int]:
+    """Data address of each layer's tensor of a per-layer argument laid out like ``ref`` (layer 0's).
+
+    Raises :class:`LayerMismatch` when a layer's tensor is laid out differently."""
+    if isinstance(arg, torch.Tensor):
+        if arg.dim() == stacked_dim + 1:  # stacked
+            base, step = arg.data_ptr(), arg.stride(0) * arg.element_size()
+            return [base + i * step for i in range(L)]
+        return [arg.data_ptr()] * L  # shared by every layer
+    sig = tensor_signature(ref)
+    out = []
+    for t in arg:
+        if not isinstance(t, torch.Tensor) or tensor_signature(t) != sig:
+            raise LayerMismatch
+        out.append(t.data_ptr())
+    return out
+
+
+def factor_addresses(f, L: int, job: TensorJob) -> tuple[list[int], list[int]]:
+    """Per-layer data addresses of ``(u, w)`` (zeros when layer 0 is unpatched, and so every layer)."""
+    if job.u is None or job.w is None:  # layer 0 unpatched: so must every layer be
+        if f is not None and not stacked_factors(f) and any(x is not None for x in f):
+            raise LayerMismatch
+        return [0] * L, [0] * L
+    if stacked_factors(f):
+        return layer_addresses(f[0], L, 2, job.u), layer_addresses(f[1], L, 2, job.w)
+    pairs = list(f)
+    if any(x is None for x in pairs):
+        raise LayerMismatch
+    return layer_addresses([x[0] for x in pairs], L, 2, job.u), layer_addresses([x[1] for x in pairs], L, 2, job.w)

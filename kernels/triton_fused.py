@@ -15,7 +15,8 @@ One program handles ``BLOCK_T`` tokens of one head of one cache tensor:
 Under the interpreter ``tl.dot`` on bf16 operands is wrong (it multiplies the raw bit patterns),
 so operands are widened to fp32 there (``WIDEN_DOT``); on GPUs bf16/fp16 operands go to the tensor
 cores as they are (their products are exact in fp32 and accumulation is fp32 either way), fp32
-operands use ``input_precision="ieee"`` (never TF32).
+operands use ``input_precision="ieee"`` (never plain TF32), or from rank 16 on "tf32x3" (see
+:data:`TF32X3_MIN_RANK`).
 
 Importable without triton: :data:`HAVE_TRITON` is then ``False`` and :func:`run_jobs` raises.
 """
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .spec import TensorJob
+from .spec import LayerMismatch, TensorJob, dest_addresses, factor_addresses, layer0_jobs, layer_addresses, stacked_factors
 
 try:  # triton is optional: an extra, never required to install or to test
     import triton
@@ -40,6 +41,18 @@ except Exception:  # pragma: no cover - exercised only where triton is missing o
     HAVE_TRITON = False
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+#: Launch overrides for tuning sweeps (``contextdeque.eval.gpu_check``): ``block_t``,
+#: ``num_warps``, ``dot_then_add``, ``fp32_precision``; empty: the defaults of :func:`_launch`.
+LAUNCH_OVERRIDES: dict[str, Any] = {}
+
+#: fp32 factors of at least this rank go to the matrix units as three TF32 passes ("tf32x3",
+#: the product accumulated from zero, the content added after it) instead of IEEE fp32 FMA
+#: ("ieee"). Measured on an H200 (docs/gpu.md): rank-32 apply at 8,192 tokens 22x the true floor
+#: with "ieee", 1.5x with "tf32x3" (SmolLM2 shape). tf32x3 drops the low x low partial products
+#: (~2^-21 of |u w| per product): within the kernels' tolerance, (m + 4) * 2^-24 of the summed
+#: magnitudes, from rank 16 on; at rank 1 it was measured 5% past it, so lower ranks stay "ieee".
+TF32X3_MIN_RANK = 16
 
 
 def interpreting() -> bool:
@@ -76,12 +89,20 @@ if HAVE_TRITON:
         c_ptr, c_rows, t_mask, cols, col_mask,
         u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
         HAS_PATCH: tl.constexpr, WIDEN_DOT: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-        M_LOOP: tl.constexpr,
+        M_LOOP: tl.constexpr, DOT_THEN_ADD: tl.constexpr, FP32_PRECISION: tl.constexpr,
     ):
-        """fp32 ``content[rows, cols] + u[rows, :] @ w[:, w_col0 + cols]`` for a [BLOCK_T, N] tile."""
+        """fp32 ``content[rows, cols] + u[rows, :] @ w[:, w_col0 + cols]`` for a [BLOCK_T, N] tile.
+
+        ``DOT_THEN_ADD``: the product accumulates from zero and the content is added after it
+        (the path measured and tested with "tf32x3"); otherwise the content is the accumulator's
+        start. ``FP32_PRECISION``: ``tl.dot``'s precision for fp32 operands."""
         mask = t_mask[:, None] & col_mask[None, :]
         x = tl.load(c_ptr + c_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_PATCH:
+            if DOT_THEN_ADD:
+                acc = tl.zeros(x.shape, dtype=tl.float32)
+            else:
+                acc = x
             for j0 in range(0, M_LOOP, BLOCK_M):
                 j = j0 + tl.arange(0, BLOCK_M)
                 j_mask = j < m
@@ -95,9 +116,13 @@ if HAVE_TRITON:
                     uu = uu.to(tl.float32)
                     ww = ww.to(tl.float32)
                 if FP32_DOT:
-                    x = tl.dot(uu, ww, x, input_precision="ieee")
+                    acc = tl.dot(uu, ww, acc, input_precision=FP32_PRECISION)
                 else:
-                    x = tl.dot(uu, ww, x)
+                    acc = tl.dot(uu, ww, acc)
+            if DOT_THEN_ADD:
+                x = x + acc
+            else:
+                x = acc
         return x
 
     @triton.jit
@@ -108,13 +133,23 @@ if HAVE_TRITON:
         o_ptr, o_sh, o_st,
         slot_ptr, block_size, o_sblk, o_soff, num_slots,
         T, D, n_pass,
+        c_sl, u_sl, w_sl, cs_sl, o_sl,
         PAGED: tl.constexpr, HAS_PATCH: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
-        WIDEN_DOT: tl.constexpr, FP32_DOT: tl.constexpr, OUT_KIND: tl.constexpr,
+        WIDEN_DOT: tl.constexpr, FP32_DOT: tl.constexpr, OUT_KIND: tl.constexpr, DOT_THEN_ADD: tl.constexpr,
+        FP32_PRECISION: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
         N_LOOP: tl.constexpr, P_LOOP: tl.constexpr, M_LOOP: tl.constexpr,
     ):
         pid_t = tl.program_id(0)
         h = tl.program_id(1).to(tl.int64)
+        # layer (grid axis 2): every layer is laid out like layer 0, ``*_sl`` elements apart
+        layer = tl.program_id(2).to(tl.int64)
+        c_ptr += layer * c_sl
+        u_ptr += layer * u_sl
+        w_ptr += layer * w_sl
+        cos_ptr += layer * cs_sl
+        sin_ptr += layer * cs_sl
+        o_ptr += layer * o_sl
         tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         t_mask = tok < T
         tok64 = tok.to(tl.int64)
@@ -140,7 +175,7 @@ if HAVE_TRITON:
                 cols = q
             x = _content_plus_delta(
                 c_ptr, c_rows, t_mask, cols, q_mask, u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
-                HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP,
+                HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP, DOT_THEN_ADD, FP32_PRECISION,
             )
             tl.store(o_ptr + o_rows[:, None] + cols[None, :], _round_out(x, OUT_KIND), mask=t_ok[:, None] & q_mask[None, :])
 
@@ -156,11 +191,11 @@ if HAVE_TRITON:
                     col2 = col1 + half
                 x1 = _content_plus_delta(
                     c_ptr, c_rows, t_mask, col1, p_mask, u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
-                    HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP,
+                    HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP, DOT_THEN_ADD, FP32_PRECISION,
                 )
                 x2 = _content_plus_delta(
                     c_ptr, c_rows, t_mask, col2, p_mask, u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
-                    HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP,
+                    HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP, DOT_THEN_ADD, FP32_PRECISION,
                 )
                 cs_off = tok64[:, None] * cs_st + pp[None, :]
                 cs_mask = t_mask[:, None] & p_mask[None, :]
@@ -172,7 +207,7 @@ if HAVE_TRITON:
 
 
 def _pow2_at_least(n: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))  # type: ignore[union-attr]
+    return max(lo, min(hi, 1 << (max(n, 1) - 1).bit_length()))  # plain ints: triton's helpers cost µs per call
 
 
 def _ceil_to(n: int, block: int) -> int:
@@ -182,7 +217,9 @@ def _ceil_to(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-def _launch(job: TensorJob) -> None:
+def _launch(job: TensorJob, layers: int = 1, layer_steps: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)) -> None:
+    """One launch for ``job`` (layer 0) and, with ``layers > 1``, the ``layers - 1`` layers laid out
+    like it ``layer_steps`` = (content, u, w, cos/sin, destination) elements apart."""
     c = job.content
     H, T, D = c.shape
     if c.stride(2) != 1:
@@ -209,9 +246,11 @@ def _launch(job: TensorJob) -> None:
         slot_args = (slots, buf.shape[1], buf.stride(0), buf.stride(1), buf.shape[0] * buf.shape[1])
     widen = interp or (u is not None and w is not None and u.dtype != w.dtype)
     fp32_dot = widen or (u is not None and u.dtype == torch.float32)
-    block_t = 16 if interp else (32 if D > 256 else 64)
+    # fp32 factors (not widened ones: the tested and measured case) of rank >= TF32X3_MIN_RANK
+    tf32x3 = fp32_dot and not widen and m >= TF32X3_MIN_RANK
+    block_t = LAUNCH_OVERRIDES.get("block_t") or (16 if interp else (32 if D > 256 else 64))
     block_n, block_p, block_m = _pow2_at_least(n_pass, 16, 128), _pow2_at_least(half, 16, 64), _pow2_at_least(m, 16, 64)
-    grid = (triton.cdiv(T, block_t), H)  # type: ignore[union-attr]
+    grid = (-(-T // block_t), H, layers)
     _fused_kernel[grid](
         c, c.stride(0), c.stride(1),
         u if u is not None else c, u.stride(0) if u is not None else 0,
@@ -220,11 +259,14 @@ def _launch(job: TensorJob) -> None:
         o_ptr, o_sh, o_st,
         *slot_args,
         T, D, n_pass,
+        *layer_steps,
         PAGED=job.slots is not None,
         HAS_PATCH=m > 0,
         ROPE=half > 0,
         INTERLEAVED=bool(job.interleaved),
         WIDEN_DOT=widen,
+        DOT_THEN_ADD=bool(LAUNCH_OVERRIDES.get("dot_then_add", tf32x3)),
+        FP32_PRECISION=str(LAUNCH_OVERRIDES.get("fp32_precision", "tf32x3" if tf32x3 else "ieee")),
         FP32_DOT=fp32_dot,
         OUT_KIND=_OUT_KIND[buf.dtype],
         BLOCK_T=block_t,
@@ -234,6 +276,7 @@ def _launch(job: TensorJob) -> None:
         N_LOOP=_ceil_to(n_pass, block_n),
         P_LOOP=_ceil_to(half, block_p),
         M_LOOP=_ceil_to(m, block_m),
+        num_warps=LAUNCH_OVERRIDES.get("num_warps", 4),
     )
 
 
@@ -243,3 +286,65 @@ def run_jobs(jobs: list[TensorJob]) -> None:
         raise RuntimeError("triton is not installed (pip install contextdeque[triton])")
     for job in jobs:
         _launch(job)
+
+
+def _step(addresses: list[int], element_size: int) -> int:
+    """The constant distance, in elements, between consecutive layers' addresses (``LayerMismatch`` if none)."""
+    a0 = addresses[0]
+    delta = addresses[1] - a0 if len(addresses) > 1 else 0
+    if delta % element_size:
+        raise LayerMismatch
+    expected = [a0] * len(addresses) if delta == 0 else list(range(a0, a0 + delta * len(addresses), delta))
+    if addresses != expected:  # one C-level comparison: this runs per call, for every argument
+        raise LayerMismatch
+    return delta // element_size
+
+
+def _layer_step(arg, L: int, stacked_dim: int, ref: torch.Tensor) -> int:
+    """Elements between consecutive layers' tensors of a per-layer argument laid out like ``ref``."""
+    if isinstance(arg, torch.Tensor):
+        return arg.stride(0) if arg.dim() == stacked_dim + 1 else 0  # stacked, or shared by every layer
+    return _step(layer_addresses(arg, L, stacked_dim, ref), ref.element_size())
+
+
+def run_all_layers(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v, L: int) -> bool:
+    """Two launches (K, V) for all ``L`` layers of a chunk when they are laid out alike, each
+    layer's tensors a constant distance apart (stacked tensors, per-layer views of them, or
+    equally spaced allocations); layer 0 is checked in full, the others only for that.
+
+    Returns ``False`` (nothing written) otherwise, for the per-layer path."""
+    own = dests is None
+    jobs0 = layer0_jobs(k, v, rope, cos, sin, kf, vf, dests, out_k, out_v)
+    if not all(j.unit_channel_strides() for j in jobs0):  # no per-layer contiguous copies
+        return False
+    try:
+        if own:
+            o_k, o_v = out_k.stride(0), out_v.stride(0)
+        else:
+            addresses = dest_addresses(dests)
+            if addresses is None:
+                return False
+            d_k, d_v = addresses
+            o_k, o_v = _step(d_k, jobs0[0].buf.element_size()), _step(d_v, jobs0[1].buf.element_size())
+        launches = []
+        for job, content, f, o_step in ((jobs0[0], k, kf, o_k), (jobs0[1], v, vf, o_v)):
+            u_step = w_step = cs_step = 0
+            if job.u is not None and job.w is not None:
+                if stacked_factors(f):
+                    u_step, w_step = f[0].stride(0), f[1].stride(0)
+                else:
+                    u, w = factor_addresses(f, L, job)
+                    u_step, w_step = _step(u, job.u.element_size()), _step(w, job.w.element_size())
+            elif f is not None and not stacked_factors(f) and any(x is not None for x in f):
+                raise LayerMismatch  # layer 0 unpatched: so must every layer be
+            if job.half:
+                cs_step = _layer_step(cos, L, 2, job.cos)  # type: ignore[arg-type]
+                if _layer_step(sin, L, 2, job.sin) != cs_step:  # type: ignore[arg-type]
+                    raise LayerMismatch
+            steps = (_layer_step(content, L, 3, job.content), u_step, w_step, cs_step, o_step)
+            launches.append((job, steps))
+    except LayerMismatch:
+        return False
+    for job, steps in launches:
+        _launch(job, L, steps)
+    return True

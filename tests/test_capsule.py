@@ -21,6 +21,7 @@ from contextdeque.core.capsule import (
     pivoted_rows,
     pyramid,
     reconstruction_error,
+    ridge_solve,
 )
 from contextdeque.core.errors import CapsuleError, CorruptEntryError, FingerprintMismatchError
 from contextdeque.core.chunk import Chunk
@@ -135,6 +136,39 @@ def test_pivoted_rows_from_the_gram_match_greedy_qr_on_the_rows():
             q = res[p] / res[p].norm()
             res -= torch.outer(res @ q, q)
         assert picks[h].tolist() == want
+
+
+def test_ridge_solve_on_a_singular_gram_is_the_least_squares_map():
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(2, 12, 3, generator=g, dtype=torch.float64)  # 12 rows spanning 3 directions
+    gram = X @ X.transpose(1, 2)  # [2, 12, 12], rank 3: no Cholesky without a ridge
+    gram[1] = 0.0  # and an all-zero head (what a dead head's keys give)
+    rhs = torch.randn(2, 12, 5, generator=g, dtype=torch.float64)
+    assert int(torch.linalg.cholesky_ex(gram)[1][0]) > 0
+    out = ridge_solve(gram, rhs, 0.0)
+    assert torch.allclose(out, torch.linalg.pinv(gram, hermitian=True) @ rhs, atol=1e-8)
+    assert torch.isfinite(ridge_solve(gram, rhs, 1e-6)).all()
+    with pytest.raises(CapsuleError):
+        ridge_solve(torch.full((1, 3, 3), float("inf"), dtype=torch.float64), rhs[:1, :3], 1e-6)
+
+
+def test_a_rank_deficient_calibration_set_fits_and_reconstructs_its_span(be):
+    # one calibration chunk repeated, its first head's keys all one row (rank 1) and its second
+    # head's keys zero: every retained-row Gram is singular
+    c = be.encode(token_ids=seeded_ids(T, 3))
+    keys = c.keys.clone()
+    keys[:, 0] = keys[:, 0, :1]
+    if keys.shape[1] > 1:
+        keys[:, 1] = 0.0
+    deficient = dataclasses.replace(c, keys=keys.contiguous())
+    basis = fit_capsule([deficient, deficient, deficient], 0.4)
+    assert all(torch.isfinite(m).all() for m in basis.key_map)
+    rebuilt = basis.reconstruct(basis.compress(deficient))
+    assert torch.isfinite(rebuilt.keys).all() and torch.isfinite(rebuilt.values).all()
+    assert torch.allclose(rebuilt.keys[:, 0].to(torch.float64), keys[:, 0].to(torch.float64), rtol=1e-4, atol=1e-5)
+    with pytest.raises(CapsuleError):
+        bad = CalibrationStats.from_chunks([c])
+        fit_capsule(dataclasses.replace(bad, key_gram=bad.key_gram * float("nan")), 0.4)
 
 
 def test_calibration_prefix_stats_are_the_truncated_chunks_stats(cal):

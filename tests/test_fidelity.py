@@ -184,3 +184,37 @@ def test_cli_json_smoke(capsys, tmp_path):
     assert "patch_beats_matched_share" in out
     assert len(out["samples"]) == 3 and out["samples"][0]["kl"]["reprefill"] == 0.0
     assert png.exists() and png.stat().st_size > 1000
+
+
+def test_a_failing_arm_is_reported_and_the_run_completes(capsys, monkeypatch):
+    """The capsule fit raising on one item (as a singular key Gram once did) and the recall group
+    raising on every item: the CLI run still exits 0, every other arm is scored, and the JSON
+    summary and stderr name each failure with its items."""
+    from contextdeque.cli import main
+    from contextdeque.eval.arms.kvcapsule import KVCapsuleArm
+    from contextdeque.eval.fidelity import harness
+
+    real_run, calls = KVCapsuleArm.run, []
+
+    def flaky(self, request):
+        calls.append(1)
+        if len(calls) <= 2:  # both capsule arms of the first item
+            raise RuntimeError("Pivots given to lu_solve must all be greater or equal to 1")
+        return real_run(self, request)
+
+    def broken_group(*_args):
+        raise ValueError("recall went wrong")
+
+    monkeypatch.setattr(KVCapsuleArm, "run", flaky)
+    monkeypatch.setitem(harness._GROUPS, "recall", broken_group)
+    rc = main(["fidelity", "--model", "tiny:llama", "--items", "2", "--ranks", "4", "--max-chunk-tokens", "10",
+               "--image-grid", "2x2", "--arms", "patch,kvcapsule,recall", "--json", "--threads", "1"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    first, second = [i.id for i in probe_set(2)]
+    failures = out["failures"]
+    assert failures["kvcapsule-linear"]["items"] == [first] and "lu_solve" in failures["kvcapsule-linear"]["error"]
+    assert failures["recall"]["n_failed"] == 2 and failures["recall"]["error"] == "ValueError: recall went wrong"
+    assert out["arms"]["kvcapsule-linear"]["n"] == 1 and out["arms"]["patch-r4"]["n"] == 2
+    assert "arm kvcapsule-linear failed on 1 of 2 items" in captured.err

@@ -51,6 +51,7 @@ from contextdeque.kernels import (  # noqa: E402
     slot_mapping_from_block_table,
 )
 from contextdeque.kernels import native  # noqa: E402
+from contextdeque.kernels.spec import build_jobs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -185,6 +186,24 @@ VARIANTS = {
     "no_rope": (2, 7, 64, None, None),
     "multi_block": (2, 37, 64, RopeSpec("k", 0, 64), None),  # > one token block of every backend
 }
+
+
+def stacked_layers_case(L, H, T, d, m, dtype, seed=100):
+    """A chunk of L layers as the operator passes it: stacked contents ``[L, H, T, d]``, stacked
+    factors and per-layer tables ``[L, T, d/2]``; with the per-layer inputs for the oracle."""
+    rope = RopeSpec("k", 0, d)
+    layers = [make_inputs(H, T, d, m, dtype, rope, seed=seed + i) for i in range(L)]
+    stack = lambda j: torch.stack([x[j] for x in layers])  # noqa: E731
+    kf = (torch.stack([x[2][0] for x in layers]), torch.stack([x[2][1] for x in layers]))
+    vf = (torch.stack([x[3][0] for x in layers]), torch.stack([x[3][1] for x in layers]))
+    return rope, stack(0), stack(1), kf, vf, stack(4), stack(5), layers
+
+
+def check_layers_against_oracle(out, rope, layers, m, what=""):
+    for i, (k, v, kf, vf, cos, sin) in enumerate(layers):
+        ek, ev, sk, sv = oracle(k, v, rope, cos, sin, kf, vf)
+        assert_ulp_close(out[i][0].cpu(), ek, sk, k.dtype, m, what=f"{what} layer {i} k")
+        assert_ulp_close(out[i][1].cpu(), ev, sv, v.dtype, m, what=f"{what} layer {i} v")
 
 
 def run_backend(backend, k, v, rope, cos, sin, kf, vf, out_dtype=None):
@@ -720,6 +739,38 @@ if not IN_INTERP_CHILD:
                     for alias in node.names:
                         assert not alias.name.startswith(("contextdeque", "kernels")), (path.name, alias.name)
 
+    @pytest.mark.parametrize(
+        "dtype,rank,mixed,expected",
+        [
+            (torch.float32, 16, False, ("tf32x3", True)),
+            (torch.float32, 64, False, ("tf32x3", True)),
+            (torch.float32, 1, False, ("ieee", False)),  # measured past the tolerance with tf32x3
+            (torch.float32, 32, True, ("ieee", False)),  # widened mixed factors: untested with tf32x3
+            (torch.bfloat16, 32, False, ("ieee", False)),  # 16-bit operands: exact products, no fp32 dot
+        ],
+    )
+    def test_triton_fp32_dot_precision_choice(dtype, rank, mixed, expected, monkeypatch):
+        """Which precision the Triton launch gives ``tl.dot`` (no kernel runs: the launch is recorded)."""
+        from contextdeque.kernels import triton_fused
+
+        seen = {}
+
+        class Recorder:
+            def __getitem__(self, grid):
+                return lambda *args, **kw: seen.update(kw)
+
+        monkeypatch.setattr(triton_fused, "_fused_kernel", Recorder())
+        monkeypatch.setattr(triton_fused, "interpreting", lambda: False)
+        rope = RopeSpec("k", 0, 64)
+        k, v, kf, vf, cos, sin = make_inputs(2, 9, 64, rank, dtype, rope, seed=3)
+        if mixed:
+            kf = (kf[0], kf[1].to(torch.bfloat16))
+        job = build_jobs(k, v, rope, cos, sin, kf, vf, ContiguousDest(torch.empty(1, 2, 9, 64, dtype=dtype), torch.empty(1, 2, 9, 64, dtype=dtype)))[0]
+        triton_fused._launch(job)
+        assert (seen["FP32_PRECISION"], seen["DOT_THEN_ADD"]) == expected
+        if dtype == torch.bfloat16:
+            assert not seen["FP32_DOT"]
+
     def test_bench_helpers_smoke():
         from contextdeque.kernels.bench_util import bench_apply
 
@@ -736,7 +787,7 @@ INTERP_DTYPES = DTYPES
 INTERP_MAIN = [(d, r) for d in HEAD_DIMS for r in RANKS]
 INTERP_VARIANTS = sorted(VARIANTS)
 INTERP_PAGED = [(4, 5), (16, 13)]
-N_INTERP_CASES = len(INTERP_DTYPES) * (len(INTERP_MAIN) + len(INTERP_VARIANTS) + len(INTERP_PAGED)) + 3
+N_INTERP_CASES = len(INTERP_DTYPES) * (len(INTERP_MAIN) + len(INTERP_VARIANTS) + len(INTERP_PAGED) + 1) + 4
 
 if IN_INTERP_CHILD:
 
@@ -804,6 +855,36 @@ if IN_INTERP_CHILD:
     def test_interp_auto_never_picks_the_interpreter():
         assert os.environ["TRITON_INTERPRET"] == "1"
         assert select_backend("cpu") in ("native", "torch")
+
+    @pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
+    def test_interp_all_layers_in_two_launches(dtype, monkeypatch):
+        """Layers laid out alike, a constant distance apart: two launches (K, V) for all of them;
+        per-layer destinations not equally spaced: one launch per layer and tensor, same values."""
+        from contextdeque.kernels import triton_fused
+
+        L, m = 3, 16
+        rope, k, v, kf, vf, cos, sin, layers = stacked_layers_case(L, 2, 21, 64, m, dtype)
+        launches = []
+        real = triton_fused._launch
+        monkeypatch.setattr(triton_fused, "_launch", lambda job, *a: (launches.append(a[:1] or (1,)), real(job, *a)))
+        out = fused_apply_layers(k, v, rope, cos, sin, kf, vf, backend="triton")
+        assert launches == [(L,), (L,)]
+        check_layers_against_oracle(out, rope, layers, m, "stacked")
+        launches.clear()
+        bufs = [torch.empty(1, 2, 21 + 7 * i, 64, dtype=dtype) for i in range(2 * L)]  # unequal sizes
+        dests = [ContiguousDest(bufs[2 * i], bufs[2 * i + 1]) for i in range(L)]
+        fused_apply_layers(k, v, rope, cos, sin, kf, vf, dests, backend="triton")
+        assert launches == [(1,)] * (2 * L)
+        check_layers_against_oracle([(d.k[0, :, :21], d.v[0, :, :21]) for d in dests], rope, layers, m, "per layer")
+
+    def test_interp_dot_then_add_path(monkeypatch):
+        """The product-from-zero path (taken with "tf32x3" on GPUs) computes the same values."""
+        from contextdeque.kernels import triton_fused
+
+        monkeypatch.setitem(triton_fused.LAUNCH_OVERRIDES, "dot_then_add", True)
+        rope = RopeSpec("k", 0, 128)
+        k, v, kf, vf, cos, sin = make_inputs(2, 21, 128, 32, torch.float32, rope, seed=46)
+        _triton_vs_reference(k, v, rope, cos, sin, kf, vf, "triton dot-then-add")
 
     def test_interp_mixed_factor_dtype_and_fp32_out():
         rope = RopeSpec("k", 0, 64)

@@ -38,6 +38,21 @@ def test_relocation_matches_shifted_forward(arch, tiny_backend_factory):
         assert {d.chunk for d in report.details} == {"text", "image-span"}
 
 
+def test_relocated_kv_is_the_per_layer_list_and_prints_as_one_line(tiny_backend_factory):
+    be = tiny_backend_factory("llama")
+    a, b = be.encode(token_ids=list(range(5, 25))), be.encode(token_ids=list(range(30, 48)))
+    kv = cd.relocate(b, 100)
+    assert isinstance(kv, list) and len(kv) == b.num_layers and isinstance(kv[0], tuple)
+    assert kv == [(k, v) for k, v in kv] and kv.nbytes == sum(k.nbytes + v.nbytes for k, v in kv)
+    k, v = kv[0]
+    text = repr(kv)
+    assert "\n" not in text and "tensor(" not in text and str(kv) == text
+    for needle in (f"{b.num_layers} layers", f"k {list(k.shape)}", f"v {list(v.shape)}", "float32", "start 100", "KiB"):
+        assert needle in text, (needle, text)
+    patched = cd.apply(b, be.root_len + a.span, cd.form_patch(be, b, antecedents=[a], rank=4))
+    assert "1 patch," in repr(patched) and all(torch.equal(x[0], y[0]) for x, y in zip(kv, cd.relocate(b, 100)))
+
+
 def test_layout_detection_facts(tiny_backend_factory):
     lay = tiny_backend_factory("gemma3_text").layout
     assert len(lay.inv_freqs) == 2 and any(w is not None for w in lay.sliding_windows)

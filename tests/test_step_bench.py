@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from helpers import micro_llama, seeded_ids
 
-from contextdeque.eval.step_bench import STEPS, run_steps
+from contextdeque.eval.step_bench import STEPS, run_steps, window_step_ttft
 from contextdeque.model.hf import HFBackend
 
 
@@ -37,3 +37,33 @@ def test_latency_rows_heal_to_the_eager_rows(backend):
         assert abs(latency.kl_healed - eager.kl_healed) <= 1e-6, step
         # nothing on the critical path, the eager policy's forming work when healing
         assert latency.forwards == 0 and latency.heal_forwards == eager.forwards, step
+
+
+def test_window_step_ttft_rows(backend):
+    """The window step (slide + recall + question) against a re-prefill, per policy: timed rows,
+    and the eager window answers as the re-prefill does up to its patches' approximation."""
+    pages = [seeded_ids(8, seed, vocab=60).tolist() for seed in range(5)]
+    rows = window_step_ttft(backend, pages, [50, 51, 52], policies=("latency", "eager"), rank=2, repeats=2)
+    assert [r["policy"] for r in rows] == ["latency", "eager"]
+    for r in rows:
+        assert r["window_tokens"] == 32 and r["page_tokens"] == 8 and r["repeats"] == 2
+        assert 0 < r["step_ms"] <= r["ttft_ms"] and r["reprefill_ms"] > 0
+        assert r["ttft_vs_reprefill"] == round(r["reprefill_ms"] / r["ttft_ms"], 3)
+        assert r["kl_answer_max"] >= 0.0
+
+
+def test_bench_cli_json_on_cpu(capsys, one_thread):
+    """``contextdeque bench --json`` end to end on a tiny model (tokenizer-less: text folded into
+    its vocabulary), the window step included; no timing asserted."""
+    import json
+
+    from contextdeque.cli import main
+
+    rc = main(["bench", "--model", "tiny", "--tokens", "128", "--rounds", "2", "--window-step-tokens", "32", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["device"] == "cpu" and out["ceilings"] is None
+    row = out["by_dtype"]["bfloat16"]["128"]
+    assert row["apply_s"] > 0 and row["bytes_moved"] > 0 and row["flops"] > 0
+    assert row["true_floor_s"] is None and row["apply_device_s"] is None  # CUDA only
+    assert [r["policy"] for r in out["window_step"]] == ["latency", "eager"]

@@ -131,11 +131,17 @@ def test_show_lists_spans_labels_conditioning_and_tiers(backend):
     c = win.append(token_ids=[12, 13, 14], label="old")
     win.evict(c)
     buf = io.StringIO()
-    table = win.show(Console(file=buf, width=200))
+    assert win.show(Console(file=buf, width=200)) is None  # prints; the table comes from table()
     out = buf.getvalue()
-    assert table.row_count == 3
+    assert win.table().row_count == 3
     for needle in ("tool", "notes", "old", "evicted", "[2, 6)", "[6, 9)", "exact@2", "blind", "device", "host"):
         assert needle in out, (needle, out)
+    narrow = io.StringIO()  # at 80 columns no header is cut and no figure is split
+    win.show(Console(file=narrow, width=80))
+    lines = narrow.getvalue().splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("#"))
+    assert header.split() == ["#", "ref", "label", "span", "tokens", "patch", "stale", "tier", "flags"]
+    assert all(len(line) <= 80 for line in lines) and "[2, 6)" in narrow.getvalue() and "…" not in narrow.getvalue()
 
 
 def test_text_and_chunk_template(default_backend):

@@ -4,31 +4,27 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from ..replay.calibrate import calibrate
 from ..replay.cost import save_calibration
+from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="a local checkpoint (default: the embedded default model)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    add_threads_argument(parser)
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--cache-dir", type=Path, default=None, help="cache root (default: $CONTEXTDEQUE_CACHE or ~/.cache/contextdeque)")
     parser.add_argument("--repeats", type=int, default=2)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..model import load_model
-    from ..core.errors import ContextDequeError
-
-    try:
-        backend = load_model(args.model)
-        model = calibrate(backend, rank=args.rank, repeats=args.repeats)
-        path = save_calibration(model, args.cache_dir)
-    except (ContextDequeError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    # a model that cannot be loaded or a cache directory that cannot be written: one line, exit 2
+    # (contextdeque.cli.main)
+    backend = load_backend(args.model, threads=args.threads)
+    model = calibrate(backend, rank=args.rank, repeats=args.repeats)
+    path = save_calibration(model, args.cache_dir)
     print(f"calibration saved to {path}")
     for k, v in model.to_json().items():
         if k != "extra":

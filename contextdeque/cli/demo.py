@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from contextdeque.agents.base import AgentConfig, Step
+from contextdeque.cli.model_spec import add_threads_argument
 from contextdeque.agents.scenarios import AGENTS, DOC_QUESTIONS, DOC_TOPICS, run_doc, run_video, run_web
 
 
@@ -52,9 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "directory also needs its image processor), or tiny:<arch> for a tiny random-weight model "
                         "with the default tokenizer (its answers are noise)")
     p.add_argument("--placement", default="arrival", help="placement policy: arrival or scheduler (default: arrival)")
-    # One thread by default: a 135M model's matrices gain little from more, and on a busy 2-core
-    # machine two OpenMP threads spent 4.3x the CPU of one on the same run (336 s vs 78 s).
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0: torch's own default)")
+    add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print the summary and every step (rows) as one JSON object")
 
 
@@ -273,10 +272,8 @@ def run(args: argparse.Namespace) -> int:
 
     from .model_spec import image_processor, load_backend
 
-    if args.threads:
-        torch.set_num_threads(int(args.threads))
     t0 = time.perf_counter()
-    backend = load_backend(args.model, chat=True)
+    backend = load_backend(args.model, chat=True, threads=args.threads)
     load_s = time.perf_counter() - t0
     config = AgentConfig(
         budget_tokens=args.budget or 640, rank=args.rank, patch_policy=args.policy,

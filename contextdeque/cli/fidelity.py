@@ -21,7 +21,7 @@ from ..core.chunk import storage_dtype
 from ..eval.fidelity.harness import FAMILIES, HarnessConfig, run_fidelity
 from ..eval.fidelity.metrics import DEFAULT_MIN_GAP
 from ..eval.fidelity.probes import probe_set
-from .model_spec import MODEL_HELP, load_backend
+from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -65,8 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-gap", type=float, default=DEFAULT_MIN_GAP,
                         help="blind KL below which an item has no measurable gap (excluded from eta medians)")
     parser.add_argument("--per-item", action="store_true", help="with --json: also every sample's KLs and answers")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (1 is fastest on a machine shared with other jobs)")
+    add_threads_argument(parser)
     parser.add_argument("--max-chunk-tokens", type=int, default=512, help="cut longer text chunks (test models)")
     parser.add_argument("--image-grid", default=None, metavar="RxC", help="override every image span's patch grid")
     parser.add_argument("--capsule-retention", type=retention, default=0.4,
@@ -160,10 +159,7 @@ def _targets_table(summary: dict[str, Any]) -> Any:
 
 def write_plot(summary: dict[str, Any], path: str) -> None:
     """η vs patch rank (median and mean) with the token arms as reference lines; KL per arm."""
-    try:
-        import matplotlib
-    except ImportError as exc:  # an optional extra
-        raise ImportError("--plot needs matplotlib: pip install 'contextdeque[plot]'") from exc
+    import matplotlib  # the plot extra (checked before the run: run())
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -200,12 +196,12 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    if args.threads:
-        torch.set_num_threads(int(args.threads))
+    if args.plot:
+        import matplotlib  # noqa: F401  (the plot extra: named now, not after the run)
     err = Console(stderr=True)
     out = Console(width=None if sys.stdout.isatty() else 132) if not args.json else err
     t0 = time.perf_counter()
-    backend = load_backend(args.model)
+    backend = load_backend(args.model, threads=args.threads)
     grid = None
     if args.image_grid:
         r, c = (int(x) for x in args.image_grid.lower().split("x"))
@@ -244,6 +240,10 @@ def run(args: argparse.Namespace) -> int:
     summary["wall_s"] = time.perf_counter() - t0
     summary["image_spans"] = ("EMULATED: scikit-image pixels through a fixed seeded random projection into "
                               "the LM embedding space (no VLM checkpoint)")
+    for name, failed in summary["failures"].items():  # the run completed without them: say so
+        items = ", ".join(failed["items"][:4]) + (", ..." if len(failed["items"]) > 4 else "")
+        err.print(f"fidelity: arm {name} failed on {failed['n_failed']} of {summary['n_items']} items ({items}): "
+                  f"{failed['error']}", markup=False, highlight=False)
     if args.plot:
         write_plot(summary, args.plot)
     if args.per_item:

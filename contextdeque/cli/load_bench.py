@@ -12,7 +12,7 @@ import torch
 
 from ..eval.load_bench import run_load_bench
 from .fidelity import retention
-from .model_spec import MODEL_HELP, load_backend
+from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,16 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default=None,
         help=MODEL_HELP,
     )
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    add_threads_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(int(args.threads))
     if args.chunks < 2:
         print("error: --chunks must be >= 2 (half on disk, half missing)", file=sys.stderr)
         return 2
-    res = run_load_bench(load_backend(args.model), n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
+    res = run_load_bench(load_backend(args.model, threads=args.threads), n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
                          policy=args.policy, rank=args.rank, workers=args.workers, storage=args.storage,
                          disk_dir=args.dir, capsule=args.capsule)
     if args.json:

@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot:
+        import matplotlib  # noqa: F401  (the plot extra: named now, not after the run)
     rep = run_loadtest(
         args.url, model=args.model, clients=args.clients, conversations=args.conversations, turns=args.turns,
         max_tokens=args.max_tokens, seed=args.seed, api_key=os.environ.get(args.api_key_env) or None,

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..core.errors import ContextDequeError
+from .model_spec import add_threads_argument, apply_threads_argument
 
 GiB = 1 << 30
 
@@ -32,8 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fidelity", type=int, default=0, metavar="N",
                         help="also drive a real ContextWindow on the default model and measure KL / η / TTFT ratio at N sampled queries per policy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fidelity mode's query sample")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads of the fidelity mode (1 is fastest on a machine shared with other jobs)")
+    add_threads_argument(parser)
     parser.add_argument("--patch-policy", default="eager",
                         help="the fidelity mode's patch policy for the patch arm (default eager, as the cost model "
                              "prices it; latency, exact, ...); "
@@ -51,7 +51,13 @@ def run(args: argparse.Namespace) -> int:
     from ..replay.engine import ReplayConfig
     from ..replay.run import default_jobs, parse_combos, replay_many, to_json
 
+    if args.plot:
+        import matplotlib  # noqa: F401  (the plot extra: named now, not after the run)
     err = Console(stderr=True)
+    missing = [str(p) for p in args.traces if not p.is_file()]
+    if missing:  # before any work or notes: the one line the user needs
+        print(f"error: no such trace file: {', '.join(missing)}", file=sys.stderr)
+        return 1
     try:
         combos = parse_combos(args.policies, args.placement, args.eviction, args.arm)
         if args.patch_policy in ("latency", "latency-shared"):  # the cost rule for the patch arm on such a window
@@ -74,11 +80,7 @@ def run(args: argparse.Namespace) -> int:
         if args.fidelity:
             from ..replay.fidelity import run_fidelity_mode
 
-            if args.threads:
-                import torch
-
-                torch.set_num_threads(int(args.threads))
-
+            apply_threads_argument(args)
             fid = run_fidelity_mode([str(p) for p in args.traces], combos, args.fidelity, seed=args.seed, console=err,
                                     patch_policy=args.patch_policy)
             for r in results:

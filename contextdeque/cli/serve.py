@@ -16,7 +16,7 @@ import socket
 import sys
 from typing import Any
 
-from .model_spec import MODEL_HELP, image_processor, load_backend
+from .model_spec import MODEL_HELP, add_threads_argument, image_processor, load_backend
 
 log = logging.getLogger("contextdeque.serve")
 
@@ -85,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue", type=int, default=16, help="requests waiting for the model worker before 429")
     p.add_argument("--session-memory-mb", type=float, default=1024, help="budget of the sessions' window pages")
     p.add_argument("--plain", action="store_true", help="baseline: no windows, re-prefill every request's whole prompt")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    add_threads_argument(p)
     p.add_argument("--log-level", default="info", help="debug, info, warning or error (stderr)")
 
 
@@ -94,7 +94,6 @@ def _exit_cleanly(signum: int, frame: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     import uvicorn
 
     from ..core.errors import ContextDequeError
@@ -102,8 +101,6 @@ def run(args: argparse.Namespace) -> int:
     from ..serve.engine import SERVE_POLICY, Engine
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     api_key = args.api_key or os.environ.get("CONTEXTDEQUE_API_KEY") or None
     if args.valkey_embedded is not None and args.store:
         print("contextdeque serve: --valkey-embedded starts its own store: give it or --store, not both", file=sys.stderr)
@@ -116,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             valkey_server = start_embedded_valkey(args.valkey_embedded)
             args.store = embedded_url(valkey_server)
             log.info("embedded valkey-server at %s (stops with this process; persistence off)", args.store)
-        backend = load_backend(args.model, chat=True)
+        backend = load_backend(args.model, chat=True, threads=args.threads)
         store = build_store(args, backend)
         engine = Engine(
             backend, store, model_name=args.model_name or backend.name, rank=args.rank, patch_policy=args.patch_policy or SERVE_POLICY,

@@ -11,7 +11,7 @@ import torch
 
 from ..eval.soak import run_soak
 from ..window.context import DEFAULT_MAX_EVICTED
-from .model_spec import MODEL_HELP, load_backend
+from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also record the bytes of live tensors at each sample (a walk over Python's objects)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help=MODEL_HELP)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_threads_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object (curve included)")
     parser.add_argument("--progress", action="store_true", help="print each memory sample as it is taken (stderr)")
 
@@ -41,9 +41,7 @@ def _mib(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(int(args.threads))
-    backend = load_backend(args.model)
+    backend = load_backend(args.model, threads=args.threads)
 
     def progress(row: dict) -> None:
         print(json.dumps(row), file=sys.stderr, flush=True)

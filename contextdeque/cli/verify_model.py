@@ -7,10 +7,10 @@ import argparse
 import json
 from typing import Any
 
-from ..core.errors import ContextDequeError
+from ..core.errors import ContextDequeError, ModelLoadError
 from ..eval.verify import DEFAULT_OFFSETS, verify_backend
 from ..model.tiny_auto import TinyBuildError
-from .model_spec import MODEL_HELP, load_backend
+from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random", action="store_true", help="random weights (required with --arch)")
     p.add_argument("--offsets", default=",".join(map(str, DEFAULT_OFFSETS)), help="comma-separated position offsets")
     p.add_argument("--tokens", type=int, default=96, help="tokens of real text to encode")
+    p.add_argument("--device", default="cpu", help="where the model and the kernels run: cpu or cuda (default cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_threads_argument(p)
 
 
 def _backend_from_args(args: argparse.Namespace) -> Any:
@@ -32,7 +34,7 @@ def _backend_from_args(args: argparse.Namespace) -> Any:
         spec = f"tiny:{args.arch}"
     try:
         # verify-model runs the full gate itself: the shorter proof at load would only repeat it
-        return load_backend(spec, verify_at_load=False)
+        return load_backend(spec, verify_at_load=False, device=args.device, threads=args.threads)
     except KeyError:
         raise SystemExit(f"unknown tiny arch {spec!r}: not a tiny arch nor a causal-LM model_type") from None
     except TinyBuildError as exc:
@@ -43,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         backend = _backend_from_args(args)
         report = verify_backend(backend, [int(x) for x in args.offsets.split(",") if x], args.tokens, backend.name)
+    except ModelLoadError:
+        raise  # no model to judge: a user error (one line, exit 2), not the gate's verdict
     except ContextDequeError as exc:
         reason = getattr(exc, "reason", None)
         error = f"{type(exc).__name__}" + (f" ({reason})" if reason else "") + f": {exc}"

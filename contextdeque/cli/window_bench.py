@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..eval.window_bench import run_window_bench
-from .model_spec import MODEL_HELP, load_backend
+from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default=None,
         help=MODEL_HELP,
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_threads_argument(parser)
     parser.add_argument("--no-steps", action="store_true", help="skip the per-step re-read table")
     parser.add_argument("--step-policies", default="eager,latency", help="policies for the per-step table")
     parser.add_argument("--append-chunks", type=int, default=8,
@@ -35,10 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(int(args.threads))
     policies = () if args.no_steps else tuple(p.strip() for p in args.step_policies.split(",") if p.strip())
-    backend = load_backend(args.model)
+    backend = load_backend(args.model, threads=args.threads)
     if args.append_only:
         return _append_only(args, backend)
     result = run_window_bench(

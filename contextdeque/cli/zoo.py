@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from .model_spec import add_threads_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_types", nargs="*", help="model types to sweep (default: all of the causal-LM mapping)")
     p.add_argument("--json", action="store_true", help="print one JSON object (counts and every verdict)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (tiny models: 1 is fastest)")
+    add_threads_argument(p)
     p.add_argument("--write-docs", metavar="REPO", default=None,
                    help="write REPO/docs/zoo.md and the counts in REPO/README.md (full sweep only)")
 
@@ -21,7 +23,10 @@ def run(args: argparse.Namespace) -> int:
     from ..model import zoo
 
     hf_logging.set_verbosity_error()
-    verdicts = zoo.sweep(args.model_types or None, threads=args.threads)
+    from ..model.threads import choose_threads
+
+    # tiny models: their size caps the automatic choice at one thread
+    verdicts = zoo.sweep(args.model_types or None, threads=choose_threads(args.threads, model_params=1).threads)
     if args.json:
         print(json.dumps(zoo.to_json(verdicts)))
     else:

@@ -449,6 +449,41 @@ def _checksum(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
                   sorted(tensors))
 
 
+def ridge_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: float) -> torch.Tensor:
+    """``(gram + lam I)^-1 rhs`` for symmetric PSD ``gram [B, r, r]`` and ``rhs [B, r, n]``, float64,
+    with ``lam = ridge * mean(diag(gram))`` per batch entry.
+
+    A calibration set whose keys span fewer than ``r`` directions (fewer tokens than rows, repeated
+    or constant rows, an all-zero head) makes ``gram`` singular, and the ridge alone may not lift it
+    above rounding: a Cholesky factorisation that fails or yields non-finite values falls back to
+    the pseudo-inverse (eigenvalues below ``r * eps * largest`` dropped: the least-squares map on the
+    directions the calibration spans). Never an LU solve, which LAPACK builds may reject on a
+    singular matrix. Raises ``CapsuleError`` when even that is not finite."""
+    G = gram.to(torch.float64)
+    rhs = rhs.to(torch.float64)
+    if not (bool(torch.isfinite(G).all()) and bool(torch.isfinite(rhs).all())):
+        raise CapsuleError("the capsule key map could not be fitted: its Gram holds non-finite values")
+    r = G.shape[-1]
+    eye = torch.eye(r, dtype=torch.float64)
+    lam = ridge * G.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(0.0)
+    G = G + lam[..., None, None] * eye
+    factor, info = torch.linalg.cholesky_ex(G)
+    if bool((info == 0).all()):
+        out = torch.cholesky_solve(rhs, factor)
+        if bool(torch.isfinite(out).all()):
+            return out
+    try:
+        w, V = torch.linalg.eigh(G)
+    except RuntimeError as exc:  # torch's LinAlgError: LAPACK did not converge
+        raise CapsuleError(f"the capsule key map could not be fitted: {exc}") from exc
+    cutoff = w.amax(-1, keepdim=True).clamp_min(0.0) * (r * torch.finfo(torch.float64).eps)
+    inv = torch.where(w > cutoff, 1.0 / w.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(w))
+    out = V @ (inv[..., None] * (V.transpose(-1, -2) @ rhs))
+    if not bool(torch.isfinite(out).all()):
+        raise CapsuleError("the capsule key map could not be fitted: its least-squares solve is not finite")
+    return out
+
+
 @torch.no_grad()
 def fit_capsule(
     calibration: "Sequence[Chunk] | CalibrationStats",
@@ -468,6 +503,8 @@ def fit_capsule(
     left singular vectors of the centred calibration values.
     """
     stats = calibration if isinstance(calibration, CalibrationStats) else CalibrationStats.from_chunks(list(calibration))
+    if not (torch.isfinite(stats.key_gram).all() and torch.isfinite(stats.value_gram).all()):
+        raise CapsuleError("the calibration Grams hold non-finite values: no basis can be fitted from them")
     L, Hk, T = stats.key_gram.shape[0], stats.key_gram.shape[1], stats.n_tokens
     Hv = stats.value_gram.shape[1]
     if isinstance(retention, (int, float)):
@@ -498,9 +535,7 @@ def fit_capsule(
         rows = torch.sort(picks[partial.index(l), :, :r], dim=1).values  # [H_k, r]
         cross = torch.gather(G, 2, rows.unsqueeze(1).expand(-1, T, -1))  # G[:, :, M]  [H_k, T, r]
         GMM = torch.gather(cross, 1, rows.unsqueeze(-1).expand(-1, -1, r))  # [H_k, r, r]
-        lam = ridge * GMM.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)
-        GMM = GMM + lam.view(-1, 1, 1) * torch.eye(r, dtype=torch.float64)
-        A = torch.linalg.solve(GMM, cross.transpose(1, 2)).transpose(1, 2)  # [H_k, T, r] (GMM symmetric)
+        A = ridge_solve(GMM, cross.transpose(1, 2), ridge).transpose(1, 2)  # [H_k, T, r] (GMM symmetric)
         rows_l.append(rows)
         maps_l.append(A.to(torch.float32).contiguous())
         C = J @ stats.value_gram[l] @ J  # [H_v, T, T]

@@ -16,7 +16,7 @@ import torch
 from .chunk import Chunk, check_finite
 from .args import check_instance, check_int
 from .errors import ArgumentTypeError, FingerprintMismatchError, PositionError
-from .kv import LayerKV
+from .kv import LayerKV, RelocatedKV
 from ..kernels import MAX_RANK, RopeSpec, fused_apply, fused_apply_layers
 from .layout import KVLayout, layout_for
 from .rotation import TableCache, check_positions
@@ -107,11 +107,11 @@ def relocate(
     out_dtype: torch.dtype | None = None,
     fingerprint: str | None = None,
     beyond_trained: bool = False,
-) -> list[LayerKV]:
+) -> RelocatedKV:
     """The chunk's KV as the model would cache it at the given positions (+ an optional patch).
 
     Returns per layer ``(k [H_k, T, d_k], v [H_v, T, d_v])`` in ``out_dtype`` (default: the model's
-    compute dtype). ``layout`` defaults to the one a loaded backend registered for the chunk's
+    compute dtype), as a :class:`~contextdeque.core.kv.RelocatedKV` (a list that prints as one line). ``layout`` defaults to the one a loaded backend registered for the chunk's
     layout signature (:func:`.layout.layout_for`).
 
     Raises:
@@ -139,8 +139,9 @@ def relocate(
     tables = [tables.for_layer(layer) for layer in range(L)]
     cos = [c for c, _ in tables]
     sin = [t for _, t in tables]
+    where = None if positions is not None else (int(start) if start is not None else None)
     if not patches:  # pure relocation: the stacked content in one kernel call
-        return list(fused_apply_layers(chunk.keys, chunk.values, spec, cos, sin, out_dtype=dtype))
+        return RelocatedKV(fused_apply_layers(chunk.keys, chunk.values, spec, cos, sin, out_dtype=dtype), start=where)
     ks, vs, kfs, vfs = [], [], [], []
     for layer in range(L):
         k, v = chunk.layer(layer)
@@ -157,7 +158,8 @@ def relocate(
         if v_f is not None and v_f[0].shape[1] > MAX_RANK:
             v, v_f = _fold(v, v_f), None
         ks.append(k), vs.append(v), kfs.append(k_f), vfs.append(v_f)
-    out = list(fused_apply_layers(ks, vs, spec, cos, sin, kfs, vfs, out_dtype=dtype))
+    out = RelocatedKV(fused_apply_layers(ks, vs, spec, cos, sin, kfs, vfs, out_dtype=dtype), start=where,
+                      n_patches=len(patches))
     if dtype == torch.float16:
         # pages and factors were checked finite where they entered (Chunk/Patch construction); a
         # float32/bfloat16 sum of finite values cannot overflow, a float16 one can (past 65504)
@@ -183,7 +185,7 @@ def _as_patch_list(patch: "Conditioning | Sequence[Conditioning] | None") -> lis
     return out
 
 
-def apply(chunk: Chunk, start: int, patch: "Conditioning | Sequence[Conditioning] | None" = None, **kw) -> list[LayerKV]:
+def apply(chunk: Chunk, start: int, patch: "Conditioning | Sequence[Conditioning] | None" = None, **kw) -> RelocatedKV:
     """Relocate + conditioning patch: ``K = R(pos)(K_content + U_K V_K^T)``, ``V = V_content + U_V V_V^T``."""
     return relocate(chunk, start, patch=patch, **kw)
 

@@ -8,6 +8,10 @@ On the default model (or ``--model``), for chunks of 256/512/1024/2048 tokens of
   bytes the apply reads, onto as many bytes, and (b) the same rank-m factor products alone
   (``addmm`` into the destination) — "times the floor" (see ``contextdeque.kernels.bench_util``);
 - **relocation (rank 0) vs the memory copy**;
+- on CUDA, also **vs the true floor**: bytes moved over the device's measured copy bandwidth, or
+  FLOPs over a large GEMM's measured rate (``bench_util.measure_ceilings``), and the **time to
+  first token of a window step** (slide + recall + the question's forward) against re-prefilling
+  the same window (``step_bench.window_step_ttft``; the paper reports 29x at 2,048 tokens);
 - **break-even reuses**: the one forming forward (+ SVD) divided by what each reuse saves;
 - **patch bytes / page bytes** at ranks 16, 32, 64.
 
@@ -21,16 +25,20 @@ from typing import Any
 
 import torch
 
-from ..model.text import pydoc_text_ids
+from ..model.text import text_ids
 
 DEFAULT_TOKENS = (256, 512, 1024, 2048)
 
 
-def _best_of(fn, repeats: int) -> float:
+def _best_of(fn, repeats: int, device: "torch.device | str" = "cpu") -> float:
+    from .step_bench import sync
+
     best = float("inf")
     for _ in range(repeats):
+        sync(device)
         t0 = time.perf_counter()
         fn()
+        sync(device)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -42,21 +50,33 @@ def run_bench(
     dtypes: tuple[str, ...] = ("float32", "bfloat16"),
     rounds: int = 20,
     progress: bool = True,
+    window_step_tokens: int = 0,
+    page_tokens: int = 256,
 ) -> dict:
-    """Measure everything the module docstring lists. Returns one JSON-able dict."""
+    """Measure everything the module docstring lists on the backend's device (with
+    ``window_step_tokens`` > 0 also the window step's TTFT on a window of that many tokens).
+    Returns one JSON-able dict."""
     from rich.progress import Progress
 
-    from ..kernels.bench_util import bench_apply
+    from ..kernels.bench_util import bench_apply, measure_ceilings
     from ..kernels.dispatch import select_backend
     from ..core.operator import relocate
     from ..patch import form_patch
+    from .step_bench import sync
 
     lay = backend.layout
+    device = backend.device
     shape = dict(layers=lay.num_layers, heads=lay.k_heads, head_dim=lay.k_dim)
+    ceilings = measure_ceilings(device, tuple(getattr(torch, d) for d in dtypes)) if device.type == "cuda" else None
     out: dict[str, Any] = {
         "model": backend.name,
+        "device": ceilings.device if ceilings else "cpu",
+        "model_dtype": str(backend.dtype).replace("torch.", ""),
+        "ceilings": None if ceilings is None else {
+            "copy_bytes_per_s": ceilings.copy_bytes_per_s, "gemm_flops_per_s": ceilings.gemm_flops_per_s,
+        },
         "threads": torch.get_num_threads(),
-        "kernel_backend": select_backend("cpu"),
+        "kernel_backend": select_backend(device),
         "rank": rank,
         "apply_vs_reprefill": {},
         "apply_vs_floor": {},
@@ -70,7 +90,7 @@ def run_bench(
     steps = len(tokens) * (2 + 2 * len(dtypes)) + 2
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("bench", total=steps)
-        ids_all = pydoc_text_ids(backend, max(tokens) + 256)
+        ids_all = text_ids(backend, max(tokens) + 256)
         root = backend.root_kv()
         chunks = {}
         for T in tokens:
@@ -78,18 +98,21 @@ def run_bench(
             pos = backend.text_positions(backend.root_len, T)
             bar.update(task, description=f"re-prefill {T} tokens")
             reps = 2 if T <= 512 else 1
+            if device.type == "cuda":
+                reps = 5
+                backend.forward(input_ids=ids, positions=pos, past=root, logits="last")  # warm-up
             out["reprefill_s"][str(T)] = _best_of(
-                lambda: backend.forward(input_ids=ids, positions=pos, past=root, logits="last"), reps
+                lambda: backend.forward(input_ids=ids, positions=pos, past=root, logits="last"), reps, device
             )
             chunks[T] = backend.encode(token_ids=ids)
             bar.advance(task)
             for dt_name in dtypes:
                 dt = getattr(torch, dt_name)
                 bar.update(task, description=f"apply r{rank} vs floor, {T} tokens, {dt_name}")
-                r = bench_apply(T, rank=rank, dtype=dt, rounds=rounds, **shape)
+                r = bench_apply(T, rank=rank, dtype=dt, rounds=rounds, device=device, ceilings=ceilings, **shape)
                 bar.advance(task)
                 bar.update(task, description=f"relocate vs memcpy, {T} tokens, {dt_name}")
-                r0 = bench_apply(T, rank=0, dtype=dt, rounds=rounds, **shape)
+                r0 = bench_apply(T, rank=0, dtype=dt, rounds=rounds, device=device, ceilings=ceilings, **shape)
                 bar.advance(task)
                 out["by_dtype"].setdefault(dt_name, {})[str(T)] = {
                     "apply_s": r.apply_s,
@@ -101,6 +124,17 @@ def run_bench(
                     "relocate_memcpy_s": r0.memcpy_s,
                     "relocate_vs_memcpy": r0.ratio,
                     "apply_vs_reprefill": out["reprefill_s"][str(T)] / r.apply_s,
+                    "bytes_moved": r.bytes_moved,
+                    "flops": r.flops,
+                    "true_floor_s": r.true_floor_s,
+                    "apply_vs_true_floor": r.true_ratio,
+                    "relocate_true_floor_s": r0.true_floor_s,
+                    "relocate_vs_true_floor": r0.true_ratio,
+                    # the kernels alone (CUDA-graph replay: no argument checks, no launch costs)
+                    "apply_device_s": r.apply_device_s,
+                    "apply_device_vs_true_floor": r.device_ratio,
+                    "relocate_device_s": r0.apply_device_s,
+                    "relocate_device_vs_true_floor": r0.device_ratio,
                 }
             fp = out["by_dtype"][dtypes[0]][str(T)]
             out["apply_s"][str(T)] = fp["apply_s"]
@@ -115,6 +149,7 @@ def run_bench(
         antecedent = backend.encode(token_ids=ids_all[-256:])
         t0 = time.perf_counter()
         patch = form_patch(backend, chunks[T_mid], [antecedent], rank=rank)
+        sync(device)
         form_s = time.perf_counter() - t0
         bar.advance(task)
         start = backend.root_len + antecedent.span
@@ -122,7 +157,9 @@ def run_bench(
             p = patch if T == T_mid else None
             if p is None:
                 continue
-            out["operator_apply_s"][str(T)] = _best_of(lambda: relocate(chunk, start, patch=p, beyond_trained=True), 5)
+            out["operator_apply_s"][str(T)] = _best_of(
+                lambda: relocate(chunk, start, patch=p, beyond_trained=True), 5, device
+            )
         saved = out["reprefill_s"][str(T_mid)] - out["apply_s"][str(T_mid)]
         out["form_patch_s"] = form_s
         out["breakeven_reuses"] = form_s / saved if saved > 0 else float("inf")
@@ -135,4 +172,12 @@ def run_bench(
             fractions[str(m)] = pm.bytes_fraction(chunks[T_mid])
         out["patch_bytes_fraction"] = fractions
         bar.advance(task)
+        if window_step_tokens:
+            from .step_bench import window_step_ttft
+            from .window_bench import _chunks, _question
+
+            bar.update(task, description=f"window step TTFT at {window_step_tokens} tokens")
+            page = min(page_tokens, window_step_tokens)
+            n = max(1, window_step_tokens // page)
+            out["window_step"] = window_step_ttft(backend, _chunks(backend, n + 1, page), _question(backend), rank=rank)
     return out

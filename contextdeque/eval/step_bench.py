@@ -31,6 +31,7 @@ lazily, so a re-read step itself is O(chunks) and the rotation is paid once, in 
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -38,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from ..core.metrics import kl_divergence
+from ..kernels.bench_util import copy_bandwidth
 from ..window.window import ContextWindow
 
 STEPS = ("slide", "recall", "look-back", "reorder", "fork+reorder", "append")
@@ -76,18 +78,6 @@ class StepRow:
         return out
 
 
-def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
-    """Measured bytes/s of one ``copy_`` of ``nbytes`` (best of ``repeats``): the floor's unit."""
-    n = max(1, nbytes // 4)
-    src, dst = torch.randn(n), torch.empty(n)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n * 4 / best  # read + write
-
-
 def _window_ids(win: ContextWindow) -> list[int]:
     ids = list(win.root_ids)
     for r in win.refs:
@@ -95,9 +85,19 @@ def _window_ids(win: ContextWindow) -> list[int]:
     return ids
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+def sync(device: "torch.device | str") -> None:
+    """Wait for the work queued on ``device`` (CUDA runs asynchronously: a host clock read
+    before the queue drains measures the launches, not the work)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timed(fn: Callable[[], Any], device: "torch.device | str" = "cpu") -> tuple[Any, float]:
+    sync(device)
     t = time.perf_counter()
     out = fn()
+    sync(device)
     return out, (time.perf_counter() - t) * 1000.0
 
 
@@ -116,7 +116,7 @@ def _reprefill(backend: Any, ids: list[int]) -> tuple[torch.Tensor, float]:
     def run() -> torch.Tensor:
         return backend.forward(input_ids=ids, positions=backend.text_positions(0, len(ids))).logits[-1]
 
-    return _timed(run)
+    return _timed(run, backend.device)
 
 
 def _prefix_cache_ms(backend: Any, before: list[int], after: list[int]) -> float:
@@ -128,7 +128,10 @@ def _prefix_cache_ms(backend: Any, before: list[int], after: list[int]) -> float
         lcp += 1
     lcp = min(lcp, len(after) - 1)  # at least the question's last token runs
     past = backend.forward(input_ids=after[:lcp], positions=backend.text_positions(0, lcp), logits="none").kv if lcp else None
-    _, ms = _timed(lambda: backend.forward(input_ids=after[lcp:], positions=backend.text_positions(lcp, len(after) - lcp), past=past))
+    _, ms = _timed(
+        lambda: backend.forward(input_ids=after[lcp:], positions=backend.text_positions(lcp, len(after) - lcp), past=past),
+        backend.device,
+    )
     return ms
 
 
@@ -186,16 +189,19 @@ def run_steps(
                     return target.reorder([refs[1], refs[0], *refs[2:]])
                 return target.append(token_ids=new_page).receipt
 
+            sync(backend.device)
             t0 = time.perf_counter()
             receipt = do_step()
+            sync(backend.device)
             step_ms = (time.perf_counter() - t0) * 1000.0
             logits = _answer_logits(target, question)
+            sync(backend.device)
             ttft_ms = (time.perf_counter() - t0) * 1000.0
             after = _window_ids(target) + question
             ref_logits, reprefill_ms = _reprefill(backend, after)
             prefix_ms = _prefix_cache_ms(backend, before, after)
             kl_answer = kl_divergence(ref_logits, logits)
-            healed, heal_ms = _timed(target.heal)
+            healed, heal_ms = _timed(target.heal, backend.device)
             healed_logits = _answer_logits(target, question) if healed.refs else logits
             kl_healed = kl_divergence(ref_logits, healed_logits) if healed.refs else kl_answer
             if policy == "eager":
@@ -203,7 +209,7 @@ def run_steps(
             kl_vs_eager = kl_divergence(eager_healed[step], healed_logits) if step in eager_healed else None
             page_bytes = int(receipt.bytes_moved.get("pages", 0))
             if bandwidth is None:
-                bandwidth = copy_bandwidth(max(page_bytes, 1 << 24))
+                bandwidth = copy_bandwidth(max(page_bytes, 1 << 24), backend.device)
             rows.append(StepRow(
                 policy=policy, step=step, forwards=receipt.forwards, step_ms=step_ms, ttft_ms=ttft_ms,
                 reprefill_ms=reprefill_ms, prefix_cache_ms=prefix_ms, kl_answer=kl_answer, kl_healed=kl_healed,
@@ -216,6 +222,64 @@ def run_steps(
                 target.discard()
             win.discard()
         base.close()
+    return rows
+
+
+def window_step_ttft(
+    backend: Any,
+    pages: list[list[int]],
+    question: list[int],
+    *,
+    policies: tuple[str, ...] = ("latency", "eager"),
+    rank: int = 32,
+    repeats: int = 5,
+) -> list[dict[str, Any]]:
+    """Time to first token of one window step -- ``slide(1)``, ``recall`` of a page read before,
+    the question's forward over the materialized window -- against re-prefilling root + window +
+    question, per patch policy (the paper's TTFT comparison).
+
+    ``pages``: ``n + 1`` equal pages; the first is read and slid out before timing, the window
+    holds the other ``n``. Each repeat runs on a fresh fork of the same window (warm-up first);
+    medians and minima in ms, with the next-token KL of the window's answer vs the re-prefill's.
+    """
+    old, window_pages = pages[0], pages[1:]
+    size = len(old)
+    rows = []
+    for policy in policies:
+        base = ContextWindow(backend, budget_tokens=len(window_pages) * size, rank=rank, patch_policy=policy)
+        old_ref = base.append(chunk=backend.encode(token_ids=old))
+        base.heal()
+        for p in window_pages:
+            base.append(chunk=backend.encode(token_ids=p))
+            base.heal()
+        ttft, reprefill, step = [], [], []
+        kl = 0.0
+        for i in range(repeats + 1):  # the first round warms up (kernel compilation, allocator)
+            win = base.fork()
+            sync(backend.device)
+            t0 = time.perf_counter()
+            win.slide(1)
+            win.recall(old_ref)
+            sync(backend.device)
+            t_step = time.perf_counter()
+            logits = _answer_logits(win, question)
+            sync(backend.device)
+            t_end = time.perf_counter()
+            ref_logits, ms = _reprefill(backend, _window_ids(win) + question)
+            if i:
+                ttft.append((t_end - t0) * 1000.0)
+                step.append((t_step - t0) * 1000.0)
+                reprefill.append(ms)
+                kl = max(kl, kl_divergence(ref_logits, logits))
+            win.discard()
+        base.close()
+        med = statistics.median
+        rows.append({
+            "policy": policy, "window_tokens": len(window_pages) * size, "page_tokens": size, "repeats": repeats,
+            "ttft_ms": round(med(ttft), 4), "ttft_min_ms": round(min(ttft), 4), "step_ms": round(med(step), 4),
+            "reprefill_ms": round(med(reprefill), 4), "reprefill_min_ms": round(min(reprefill), 4),
+            "ttft_vs_reprefill": round(med(reprefill) / med(ttft), 3), "kl_answer_max": kl,
+        })
     return rows
 
 

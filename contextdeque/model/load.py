@@ -14,6 +14,7 @@ from .gguf import load_gguf
 from .default_model import DEFAULT_MODEL_NAME, default_fingerprint, ensure_default_model, is_default_gguf, pin_default_special_tokens
 from .hf import HFBackend
 from .progress import quiet_transformers
+from .threads import apply_threads, parameter_count
 
 
 def load_model(
@@ -24,6 +25,7 @@ def load_model(
     root_ids: Sequence[int] | None = None,
     attn_implementation: str = "sdpa",
     verify_at_load: bool = True,
+    threads: int | str | None = None,
 ) -> HFBackend:
     """A backend over a transformers model.
 
@@ -37,10 +39,17 @@ def load_model(
     shifted offsets; the verdict is cached per model fingerprint, so a second load costs nothing.
     A model whose cache cannot be relocated exactly raises :class:`UnsupportedLayoutError` with
     the reason.
+
+    ``threads`` sets torch's CPU thread count (process-wide) for the model: None / ``"auto"``
+    chooses it from the cores this process may use, the machine's load and the model's size
+    (``$CONTEXTDEQUE_THREADS`` or ``$OMP_NUM_THREADS`` override that), a count sets it, ``0``
+    leaves torch's own (see :mod:`contextdeque.model.threads`).
     """
     if isinstance(source, torch.nn.Module):
+        apply_threads(threads, model_params=parameter_count(source))
         return HFBackend(source, tokenizer, root_ids=root_ids, verify_at_load=verify_at_load)
     model, tok = load_hf_model(source, dtype=dtype, attn_implementation=attn_implementation)
+    apply_threads(threads, model_params=parameter_count(model))
     name = DEFAULT_MODEL_NAME if source is None else str(source)
     fingerprint = default_fingerprint(ensure_default_model(progress=False), model) if source is None else None
     return HFBackend(model, tokenizer or tok, root_ids=root_ids, name=name, fingerprint=fingerprint, verify_at_load=verify_at_load)

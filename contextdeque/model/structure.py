@@ -184,8 +184,9 @@ class _Candidate:
 
 
 def _predict(k0, v0, spec: RopeSpec, inv: torch.Tensor, p0: torch.Tensor, p1: torch.Tensor):
-    cos0, sin0 = rope_tables(inv, p0)
-    cos1, sin1 = rope_tables(inv, p1)
+    # the tables are built on the CPU (inv_freq is read there); the cache may be on an accelerator
+    cos0, sin0 = (t.to(k0.device) for t in rope_tables(inv, p0))
+    cos1, sin1 = (t.to(k0.device) for t in rope_tables(inv, p1))
     k, v = fused_apply(k0.to(torch.float32), v0.to(torch.float32), spec, cos0, -sin0, out_dtype=torch.float32)
     return fused_apply(k, v, spec, cos1, sin1, out_dtype=torch.float32)
 

@@ -1,5 +1,6 @@
 """Text on a backend: token ids with or without a tokenizer, the suffix that closes a user turn,
-and real English to measure with.
+and real English to measure with (CPython's documentation, ``pydoc_data``: the benches' one text
+source).
 
 Tiny random test models have no tokenizer: their text goes through a byte mapping into the
 vocabulary, so every caller (the probe set, ``verify``, the agents, benches) tokenizes the same way.
@@ -32,14 +33,23 @@ def query_suffix(backend: Any) -> str:
     return user_turn_suffix(backend.tokenizer)
 
 
-def pydoc_text_ids(backend: Any, n: int) -> torch.Tensor:
-    """``[n]`` token ids of real English: CPython's reference-manual topics (``pydoc_data``, shipped
-    with Python) in name order, tokenized by the backend's tokenizer."""
+def text_chunks(backend: Any, n: int, size: int, text: str | None = None) -> list[list[int]]:
+    """``n`` chunks of ``size`` token ids of real documentation text (ids folded into the
+    vocabulary for a tokenizer-less model); ``text``: another text than the topics in order."""
     from pydoc_data.topics import topics
 
-    ids: list[int] = []
-    for key in sorted(topics):
-        ids += backend.tokenize(topics[key])
-        if len(ids) >= n:
-            break
-    return torch.tensor(ids[:n], dtype=torch.long)
+    if text is None:
+        text = "\n\n".join(topics[k] for k in sorted(topics))
+    if backend.tokenizer is not None:
+        ids = backend.tokenize(text[: 12 * n * size])
+    else:
+        vocab = int(backend.model.config.vocab_size)
+        ids = [3 + b % (vocab - 3) for b in text.encode()]
+    if len(ids) < n * size:
+        raise SystemExit(f"not enough text for {n} x {size} tokens")
+    return [ids[i * size : (i + 1) * size] for i in range(n)]
+
+
+def text_ids(backend: Any, n: int) -> torch.Tensor:
+    """``[n]`` ids of real text (the first of :func:`text_chunks`)."""
+    return torch.tensor(text_chunks(backend, 1, n)[0], dtype=torch.long)

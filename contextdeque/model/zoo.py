@@ -147,11 +147,12 @@ def sweep_one(model_type: str) -> Verdict:
                    layout=layout.describe(), seconds=time.perf_counter() - t0)
 
 
-def sweep(model_types: Iterable[str] | None = None, *, threads: int = 1) -> list[Verdict]:
+def sweep(model_types: Iterable[str] | None = None, *, threads: int | None = 1) -> list[Verdict]:
     """Verdicts for ``model_types`` (default: every causal-LM model type of the installed
-    transformers). Nothing is written to the cache directory."""
+    transformers), on ``threads`` torch threads (None: as set). Nothing is written to the cache
+    directory."""
     n = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads or n)
     try:
         with memory_only():
             return [sweep_one(mt) for mt in (model_types or causal_lm_model_types())]

@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+from ..core.errors import FetchError
+
 SYSTEM = "You are a research agent. Read the tool output and answer in one sentence."
 QUESTIONS = ("What is the main point of this section?", "Which keyword does it explain?",
              "Summarize the last paragraph.", "What should the agent do next?")
@@ -114,7 +116,12 @@ def run_loadtest(
     urls = [u.rstrip("/") for u in urls]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     if model is None:
-        model = httpx.get(urls[0] + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+        try:
+            reply = httpx.get(urls[0] + "/v1/models", headers=headers, timeout=30)
+            reply.raise_for_status()
+            model = reply.json()["data"][0]["id"]
+        except httpx.HTTPError as exc:
+            raise FetchError(f"{urls[0]}: no contextdeque serve answers there ({type(exc).__name__}: {exc})") from exc
     convs = make_conversations(conversations or clients, turns, seed, doc_words)
     samples: list[Sample] = []
     replies: dict[int, list[str]] = {}

@@ -13,15 +13,24 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def _conditioning(slot: Any) -> str:
     if slot.provisional:
-        return "own forward (pending canonical)"
+        return "own forward"  # exact where it sits; flagged "canonical pending"
     if not slot.stack:
         return "blind"
     return " + ".join(f"{c.patch.kind}@{c.patch.rank_k}" + (" (reused)" if c.reused else "") for c in slot.stack)
 
 
+# (header, justify, wraps): short headers that are never cut (each column at least its header's
+# width); the free-text columns wrap, the figures never do, so the table reads at 80 columns
+_COLUMNS = (("#", "right", False), ("ref", "left", False), ("label", "left", True), ("span", "left", False),
+            ("tokens", "right", False), ("patch", "left", True), ("stale", "right", False),
+            ("tier", "left", False), ("flags", "left", True))
+
+
 def window_table(win: "ContextWindow") -> Any:
-    """Columns: index, ref, label, positions ``[start, end)``, tokens, conditioning, staleness,
-    tier (of the canonical), flags (stale / pending). Evicted chunks follow, with their tier."""
+    """Columns: index, ref, label, span (positions ``[start, end)``), tokens, patch (the
+    conditioning: kind@rank, blind, or the chunk's own forward), staleness, tier (of the
+    canonical), flags (stale / pending heal). Evicted chunks follow, with their tier."""
+    from rich import box
     from rich.table import Table
 
     state = win._state
@@ -30,15 +39,15 @@ def window_table(win: "ContextWindow") -> Any:
     table = Table(
         title=f"ContextWindow: {len(state.slots)} chunks, {state.tokens_used}{b} tokens, "
               f"{len(state.evicted)} evicted, root {win.context.root_len} tokens, policy {win.policy.name}",
-        title_justify="left",
+        title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1), pad_edge=False, collapse_padding=True,
     )
-    for col, kw in (("#", {"justify": "right"}), ("ref", {}), ("label", {}), ("positions", {}),
-                    ("tokens", {"justify": "right"}), ("conditioning", {}), ("staleness", {"justify": "right"}),
-                    ("tier", {}), ("flags", {})):
-        table.add_column(col, **kw)
+    for col, justify, wraps in _COLUMNS:
+        table.add_column(col, justify=justify, min_width=len(col), no_wrap=not wraps,
+                         overflow="fold" if col == "label" else "ellipsis")  # a label is never cut
     for i, s in enumerate(state.slots):
         tier = "-" if s.provisional else (store.tier_of(WindowStore.chunk_key(s.chunk)) or "not stored")
-        flags = ", ".join(f for f, on in (("stale", s.stale), ("pending heal", s.ref in state.pending)) if on)
+        flags = ", ".join(f for f, on in (("stale", s.stale), ("canonical pending", s.provisional),
+                                               ("pending heal", s.ref in state.pending)) if on)
         table.add_row(
             str(i), f"#{s.ref.key}", s.ref.label or "", f"[{s.start}, {s.end})", str(s.n_tokens),
             _conditioning(s), f"{staleness(s, state.slots[:i]):.2f}", tier, flags,

@@ -391,15 +391,14 @@ class ContextWindow:
 
         return window_table(self)
 
-    def show(self, console: Any = None) -> Any:
+    def show(self, console: Any = None) -> None:
         """Print the window as a table: per chunk its position span, tokens, label, conditioning
         (patch kind@rank, or blind), staleness and the store tier of its canonical; evicted chunks
-        after it. ``console``: a ``rich.console.Console`` (default: stdout). Returns the table."""
+        after it. ``console``: a ``rich.console.Console`` (default: stdout). Returns None (a REPL
+        echoes nothing after the table); :meth:`table` returns the table itself."""
         from rich.console import Console
 
-        t = self.table()
-        (console or Console()).print(t)
-        return t
+        (console or Console()).print(self.table())
 
     def __repr__(self) -> str:
         b = "" if self._ctx.budget_tokens is None else f"/{self._ctx.budget_tokens}"

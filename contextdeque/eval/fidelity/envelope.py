@@ -214,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the summary here")
     ap.add_argument("--plot", default=None, help="write the figure here (PNG)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(max(1, args.threads))
+    from ...model.threads import apply_threads
+
+    apply_threads(max(1, args.threads))  # explicit: a model loaded below keeps it
     if args.arch:
         from ...model.testing import tiny_backend
 

@@ -108,6 +108,12 @@ class Sample:
     answer_ids: tuple[int, ...] = ()
     family: str = ""
     detail: dict[str, Any] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)  # arm -> "ErrorType: message" (it has no score)
+
+
+def failure_text(exc: BaseException) -> str:
+    """One line naming an arm's failure (its type and message)."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
 
 
 # ---------------------------------------------------------------------------- scoring
@@ -181,11 +187,20 @@ def _main_group(mat: MaterializedItem, cfg: HarnessConfig, n_decode: int, ulps: 
     _, ref_dec, ref_logits = scorer(ref.kv)
     scorer.ref_logits = ref_logits
     arms: dict[str, ArmScore] = {}
+    failures: dict[str, str] = {}
     non_leading = sum(c.nbytes for c in req.chunks[1:])
     R = req.root_len
 
     def add(name: str, result, reused: int = non_leading) -> None:
-        kl, dec, _ = scorer(result.kv)
+        """Score an arm; ``result`` is its result or a thunk running it: a thunk that raises is
+        recorded in ``failures`` (that arm has no score for this item) and the others go on."""
+        try:
+            if callable(result):
+                result = result()
+            kl, dec, _ = scorer(result.kv)
+        except Exception as exc:  # noqa: BLE001  (one arm's failure must not take down the run)
+            failures[name] = failure_text(exc)
+            return
         arms[name] = ArmScore(kl=kl, decision=dec, report=result.report.as_dict(), reused_page_bytes=reused)
 
     arms["reprefill"] = ArmScore(kl=0.0, decision=ref_dec, report=ref.report.as_dict(), reused_page_bytes=non_leading)
@@ -199,7 +214,7 @@ def _main_group(mat: MaterializedItem, cfg: HarnessConfig, n_decode: int, ulps: 
     if "prefix_cache" in fam:
         pc = PrefixCacheArm(label="prefix_cache", remember=False)
         pc.seed_canonicals(be, req.chunks)
-        add("prefix_cache", pc.run(req))
+        add("prefix_cache", lambda: pc.run(req))
     full: dict[int, list[Patch]] = {}
     need_patches = bool(fam & {"patch", "cacheblend", "epic", "kvcapsule", "select"})
     if need_patches and len(req.chunks) > 1:
@@ -231,17 +246,20 @@ def _main_group(mat: MaterializedItem, cfg: HarnessConfig, n_decode: int, ulps: 
         for i, c in enumerate(req.chunks) if i > 0
     ]
     if "cacheblend" in fam:
-        add(f"cacheblend-{round(100 * cfg.cacheblend_ratio)}", CacheBlendArm(cfg.cacheblend_ratio, check_layer=cfg.check_layer).run(req))
-        add("cacheblend-matched", CacheBlendArm(budget=sum(matched), check_layer=cfg.check_layer, label="cacheblend-matched").run(req))
+        add(f"cacheblend-{round(100 * cfg.cacheblend_ratio)}",
+            lambda: CacheBlendArm(cfg.cacheblend_ratio, check_layer=cfg.check_layer).run(req))
+        add("cacheblend-matched",
+            lambda: CacheBlendArm(budget=sum(matched), check_layer=cfg.check_layer, label="cacheblend-matched").run(req))
     if "epic" in fam:
-        add(f"epic-{cfg.epic_k}", EpicArm(cfg.epic_k).run(req))
-        add("epic-matched", EpicArm(matched, label="epic-matched").run(req))
+        add(f"epic-{cfg.epic_k}", lambda: EpicArm(cfg.epic_k).run(req))
+        add("epic-matched", lambda: EpicArm(matched, label="epic-matched").run(req))
     if "kvcapsule" in fam:
         bank = mat.meta["capsule_bank"]
-        add("kvcapsule-linear", KVCapsuleArm(bank, rank=cfg.matched_rank).run(preq))
-        add("kvcapsule-linear-blind", KVCapsuleArm(bank, rank=None).run(req))
+        add("kvcapsule-linear", lambda: KVCapsuleArm(bank, rank=cfg.matched_rank).run(preq))
+        add("kvcapsule-linear-blind", lambda: KVCapsuleArm(bank, rank=None).run(req))
     if "vlcache" in fam:
-        add(f"vlcache-{round(100 * cfg.vlcache_ratio)}", VLCacheArm(cfg.vlcache_ratio, schedule=cfg.vlcache_schedule).run(req))
+        add(f"vlcache-{round(100 * cfg.vlcache_ratio)}",
+            lambda: VLCacheArm(cfg.vlcache_ratio, schedule=cfg.vlcache_schedule).run(req))
     return Sample(
         item=mat.item.id,
         family=mat.item.family,
@@ -252,6 +270,7 @@ def _main_group(mat: MaterializedItem, cfg: HarnessConfig, n_decode: int, ulps: 
         arms=arms,
         answer_ids=tuple(mat.answer_ids),
         detail={"n_chunks": len(req.chunks), "tokens": req.n_chunk_tokens, "matched_tokens": matched},
+        failures=failures,
     )
 
 
@@ -437,14 +456,14 @@ def run_fidelity(
             mat.meta["capsule_bank"] = bank
             n_decode = max(1, min(cfg.max_decode, len(mat.answer_ids)))
             samples.append(_main_group(mat, cfg, n_decode, ulps))
-            if "orbit" in cfg.arms:
-                samples.extend(_orbit_group(mat, cfg, n_decode))
-            if "recall" in cfg.arms:
-                samples.extend(_recall_group(mat, cfg, n_decode))
-            if "select" in cfg.arms:
-                from .selection import selection_samples
-
-                samples.extend(selection_samples(mat, cfg, n_decode, mat.meta.get("full_patches")))
+            main = samples[-1]
+            # a group that raises is recorded on the item's main sample; the other groups go on
+            for group in ("orbit", "recall", "select"):
+                if group in cfg.arms:
+                    try:
+                        samples.extend(_GROUPS[group](mat, cfg, n_decode))
+                    except Exception as exc:  # noqa: BLE001
+                        main.failures[group] = failure_text(exc)
             if progress is not None:
                 progress(item.id)
     summary = summarize_samples(samples, cfg)
@@ -455,6 +474,17 @@ def run_fidelity(
     }
     summary["storage"] = str(cfg.storage).replace("torch.", "")
     return FidelityResult(samples=samples, summary=summary)
+
+
+def _selection_group(mat: MaterializedItem, cfg: HarnessConfig, n_decode: int) -> list[Sample]:
+    from .selection import selection_samples
+
+    return selection_samples(mat, cfg, n_decode, mat.meta.get("full_patches"))
+
+
+_GROUPS: dict[str, Callable[[MaterializedItem, HarnessConfig, int], list[Sample]]] = {
+    "orbit": _orbit_group, "recall": _recall_group, "select": _selection_group,
+}
 
 
 def _pool_ulps(parts: list[dict[str, Any]]) -> dict[str, float]:
@@ -542,14 +572,17 @@ def summarize_samples(samples: Sequence[Sample], cfg: HarnessConfig) -> dict[str
     main = [s for s in samples if s.group == "main"]
     gap = [s for s in main if s.blind_kl > cfg.min_gap]
     p = f"patch-r{cfg.matched_rank}"
+    # items where an arm of the comparison failed are left out of it (summary["failures"] names them)
+    compared = [s for s in main if all(k in s.arms for k in (p, "cacheblend-matched", "epic-matched"))]
+    compared_gap = [s for s in compared if s.blind_kl > cfg.min_gap]
     beats = None
     beats_all = None
-    if main and all(k in main[0].arms for k in (p, "cacheblend-matched", "epic-matched")):
+    if compared:
         def win(s: Sample) -> bool:
             return s.arms[p].kl < s.arms["cacheblend-matched"].kl and s.arms[p].kl < s.arms["epic-matched"].kl
 
-        beats = sum(win(s) for s in gap) / len(gap) if gap else None
-        beats_all = sum(win(s) for s in main) / len(main)
+        beats = sum(win(s) for s in compared_gap) / len(compared_gap) if compared_gap else None
+        beats_all = sum(win(s) for s in compared) / len(compared)
     ranks = sorted(set(int(r) for r in cfg.ranks) | {cfg.matched_rank})
     curve = {str(r): arms[f"patch-r{r}"]["median_eta"] for r in ranks if f"patch-r{r}" in arms}
     if "patch-full" in arms:
@@ -569,8 +602,20 @@ def summarize_samples(samples: Sequence[Sample], cfg: HarnessConfig) -> dict[str
         "patch_beats_matched_share_all_items": beats_all,
         "ranks": ranks,
     }
+    summary["failures"] = arm_failures(samples)
     summary["targets"] = _targets(summary, cfg)
     return summary
+
+
+def arm_failures(samples: Sequence[Sample]) -> dict[str, Any]:
+    """Per arm (or group) that raised on some items: how many, which, and the first error."""
+    out: dict[str, Any] = {}
+    for s in samples:
+        for name, error in s.failures.items():
+            row = out.setdefault(name, {"n_failed": 0, "items": [], "error": error})
+            row["n_failed"] += 1
+            row["items"].append(s.item)
+    return out
 
 
 def _targets(summary: dict[str, Any], cfg: HarnessConfig) -> dict[str, Any]:

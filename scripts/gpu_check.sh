@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU check of docs/gpu.md, on a machine with a CUDA device, from the repository root:
+#
+#   [STAGES=kernels,bench,models,large] scripts/gpu_check.sh OUT_DIR TOKENIZER_DIR [WHEEL_DIR]
+#
+# OUT_DIR receives at most 7 files: tests_kernels.log, tests_models.log, gpu_check.log and the
+# JSON files of `python -m contextdeque.eval.gpu_check` (env, bench_smollm2, sweep,
+# bench_llama3_8b). TOKENIZER_DIR holds SmolLM2-135M-Instruct's tokenizer files (tokenizer.json,
+# tokenizer_config.json, chat_template.jinja). WHEEL_DIR: wheels of packages the machine lacks,
+# installed offline into /tmp/site. Each stage has its own time limit, so one that hangs leaves
+# the others their time; the exit status is the number of stages that failed. STAGES picks stages:
+# kernels (the kernel tests), bench (env, SmolLM2 bench, launch sweep), models (the model tests on
+# CUDA), large (the Llama-3-8B-architecture bench), variants (the kernel tests under the kernel
+# variants of contextdeque.kernels.triton_fused, and the variant sweep).
+set -u
+STAGES=${STAGES:-kernels,bench,models,large}
+want() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR TOKENIZER_DIR [WHEEL_DIR]}
+TOK=${2:?usage: scripts/gpu_check.sh OUT_DIR TOKENIZER_DIR [WHEEL_DIR]}
+WHL=${3:-}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+failed=0
+
+if [ -n "$WHL" ] && ls "$WHL"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl || exit 99
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# contextdeque without a build step, in a copy of the checkout (this one stays untouched) where
+# kernels/ and agents/ are linked inside the package, as the install maps them
+OUT=$(cd "$OUT" && pwd) TOK=$(cd "$TOK" && pwd)
+rm -rf /tmp/cdq-repo && mkdir -p /tmp/cdq-repo && cp -r contextdeque kernels agents tests pyproject.toml /tmp/cdq-repo/ \
+  && ln -s ../kernels /tmp/cdq-repo/contextdeque/kernels && ln -s ../agents /tmp/cdq-repo/contextdeque/agents || exit 98
+cd /tmp/cdq-repo || exit 98
+export PYTHONPATH=/tmp/cdq-repo${PYTHONPATH:+:$PYTHONPATH}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+} 2>&1 | tee "$OUT/gpu_check.log"
+
+MODEL_TESTS="verify or window or materialize or relocation_runs"
+if want kernels; then  # many Triton specializations, compiled in parallel processes
+  timeout 90 python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider -n 8 -k "not ($MODEL_TESTS)" \
+    >"$OUT/tests_kernels.log" 2>&1 || failed=$((failed + 1))
+  tail -3 "$OUT/tests_kernels.log"
+fi
+if want bench; then
+  timeout 120 python3 -m contextdeque.eval.gpu_check "$OUT" --tokenizer-dir "$TOK" --steps env,smollm2,sweep \
+    2>&1 | tee -a "$OUT/gpu_check.log" | grep '^\[gpu_check\]'
+  [ "${PIPESTATUS[0]}" = 0 ] || failed=$((failed + 1))
+fi
+if want models; then
+  timeout 80 python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider -s --tb=short -k "$MODEL_TESTS" \
+    >"$OUT/tests_models.log" 2>&1 || failed=$((failed + 1))
+  tail -3 "$OUT/tests_models.log"
+fi
+if want large; then
+  timeout 120 python3 -m contextdeque.eval.gpu_check "$OUT" --tokenizer-dir "$TOK" --steps llama3_8b \
+    2>&1 | tee -a "$OUT/gpu_check.log" | grep '^\[gpu_check\]'
+  [ "${PIPESTATUS[0]}" = 0 ] || failed=$((failed + 1))
+fi
+if want variants; then
+  CONTEXTDEQUE_TRITON_DOT_THEN_ADD=1 timeout 60 python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider -n 8 \
+    -k "not ($MODEL_TESTS)" >"$OUT/tests_dot_then_add.log" 2>&1 || failed=$((failed + 1))
+  tail -2 "$OUT/tests_dot_then_add.log"
+  timeout 60 python3 -m contextdeque.eval.gpu_check "$OUT" --tokenizer-dir "$TOK" --steps sweep \
+    2>&1 | tee -a "$OUT/gpu_check.log" | grep '^\[gpu_check\]'
+  [ "${PIPESTATUS[0]}" = 0 ] || failed=$((failed + 1))
+  CONTEXTDEQUE_TRITON_DOT_THEN_ADD=1 CONTEXTDEQUE_TRITON_FP32_PRECISION=tf32x3 timeout 30 python3 -m pytest tests/test_cuda.py \
+    -m cuda -q -p no:cacheprovider -n 8 -k "not ($MODEL_TESTS) and float32" >"$OUT/tests_tf32x3.log" 2>&1 || failed=$((failed + 1))
+  tail -2 "$OUT/tests_tf32x3.log"
+fi
+echo "gpu_check: $failed stage(s) failed"
+exit $failed

@@ -1,0 +1,304 @@
+"""The GPU path on a real CUDA device: every test here is marked ``cuda`` and skips cleanly
+without one (``pytest -m cuda`` selects them; ``contextdeque.eval.gpu_check`` runs them on a
+lent accelerator and records the figures in docs/gpu.md).
+
+- the Triton kernel against the float64 oracle of tests/test_kernels.py, within one ULP of the
+  storage dtype (its tolerance): contiguous and paged destinations, fp32/bf16/fp16, head dims
+  64-256, ranks 0-64, partial / interleaved rotation, MLA's rotation in v, the all-layers launch,
+  chunks long enough for many token blocks; on CUDA bf16/fp16 operands reach ``tl.dot`` as they
+  are (the interpreter widens them), so these are the tests the interpreter cannot stand in for;
+- relocation on CUDA against transformers' own forward at the target positions (the
+  ``verify-model`` gate) on a tiny llama and on SmolLM2-135M's architecture with random weights;
+- the window's exact-policy state machine for a short run with the model and pages on CUDA;
+- ``materialize()`` + generation with flash-attention 2 where flash-attn imports (else SDPA),
+  next-token KL against a re-prefill.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_kernels import (
+    DTYPES,
+    HEAD_DIMS,
+    RANKS,
+    VARIANTS,
+    _rank,
+    assert_ulp_close,
+    check_layers_against_oracle,
+    make_inputs,
+    oracle,
+    stacked_layers_case,
+)
+
+from contextdeque.eval.gpu_check import SMOLLM2_135M_CONFIG
+from contextdeque.kernels import (
+    ContiguousDest,
+    PagedDest,
+    RopeSpec,
+    fused_apply,
+    fused_apply_layers,
+    select_backend,
+    slot_mapping_from_block_table,
+)
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CUDA = torch.device("cuda")
+
+def to_cuda(*ts):
+    return [None if t is None else (tuple(x.to(CUDA) for x in t) if isinstance(t, tuple) else t.to(CUDA)) for t in ts]
+
+
+def triton_vs_oracle(k, v, rope, cos, sin, kf, vf, what, out_dtype=None):
+    """Run the Triton kernel on CUDA copies of CPU inputs; compare with the float64 oracle."""
+    ck, cv, ccos, csin, ckf, cvf = to_cuda(k, v, cos, sin, kf, vf)
+    # poison the destinations: an unwritten element cannot pass as a correct one
+    out_k = torch.full((1, *k.shape), float("nan"), dtype=out_dtype or k.dtype, device=CUDA)
+    out_v = torch.full((1, *v.shape), float("nan"), dtype=out_dtype or v.dtype, device=CUDA)
+    fused_apply(ck, cv, rope, ccos, csin, ckf, cvf, ContiguousDest(out_k, out_v), backend="triton")
+    torch.cuda.synchronize()
+    ek, ev, sk, sv = oracle(k, v, rope, cos, sin, kf, vf)
+    assert_ulp_close(out_k[0].cpu(), ek, sk, out_k.dtype, _rank(kf), what=f"{what} k")
+    assert_ulp_close(out_v[0].cpu(), ev, sv, out_v.dtype, _rank(vf), what=f"{what} v")
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+
+def test_auto_selects_triton_on_cuda():
+    assert select_backend("cuda") == "triton"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("rank", RANKS)
+def test_cuda_head_dims_and_ranks(dtype, d, rank):
+    rope = RopeSpec("k", 0, d)
+    k, v, kf, vf, cos, sin = make_inputs(2, 77, d, rank, dtype, rope, seed=d * 7 + rank)  # 2 token blocks
+    triton_vs_oracle(k, v, rope, cos, sin, kf, vf, f"cuda d={d} m={rank}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_cuda_variants(dtype, name):
+    H, T, d, rope, v_shape = VARIANTS[name]
+    k, v, kf, vf, cos, sin = make_inputs(H, T, d, 16, dtype, rope, seed=41, v_shape=v_shape, v_rank=5)
+    triton_vs_oracle(k, v, rope, cos, sin, kf, vf, f"cuda {name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_long_chunk_rank_32(dtype):
+    """Thousands of tokens (many blocks, offsets past 2**16 elements) at the benchmarks' rank."""
+    rope = RopeSpec("k", 0, 128)
+    k, v, kf, vf, cos, sin = make_inputs(8, 4099, 128, 32, dtype, rope, seed=5)
+    triton_vs_oracle(k, v, rope, cos, sin, kf, vf, "cuda long")
+
+
+def test_cuda_mixed_factor_dtype_and_fp32_out():
+    rope = RopeSpec("k", 0, 64)
+    k, v, kf, vf, cos, sin = make_inputs(2, 70, 64, 16, torch.bfloat16, rope, seed=45)
+    kf32 = (kf[0].float(), kf[1])  # u fp32, w bf16
+    triton_vs_oracle(k, v, rope, cos, sin, kf32, vf, "cuda mixed", out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,start", [(4, 5), (16, 13), (16, 0)])
+def test_cuda_paged(dtype, block_size, start):
+    H, T, d, num_blocks = 2, 83, 128, 40
+    rope = RopeSpec("k", 0, 128)
+    k, v, kf, vf, cos, sin = make_inputs(H, T, d, 16, dtype, rope, seed=block_size + start)
+    g = torch.Generator().manual_seed(43)
+    table = torch.randperm(num_blocks, generator=g)[: (start + T + block_size - 1) // block_size]
+    slots = slot_mapping_from_block_table(table, start, T, block_size)
+    slots[3] = -1  # padding: skipped
+    caches = [torch.randn(num_blocks, block_size, H, d, generator=g).to(dtype) for _ in range(2)]
+    ck, cv, ccos, csin, ckf, cvf, cslots = to_cuda(k, v, cos, sin, kf, vf, slots)
+    dev_caches = [c.to(CUDA) for c in caches]
+    fused_apply(ck, cv, rope, ccos, csin, ckf, cvf, PagedDest(dev_caches[0], dev_caches[1], cslots), backend="triton")
+    got = [c.cpu() for c in dev_caches]
+    ek, ev, sk, sv = oracle(k, v, rope, cos, sin, kf, vf)
+    live = slots >= 0
+    blk, off = slots[live] // block_size, slots[live] % block_size
+    for out, want, scale, f in ((got[0], ek, sk, kf), (got[1], ev, sv, vf)):
+        assert_ulp_close(
+            out[blk, off], want[:, live].transpose(0, 1), scale[:, live].transpose(0, 1), dtype, _rank(f), what="paged"
+        )
+    keep = torch.ones(num_blocks, block_size, dtype=torch.bool)
+    keep[blk, off] = False
+    for out, before in zip(got, caches):
+        assert torch.equal(out[keep], before[keep])  # untouched slots keep their stale data
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_contiguous_dest_offset_touches_only_the_chunk(dtype):
+    H, T, d = 2, 70, 128
+    rope = RopeSpec("k", 0, 64, interleaved=True)
+    k, v, kf, vf, cos, sin = make_inputs(H, T, d, 16, dtype, rope, seed=44)
+    dk, dv = torch.randn(2, H, 100, d).to(dtype), torch.randn(2, H, 100, d).to(dtype)
+    ck, cv, ccos, csin, ckf, cvf, gk, gv = to_cuda(k, v, cos, sin, kf, vf, dk, dv)
+    fused_apply(ck, cv, rope, ccos, csin, ckf, cvf, ContiguousDest(gk, gv, 1, 17), backend="triton")
+    gk, gv = gk.cpu(), gv.cpu()
+    ek, ev, sk, sv = oracle(k, v, rope, cos, sin, kf, vf)
+    assert_ulp_close(gk[1, :, 17:87], ek, sk, dtype, 16, what="offset k")
+    assert_ulp_close(gv[1, :, 17:87], ev, sv, dtype, 16, what="offset v")
+    keep = torch.ones_like(dk, dtype=torch.bool)
+    keep[1, :, 17:87] = False
+    assert torch.equal(gk[keep], dk[keep]) and torch.equal(gv[keep], dv[keep])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_all_layers_in_two_launches(dtype, monkeypatch):
+    """A stacked chunk (stacked factors, per-layer tables) goes in two launches, and equals the oracle."""
+    from contextdeque.kernels import triton_fused
+
+    L, m = 4, 32
+    rope, k, v, kf, vf, cos, sin, layers = stacked_layers_case(L, 3, 131, 64, m, dtype)
+    launches = []
+    real = triton_fused._launch
+    monkeypatch.setattr(triton_fused, "_launch", lambda job, *a: (launches.append(a[:1] or (1,)), real(job, *a)))
+    ck, cv, ccos, csin = to_cuda(k, v, cos, sin)
+    ckf, cvf = tuple(t.to(CUDA) for t in kf), tuple(t.to(CUDA) for t in vf)
+    out = fused_apply_layers(ck, cv, rope, ccos, csin, ckf, cvf)
+    assert launches == [(L,), (L,)]
+    check_layers_against_oracle(out, rope, layers, m, "cuda stacked")
+
+
+# ----------------------------------------------------------------------------- models on CUDA
+
+
+def _cuda_backend(config: dict, seed: int, dtype: torch.dtype = torch.float32, attn: str = "sdpa"):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from contextdeque.model.hf import HFBackend
+
+    with torch.random.fork_rng(devices=[CUDA]):
+        torch.manual_seed(seed)
+        with torch.device(CUDA):
+            model = AutoModelForCausalLM.from_config(LlamaConfig(**config), dtype=dtype, attn_implementation=attn)
+    return HFBackend(model.eval(), None, root_ids=[1, 5, 9, 13], name=f"random-llama-{config['num_hidden_layers']}L")
+
+
+@pytest.fixture(scope="module")
+def smollm2_random():
+    """SmolLM2-135M's architecture on CUDA with random weights (its real weights do not travel to
+    the lent device; relocation exactness does not depend on them)."""
+    return _cuda_backend(SMOLLM2_135M_CONFIG, seed=0)
+
+
+def test_cuda_verify_model_tiny_llama():
+    from contextdeque.eval.verify import verify_backend
+    from contextdeque.model.testing import tiny_backend
+
+    cpu = tiny_backend("llama")
+    from contextdeque.model.hf import HFBackend
+
+    backend = HFBackend(cpu.model.to(CUDA), None, root_ids=cpu.root_ids, name="tiny-llama-cuda")
+    assert backend.layout.num_layers > 0 and backend.device.type == "cuda"
+    report = verify_backend(backend, offsets=[1, 37, 300])
+    assert report.ok, report.to_json()
+    assert report.details and all(d.ok for d in report.details)
+
+
+def test_cuda_verify_model_cli(capsys):
+    """``contextdeque verify-model --device cuda`` (added after the H200 run of docs/gpu.md)."""
+    import json
+
+    from contextdeque.cli import main
+
+    rc = main(["verify-model", "--arch", "llama", "--random", "--device", "cuda", "--tokens", "48", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["ok"], out
+
+
+def test_cuda_verify_model_smollm2_architecture(smollm2_random):
+    from contextdeque.eval.verify import verify_backend
+
+    report = verify_backend(smollm2_random)
+    assert report.ok, report.to_json()
+    assert 4099 in report.offsets and len(report.details) == len(report.offsets)
+
+
+def test_cuda_relocation_runs_on_the_device(smollm2_random, monkeypatch):
+    """The chunk, the tables and the relocated KV stay on CUDA and go through the Triton kernel."""
+    from contextdeque.core.operator import relocate
+    from contextdeque.kernels import triton_fused
+
+    calls = []
+    real = triton_fused.run_all_layers
+    monkeypatch.setattr(triton_fused, "run_all_layers", lambda *a: calls.append(1) or real(*a))
+    chunk = smollm2_random.encode(token_ids=torch.arange(10, 74))
+    assert chunk.keys.device.type == "cuda"
+    out = relocate(chunk, 500)
+    assert calls and all(k.device.type == "cuda" and v.device.type == "cuda" for k, v in out)
+
+
+def test_cuda_window_state_machine_exact_policy():
+    from hypothesis import HealthCheck, settings
+    from hypothesis.stateful import run_state_machine_as_test
+    from helpers import micro_llama
+    from test_window_state_machine import make_machine, tiny_pool
+
+    from contextdeque.model.hf import HFBackend
+
+    backend = HFBackend(micro_llama(7).to(CUDA), None, root_ids=[1, 3], name="tiny-sm-llama-cuda")
+    machine = make_machine(backend, tiny_pool(), ["exact"], (12, 48))
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=15, stateful_step_count=8, deadline=None, derandomize=True, database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+        ),
+    )
+
+
+def _attention_implementation() -> str:
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:
+        return "sdpa"
+    return "flash_attention_2"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
+def test_cuda_materialize_and_generate_vs_reprefill(dtype):
+    """A window of pages on CUDA: the question's next-token distribution over ``materialize()``
+    (exact policy) against one forward over root + pages + question, and greedy generation from
+    the window's own cache. flash-attention 2 where flash-attn imports, else SDPA (recorded)."""
+    from contextdeque.core.metrics import kl_divergence
+    from contextdeque.window import ContextWindow
+
+    impl = _attention_implementation()
+    backend = _cuda_backend({**SMOLLM2_135M_CONFIG, "num_hidden_layers": 6}, seed=3, dtype=dtype, attn=impl)
+    g = torch.Generator().manual_seed(0)
+    pages = [torch.randint(10, 40000, (96,), generator=g).tolist() for _ in range(4)]
+    question = torch.randint(10, 40000, (12,), generator=g).tolist()
+    win = ContextWindow(backend, budget_tokens=4 * 96, rank=32, patch_policy="exact")
+    for p in pages:
+        win.append(token_ids=p)
+    cache = win.materialize()
+    from contextdeque.core import compat
+
+    past = [tuple(t[0] for t in compat.cache_layer(cache, l)) for l in range(compat.cache_num_layers(cache))]
+    assert past[0][0].device.type == "cuda"
+    start = win.next_position()
+    logits = backend.forward(
+        input_ids=question, positions=backend.text_positions(start, len(question)), past=past
+    ).logits[-1]
+    ids = list(win.root_ids) + [t for p in pages for t in p] + question
+    ref = backend.forward(input_ids=ids, positions=backend.text_positions(0, len(ids))).logits[-1]
+    kl = kl_divergence(ref.float(), logits.float())
+    print(f"attention={impl} dtype={dtype} KL(re-prefill || window)={kl:.3g}")
+    assert kl < 1e-2, kl
+    # generation from the window's own cache (model.generate over materialize()) vs from scratch
+    reply = win.generate(question, max_new_tokens=8, chat=False).token_ids
+    full = backend.model.generate(
+        input_ids=torch.tensor([ids], device=CUDA), max_new_tokens=8, do_sample=False, min_new_tokens=8
+    )[0, len(ids):].tolist()
+    agree = sum(a == b for a, b in zip(reply, full))
+    print(f"greedy tokens from the window's cache agreeing with a re-prefill's: {agree} of {len(full)}")
+    assert 1 <= len(reply) <= 8
