@@ -35,6 +35,7 @@ MISTAKES: dict[str, tuple[list[str], int, str]] = {
     "loadtest": (["--url", "http://127.0.0.1:9"], USAGE_EXIT, "FetchError"),
     "load-bench": (["--model", NO_MODEL], USAGE_EXIT, "ModelLoadError"),
     "store-bench": ([], USAGE_EXIT, "pip install 'contextdeque[serve]'"),
+    "bench-vllm": ([], USAGE_EXIT, "pip install 'contextdeque[vllm]'"),
     "traces": (["validate", "/nonexistent/trace.jsonl"], 1, "trace.jsonl"),  # documented: traces/replay exit 1
     "replay": (["/nonexistent/trace.jsonl"], 1, "trace.jsonl"),
     "replay-bench": (["--seeds", "four"], USAGE_EXIT, "--seeds"),

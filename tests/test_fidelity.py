@@ -186,6 +186,33 @@ def test_cli_json_smoke(capsys, tmp_path):
     assert png.exists() and png.stat().st_size > 1000
 
 
+def test_cli_fidelity_target_reports_eta_ranks_bytes_and_misses(capsys, tmp_path, monkeypatch):
+    """``--fidelity-target``: target arms beside the fixed ranks, with median and 10th-percentile η,
+    directions and bytes per arm, and the miss count; the model's envelope is calibrated (cached
+    under the cache dir) and reported, then read back by ``verify-model`` and ``calibrate``."""
+    from contextdeque.cli import main
+
+    monkeypatch.setenv("CONTEXTDEQUE_CACHE", str(tmp_path))
+    args = ["--model", "tiny:llama", "--items", "3", "--ranks", "4", "--max-chunk-tokens", "12", "--image-grid", "2x2",
+            "--arms", "patch", "--json", "--threads", "1", "--fidelity-target", "0.9,0.99", "--max-patch-fraction", "0.02"]
+    assert main(["fidelity", *args]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fidelity_envelope"]["n_items"] >= 1 and out["max_patch_fraction"] == 0.02
+    for name in ("target-0.9", "target-0.99", "patch-r4"):
+        a = out["arms"][name]
+        assert {"median_eta", "p10_eta", "mean_directions_k", "mean_directions_v", "patch_bytes"} <= set(a)
+    t = out["arms"]["target-0.99"]
+    assert t["misses"] == t["patches"] > 0  # a 2% cap binds on every patch, and each miss is counted
+    assert t["bytes_fraction"] <= 0.02 + 1e-9
+    assert main(["verify-model", "tiny:llama", "--json"]) in (0, 1)
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["fidelity_envelope"]["fingerprint"] == out["fidelity_envelope"]["fingerprint"]
+    assert main(["calibrate", "--model", "tiny:llama", "--only-envelope", "--threads", "1", "--max-chunk-tokens", "12",
+                 "--image-grid", "2x2"]) == 0
+    printed = capsys.readouterr().out
+    assert "fidelity envelope of tiny-llama" in printed and str(tmp_path) in printed
+
+
 def test_a_failing_arm_is_reported_and_the_run_completes(capsys, monkeypatch):
     """The capsule fit raising on one item (as a singular key Gram once did) and the recall group
     raising on every item: the CLI run still exits 0, every other arm is scored, and the JSON

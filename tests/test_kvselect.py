@@ -286,4 +286,4 @@ def test_fidelity_cli_refuses_a_zero_budget_or_retention_before_loading_a_model(
         main(["fidelity", "--model", "no/such/model", *argv])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert ("integers" in err or "expected a number" in err or "kept fraction" in err) and "Traceback" not in err
+    assert ("integers" in err or "expected a number" in err or "in (0, 1]" in err) and "Traceback" not in err

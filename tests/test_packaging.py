@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("contextdeque.replay",),
     ("contextdeque.session",),
     ("contextdeque.agents",),
-    ("contextdeque.serve",),
+    ("contextdeque.serve", "contextdeque.integrations"),
     ("contextdeque.cli",),
 ]
 RANK = {prefix: rank for rank, group in enumerate(LAYERS) for prefix in group}

@@ -91,21 +91,28 @@ BUDGETS = (None, 6000, 3000)  # window token budgets, equal for both placements
 
 @pytest.mark.parametrize("kind", ["web", "video", "doc"])
 def test_scheduler_never_forms_more_than_arrival(kind):
-    """Over every trace of the kind's generated set, at every budget: never more forms than
-    arrival order on any trace, fewer in aggregate without a budget. The offline scheduler is held
-    to the same per trace without a budget (under one it can trade forms for what it evicts)."""
+    """Over every trace of the kind's generated set: without a budget never more forms than
+    arrival order on any trace, and fewer in aggregate; under a budget never more in aggregate
+    (per trace a kept stale patch can cost a form later: one conditioned on a chunk that is
+    evicted and recalled re-forms in its recall cascade, and what it is conditioned on with it).
+    The offline scheduler is held to the same per trace without a budget."""
     agg = {"arrival": 0, "scheduler": 0, "scheduler-offline": 0}
+    budgeted = {"arrival": 0, "scheduler": 0}
     for budget in BUDGETS:
         cfg = ReplayConfig(budget_tokens=budget)
         for seed in GENERATED_SEEDS:
             t = generate(kind, seed=seed)
             per = {p: Replayer(t, p, "lru", "patch", config=cfg).run().patch_forms for p in agg}
-            assert per["scheduler"] <= per["arrival"], (budget, seed, per)
-            if budget is None:
+            if budget is not None:
+                for p in budgeted:
+                    budgeted[p] += per[p]
+            else:
+                assert per["scheduler"] <= per["arrival"], (seed, per)
                 assert per["scheduler-offline"] <= per["arrival"], (seed, per)
                 for p in agg:
                     agg[p] += per[p]
     assert agg["scheduler"] < agg["arrival"] and agg["scheduler-offline"] < agg["arrival"], agg
+    assert budgeted["scheduler"] <= budgeted["arrival"], budgeted
 
 
 def test_scheduler_holds_to_the_asked_order_when_departing_forms_more():

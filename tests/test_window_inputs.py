@@ -160,3 +160,44 @@ def test_text_and_chunk_template(default_backend):
 def test_bad_chunk_template(backend, template):
     with pytest.raises(ContextDequeError, match="chunk_template"):
         ContextWindow(backend, chunk_template=template)
+
+
+def test_window_config_is_the_one_settings_object(tiny_backend_factory):
+    """Settings are checked once, where the WindowConfig is made; a window made from keywords and
+    one made from the same WindowConfig carry equal settings; the config is frozen."""
+    import dataclasses
+
+    from contextdeque.core.errors import BudgetError, WindowError, WindowTypeError
+    from contextdeque.window import DEFAULT_RANK, ContextWindow, WindowConfig
+
+    backend = tiny_backend_factory("llama")
+    config = WindowConfig(budget_tokens=64, rank=4, storage="bfloat16", patch_policy="eager")
+    assert config.storage == torch.bfloat16 and WindowConfig().rank == DEFAULT_RANK
+    by_keywords = ContextWindow(backend, budget_tokens=64, rank=4, storage=torch.bfloat16, patch_policy="eager")
+    assert ContextWindow.from_config(backend, config).context.config == by_keywords.context.config == config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.rank = 8  # type: ignore[misc]
+    assert config.replace(rank=8).rank == 8
+    for bad, error in ((dict(rank=-1), WindowError), (dict(budget_tokens=0), BudgetError),
+                       (dict(overflow="spill"), WindowError), (dict(storage=3), WindowTypeError)):
+        with pytest.raises(error):
+            WindowConfig(**bad)
+        with pytest.raises(error):
+            ContextWindow(backend, **bad)
+    with pytest.raises(WindowTypeError):
+        ContextWindow.from_config(backend, {"rank": 4})  # type: ignore[arg-type]
+
+
+def test_receipts_add_their_counted_fields():
+    """Receipts add (``+``, ``merged``): counts, bytes per tier, wall time, refs, notes, repairs;
+    a field added to Receipt with the ``adds`` metadata is summed without listing it anywhere."""
+    from contextdeque.window.receipt import ADDED_FIELDS, Receipt
+
+    a = Receipt("append", forwards=1, tokens_prefilled=5, bytes_moved={"device": 3}, notes=("a",), left=("x",))
+    b = Receipt("heal", forwards=2, encodes=1, bytes_moved={"device": 1, "host": 2}, repairs=("r",))
+    total = Receipt.merged("trace", [a, b], wall_ms=7.0)
+    assert (total.op, total.forwards, total.tokens_prefilled, total.encodes) == ("trace", 3, 5, 1)
+    assert total.bytes_moved == {"device": 4, "host": 2} and a.bytes_moved == {"device": 3}
+    assert total.notes == ("a",) and total.repairs == ("r",) and total.left == () and total.wall_ms == 7.0
+    assert {"forwards", "tokens_prefilled", "bytes_moved", "wall_ms"} <= set(ADDED_FIELDS)
+    assert (a + b).forwards == 3 and (a + b).op == "append"

@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("contextdeque.cli.serve", "an OpenAI-compatible chat endpoint whose conversations are context windows [serve extra]"),
     "loadtest": ("contextdeque.cli.loadtest", "concurrent multi-turn agent conversations against serve replicas: throughput, latency, TTFT"),
     "load-bench": ("contextdeque.cli.load_bench", "overlapped vs sequential tier loading: a window half on disk, half missing"),
+    "bench-vllm": ("contextdeque.cli.bench_vllm", "a re-read turn on vLLM: contextdeque's KV connector vs vLLM's prefix caching, side by side"),
     "store-bench": ("contextdeque.cli.store_bench", "Valkey store tier vs the local disk tier: put/get GB/s for one real chunk [serve extra]"),
     "traces": ("contextdeque.cli.traces", "generate agent traces (web/video/doc), import Mooncake traces, validate"),
     "replay": ("contextdeque.cli.replay", "replay traces under placement x eviction x reuse-arm policies (cost model, --fidelity)"),

@@ -1,10 +1,14 @@
 """``contextdeque calibrate``: measure the replay cost model on this machine's backend
-(``contextdeque.replay.calibrate``) and save it."""
+(``contextdeque.replay.calibrate``) and save it; with ``--envelope``, also the model's fidelity
+envelope (how a patch's captured energy maps to η, ``contextdeque.eval.fidelity.envelope``),
+cached beside the layout proofs and keyed by the weights' fingerprint, which a window's
+``fidelity_target`` reads."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from ..replay.calibrate import calibrate
 from ..replay.cost import save_calibration
@@ -15,18 +19,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help=MODEL_HELP)
     add_threads_argument(parser)
     parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--cache-dir", type=Path, default=None, help="cache root (default: $CONTEXTDEQUE_CACHE or ~/.cache/contextdeque)")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="the cost model's cache root (default: $CONTEXTDEQUE_CACHE or ~/.cache/contextdeque; "
+                        "the envelope is cached under $CONTEXTDEQUE_CACHE)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--envelope", action="store_true",
+                        help="also measure the model's fidelity envelope (energy -> η on a few probe items; minutes "
+                             "on a CPU) and cache it beside the layout proofs, measured afresh even when cached")
+    parser.add_argument("--only-envelope", action="store_true", help="the fidelity envelope only (no cost model)")
+    parser.add_argument("--max-chunk-tokens", type=int, default=512, help="the envelope's probe chunks are cut to this (test models)")
+    parser.add_argument("--image-grid", default=None, metavar="RxC", help="the envelope's image spans' grid (test models)")
+
+
+def print_envelope(env: Any, out: Any = print) -> None:
+    """The envelope as a few lines: where it came from, and the energy and η per calibration point."""
+    from ..model.envelope import envelope_path
+
+    out(f"fidelity envelope of {env.model or env.fingerprint[:12]}: {env.summary()}")
+    out(f"  cached at {envelope_path(env.fingerprint)}")
+    out("  energy    median η   p10 η   bytes/page")
+    for e, m, p, b in zip(env.energies, env.median_eta, env.p10_eta, env.mean_bytes_fraction):
+        out(f"  {e:<8g}  {m:>8.4f}  {p:>6.4f}  {b:>10.3f}")
 
 
 def run(args: argparse.Namespace) -> int:
-    # a model that cannot be loaded or a cache directory that cannot be written: one line, exit 2
-    # (contextdeque.cli.main)
+    # a model that cannot be loaded, a cache directory that cannot be written or a model with
+    # nothing to calibrate η on: one line, exit 2 (contextdeque.cli.main)
     backend = load_backend(args.model, threads=args.threads)
-    model = calibrate(backend, rank=args.rank, repeats=args.repeats)
-    path = save_calibration(model, args.cache_dir)
-    print(f"calibration saved to {path}")
-    for k, v in model.to_json().items():
-        if k != "extra":
-            print(f"  {k}: {v}")
+    if not args.only_envelope:
+        model = calibrate(backend, rank=args.rank, repeats=args.repeats)
+        path = save_calibration(model, args.cache_dir)
+        print(f"calibration saved to {path}")
+        for k, v in model.to_json().items():
+            if k != "extra":
+                print(f"  {k}: {v}")
+    if args.envelope or args.only_envelope:
+        from ..eval.fidelity.envelope import ensure_envelope
+
+        grid = None if not args.image_grid else tuple(int(x) for x in args.image_grid.lower().split("x"))
+        print_envelope(ensure_envelope(backend, refresh=True, max_chunk_tokens=args.max_chunk_tokens, image_grid=grid))
     return 0

@@ -21,6 +21,7 @@ from ..core.chunk import storage_dtype
 from ..eval.fidelity.harness import FAMILIES, HarnessConfig, run_fidelity
 from ..eval.fidelity.metrics import DEFAULT_MIN_GAP
 from ..eval.fidelity.probes import probe_set
+from .fidelity_target import add_fidelity_target_arguments, fraction
 from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 
 
@@ -32,17 +33,6 @@ def _int_list(text: str) -> tuple[int, ...]:
     if not vals or any(v <= 0 for v in vals):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return vals
-
-
-def retention(text: str) -> float:
-    """A ``--...-retention`` value: the kept fraction, in (0, 1]."""
-    try:
-        val = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 < val <= 1.0:
-        raise argparse.ArgumentTypeError(f"a retention is a kept fraction in (0, 1], got {text!r}")
-    return val
 
 
 def _arm_list(text: str) -> tuple[str, ...]:
@@ -68,10 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_threads_argument(parser)
     parser.add_argument("--max-chunk-tokens", type=int, default=512, help="cut longer text chunks (test models)")
     parser.add_argument("--image-grid", default=None, metavar="RxC", help="override every image span's patch grid")
-    parser.add_argument("--capsule-retention", type=retention, default=0.4,
+    parser.add_argument("--capsule-retention", type=fraction, default=0.4,
                         help="kvcapsule-linear: mean kept fraction of the pyramid schedule (default 0.4)")
     parser.add_argument("--select-budgets", type=_int_list, default=(64, 128, 256, 512),
                         help="KV selection budgets, rows per KV head (default 64,128,256,512)")
+    add_fidelity_target_arguments(
+        parser, "also run a window's fidelity rule per η target (arms target-T, with the patch family): per-layer "
+                "ranks allocated through the model's calibrated envelope (measured now when not cached) under "
+                "--max-patch-fraction; reports median and 10th-percentile η, ranks, bytes and misses per arm",
+        several=True)
     parser.add_argument("--vlcache-schedule", default=None, metavar="R0,R1,...",
                         help="VLCache per-layer recompute ratios, non-increasing, one per layer "
                              "(default: a linear ramp with mean 0.15)")
@@ -140,8 +135,32 @@ def _print_tables(summary: dict[str, Any], console: Any) -> None:
             table.add_row(fam, str(f["n"]), _fmt(f["median_blind_kl"], ".3g"),
                           *(_fmt(f["median_eta"].get(n)) for n in names))
         console.print(table)
+    table = _patch_budget_table(summary)
+    if table is not None:
+        console.print(table)
+    console.print(summary.get("fidelity_envelope_note", ""))
     table = _targets_table(summary)
     console.print(table)
+
+
+def _patch_budget_table(summary: dict[str, Any]) -> Any:
+    """Per patch arm (fixed ranks, full, fidelity targets): median and 10th-percentile η, mean
+    directions per patch (K / V, over all layers), patch bytes, fidelity misses."""
+    from rich.table import Table
+
+    rows = {k: v for k, v in summary["arms"].items() if v["group"] == "main" and "patch_bytes" in v
+            and (k.startswith("patch-") or k.startswith("target-"))}
+    if not any(k.startswith("target-") for k in rows):
+        return None
+    table = Table(title=f"patch arms: η, ranks and bytes (fidelity targets under a byte cap of "
+                        f"{summary.get('max_patch_fraction')} of the page, on_miss={summary.get('on_miss')})")
+    for col in ("arm", "median η", "p10 η", "dirs K / V", "patch MiB", "misses", "over cap", "est. η (median)"):
+        table.add_column(col, justify="right" if col != "arm" else "left")
+    for name, a in rows.items():
+        table.add_row(name, _fmt(a["median_eta"]), _fmt(a.get("p10_eta")),
+                      f"{a['mean_directions_k']:.0f} / {a['mean_directions_v']:.0f}", _fmt(a["patch_bytes"] / 2**20, ".2f"),
+                      str(a.get("misses", "-")), str(a.get("over_cap", "-")), _fmt(a.get("median_estimated_eta")))
+    return table
 
 
 def _targets_table(summary: dict[str, Any]) -> Any:
@@ -221,6 +240,19 @@ def run(args: argparse.Namespace) -> int:
         select_budgets=tuple(args.select_budgets),
         capsule_retention=float(args.capsule_retention),
     )
+    envelope, note = None, "fidelity envelope: not calibrated"
+    if args.fidelity_target:
+        from ..eval.fidelity.envelope import ensure_envelope
+
+        envelope = ensure_envelope(backend, max_chunk_tokens=int(args.max_chunk_tokens), image_grid=grid)
+    else:
+        from ..model.envelope import load_envelope
+
+        envelope = load_envelope(backend.fingerprint)
+    if envelope is not None:
+        note = f"fidelity envelope: {envelope.summary()}"
+    cfg.fidelity_targets, cfg.envelope = tuple(args.fidelity_target), envelope
+    cfg.max_patch_fraction, cfg.on_miss = float(args.max_patch_fraction), args.on_miss
     items = probe_set(args.items)
     with Progress(TextColumn("[bold]fidelity"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=err, transient=False) as progress:
@@ -236,6 +268,10 @@ def run(args: argparse.Namespace) -> int:
         result = run_fidelity(backend, items, cfg, progress=step)
     summary = result.summary
     summary["model"] = backend.name
+    summary["fidelity_envelope"] = None if envelope is None else envelope.as_dict()
+    summary["fidelity_envelope_note"] = note
+    summary["fidelity_targets"], summary["max_patch_fraction"] = list(args.fidelity_target), args.max_patch_fraction
+    summary["on_miss"] = args.on_miss
     summary["threads"] = torch.get_num_threads()
     summary["wall_s"] = time.perf_counter() - t0
     summary["image_spans"] = ("EMULATED: scikit-image pixels through a fixed seeded random projection into "

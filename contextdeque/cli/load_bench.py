@@ -11,7 +11,7 @@ import sys
 import torch
 
 from ..eval.load_bench import run_load_bench
-from .fidelity import retention
+from .fidelity_target import fraction
 from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 
 
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="background reader threads")
     parser.add_argument("--storage", default="float32", help="chunk storage dtype (float32, bfloat16)")
     parser.add_argument("--dir", default=None, help="disk tier directory (default: a temporary one)")
-    parser.add_argument("--capsule", type=retention, default=None, metavar="RHO",
+    parser.add_argument("--capsule", type=fraction, default=None, metavar="RHO",
                         help="keep the disk chunks compressed at rest (KVCapsule linear, mean retention RHO in (0, 1])")
     parser.add_argument(
         "--model", default=None,

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..core.errors import ContextDequeError
+from .fidelity_target import add_fidelity_target_arguments, window_options
 from .model_spec import add_threads_argument, apply_threads_argument
 
 GiB = 1 << 30
@@ -39,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prices it; latency, exact, ...); "
                              "latency-first windows are also measured after heal(). 'latency' / 'latency-shared' also "
                              "price the patch arm so in cost-model mode (arms patch-latency / patch-latency-shared)")
+    add_fidelity_target_arguments(parser, "the fidelity mode's patch window gets this η target (docs/fidelity.md); the "
+                                          "patches its byte cap could not fit it into are counted and listed with --json")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG figure here")
     parser.add_argument("--json", action="store_true", help="print one JSON object (deterministic) instead of tables")
 
@@ -81,12 +84,13 @@ def run(args: argparse.Namespace) -> int:
             from ..replay.fidelity import run_fidelity_mode
 
             apply_threads_argument(args)
+            options = window_options(args)
             fid = run_fidelity_mode([str(p) for p in args.traces], combos, args.fidelity, seed=args.seed, console=err,
-                                    patch_policy=args.patch_policy)
+                                    patch_policy=args.patch_policy, window_options=options)
             for r in results:
                 r.update(fid.get((r["trace"], r["placement"], r["eviction"], r["arm"]), {}))
             extra["fidelity"] = {"queries_per_policy": args.fidelity, "seed": args.seed, "model": "SmolLM2-135M-Instruct",
-                                 "patch_policy": args.patch_policy}
+                                 "patch_policy": args.patch_policy, **options}
     except (ContextDequeError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -107,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     cols = ["trace", "placement", "eviction", "arm", "tokens_prefilled", "forwards", "patch_forms", "patch_hits",
             "device_hits", "device_misses", "est_seconds"]
     if args.fidelity:
-        cols += ["kl", "eta", "ttft_ratio"]
+        cols += ["kl", "eta", "ttft_ratio"] + (["fidelity_misses", "fidelity_over_cap"] if args.fidelity_target else [])
     for c in cols:
         table.add_column(c, justify="right" if c not in ("trace", "placement", "eviction", "arm") else "left")
     for r in results:

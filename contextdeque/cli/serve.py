@@ -16,6 +16,7 @@ import socket
 import sys
 from typing import Any
 
+from .fidelity_target import add_fidelity_target_arguments, window_options
 from .model_spec import MODEL_HELP, add_threads_argument, image_processor, load_backend
 
 log = logging.getLogger("contextdeque.serve")
@@ -71,6 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-store-mb", type=float, default=None,
                    help="budget of the --store-dir disk tier (MB; default unbounded)")
     p.add_argument("--rank", type=int, default=32, help="patch rank")
+    add_fidelity_target_arguments(p, "an η target for every session's patches (per-layer ranks through the model's "
+                                     "calibrated envelope, docs/fidelity.md); misses in /metrics and each response's usage")
     p.add_argument("--patch-policy", default=None,
                    help="window patch policy: latency-shared (the default: no forward a request can avoid; the "
                         "skipped conditioning and every canonical are computed in idle time, for the replicas "
@@ -120,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
             context_tokens=args.context_tokens, max_tokens=args.max_tokens, queue_size=args.queue,
             session_memory_bytes=int(args.session_memory_mb * 1024 * 1024), plain=args.plain,
             heal_idle_ms=None if args.no_heal else args.heal_idle_ms, processor=image_processor(backend, args.model),
+            window_options=window_options(args),
         )
     except ContextDequeError as e:
         if valkey_server is not None:

@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=96, help="tokens of real text to encode")
     p.add_argument("--device", default="cpu", help="where the model and the kernels run: cpu or cuda (default cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--envelope", action="store_true",
+                   help="calibrate the model's fidelity envelope when it is not cached (minutes on a CPU); "
+                        "without it the cached envelope is reported, or its absence")
     add_threads_argument(p)
 
 
@@ -55,8 +58,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"refused: {error}")
         return 1
+    env, env_note = _envelope(backend, args.envelope and report.ok)
     if args.json:
-        print(json.dumps(report.to_json()))
+        print(json.dumps({**report.to_json(), "fidelity_envelope": None if env is None else env.as_dict(),
+                          "fidelity_envelope_note": env_note}))
         return 0 if report.ok else 1
     from rich.console import Console
     from rich.table import Table
@@ -72,5 +77,29 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     for r in report.refused:
         console.print(f"[yellow]refused[/] {r}")
+    if env is not None:
+        from .calibrate import print_envelope
+
+        print_envelope(env, console.print)
+    else:
+        console.print(env_note)
     console.print("[bold green]PASS[/]" if report.ok else "[bold red]FAIL[/]")
     return 0 if report.ok else 1
+
+
+def _envelope(backend: Any, measure: bool) -> tuple[Any, str]:
+    """The model's fidelity envelope (cached, or measured now when ``measure``) and a note."""
+    from ..model.envelope import load_envelope
+
+    env = load_envelope(backend.fingerprint)
+    if env is None and measure:
+        from ..eval.fidelity.envelope import ensure_envelope
+
+        try:
+            env = ensure_envelope(backend)
+        except ContextDequeError as exc:
+            return None, f"fidelity envelope: not calibrated ({exc})"
+    if env is None:
+        return None, ("fidelity envelope: not calibrated (a fidelity_target is read as an energy); run "
+                      "`contextdeque calibrate --only-envelope --model ...` or pass --envelope")
+    return env, "cached" if env.cached else "measured"

@@ -164,6 +164,10 @@ class UnknownChunkError(TraceError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class EnvelopeError(ContextDequeError, ValueError):
+    """A model's fidelity envelope (energy -> η) that cannot be built or used."""
+
+
 class ReuseArmError(ContextDequeError, ValueError):
     """A reuse arm was misconfigured (unknown name, bad budget or schedule) or given a request it cannot serve."""
 

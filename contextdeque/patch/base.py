@@ -38,6 +38,12 @@ class Patch:
       ``k_u[i]: [T, m_k]`` (= U_m S_m), ``k_w[i]: [m_k, H_k*d_k]`` (= V_m^T), likewise ``v_u``/``v_w``.
     Shared-basis patches keep only ``k_u``/``v_u`` and reference a basis (``basis_id``) whose
     ``w`` tensors are attached at load time. Layers not listed carry no correction.
+
+    Per-layer ranks (an allocated patch, :mod:`contextdeque.patch.alloc`): ``ranks_k`` / ``ranks_v``
+    give each listed layer's rank (0 allowed), ``rank_k`` / ``rank_v`` are their maxima, and the
+    factors are flat 1-D buffers: layer i's ``[T, m_i]`` block of ``U S`` followed by layer i+1's,
+    likewise ``[m_i, F]`` for ``V^T`` (each block contiguous, as the kernels take it). Empty
+    ``ranks_k`` / ``ranks_v``: every layer has ``rank_k`` / ``rank_v`` (the stacked form above).
     """
 
     chunk_id: str
@@ -58,6 +64,8 @@ class Patch:
     v_shape: tuple[int, int]
     basis_id: str | None = None
     meta: dict[str, str] = field(default_factory=dict)
+    ranks_k: tuple[int, ...] = ()
+    ranks_v: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # the one finite check of a patch's factors: where they enter (formed, loaded from a store
@@ -67,14 +75,35 @@ class Patch:
     def __repr__(self) -> str:
         basis = "" if self.basis_id is None else f", basis {self.basis_id[:8]}"
         return (
-            f"Patch({self.kind}, chunk {self.chunk_id[:10]}, rank {self.rank_k}/{self.rank_v}, "
+            f"Patch({self.kind}, chunk {self.chunk_id[:10]}, rank {self.rank_label}, "
             f"{self.n_tokens} tok, {len(self.layers)} layers, on {len(self.antecedents)} antecedents, "
             f"{format_bytes(self.nbytes)}{basis})"
         )
 
     @property
     def id(self) -> str:
-        return digest(self.chunk_id, self.antecedent_signature, self.kind, self.rank_k, self.rank_v, self.layers)[:32]
+        per_layer = (self.ranks_k, self.ranks_v) if self.per_layer else ()
+        return digest(self.chunk_id, self.antecedent_signature, self.kind, self.rank_k, self.rank_v, self.layers,
+                      *per_layer)[:32]
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether the layers have ranks of their own (the flat factor form)."""
+        return bool(self.ranks_k or self.ranks_v)
+
+    @property
+    def layer_ranks(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(K ranks, V ranks)``, one per layer in ``layers``."""
+        n = len(self.layers)
+        return (self.ranks_k or (self.rank_k,) * n), (self.ranks_v or (self.rank_v,) * n)
+
+    @property
+    def rank_label(self) -> str:
+        """``"32/32"`` for a uniform patch; ``"K<=24 V<=40 on 21 layers"`` for per-layer ranks
+        (the maxima, and how many layers carry a correction)."""
+        if not self.per_layer:
+            return f"{self.rank_k}/{self.rank_v}"
+        return f"K<={self.rank_k} V<={self.rank_v} on {len(self.layers)} layers"
 
     @property
     def nbytes(self) -> int:
@@ -97,18 +126,33 @@ class Patch:
         if layer not in self.layers:
             return None, None
         i = self.layers.index(layer)
-        return (
-            _expand(self.k_u[i], self.k_w[i], self.k_shape),
-            _expand(self.v_u[i], self.v_w[i], self.v_shape),
-        )
+        return (_expand(*self.layer_factors("k", i), self.k_shape), _expand(*self.layer_factors("v", i), self.v_shape))
+
+    def layer_factors(self, which: str, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(u [T, m_i], w [m_i, F])`` of ``which`` ("k" / "v") at index ``i`` into ``layers``
+        (contiguous views in either factor form)."""
+        u, w = (self.k_u, self.k_w) if which == "k" else (self.v_u, self.v_w)
+        if not self.per_layer:
+            return u[i], w[i]
+        ranks = self.layer_ranks[0 if which == "k" else 1]
+        T = self.n_tokens
+        before = sum(ranks[:i])
+        m = ranks[i]
+        F = self._width(which)
+        return (u[before * T:(before + m) * T].view(T, m), w[before * F:(before + m) * F].view(m, F))
+
+    def _width(self, which: str) -> int:
+        h, d = self.k_shape if which == "k" else self.v_shape
+        return int(h) * int(d)
 
     def factors(self, layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """``((u_k [T,m], w_k [m,F]), (u_v, w_v))`` for the fused kernel, or Nones."""
         if layer not in self.layers:
             return None, None
         i = self.layers.index(layer)
-        fk = (self.k_u[i], self.k_w[i]) if self.k_u.shape[-1] else None
-        fv = (self.v_u[i], self.v_w[i]) if self.v_u.shape[-1] else None
+        rk, rv = self.layer_ranks
+        fk = self.layer_factors("k", i) if rk[i] else None
+        fv = self.layer_factors("v", i) if rv[i] else None
         return fk, fv
 
     def to_entry(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -133,6 +177,8 @@ class Patch:
             "content_digest": self.id,
             "extra": json.dumps(self.meta, sort_keys=True),
         }
+        if self.per_layer:
+            meta["ranks_k"], meta["ranks_v"] = (json.dumps(list(r)) for r in self.layer_ranks)
         return tensors, meta
 
     @classmethod
@@ -142,6 +188,8 @@ class Patch:
             if basis_id is not None:
                 if basis is None or basis.id != basis_id:
                     raise PatchError(f"patch needs shared basis {basis_id}")
+                if "ranks_k" in meta:
+                    raise CorruptEntryError("stored shared-basis patch entry records per-layer ranks")
                 layers = json.loads(meta["layers"])
                 k_w = torch.stack([basis.k_w[l][: int(meta["rank_k"])] for l in layers])
                 v_w = torch.stack([basis.v_w[l][: int(meta["rank_v"])] for l in layers])
@@ -166,6 +214,8 @@ class Patch:
                 v_shape=tuple(json.loads(meta["v_shape"])),
                 basis_id=basis_id,
                 meta=json.loads(meta.get("extra", "{}")),
+                ranks_k=tuple(int(r) for r in json.loads(meta.get("ranks_k", "[]"))),
+                ranks_v=tuple(int(r) for r in json.loads(meta.get("ranks_v", "[]"))),
             )
             patch._check_consistent()
             return patch
@@ -184,6 +234,9 @@ class Patch:
             if isinstance(r, bool) or r < 0:
                 raise CorruptEntryError(f"stored patch entry records {what} = {r}")
         n = len(self.layers)
+        if self.per_layer:
+            self._check_per_layer()
+            return
         if n == 0:
             return
         for name, u, w, m, (h, d) in (("k", self.k_u, self.k_w, self.rank_k, self.k_shape),
@@ -193,6 +246,21 @@ class Patch:
                     f"stored patch entry records {n} layers, {self.n_tokens} tokens, {name} rank {m} and "
                     f"{name} shape {(h, d)}, but holds {name}_u {tuple(u.shape)} and {name}_w {tuple(w.shape)}"
                 )
+
+    def _check_per_layer(self) -> None:
+        """The flat form's checks: one non-negative rank per layer, maxima as recorded, and flat
+        factors of exactly ``T * sum(m)`` / ``sum(m) * F`` values."""
+        n = len(self.layers)
+        for name, ranks, top, u, w in (("k", self.ranks_k, self.rank_k, self.k_u, self.k_w),
+                                       ("v", self.ranks_v, self.rank_v, self.v_u, self.v_w)):
+            if len(ranks) != n or any(isinstance(r, bool) or r < 0 for r in ranks) or max(ranks, default=0) != top:
+                raise CorruptEntryError(
+                    f"stored patch entry records {n} layers and {name} ranks {list(ranks)} (maximum {top})")
+            total, F = sum(ranks), self._width(name)
+            if u.dim() != 1 or w.dim() != 1 or u.numel() != self.n_tokens * total or w.numel() != total * F:
+                raise CorruptEntryError(
+                    f"stored patch entry records {name} ranks summing to {total} over {self.n_tokens} tokens and width "
+                    f"{F}, but holds {name}_u {tuple(u.shape)} and {name}_w {tuple(w.shape)}")
 
 
 def _expand(u: torch.Tensor, w: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -217,13 +285,15 @@ def new_patch(
     dtype: torch.dtype | None = None,
     basis_id: str | None = None,
     meta: dict[str, str] | None = None,
+    layer_ranks: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> Patch:
     """The one construction of a :class:`Patch` from factors: the chunk's identity (id, model
     fingerprint, layout signature, token count) comes from ``source`` (the chunk, or a patch of
     it), the factor shapes from ``layout`` (else from ``source``, a patch); the factors
     ``(k_u, k_w, v_u, v_w)`` are cast to ``dtype`` (the chunk's storage dtype; float16 factors
     that would overflow stay float32: :func:`factor_dtype`). Non-finite factors raise
-    ``NumericsError`` (:meth:`Patch.__post_init__`)."""
+    ``NumericsError`` (:meth:`Patch.__post_init__`). ``layer_ranks``: ``(K ranks, V ranks)`` per
+    layer of the flat factor form (``ranks`` are then their maxima)."""
     if isinstance(source, Patch):
         chunk_id, n_tokens, k_shape, v_shape = source.chunk_id, source.n_tokens, source.k_shape, source.v_shape
     else:
@@ -252,6 +322,8 @@ def new_patch(
         v_shape=v_shape,
         basis_id=basis_id,
         meta=dict(meta or {}),
+        ranks_k=() if layer_ranks is None else tuple(int(r) for r in layer_ranks[0]),
+        ranks_v=() if layer_ranks is None else tuple(int(r) for r in layer_ranks[1]),
     )
 
 
@@ -325,36 +397,6 @@ def truncated_svd(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.T
     U, S, Vh = torch.linalg.svd(delta.to(torch.float64), full_matrices=False)
     m = min(rank, S.shape[0])
     return (U[:, :m] * S[:m]).to(torch.float32), Vh[:m].to(torch.float32)
-
-
-def energy_rank(deltas: torch.Tensor, target: float, cap: int) -> tuple[int, float]:
-    """The safety envelope's rank rule: the smallest m whose top-m singular directions capture
-    ``target`` of Δ's energy (squared Frobenius norm), pooled over layers, at most ``cap``.
-
-    ``deltas``: ``[L, T, F]`` (one matrix per layer). Returns ``(m, captured)`` with ``captured``
-    the energy fraction the chosen m holds (1.0 for an all-zero Δ, which needs rank 0)."""
-    return rank_for_energy(torch.linalg.svdvals(deltas.to(torch.float64)).pow(2), target, cap)
-
-
-def rank_for_energy(s2: torch.Tensor, target: float, cap: int) -> tuple[int, float]:
-    """:func:`energy_rank` from squared singular values ``s2 [L, r]`` (descending per layer): e.g.
-    the squared column norms of a full-rank patch's ``U S`` factors."""
-    if not 0.0 < float(target) <= 1.0:
-        raise PatchError(f"fidelity target must be in (0, 1], got {target}")
-    s2 = s2.to(torch.float64)
-    total = float(s2.sum())
-    if total <= 0.0:
-        return 0, 1.0
-    cum = s2.sum(0).cumsum(0) / total  # pooled energy captured at each rank (each layer keeps its own top-m)
-    need = int(torch.searchsorted(cum, torch.tensor(float(target) - 1e-12, dtype=cum.dtype)).item()) + 1
-    m = min(int(cap), need, int(cum.shape[0]))
-    return m, float(cum[m - 1]) if m > 0 else 0.0
-
-
-def captured_energy(s2: torch.Tensor, m: int) -> float:
-    """Fraction of the energy in ``s2 [L, r]`` that the top ``m`` directions per layer hold."""
-    total = float(s2.sum())
-    return 1.0 if total <= 0 else float(s2[:, :m].sum()) / total
 
 
 class PatchKind(Registered):
@@ -466,6 +508,7 @@ def form_patch(
     rank_v: int | str | None = None,
     store: Any = None,
     energy: float | None = None,
+    fidelity: Any = None,
     **options: Any,
 ) -> Patch:
     """Form a conditioning patch for ``chunk`` on ``antecedents`` (in window order).
@@ -475,11 +518,12 @@ def form_patch(
     min(T, F)); ``rank_v`` defaults to ``rank``. ``kind``: one of ``PATCH_KINDS`` (exact, orbit,
     removal, recall, deep, shared). Options are passed to the kind (e.g. ``deep_layers=``,
     ``basis=``, ``current=``, ``max_orderings=``, ``past=`` — the already assembled per-layer KV
-    ``[H, S, d]`` of root + antecedents, which skips re-placing them). ``energy``: the adaptive
-    rank (safety envelope) — K and V each get the smallest rank whose directions capture this
-    fraction of Δ's energy pooled over layers, at most ``rank`` / ``rank_v`` (see
-    :func:`energy_rank`; recorded in ``patch.meta``). Costs one conditioned forward
-    (orbit: one per ordering).
+    ``[H, S, d]`` of root + antecedents, which skips re-placing them). ``fidelity``: a
+    :class:`~contextdeque.patch.alloc.FidelityRule`: per-layer K and V ranks (at most ``rank`` /
+    ``rank_v`` each) allocated where Δ's energy is until its energy target is captured, within
+    its byte cap (what it decided: ``patch.meta["fidelity"]``); ``energy``: shorthand for a rule
+    with that energy target and no byte cap. Costs one conditioned forward (orbit: one per
+    ordering).
     """
     if not all(hasattr(backend, a) for a in ("forward", "layout", "fingerprint")):
         raise ArgumentTypeError(f"backend must be an HFBackend, got {type(backend).__name__}")
@@ -489,6 +533,8 @@ def form_patch(
         if not is_full(r):
             check_int(name, r, minimum=0, error=PatchError)
     check_float("energy", energy, minimum=0.0, maximum=1.0, open_min=True, none_ok=True, error=PatchError)
+    if fidelity is not None and not callable(getattr(fidelity, "shape", None)):
+        raise ArgumentTypeError(f"fidelity must be a FidelityRule, got {type(fidelity).__name__}")
     if kind not in PATCH_KINDS:
         raise PatchError(f"unknown patch kind {kind!r}; known: {sorted(PATCH_KINDS)}")
     if chunk.fingerprint != backend.fingerprint or chunk.layout_signature != backend.layout.signature:
@@ -503,22 +549,21 @@ def form_patch(
     ctx = FormContext(backend=backend, chunk=chunk, antecedents=ants, options=options)
     dk, dv = impl.target(ctx)
     layers = impl.layers(ctx)
-    captured: dict[str, str] = {}
-    if energy is not None and layers:
-        # adaptive rank: per chunk, as few directions as reach the target (``rank`` is the cap)
-        idx = list(layers)
-        rk, ek = energy_rank(dk[idx], energy, rk)
-        rv, ev = energy_rank(dv[idx], energy, rv)
-        captured = {"energy_target": f"{float(energy):.6g}", "energy_k": f"{ek:.6g}", "energy_v": f"{ev:.6g}"}
     k_u, k_w, v_u, v_w, basis_id = impl.factorize(ctx, dk, dv, rk, rv, layers)
     if layers:
         # record the rank actually kept (a shared basis may hold fewer directions than asked)
         rk, rv = int(k_u.shape[-1]), int(v_u.shape[-1])
     ids = [c.id for c, _ in ants]
-    return new_patch(
+    patch = new_patch(
         chunk, kind=kind, antecedents=ids,
         signature=patch_signature(kind, ids, base_ids=[p.id for p in options.get("current", ())]),
         ranks=(rk, rv), layers=layers, factors=(k_u, k_w, v_u, v_w), layout=lay, dtype=chunk.storage_dtype,
         basis_id=basis_id,
-        meta={**{k: str(v) for k, v in options.items() if isinstance(v, (int, float, str)) and k != "past"}, **captured},
+        meta={k: str(v) for k, v in options.items() if isinstance(v, (int, float, str)) and k != "past"},
     )
+    if fidelity is None and energy is not None:
+        from .alloc import FidelityRule  # alloc builds on this module
+
+        fidelity = FidelityRule(energy=float(energy))
+    # the allocation cuts the patch formed at the caps, per layer, where Δ's energy is
+    return patch if fidelity is None else fidelity.shape(patch, chunk)

@@ -23,7 +23,8 @@ def _full_rank(patch: Patch, which: str) -> int:
 
 
 def truncate_patch(patch: Patch, rank: int | str | None, rank_v: int | str | None = None) -> Patch:
-    """``patch`` cut to its top ``rank`` (K) / ``rank_v`` (V, default ``rank``) directions.
+    """``patch`` cut to its top ``rank`` (K) / ``rank_v`` (V, default ``rank``) directions (per
+    layer: a layer holding fewer keeps what it holds).
 
     ``"full"``/None keeps everything. A rank above what the patch holds is allowed only when the
     patch is full rank (it already is the exact Δ); otherwise :class:`PatchError`.
@@ -44,14 +45,47 @@ def truncate_patch(patch: Patch, rank: int | str | None, rank_v: int | str | Non
     mv = cut(patch.rank_v, rank_v, _full_rank(patch, "v"), "V")
     if mk == patch.rank_k and mv == patch.rank_v:
         return patch
-    return dataclasses.replace(
-        patch,
-        rank_k=mk,
-        rank_v=mv,
-        k_u=patch.k_u[..., :mk].contiguous(),
-        k_w=patch.k_w[:, :mk].contiguous(),
-        v_u=patch.v_u[..., :mv].contiguous(),
-        v_w=patch.v_w[:, :mv].contiguous(),
+    have_k, have_v = patch.layer_ranks
+    return cut_patch(patch, [min(mk, r) for r in have_k], [min(mv, r) for r in have_v])
+
+
+def cut_patch(patch: Patch, ranks_k: Sequence[int], ranks_v: Sequence[int]) -> Patch:
+    """``patch`` cut to per-layer ranks (one K and one V rank per layer of ``patch.layers``, each at
+    most what that layer holds; its top directions are kept: an SVD truncated is the top-m SVD).
+
+    Layers cut to rank 0 in both K and V are dropped (a layer-sparse patch); equal ranks on every
+    kept layer give the stacked form, unequal ones the flat form (see :class:`Patch`)."""
+    if patch.basis_id is not None and (len(set(ranks_k)) > 1 or len(set(ranks_v)) > 1):
+        raise PatchError("a shared-basis patch takes one rank per K/V, not per-layer ranks")
+    have_k, have_v = patch.layer_ranks
+    n = len(patch.layers)
+    if len(ranks_k) != n or len(ranks_v) != n:
+        raise PatchError(f"need one K and one V rank per layer ({n}), got {len(ranks_k)} and {len(ranks_v)}")
+    for want, have, what in ((ranks_k, have_k, "K"), (ranks_v, have_v, "V")):
+        if any(int(w) < 0 or int(w) > h for w, h in zip(want, have)):
+            raise PatchError(f"{what} ranks {list(want)} must be within what the patch holds per layer ({list(have)})")
+    keep = [i for i in range(n) if ranks_k[i] or ranks_v[i]]
+    rk, rv = [int(ranks_k[i]) for i in keep], [int(ranks_v[i]) for i in keep]
+    blocks: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"k": [], "v": []}
+    for i in keep:
+        for which, m in (("k", ranks_k[i]), ("v", ranks_v[i])):
+            u, w = patch.layer_factors(which, i)
+            blocks[which].append((u[:, :m], w[:m]))
+    uniform = len(set(rk)) <= 1 and len(set(rv)) <= 1
+    factors = []
+    for which in ("k", "v"):
+        us = [u for u, _ in blocks[which]]
+        ws = [w for _, w in blocks[which]]
+        if uniform:  # the stacked form [n, T, m] / [n, m, F]
+            factors += [torch.stack(us) if us else torch.zeros(0, 0, 0, dtype=patch.k_u.dtype),
+                        torch.stack(ws) if ws else torch.zeros(0, 0, 0, dtype=patch.k_u.dtype)]
+        else:  # the flat form: each layer's block contiguous, one after another
+            factors += [torch.cat([u.reshape(-1) for u in us]), torch.cat([w.reshape(-1) for w in ws])]
+    return new_patch(
+        patch, kind=patch.kind, antecedents=patch.antecedents, signature=patch.antecedent_signature,
+        ranks=(max(rk, default=0), max(rv, default=0)), layers=[patch.layers[i] for i in keep],
+        factors=(factors[0], factors[1], factors[2], factors[3]), basis_id=patch.basis_id, meta=patch.meta,
+        layer_ranks=None if uniform else (rk, rv),
     )
 
 

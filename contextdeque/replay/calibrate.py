@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..core.kv import kv_nbytes
+from ..window.config import DEFAULT_RANK
 from .cost import CostModel
 
 
@@ -30,7 +31,7 @@ def _timed(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank: int = 32, repeats: int = 2,
+def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank: int = DEFAULT_RANK, repeats: int = 2,
               disk_dir: str | None = None) -> CostModel:
     """Measure a :class:`CostModel` on ``backend`` (an ``HFBackend``)."""
     from ..core.operator import relocate
@@ -80,10 +81,8 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
         tier.put("calibration:disk", entry)
         tier.get("calibration:disk")
         t_disk = time.perf_counter() - t0
-    return CostModel(
-        num_layers=lay.num_layers,
-        kv_width_k=lay.k_heads * lay.k_dim,
-        kv_width_v=lay.v_heads * lay.v_dim,
+    return CostModel.geometry_of(
+        backend,
         storage_bytes=b.keys.element_size(),
         prefill=tuple(prefill),
         decode_tokens_per_s=1.0 / t_dec,

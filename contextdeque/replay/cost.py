@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..window.config import DEFAULT_RANK
+
 CALIBRATION_VERSION = 1
 
 
@@ -42,11 +44,19 @@ class CostModel:
     svd_s_per_token: float = 2.0e-5
     host_bytes_per_s: float = 8.0e9
     disk_bytes_per_s: float = 1.0e9
-    rank: int = 32
+    rank: int = DEFAULT_RANK
     source: str = "defaults"
     fingerprint: str = ""
     model: str = "SmolLM2-135M-Instruct (geometry only)"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @classmethod
+    def geometry_of(cls, backend: Any, *, storage_bytes: int, rank: int = DEFAULT_RANK, **speeds: Any) -> "CostModel":
+        """A cost model with ``backend``'s KV geometry (layers, K and V widths), ``storage_bytes`` per
+        stored element and ``rank``; speeds from ``speeds`` or the defaults."""
+        lay = backend.layout
+        return cls(num_layers=lay.num_layers, kv_width_k=lay.k_heads * lay.k_dim, kv_width_v=lay.v_heads * lay.v_dim,
+                   storage_bytes=int(storage_bytes), rank=int(rank), **speeds)
 
     # ------------------------------------------------------------------ sizes
     @property

@@ -14,161 +14,26 @@ Everything is deterministic: no clock, no randomness, insertion-ordered containe
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from collections import Counter
 from typing import Any, Hashable, Sequence
 
 from ..core.errors import BudgetError
-from ..scheduler.eviction import EvictionPolicy, make_eviction
+from ..scheduler.eviction import PoolEvictionPolicy, make_eviction
 from ..scheduler.graph import PatchGraph
 from ..traces.io import Trace
+from ..window.policy_default import ORBIT_MAX_ANTECEDENTS, ORBIT_MAX_ORDERINGS
 from ..window.placement import ArrivalPlacement, PlacementPolicy, PlacementView, make_placement
 from .cost import CostModel
+from .pool import Pool, ReplayConfig, ReplayResult
 from .reuse import ReuseCost, make_reuse
 
-GiB = 1 << 30
-ORBIT_MAX_ANTECEDENTS = 4  # the default policy forms orbit patches for sets of at most 4
-ORBIT_MAX_ORDERINGS = 24
-
-
-@dataclass
-class ReplayConfig:
-    """Budgets: ``budget_tokens`` (the window; None: the trace's own slides only), ``device_bytes``
-    and ``host_bytes`` (the KV pool tiers; disk is unbounded). ``rank``: patch rank m (None: the
-    cost model's). ``overlap_loads``: canonicals read from host or disk load in parallel with the
-    model's work of the same operation (encodes of misses, patch forms), as
-    ``ContextWindow.extend`` does (MPIC): an admission then costs ``max(load, compute)`` instead of
-    ``load + compute``."""
-
-    budget_tokens: int | None = None
-    device_bytes: int = 16 * GiB
-    host_bytes: int = 64 * GiB
-    rank: int | None = None
-    overlap_loads: bool = False
-
-
-@dataclass
-class ReplayResult:
-    """What one run cost. ``bytes`` per tier = bytes read + written there."""
-
-    trace: str
-    placement: str
-    eviction: str
-    arm: str
-    events: int = 0
-    steps: int = 0
-    queries: int = 0
-    tokens_prefilled: int = 0
-    forwards: int = 0
-    encodes: int = 0
-    patch_forms: int = 0
-    patch_hits: int = 0
-    stale_keeps: int = 0
-    refreshes: int = 0  # residents given new conditioning by the placement's staleness rule (store hits + forms)
-    cascade_reforms: int = 0
-    device_hits: int = 0
-    device_misses: int = 0
-    window_evictions: int = 0
-    bytes: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
-    patch_bytes: int = 0
-    est_seconds: float = 0.0
-    heal_tokens: int = 0  # latency-first: tokens prefilled while healing (idle time; inside tokens_prefilled)
-    heal_forwards: int = 0
-    heal_seconds: float = 0.0  # latency-first: idle-time work, not in est_seconds (the critical path)
-    load_seconds: float = 0.0  # tier transfers (host/disk reads of canonicals) inside est_seconds
-    overlap_saved_seconds: float = 0.0  # taken off est_seconds by overlapping loads with compute
-    scheduler: dict[str, int] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["bytes"] = dict(self.bytes)
-        d["est_seconds"] = round(self.est_seconds, 6)
-        d["heal_seconds"] = round(self.heal_seconds, 6)
-        d["load_seconds"] = round(self.load_seconds, 6)
-        d["overlap_saved_seconds"] = round(self.overlap_saved_seconds, 6)
-        d["scheduler"] = dict(self.scheduler)
-        return d
-
-
-class Pool:
-    """The device KV pool (eviction policy, byte budget) over a host tier (LRU) and disk."""
-
-    def __init__(self, device_bytes: int, host_bytes: int, policy: EvictionPolicy, cost: CostModel, r: ReplayResult) -> None:
-        self.budget, self.host_budget = int(device_bytes), int(host_bytes)
-        self.policy, self.cost, self.r = policy, cost, r
-        self.device: dict[Hashable, int] = {}
-        self.used = 0
-        self.host: OrderedDict[Hashable, int] = OrderedDict()
-        self.host_used = 0
-        self.disk: dict[Hashable, int] = {}
-        self.pinned: Counter = Counter()
-        self.i = 0
-        self.log: list[Hashable] | None = None
-
-    def access(self, key: Hashable, size: int) -> str | None:
-        """Bring ``key`` to the device. Returns where it was (``device``/``host``/``disk``) or None
-        (nowhere: the caller computes it; it is then stored on the device)."""
-        i = self.i
-        self.i += 1
-        if self.log is not None:
-            self.log.append(key)
-        r = self.r
-        if key in self.device:
-            r.device_hits += 1
-            self.policy.touch(key, size, i)
-            return "device"
-        r.device_misses += 1
-        where = None
-        if key in self.host:
-            size = self.host.pop(key)
-            self.host_used -= size
-            r.bytes["host"] += size
-            r.est_seconds += size / self.cost.host_bytes_per_s
-            r.load_seconds += size / self.cost.host_bytes_per_s
-            where = "host"
-        elif key in self.disk:
-            size = self.disk.pop(key)
-            r.bytes["disk"] += size
-            r.est_seconds += size / self.cost.disk_bytes_per_s
-            r.load_seconds += size / self.cost.disk_bytes_per_s
-            where = "disk"
-        self._make_room(size)
-        self.device[key] = size
-        self.used += size
-        r.bytes["device"] += size
-        self.policy.touch(key, size, i)
-        return where
-
-    def drop(self, key: Hashable) -> None:
-        """Forget ``key``'s device copy (KV that was never made: a latency-first chunk's canonical
-        when it leaves the window before healing computed it)."""
-        size = self.device.pop(key, None)
-        if size is not None:
-            self.used -= size
-            self.policy.remove(key)
-
-    def _make_room(self, size: int) -> None:
-        while self.used + size > self.budget:
-            v = self.policy.victim(self.pinned)
-            if v is None:
-                return  # everything left is pinned by the window: over-commit
-            vs = self.device.pop(v)
-            self.used -= vs
-            self.policy.remove(v)
-            self.host[v] = vs
-            self.host_used += vs
-            self.r.bytes["host"] += vs
-            while self.host_used > self.host_budget and self.host:
-                k, s = self.host.popitem(last=False)
-                self.host_used -= s
-                self.disk[k] = s
-                self.r.bytes["disk"] += s
+__all__ = ["Replayer", "ReplayConfig", "ReplayResult", "Pool"]
 
 
 class Replayer:
     """Runs one trace under one policy combination (see the module doc)."""
 
-    def __init__(self, trace: Trace, placement: "str | PlacementPolicy" = "arrival", eviction: "str | EvictionPolicy" = "lru",
+    def __init__(self, trace: Trace, placement: "str | PlacementPolicy" = "arrival", eviction: "str | PoolEvictionPolicy" = "lru",
                  arm: "str | ReuseCost" = "patch", cost: CostModel | None = None, config: ReplayConfig | None = None) -> None:
         self.trace = trace
         self.placement = make_placement(placement)
@@ -373,6 +238,17 @@ class Replayer:
                 else:  # something came in front of it meanwhile: re-forwarded behind that
                     self._form(key, self.order[:i])
             self._canon_due.clear()
+            # a forward's KV differs from its canonical + patch once the chunks it ran after are
+            # healed themselves (their KV changes): the difference is then no patch for the window
+            # as it stands, and the eager policy forms one anew (what ContextWindow.heal does)
+            healed_before: set[str] = set()
+            anew: set[str] = set()
+            queued = set(self._pending_canon) | set(self._pending_form)
+            for key in self.order:
+                if key in self._pending_canon and healed_before:
+                    anew.add(key)
+                if key in queued:
+                    healed_before.add(key)
             for key, pc in self._pending_canon.items():
                 if key not in resident:  # gone with a discarded fork: its canonical is never made
                     k = ("c", self.content[key])
@@ -387,7 +263,7 @@ class Replayer:
                 self._encode(key)
                 if key == front:  # at the front the canonical is exact: its KV from now on
                     self._set_formed(key, ())
-                elif pc and self._prefix_content(key) == pc:  # latency-shared: the patch is the difference
+                elif pc and key not in anew and self._prefix_content(key) == pc:  # latency-shared: the patch is the difference
                     t = self.tokens[key]
                     r.patch_forms += 1
                     r.est_seconds += t * self.cost.svd_s_per_token
@@ -395,8 +271,9 @@ class Replayer:
                     r.patch_bytes += pb
                     r.bytes["device"] += pb
                     self.graph.add(self.content[key], pc, "exact")
-                elif key not in self._pending_form:  # moved since its forward: the eager policy forms anew
-                    self._pending_form[key] = False
+                else:  # moved since its forward, or what it ran after was healed: the eager policy forms anew
+                    self._pending_form.setdefault(key, False)
+                    anew.add(key)
             self._pending_canon.clear()
             pos = {k: i for i, k in enumerate(self.order)}
             for key, force in sorted(self._pending_form.items(), key=lambda kv: pos.get(kv[0], -1)):
@@ -406,7 +283,7 @@ class Replayer:
                 prefix = self.order[:i]
                 if not prefix:
                     self._set_formed(key, ())
-                elif force or tuple(prefix) != self.formed.get(key, ()):
+                elif force or key in anew or tuple(prefix) != self.formed.get(key, ()):
                     if force:
                         self.r.cascade_reforms += 1
                     self._form(key, prefix)
@@ -532,8 +409,8 @@ class Replayer:
                     self._form(key, prefix, ctx=self.window_tokens - self.tokens[key])
                 else:
                     self._set_formed(key, ())
-                if recall and self.formed[key] != before:
-                    self._cascade({key}, {key})
+                if recall:
+                    self._cascade(key, self.formed[key] != before, {key})
             return
         if self._fast:
             key, at = entering[0]
@@ -552,7 +429,7 @@ class Replayer:
         view = self.view(index) if self._upkeep is not None else None
         # reconcile: entering chunks get conditioning; residents behind an insertion keep theirs
         # (or, under the scheduler, whatever its staleness rule decides)
-        changed: set[str] = set()
+        changed: dict[str, bool] = {}
         for i, k in enumerate(new_order):
             if k in ent:
                 prefix = new_order[:i]
@@ -561,36 +438,71 @@ class Replayer:
                     self._set_formed(k, ())
                 else:
                     self._form(k, prefix)
-                if recall and self.formed[k] != before:
-                    changed.add(k)
+                if recall:
+                    changed[k] = self.formed[k] != before
             elif old_pos.get(k, -1) != i:
                 self._resident_upkeep(view, k, new_order[:i], old_order[:old_pos[k]])
-        self._cascade(changed, ent)
+        for k, kv_changed in changed.items():
+            self._cascade(k, kv_changed, ent)
 
-    def _cascade(self, changed: set[str], entering: set[str]) -> None:
-        """Residents conditioned on a recalled chunk whose KV changed are re-formed (window order)."""
-        if not changed:
+    def _cascade(self, recalled: str, changed: bool, entering: set[str]) -> None:
+        """The recall cascade, as ``window.reconcile`` decides it: in window order, a resident that
+        transitively depends on ``recalled`` re-forms when it was conditioned on ``recalled`` and
+        that chunk's KV ``changed`` or now sits behind it, or on a chunk already in the cascade,
+        or on a dependent that now sits behind it."""
+        candidates = self._descendants(recalled)
+        if not candidates:
             return
-        seen: set[str] = set()
+        pos = {k: i for i, k in enumerate(self.order)}
+        implied: set[str] = set()
         self._cascading = True
         try:
-            self._cascade_inner(changed, entering, seen)
-        finally:
-            self._cascading = False
-
-    def _cascade_inner(self, changed: set[str], entering: set[str], seen: set[str]) -> None:
-        for k in sorted(changed, key=self.order.index):
-            for d in self.dependents(k):
-                if d in entering or d in seen:
+            for i, d in enumerate(list(self.order)):
+                if d not in candidates:
                     continue
-                seen.add(d)
-                i = self.order.index(d)
+                hit = False
+                for a in self.formed.get(d, ()):
+                    ia = pos.get(a)
+                    if ia is None:
+                        continue
+                    behind = ia > i
+                    if (a == recalled and (behind or changed)) or a in implied or (behind and a in candidates):
+                        hit = True
+                        break
+                if not hit:
+                    continue
+                implied.add(d)
+                if d in entering:
+                    continue
                 if i == 0:  # at the front its canonical is exact: nothing to re-form
                     self._set_formed(d, ())
                     continue
                 if not self._defers:  # (latency-first: counted when the heal re-forms it)
                     self.r.cascade_reforms += 1
                 self._form(d, self.order[:i])
+        finally:
+            self._cascading = False
+
+    def _descendants(self, key: str) -> set[str]:
+        """Residents that transitively depend on ``key`` (through evicted chunks too: the
+        conditioning graph keeps what an evicted chunk was formed on)."""
+        out: set[str] = set()
+        frontier = [key]
+        keys = list(self.formed)
+        while frontier:
+            a = frontier.pop()
+            for d in keys:
+                if d not in out and d != key and a in self._formed_of(d):
+                    out.add(d)
+                    frontier.append(d)
+        resident = set(self.order)
+        return {d for d in out if d in resident}
+
+    def _formed_of(self, key: str) -> frozenset:
+        s = self._formed_set.get(key)
+        if s is None:
+            s = self._formed_set[key] = frozenset(self.formed.get(key, ()))
+        return s
 
     def _reorder(self, order: list[str]) -> None:
         resident = set(self.order)
@@ -677,15 +589,20 @@ class Replayer:
                     self.on_step()
             elif op == "fork":
                 stack.append((list(self.order), list(self.logical), dict(self.formed), self.window_tokens,
-                              Counter(self.pool.pinned), dict(self._no_canon)))
+                              Counter(self.pool.pinned), dict(self._no_canon), dict(self._pending_form),
+                              dict(self._pending_canon)))
             elif op == "commit":
                 stack.pop()
             elif op == "discard":
-                order, logical, formed, wt, pinned, no_canon = stack.pop()
+                order, logical, formed, wt, pinned, no_canon, pending_form, pending_canon = stack.pop()
                 # the parent's slots as they were, less the canonicals the fork computed (they stay stored)
                 in_fork = set(self.order)
                 self._no_canon = {k: None for k in no_canon if k in self._no_canon or k not in in_fork}
                 self._canon_due &= set(order)
+                # the parent's queued work as it was (its pending chunks are back); what the fork
+                # forwarded stays queued so the heal knows its canonical is never made
+                self._pending_form = pending_form
+                self._pending_canon = {**pending_canon, **{k: v for k, v in self._pending_canon.items() if k not in pending_canon}}
                 self.order, self.logical, self.formed, self.window_tokens = order, logical, formed, wt
                 self._formed_set = {}
                 self.pool.pinned = pinned

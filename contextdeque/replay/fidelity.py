@@ -38,6 +38,7 @@ import torch
 
 from ..scheduler.eviction import PolicyError
 from ..traces.io import Trace, read_trace
+from .live import drive_window
 from .reuse import make_reuse
 
 DEFAULT_SCALE = 1 / 16
@@ -71,118 +72,77 @@ def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [tuple(t[0] for t in cache_layer(cache, i)) for i in range(cache_num_layers(cache))]  # type: ignore[misc]
 
 
-def _window_for(backend: Any, placement: str, arm: str, patch_policy: str) -> Any:
-    from ..window import ContextWindow
-
-    return ContextWindow(backend, placement=placement, patch_policy=patch_policy if arm == "patch" else "none")
-
-
-def _recall_step(at: int | None, n_in_window: int) -> str:
-    """``recall`` appends at the end; ``look-back`` brings a chunk back inside the window."""
-    return "recall" if at is None or at >= n_in_window else "look-back"
-
-
 def _by_step(samples: dict[str, list[float]]) -> dict[str, float]:
     return {step: statistics.median(v) for step, v in sorted(samples.items()) if v}
 
 
 @torch.no_grad()
 def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *, seed: int = 0,
-                 scale: float = DEFAULT_SCALE, patch_policy: str = "eager") -> dict[str, Any]:
+                 scale: float = DEFAULT_SCALE, patch_policy: str = "eager",
+                 window_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Drive one window through ``trace``; measure at ``n`` sampled queries. Returns medians, overall
     and per step type (``kl_by_step`` ...; ``kl_healed_by_step`` where a latency-first window had
-    work queued at the query)."""
+    work queued at the query). ``window_options``: more ``ContextWindow`` settings of the patch
+    arm's window (e.g. ``fidelity_target=``); the patches its byte cap could not fit the target
+    into are listed (``fidelity_miss_list``: ref, estimated η, action; the root window's
+    receipts, the last 1000)."""
     from ..eval.arms import BlindArm, ReprefillArm, ReuseRequest, make_arm
     from ..eval.fidelity.harness import score_query
     from ..core.metrics import kl_divergence
     from ..eval.fidelity.metrics import DEFAULT_MIN_GAP, eta
+    from ..window import ContextWindow
 
     rule = make_reuse(arm)
     if rule.defers:  # patch-latency(-shared): the patch arm on a latency-first window
-        patch_policy = "latency" if rule.lazy_canonicals else "latency-shared"
+        patch_policy = rule.window_policy
     arm = rule.arm or rule.name
     queries = [i for i, e in enumerate(trace.events) if e.op == "query"]
     rng = random.Random(f"{seed}:{trace.name}")
     sampled = set(rng.sample(queries, min(n, len(queries))))
-    win = _window_for(backend, placement, arm, patch_policy)
+    win = ContextWindow(backend, placement=placement, patch_policy=patch_policy if arm == "patch" else "none",
+                        **(dict(window_options or {}) if arm == "patch" else {}))
     served = make_arm(arm) if arm not in ("patch", "blind", "reprefill") else None  # one instance: a prefix cache keeps what it saw
-    stack: list[Any] = []
-    refs: dict[str, Any] = {}
-    logical: list[str] = []
-    ids_of: dict[str, list[int]] = {}
     kls, etas, ttfts = [], [], []
     step_kl: dict[str, list[float]] = {}
     step_ttft: dict[str, list[float]] = {}
     step_healed: dict[str, list[float]] = {}
-    step = "append"
-    for i, ev in enumerate(trace.events):
-        op = ev.op
-        if op not in ("query", "step"):
-            step = op if op not in ("arrive", "recall") else "append"
-        if op == "arrive":
-            if ev.id not in ids_of:
-                ids_of[ev.id] = chunk_ids(backend, ev.hash, max(MIN_TOKENS, int(round(ev.tokens * scale))))
-            if ev.id in refs and refs[ev.id] in win.evicted_refs:
-                step = _recall_step(ev.at, len(logical))
-                win.recall(refs[ev.id])
-            elif ev.id not in refs or refs[ev.id] not in win.refs:
-                refs[ev.id] = win.append(token_ids=ids_of[ev.id])
-            logical.insert(len(logical) if ev.at is None else min(ev.at, len(logical)), ev.id)
-        elif op == "recall":
-            step = _recall_step(ev.at, len(logical))
-            win.recall(refs[ev.id])
-            logical.insert(len(logical) if ev.at is None else min(ev.at, len(logical)), ev.id)
-        elif op == "evict":
-            win.evict(refs[ev.id])
-            logical.remove(ev.id)
-        elif op == "slide":
-            for cid in logical[: ev.n]:
-                win.evict(refs[cid])
-            del logical[: ev.n]
-        elif op == "reorder":
-            win.reorder([refs[c] for c in ev.order])
-            logical = list(ev.order)
-        elif op == "fork":
-            stack.append((win, list(logical)))
-            win = win.fork()
-        elif op == "commit":
-            win.commit()
-            win, _ = stack.pop()
-        elif op == "discard":
-            win.discard()
-            win, logical = stack.pop()
-        elif op == "step":
-            if arm == "patch" and win.pending_refs:  # the agent's tool time: heal, as the cost model does
-                win.heal()
-        elif op == "query" and i in sampled and win.refs:
-            q = chunk_ids(backend, f"query:{i}", max(4, min(32, ev.tokens)))
-            chunks = [win.chunk(r) for r in win.refs]
-            req = ReuseRequest(backend, chunks)
-            start = req.next_position
-            t0 = time.perf_counter()
-            ref_logits, _ = score_query(backend, ReprefillArm().run(req).kv, start, q, 0)
-            t_ref = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            if arm in ("patch", "blind"):
-                kv = _layers(win.materialize())
-            elif arm == "reprefill":
-                kv = ReprefillArm().run(req).kv
-            else:
-                kv = served.run(req).kv
-            logits, _ = score_query(backend, kv, start, q, 0)
-            t_arm = time.perf_counter() - t0
-            blind_logits, _ = score_query(backend, BlindArm().run(req).kv, start, q, 0)
-            kl_blind = kl_divergence(ref_logits, blind_logits)
-            kl = kl_divergence(ref_logits, logits)
-            kls.append(kl)
-            etas.append(eta(kl_blind, kl, DEFAULT_MIN_GAP))
-            ttfts.append(t_arm / t_ref)
-            step_kl.setdefault(step, []).append(kl)
-            step_ttft.setdefault(step, []).append(t_arm / t_ref)
-            if arm == "patch" and win.pending_refs:  # latency-first: what the answer would be once healed
-                win.heal()
-                healed, _ = score_query(backend, _layers(win.materialize()), start, q, 0)
-                step_healed.setdefault(step, []).append(kl_divergence(ref_logits, healed))
+
+    def on_query(i: int, ev: Any, win: Any, step: str) -> None:
+        if i not in sampled or not win.refs:
+            return
+        q = chunk_ids(backend, f"query:{i}", max(4, min(32, ev.tokens)))
+        chunks = [win.chunk(r) for r in win.refs]
+        req = ReuseRequest(backend, chunks)
+        start = req.next_position
+        t0 = time.perf_counter()
+        ref_logits, _ = score_query(backend, ReprefillArm().run(req).kv, start, q, 0)
+        t_ref = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if arm in ("patch", "blind"):
+            kv = _layers(win.materialize())
+        elif arm == "reprefill":
+            kv = ReprefillArm().run(req).kv
+        else:
+            kv = served.run(req).kv
+        logits, _ = score_query(backend, kv, start, q, 0)
+        t_arm = time.perf_counter() - t0
+        blind_logits, _ = score_query(backend, BlindArm().run(req).kv, start, q, 0)
+        kl_blind = kl_divergence(ref_logits, blind_logits)
+        kl = kl_divergence(ref_logits, logits)
+        kls.append(kl)
+        etas.append(eta(kl_blind, kl, DEFAULT_MIN_GAP))
+        ttfts.append(t_arm / t_ref)
+        step_kl.setdefault(step, []).append(kl)
+        step_ttft.setdefault(step, []).append(t_arm / t_ref)
+        if arm == "patch" and win.pending_refs:  # latency-first: what the answer would be once healed
+            win.heal()
+            healed, _ = score_query(backend, _layers(win.materialize()), start, q, 0)
+            step_healed.setdefault(step, []).append(kl_divergence(ref_logits, healed))
+
+    drive_window(win, trace, lambda ev: chunk_ids(backend, ev.hash, max(MIN_TOKENS, int(round(ev.tokens * scale)))),
+                 on_query=on_query, heal_at_end=False)
+    # the patches the byte cap could not fit the target into, from the window's receipts
+    misses = [{**m.as_dict(), "chunk": m.ref.label or m.ref.key} for rec in win.receipts for m in rec.fidelity_misses]
     defined = [e for e in etas if e is not None]
     return {
         "kl": statistics.median(kls) if kls else None,
@@ -192,12 +152,15 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
         "kl_by_step": _by_step(step_kl),
         "ttft_ratio_by_step": _by_step(step_ttft),
         "kl_healed_by_step": _by_step(step_healed),
+        "fidelity_misses": sum(1 for m in misses if m["action"] == "reported"),
+        "fidelity_over_cap": sum(1 for m in misses if m["action"] != "reported"),
+        "fidelity_miss_list": misses,
     }
 
 
 def run_fidelity_mode(traces: Sequence[str], combos: Sequence[tuple[str, str, str]], n: int, *, seed: int = 0,
                       scale: float = DEFAULT_SCALE, backend: Any = None, console: Any = None,
-                      patch_policy: str = "eager") -> dict[tuple, dict[str, Any]]:
+                      patch_policy: str = "eager", window_options: dict[str, Any] | None = None) -> dict[tuple, dict[str, Any]]:
     """Fidelity figures keyed by ``(trace, placement, eviction, arm)`` for every combo."""
     for _, _, arm in combos:  # refused before any model work
         rule = make_reuse(arm)
@@ -218,6 +181,6 @@ def run_fidelity_mode(traces: Sequence[str], combos: Sequence[tuple[str, str, st
                 if console is not None:
                     console.print(f"[dim]fidelity: {t.name} {placement}/{arm}[/dim]")
                 done[key] = fidelity_run(backend, t, placement, arm, n, seed=seed, scale=scale,
-                                         patch_policy=patch_policy)
+                                         patch_policy=patch_policy, window_options=window_options)
             out[(t.name, placement, eviction, arm)] = done[key]
     return out

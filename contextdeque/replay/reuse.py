@@ -37,6 +37,10 @@ class ReuseCost(Registered):
     defers: ClassVar[bool] = False
     lazy_canonicals: ClassVar[bool] = True  # with ``defers``: canonicals only when a re-read needs them
     budgeted: ClassVar[bool] = False
+    # the patch policy of the live window this rule prices (``replay/live.py``: the window the
+    # fidelity mode drives and the equality test checks it against); None: a query-time arm
+    # (``contextdeque.eval.arms``) with no window policy of its own
+    window_policy: ClassVar[str | None] = None
     default_budget: ClassVar[int] = 256
 
     def __init_subclass__(cls, **kw: Any) -> None:

@@ -5,3 +5,4 @@ from .reuse import ReuseCost
 
 class BlindCost(ReuseCost):
     name = "blind"
+    window_policy = "none"

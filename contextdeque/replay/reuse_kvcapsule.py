@@ -11,6 +11,7 @@ from .reuse_patch import PatchCost
 class KVCapsuleCost(PatchCost):
     name = "kvcapsule-linear"
     retention = DEFAULT_RETENTION
+    window_policy = None  # the patch arm's window over a compressed-at-rest store: not driven live
 
     def canonical_bytes(self, tokens: int, kv_bytes_per_token: int) -> int:
         return max(1, int(round(tokens * kv_bytes_per_token * self.retention)))

@@ -7,3 +7,4 @@ from .reuse import ReuseCost
 class PatchCost(ReuseCost):
     name = "patch"
     patches = True
+    window_policy = "eager"

@@ -17,3 +17,4 @@ class LatencyPatchCost(PatchCost):
     name = "patch-latency"
     arm = "patch"
     defers = True
+    window_policy = "latency"

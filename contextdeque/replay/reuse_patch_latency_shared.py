@@ -12,3 +12,4 @@ class SharedLatencyPatchCost(LatencyPatchCost):
     name = "patch-latency-shared"
     arm = "patch"
     lazy_canonicals = False
+    window_policy = "latency-shared"

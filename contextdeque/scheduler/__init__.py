@@ -8,7 +8,7 @@ policies (``lru``, ``reuse-distance``, ``belady``) decide what leaves the fast t
 
 from . import eviction_belady, eviction_lru, eviction_reuse  # noqa: F401  (register)
 from .cost import DEFAULT_WEIGHTS, OrderCost, Weights, order_cost
-from .eviction import EVICTION_POLICIES, EvictionPolicy, PolicyError, make_eviction
+from .eviction import EVICTION_POLICIES, PoolEvictionPolicy, PolicyError, make_eviction
 from .eviction_belady import BeladyEviction
 from .eviction_lru import LRUEviction
 from .eviction_reuse import ReuseDistanceEviction
@@ -19,5 +19,5 @@ from .search import EXACT_MAX_CHUNKS, brute_force, exact, heuristic, schedule
 __all__ = [
     "SchedulerPlacement", "OfflineSchedulerPlacement", "PatchGraph", "Weights", "DEFAULT_WEIGHTS", "OrderCost",
     "order_cost", "exact", "heuristic", "brute_force", "schedule", "EXACT_MAX_CHUNKS", "EVICTION_POLICIES",
-    "EvictionPolicy", "make_eviction", "PolicyError", "LRUEviction", "ReuseDistanceEviction", "BeladyEviction",
+    "PoolEvictionPolicy", "make_eviction", "PolicyError", "LRUEviction", "ReuseDistanceEviction", "BeladyEviction",
 ]

@@ -41,8 +41,8 @@ class Weights:
     move: float = 1e-3  # a resident whose prefix changes at all (prefers the least churn on ties)
     # a position behind the first departure from the agent's asked order: the share of them a later
     # reorder is expected to re-form (1.0, the worst case of a reorder straight back, never departs
-    # on the generated sets and saves nothing without a budget; 0.5 kept every one of 216 generated
-    # traces at or below arrival order, and 359 of 360 held-out ones: docs/replay.md)
+    # on the generated sets and saves nothing without a budget; 0.5 keeps 215 of 216 generated
+    # traces at or below arrival order, and 356 of 360 held-out ones: docs/replay.md)
     diverge: float = 0.5
 
 

@@ -1,6 +1,6 @@
 """Eviction policies for the fast tier the replay models (the device KV pool): which unpinned
 entry leaves first when a new one does not fit. One small class per file, registered in
-``EVICTION_POLICIES`` by subclassing :class:`EvictionPolicy` (the style of patch, placement and
+``EVICTION_POLICIES`` by subclassing :class:`PoolEvictionPolicy` (the style of patch, placement and
 reuse-arm policies).
 
 ``lru`` (online), ``reuse-distance`` (online: predicted next use from each key's own past
@@ -18,12 +18,16 @@ from typing import ClassVar, Hashable, Sequence
 from ..core.errors import ContextDequeError
 from ..core.registry import Registered, Registry
 
-EVICTION_POLICIES: Registry["EvictionPolicy"] = Registry("eviction policy")
+EVICTION_POLICIES: Registry["PoolEvictionPolicy"] = Registry("eviction policy")
 
 INF = float("inf")
 
 
-class EvictionPolicy(Registered):
+class PoolEvictionPolicy(Registered):
+    """An online (or, with ``offline``, trace-knowing) replacement policy over the replay's device
+    pool. Not the stores' ``contextdeque.stores.EvictionPolicy``, which orders a real tier's
+    evictable entries by their stats when a write needs room: this one is told every access."""
+
     registry = EVICTION_POLICIES
     name: ClassVar[str] = ""
     offline: ClassVar[bool] = False
@@ -45,8 +49,8 @@ class EvictionPolicy(Registered):
         return f"{type(self).__name__}()"
 
 
-def make_eviction(spec: "str | EvictionPolicy") -> EvictionPolicy:
-    return EVICTION_POLICIES.make(spec, instance_of=EvictionPolicy, error=PolicyError)
+def make_eviction(spec: "str | PoolEvictionPolicy") -> PoolEvictionPolicy:
+    return EVICTION_POLICIES.make(spec, instance_of=PoolEvictionPolicy, error=PolicyError)
 
 
 class PolicyError(ContextDequeError, ValueError):

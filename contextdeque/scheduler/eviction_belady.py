@@ -13,12 +13,12 @@ from __future__ import annotations
 import heapq
 from typing import Hashable, Sequence
 
-from .eviction import EvictionPolicy
+from .eviction import PoolEvictionPolicy
 
 NEVER = 1 << 62
 
 
-class BeladyEviction(EvictionPolicy):
+class BeladyEviction(PoolEvictionPolicy):
     name = "belady"
     offline = True
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Hashable
 
-from .eviction import EvictionPolicy
+from .eviction import PoolEvictionPolicy
 
 
-class LRUEviction(EvictionPolicy):
+class LRUEviction(PoolEvictionPolicy):
     name = "lru"
 
     def __init__(self) -> None:

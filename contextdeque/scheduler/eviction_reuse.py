@@ -11,12 +11,12 @@ from __future__ import annotations
 import heapq
 from typing import Hashable
 
-from .eviction import EvictionPolicy
+from .eviction import PoolEvictionPolicy
 
 NEVER = 1 << 62
 
 
-class ReuseDistanceEviction(EvictionPolicy):
+class ReuseDistanceEviction(PoolEvictionPolicy):
     name = "reuse-distance"
 
     def __init__(self) -> None:

@@ -94,6 +94,7 @@ class GenerationResult:
     fallbacks: dict[str, int]
     ttft_s: float | None
     restored: bool
+    fidelity_misses: list[dict[str, Any]] = field(default_factory=list)  # FidelityMiss.as_dict() of this request's ops
 
     def usage_extra(self) -> dict[str, Any]:
         return {
@@ -105,6 +106,7 @@ class GenerationResult:
             "patches_reused": self.patches_reused,
             "store_fallbacks": self.fallbacks,
             "restored": self.restored,
+            "fidelity_misses": self.fidelity_misses,
         }
 
 
@@ -179,6 +181,9 @@ class Engine:
         store: the ``TieredStore`` all sessions share (local tiers, optionally a Valkey tier).
         model_name: the name clients use (``GET /v1/models``).
         rank / patch_policy: window patch settings.
+        window_options: further ``ContextWindow`` settings of every session's window, e.g.
+            ``fidelity_target=``, ``max_patch_fraction=``, ``on_miss=`` (misses are counted in
+            the metrics and listed in each response's usage).
         context_tokens: most tokens one request may need (default: the model's maximum positions).
         max_tokens: default and ceiling of ``max_tokens`` per request.
         queue_size: requests waiting for the worker beyond the running one; more get 429.
@@ -210,8 +215,10 @@ class Engine:
         plain: bool = False,
         heal_idle_ms: float | None = 20.0,
         processor: Any = None,
+        window_options: dict[str, Any] | None = None,
     ) -> None:
         self.backend = backend
+        self.window_options = dict(window_options or {})
         self.store = store
         self.model_name = model_name
         self.processor = processor
@@ -366,7 +373,7 @@ class Engine:
                         self.sessions.move_to_end(cand.id)
                         return cand, False
             conv = MessageWindow(self.backend, rank=self.rank, patch_policy=self.patch_policy, store=self.store,
-                                 processor=self.processor)
+                                 processor=self.processor, **self.window_options)
             s = Session(sid or uuid.uuid4().hex, conv)
             old = self.sessions.pop(s.id, None)
             if old is not None:
@@ -458,6 +465,7 @@ class Engine:
                 encodes=rec.encodes, patches_formed=rec.patches_formed, patches_reused=rec.patches_reused,
                 fallbacks=fallbacks, ttft_s=streamer.first_token_s,
                 restored=new and rec.appended > 0 and rec.encodes == 0,
+                fidelity_misses=[m.as_dict() for r in receipts for m in r.fidelity_misses],
             )
             reply_key = normalize_messages([{"role": "assistant", "content": text}])[0].key
             with self._lock:

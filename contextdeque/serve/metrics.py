@@ -6,7 +6,9 @@ this one did: encodes, patch-forming forwards and the generation prompt),
 ``prefill_avoided_tokens_total``, ``completion_tokens_total``, ``encode_forwards_total``,
 ``patch_forwards_total``, ``patches_reused_total``, ``store_fallbacks_total{tier}`` (store
 operations answered locally because a remote tier was away), ``sessions_evicted_total``,
-``sessions_restored_total``; idle-time healing (latency-first policy): ``heal_steps_total``,
+``sessions_restored_total``, ``fidelity_misses_total{action}`` (patches a session's
+``fidelity_target`` could not fit within the byte cap: ``reported`` ones fall short, the others
+took more bytes) with the histogram ``fidelity_miss_eta`` (their estimated η); idle-time healing (latency-first policy): ``heal_steps_total``,
 ``heal_interrupted_total`` (steps abandoned because a request arrived), ``heal_errors_total``,
 ``heal_forwards_total``, ``heal_tokens_prefilled_total``, ``heal_encodes_total`` (canonicals
 computed while idle), ``heal_patches_formed_total``, ``heal_seconds``; histograms ``request_seconds``, ``ttft_seconds``,
@@ -88,6 +90,9 @@ class ServeMetrics:
         self.fallbacks = Counter("contextdeque_store_fallbacks", "store operations answered locally because a remote tier was away", ["tier"], registry=r)
         self.sessions_evicted = Counter("contextdeque_sessions_evicted", "sessions closed by the memory budget", registry=r)
         self.sessions_restored = Counter("contextdeque_sessions_restored", "sessions rebuilt from the store with no encode", registry=r)
+        self.fidelity_misses = Counter("contextdeque_fidelity_misses", "patches the byte cap could not fit the fidelity target into, by what on_miss did", ["action"], registry=r)
+        self.fidelity_miss_eta = Histogram("contextdeque_fidelity_miss_eta", "estimated η of patches short of the fidelity target within the byte cap",
+                                           buckets=(0.5, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 1.0), registry=r)
         self.latency = Histogram("contextdeque_request_seconds", "chat completion wall time", buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("contextdeque_ttft_seconds", "time to the first generated token", buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_wait = Histogram("contextdeque_queue_wait_seconds", "time waiting for the model worker", buckets=_LATENCY_BUCKETS, registry=r)
@@ -114,6 +119,7 @@ class ServeMetrics:
             self.fallbacks.labels(tier).inc(n)
         if res.restored:
             self.sessions_restored.inc()
+        self.record_fidelity(res.fidelity_misses)
         self.latency.observe(wall_s)
         if res.ttft_s is not None:
             self.ttft.observe(res.ttft_s)
@@ -126,9 +132,17 @@ class ServeMetrics:
         self.heal_encodes.inc(rec.encodes)
         self.heal_patches.inc(rec.patches_formed)
         self.heal_seconds.observe(wall_s)
+        self.record_fidelity([m.as_dict() for m in rec.fidelity_misses])
         if step is not None:
             for tier, n in step.traffic.fallbacks.items():
                 self.fallbacks.labels(tier).inc(n)
+
+    def record_fidelity(self, misses: list[dict[str, Any]]) -> None:
+        """Count fidelity misses (``FidelityMiss.as_dict()``) and their estimated η."""
+        for m in misses:
+            self.fidelity_misses.labels(m["action"]).inc()
+            if m["action"] == "reported" and m.get("eta_est") is not None:
+                self.fidelity_miss_eta.observe(float(m["eta_est"]))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -220,6 +220,16 @@ def check_trace(trace: Trace, *, line_nos: Sequence[int] | None = None) -> dict[
     return chunks
 
 
+def scaled_trace(trace: Trace, scale: float, minimum: int = 1) -> Trace:
+    """``trace`` with every chunk's token count times ``scale`` (rounded, at least ``minimum``): the
+    same agent at a size a tiny model or a CPU runs in seconds. Queries keep their sizes."""
+    events = [ev.model_copy(update={"tokens": max(int(minimum), int(round(ev.tokens * scale)))}) if ev.op == "arrive" else ev
+              for ev in trace.events]
+    out = Trace(header=trace.header, events=events, path=trace.path)
+    out.chunks = check_trace(out)
+    return out
+
+
 def dumps_event(ev: Event | TraceHeader) -> str:
     """One line of JSON (defaults and Nones left out: compact and stable)."""
     return ev.model_dump_json(exclude_none=True, exclude_defaults=False)

@@ -11,6 +11,7 @@ transformers interop, decoding), ``disposable`` (the disposability test), ``benc
 """
 
 from . import policy_default, policy_exact, policy_latency, policy_latency_shared, policy_none  # noqa: F401  (register policies)
+from .config import DEFAULT_RANK, WindowConfig
 from .graph import CASCADE_POLICIES, Cascade, ConditioningGraph
 from .placement import PLACEMENT_POLICIES, ArrivalPlacement, PlacementPolicy, PlacementView, make_placement
 from .kvselect import SELECTORS, KVSelector, SelectionPolicy, make_selector
@@ -27,6 +28,8 @@ from .window import Answer, ContextWindow, Verdict
 
 __all__ = [
     "ContextWindow",
+    "WindowConfig",
+    "DEFAULT_RANK",
     "ChunkRef",
     "Receipt",
     "Verdict",

@@ -1,12 +1,13 @@
 """WindowContext: everything a window and its forks share, in one explicit object.
 
-The backend (with the window's root), the store adapter, the patch policy, the rank, the
-budget, the cascade policy and the cost counters. A fork shares its parent's context (same
+The backend (with the window's root), the store adapter, the patch policy and placement made
+from the settings (:class:`~.config.WindowConfig`), and the cost counters. A fork shares its parent's context (same
 canonicals, same store, same policy); what differs between them is their ``WindowState``.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import OrderedDict, deque
@@ -14,20 +15,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import torch
-
 from ..core.cooperative import in_background
-from ..core.errors import BudgetError, WindowError
-from ..patch.rank import resolve_rank
-from .graph import CASCADE_POLICIES
+from ..model.envelope import load_envelope
+from ..patch.alloc import FidelityRule
+from ..patch.rank import FULL, resolve_rank
+from .config import DEFAULT_MAX_EVICTED, OVERFLOW_POLICIES, WindowConfig  # noqa: F401  (re-exported)
 from .policy import PatchPolicy
 from .store import WindowStore
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.hf import HFBackend
 
-OVERFLOW_POLICIES = ("slide", "error")
-DEFAULT_MAX_EVICTED = 10_000  # evicted refs a window remembers unless told otherwise (ContextWindow(max_evicted=))
 PATCH_INDEX_CHUNKS = 4096  # chunks the stored-prefix hint remembers (WindowContext.note_stored_prefix)
 PATCH_INDEX_PREFIXES = 32  # prefixes it remembers per chunk
 
@@ -50,25 +48,16 @@ class WindowContext:
     backend: "HFBackend"
     store: WindowStore
     policy: PatchPolicy
-    rank: int
-    budget_tokens: int | None
-    cascade_policy: str
-    overflow: str
-    storage: torch.dtype
-    kv_selection: Any = None  # a kvselect.SelectionPolicy, or None
+    config: WindowConfig  # the settings (validated once, when the WindowConfig was made)
     counters: dict[str, int] = field(default_factory=lambda: {"encodes": 0, "decode_forwards": 0, "decode_tokens": 0})
     expected_reuse: Callable[..., float] | None = None
     placement: Any = None  # a window.placement.PlacementPolicy (None: arrival order)
-    fidelity_target: float | None = None  # adaptive patch rank (the safety envelope); None: fixed rank
-    max_patch_fraction: float = 0.25  # adaptive rank's byte cap: patch bytes / page bytes
-    beyond_trained: bool = False  # allow positions past the model's trained context length
-    chunk_template: str = "{text}"  # how text appends are rendered (see ContextWindow)
-    max_evicted: int | None = DEFAULT_MAX_EVICTED  # evicted refs remembered (oldest forgotten past it); None: all
     # chunk id -> antecedent id tuples whose patch was stored (a placement hint): bounded, see note_stored_prefix
     patch_index: "OrderedDict[str, dict[tuple[str, ...], None]]" = field(default_factory=OrderedDict, repr=False)
     op_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _waiting: list[int] = field(default_factory=lambda: [0], repr=False)
     _waiting_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _fidelity_rule: "FidelityRule | None" = field(default=None, repr=False)
     last_foreground: float = field(default_factory=time.monotonic, repr=False)
     foreground_waits_ms: deque = field(default_factory=lambda: deque(maxlen=1000), repr=False)
 
@@ -110,19 +99,19 @@ class WindowContext:
         """A foreground operation is waiting for the model."""
         return self._waiting[0] > 0
 
-    def __post_init__(self) -> None:
-        if self.cascade_policy not in CASCADE_POLICIES:
-            raise WindowError(f"cascade_policy must be one of {CASCADE_POLICIES}, got {self.cascade_policy!r}")
-        if self.overflow not in OVERFLOW_POLICIES:
-            raise WindowError(f"overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}")
-        if self.budget_tokens is not None and int(self.budget_tokens) < 1:
-            raise BudgetError(f"budget_tokens must be >= 1 (or None for no budget), got {self.budget_tokens}")
-        if int(self.rank) < 0:
-            raise WindowError(f"rank must be >= 0, got {self.rank}")
-        if self.fidelity_target is not None and not 0.0 < float(self.fidelity_target) <= 1.0:
-            raise WindowError(f"fidelity_target must be in (0, 1], got {self.fidelity_target}")
-        if not 0.0 < float(self.max_patch_fraction) <= 1.0:
-            raise WindowError(f"max_patch_fraction must be in (0, 1], got {self.max_patch_fraction}")
+    # the settings, read through the config (one source: a fork shares its parent's)
+    rank = property(lambda self: self.config.rank, doc="the patch rank m")
+    budget_tokens = property(lambda self: self.config.budget_tokens, doc="most chunk tokens the window holds (None: no budget)")
+    cascade_policy = property(lambda self: self.config.cascade_policy)
+    overflow = property(lambda self: self.config.overflow)
+    storage = property(lambda self: self.config.storage, doc="the dtype canonicals are stored in")
+    kv_selection = property(lambda self: self.config.kv_selection, doc="a kvselect.SelectionPolicy, or None")
+    fidelity_target = property(lambda self: self.config.fidelity_target, doc="η target: per-layer ranks allocated to meet it; None: fixed rank")
+    max_patch_fraction = property(lambda self: self.config.max_patch_fraction, doc="the target's byte cap: patch bytes / page bytes")
+    on_miss = property(lambda self: self.config.on_miss, doc="what a patch the cap cannot fit the target into does (patch.alloc.ON_MISS)")
+    beyond_trained = property(lambda self: self.config.beyond_trained, doc="allow positions past the model's trained context length")
+    chunk_template = property(lambda self: self.config.chunk_template, doc="how text appends are rendered (see ContextWindow)")
+    max_evicted = property(lambda self: self.config.max_evicted, doc="evicted refs remembered (oldest forgotten past it); None: all")
 
     @property
     def layout(self):
@@ -142,16 +131,24 @@ class WindowContext:
     def total_tokens(self) -> int:
         return int(self.backend.tokens_prefilled) + self.counters["decode_tokens"]
 
-    def adaptive_cap(self, n_tokens: int) -> tuple[int, int]:
-        """The adaptive rank's cap for a chunk of ``n_tokens``: the largest (rank_k, rank_v) whose
-        patch stays within ``max_patch_fraction`` of the page's bytes (m (T + F) <= f T F per
-        layer, K and V each), and never above full rank."""
-        lay = self.layout
-        out = []
-        for f in (lay.k_heads * lay.k_dim, lay.v_heads * lay.v_dim):
-            m = int(self.max_patch_fraction * n_tokens * f / (n_tokens + f))
-            out.append(max(1, min(m, n_tokens, f)))
-        return out[0], out[1]
+    @property
+    def fidelity_rule(self) -> "FidelityRule | None":
+        """The rule every patch is formed under when ``fidelity_target`` is set: the target (an η)
+        through the model's calibrated envelope (``contextdeque calibrate``; cached per model
+        fingerprint) — read as an energy when the model has none — under the byte cap, with
+        ``on_miss``. None without a target."""
+        if self.fidelity_target is None:
+            return None
+        if self._fidelity_rule is None:
+            self._fidelity_rule = FidelityRule.for_target(
+                float(self.fidelity_target), load_envelope(self.fingerprint), float(self.max_patch_fraction), self.on_miss)
+        return self._fidelity_rule
+
+    def formation_ranks(self, rank: int | str, n_tokens: int) -> tuple[int, int]:
+        """(rank_k, rank_v) a patch of a chunk of ``n_tokens`` is formed at (and keyed by): under a
+        fidelity target every direction (the allocation then cuts it per layer), else ``rank``
+        clamped (:meth:`clamp_rank`). A full-rank ask stays full rank either way."""
+        return self.clamp_rank(FULL if self.fidelity_target is not None else rank, n_tokens)
 
     def clamp_rank(self, rank: int | str, n_tokens: int) -> tuple[int, int]:
         """(rank_k, rank_v) for a chunk of ``n_tokens``: ``"full"`` or anything above
@@ -159,3 +156,14 @@ class WindowContext:
         lay = self.layout
         return (resolve_rank(rank, n_tokens, lay.k_heads * lay.k_dim, "K", clamp=True),
                 resolve_rank(rank, n_tokens, lay.v_heads * lay.v_dim, "V", clamp=True))
+
+
+def foreground_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a window method as a foreground operation (the idle healer gives way to it)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._ctx.foreground():
+            return method(self, *args, **kwargs)
+
+    return wrapper

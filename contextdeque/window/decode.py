@@ -13,7 +13,7 @@ token count) decode through :func:`greedy` instead, which passes positions expli
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -180,10 +180,32 @@ def greedy(
     token at position ``start``. Returns the fp32 logits ``[vocab]`` of the first answer token
     and the answer ids (stopping after an ``eos_ids`` token). Counts its forwards in
     ``ctx.counters``."""
-    backend = ctx.backend
+
+    def count(n: int) -> None:
+        ctx.counters["decode_forwards"] += 1
+        ctx.counters["decode_tokens"] += n
+
+    return greedy_steps(ctx.backend, to_cache(ctx, layers), int(layers[0][0].shape[1]), start, ids, max_new_tokens,
+                        eos_ids, count)
+
+
+@torch.no_grad()
+def greedy_steps(
+    backend: Any,
+    cache: Any,
+    past_len: int,
+    start: int,
+    ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    count: Callable[[int], None],
+) -> tuple[torch.Tensor, list[int]]:
+    """The one greedy decoding loop (the window's answers, the fidelity harness's scoring): prefill
+    ``ids`` after a transformers ``cache`` of ``past_len`` rows, the first at position ``start``,
+    then one forward per answer token, at most ``max_new_tokens`` (at least one), stopping after an
+    ``eos_ids`` token. ``count(n_tokens)`` is told of every forward. Returns the fp32 logits
+    ``[vocab]`` after the query (on the CPU) and the answer ids."""
     model = backend.model
-    cache = to_cache(ctx, layers)
-    past_len = int(layers[0][0].shape[1])
     step_ids = torch.as_tensor(list(ids), dtype=torch.long, device=backend.device).reshape(1, -1)
     pos = start
     answer: list[int] = []
@@ -201,8 +223,7 @@ def greedy(
             use_cache=True,
             logits_to_keep=1,
         )
-        ctx.counters["decode_forwards"] += 1
-        ctx.counters["decode_tokens"] += n
+        count(n)
         cache = out.past_key_values
         logits = out.logits[0, -1].to(torch.float32)
         if first_logits is None:

@@ -141,10 +141,7 @@ def window_index(ctx: Any, graph: Any, slots: Sequence[Any], entering: Any, at: 
         chunk = ids_by_content.get(content)
         if chunk is None:
             return False
-        if ctx.fidelity_target is not None:
-            ranks = ctx.adaptive_cap(chunk.n_tokens)
-        else:
-            ranks = ctx.clamp_rank(ctx.rank, chunk.n_tokens)
+        ranks = ctx.formation_ranks(ctx.rank, chunk.n_tokens)
         return ctx.store.has(patch_key_for(ctx, chunk, prefix, "exact", ranks))
 
     resident = {s.ref for s in slots}

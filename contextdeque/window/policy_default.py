@@ -30,6 +30,10 @@ from .policy import CLEAR, KEEP, Decision, PatchPolicy, form
 from .slot import Slot
 
 
+ORBIT_MAX_ANTECEDENTS = 4  # a reorder forms an orbit patch for a set of at most this many antecedents
+ORBIT_MAX_ORDERINGS = 24  # conditioned forwards one orbit patch averages at most
+
+
 class DefaultPolicy(PatchPolicy):
     name = "eager"
 
@@ -38,8 +42,8 @@ class DefaultPolicy(PatchPolicy):
         *,
         removal_rank: int | None = None,
         reorder: str = "orbit",
-        orbit_max_antecedents: int = 4,
-        max_orderings: int = 24,
+        orbit_max_antecedents: int = ORBIT_MAX_ANTECEDENTS,
+        max_orderings: int = ORBIT_MAX_ORDERINGS,
         refresh_inserted: bool = False,
     ) -> None:
         if reorder not in ("orbit", "exact", "keep"):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..patch.alloc import fidelity_report
 from ..stores import TierTraffic
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -28,6 +30,46 @@ class LoadFallback:
 
     def as_dict(self) -> dict[str, Any]:
         return {"chunk_id": self.chunk_id, "tier": self.tier, "error": self.error}
+
+
+ADDS = {"adds": True}  # field metadata: receipts sum this field (Receipt.__add__ / merged)
+
+
+@dataclass(frozen=True)
+class FidelityMiss:
+    """A chunk whose patch falls short of the window's ``fidelity_target`` (the byte cap could not
+    fit it and ``on_miss="report"``), or that met it only past the cap (``exceeded-budget``,
+    ``recomputed``): ``action`` says which (see ``contextdeque.patch.alloc.ON_MISS``).
+
+    ``eta_est``: η the model's calibrated envelope expects of the patch (None when the model has
+    no envelope: then ``energy`` against ``energy_target`` is the measure); ``patch_bytes`` /
+    ``budget_bytes``: what the patch holds and what the cap allowed."""
+
+    ref: "ChunkRef"
+    chunk_id: str
+    eta_target: float | None
+    eta_est: float | None
+    energy_target: float
+    energy: float
+    patch_bytes: int
+    budget_bytes: int | None
+    action: str
+
+    @property
+    def missed(self) -> bool:
+        """The patch the window holds falls short of the target."""
+        return self.action == "reported"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ref": self.ref.key, "chunk_id": self.chunk_id, "eta_target": self.eta_target, "eta_est": self.eta_est,
+                "energy_target": self.energy_target, "energy": self.energy, "patch_bytes": self.patch_bytes,
+                "budget_bytes": self.budget_bytes, "action": self.action}
+
+    def describe(self) -> str:
+        est = f"η≈{self.eta_est:.3f}" if self.eta_est is not None else f"energy {self.energy:.3f}"
+        want = f"η {self.eta_target:g}" if self.eta_est is not None else f"energy {self.energy_target:.3f}"
+        cap = "-" if self.budget_bytes is None else f"{self.budget_bytes / 1024:.0f}KiB"
+        return f"#{self.ref.key}: {est} for {want} ({self.action}; {self.patch_bytes / 1024:.0f}KiB, cap {cap})"
 
 
 @dataclass
@@ -65,44 +107,51 @@ class Receipt:
             loading, computing, waiting on loads; loads by tier; ``overlapped`` or not).
         repairs: what the operation repaired: store copies that failed verification and were
             quarantined, and the canonicals / patches rebuilt from their source in their place.
+        fidelity_misses: chunks (re)conditioned by this operation whose patch the byte cap could
+            not fit ``fidelity_target`` into, and what ``on_miss`` did (:class:`FidelityMiss`).
     """
 
     op: str
-    forwards: int = 0
-    tokens_prefilled: int = 0
-    encodes: int = 0
-    patches_formed: int = 0
-    patches_reused: int = 0
-    pages_written: int = 0
-    bytes_moved: dict[str, int] = field(default_factory=dict)
-    wall_ms: float = 0.0
-    refs: tuple["ChunkRef", ...] = ()
+    forwards: int = field(default=0, metadata=ADDS)
+    tokens_prefilled: int = field(default=0, metadata=ADDS)
+    encodes: int = field(default=0, metadata=ADDS)
+    patches_formed: int = field(default=0, metadata=ADDS)
+    patches_reused: int = field(default=0, metadata=ADDS)
+    pages_written: int = field(default=0, metadata=ADDS)
+    bytes_moved: dict[str, int] = field(default_factory=dict, metadata=ADDS)
+    wall_ms: float = field(default=0.0, metadata=ADDS)
+    refs: tuple["ChunkRef", ...] = field(default=(), metadata=ADDS)
     left: tuple["ChunkRef", ...] = ()
     cascade: "Cascade | None" = None
     deferred: tuple[tuple["ChunkRef", str, float], ...] = ()
     traffic: TierTraffic = field(default_factory=TierTraffic, repr=False)
-    notes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=(), metadata=ADDS)
     load_fallbacks: tuple[LoadFallback, ...] = ()
     loading: dict[str, Any] | None = None
-    repairs: tuple[str, ...] = ()
+    repairs: tuple[str, ...] = field(default=(), metadata=ADDS)
+    fidelity_misses: tuple[FidelityMiss, ...] = field(default=(), metadata=ADDS)
+
+    def __add__(self, other: "Receipt") -> "Receipt":
+        """The sum of two receipts' added fields (counts, bytes per tier, wall time, refs, notes,
+        repairs, fidelity misses), under this receipt's ``op``; the per-operation fields are this one's."""
+        out = dataclasses.replace(self)
+        for f in ADDED_FIELDS:
+            a, b = getattr(self, f), getattr(other, f)
+            if isinstance(a, dict):
+                merged = dict(a)
+                for k, v in b.items():
+                    merged[k] = merged.get(k, 0) + v
+                setattr(out, f, merged)
+            else:
+                setattr(out, f, a + b)
+        return out
 
     @classmethod
     def merged(cls, op: str, receipts: "list[Receipt]", wall_ms: float | None = None) -> "Receipt":
-        """One receipt summing ``receipts`` (e.g. the steps of a heal)."""
+        """One receipt summing ``receipts`` (e.g. the steps of a heal): their added fields."""
         out = cls(op=op)
         for r in receipts:
-            out.forwards += r.forwards
-            out.tokens_prefilled += r.tokens_prefilled
-            out.encodes += r.encodes
-            out.patches_formed += r.patches_formed
-            out.patches_reused += r.patches_reused
-            out.pages_written += r.pages_written
-            for k, v in r.bytes_moved.items():
-                out.bytes_moved[k] = out.bytes_moved.get(k, 0) + v
-            out.wall_ms += r.wall_ms
-            out.refs += r.refs
-            out.notes += r.notes
-            out.repairs += r.repairs
+            out = out + r
         if wall_ms is not None:
             out.wall_ms = wall_ms
         return out
@@ -135,6 +184,7 @@ class Receipt:
             "load_fallbacks": [f.as_dict() for f in self.load_fallbacks],
             "loading": None if self.loading is None else dict(self.loading),
             "repairs": list(self.repairs),
+            "fidelity_misses": [m.as_dict() for m in self.fidelity_misses],
         }
 
     def summary(self) -> str:
@@ -147,11 +197,19 @@ class Receipt:
             extra += f", {len(self.deferred)} deferred"
         if self.repairs:
             extra += f", {len(self.repairs)} repair(s)"
+        missed = sum(1 for m in self.fidelity_misses if m.missed)
+        if missed:
+            extra += f", {missed} fidelity miss(es)"
+        if len(self.fidelity_misses) > missed:
+            extra += f", {len(self.fidelity_misses) - missed} over the patch byte cap"
         return (
             f"{self.op}: {self.forwards} fwd, {self.tokens_prefilled} tok prefilled, {self.encodes} enc, "
             f"patches {self.patches_formed} formed/{self.patches_reused} reused, {self.pages_written} pages, "
             f"moved {moved}, {self.wall_ms:.1f} ms{extra}"
         )
+
+
+ADDED_FIELDS = tuple(f.name for f in dataclasses.fields(Receipt) if f.metadata.get("adds"))
 
 
 class Meter:
@@ -172,6 +230,7 @@ class Meter:
         # deferred ref -> the antecedents its conditioning carried before the deferral
         self.carried: dict["ChunkRef", tuple] = {}
         self.repairs: list[str] = []  # rebuilt from source (quarantines come from the traffic)
+        self.fidelity_misses: list[FidelityMiss] = []
         self._fw0 = ctx.total_forwards()
         self._tok0 = ctx.total_tokens()
         self._enc0 = ctx.counters["encodes"]
@@ -180,6 +239,16 @@ class Meter:
     def page(self, nbytes: int) -> None:
         self.pages_written += 1
         self.page_bytes += int(nbytes)
+
+    def note_fidelity(self, slot: Any, patch: Any) -> None:
+        """Record ``slot``'s patch if the fidelity rule could not meet its target within the cap."""
+        rep = fidelity_report(patch)
+        if rep is None or not rep.get("shortfall"):
+            return
+        self.fidelity_misses.append(FidelityMiss(
+            ref=slot.ref, chunk_id=slot.chunk.id, eta_target=rep.get("eta_target"), eta_est=rep.get("eta_est"),
+            energy_target=float(rep["energy_target"]), energy=float(rep["energy"]), patch_bytes=int(patch.nbytes),
+            budget_bytes=rep.get("budget_bytes"), action=str(rep["action"])))
 
     def finish(self, **fields: Any) -> Receipt:
         moved: dict[str, int] = {}
@@ -208,5 +277,6 @@ class Meter:
                 [f"quarantined a corrupt copy of {q.split(':', 1)[1][:40]} in tier {q.split(':', 1)[0]!r}"
                  for q in self.traffic.quarantined] + self.repairs
             ),
+            fidelity_misses=tuple(self.fidelity_misses),
             **fields,
         )

@@ -50,13 +50,14 @@ def patch_key_for(ctx: WindowContext, chunk, prefix_ids: Sequence[str], kind: st
 
     The signature (``patch.keys.patch_signature``) covers the antecedent chunk ids as the kind
     orders them, what the kind adds for the patches it is stacked on (``base_ids``), and the
-    window's formation context: the policy's regime and the adaptive rank's target when one is
-    set. Exact and recall patches measure the same thing (one conditioned forward on the
-    antecedents) and share one store kind, so a recall behind the antecedents a chunk was first
+    window's formation context: the policy's regime and, under a fidelity target, the rule's
+    parts (energy, byte cap, ``on_miss``). Exact and recall patches measure the same thing (one
+    conditioned forward on the antecedents) and share one store kind, so a recall behind the antecedents a chunk was first
     placed after is a store hit."""
     context = [f"regime:{ctx.policy.regime}"]
-    if ctx.fidelity_target is not None:
-        context.append(f"energy:{float(ctx.fidelity_target):.6g}")
+    rule = ctx.fidelity_rule
+    if rule is not None:
+        context += rule.key_parts()
     sig = patch_signature(kind, prefix_ids, base_ids=base_ids, context=context)
     return WindowStore.patch_key(chunk, sig, PATCH_KINDS[kind].store_kind(), ranks)
 
@@ -68,11 +69,10 @@ def obtain(
     ``reuse_only``). None when a ``reuse_only`` lookup misses."""
     kind = decision.kind
     assert kind is not None and decision.rank is not None
-    rk, rv = ctx.clamp_rank(decision.rank, slot.chunk.n_tokens)
-    energy = None
-    if ctx.fidelity_target is not None and not is_full(decision.rank):
-        energy = float(ctx.fidelity_target)  # adaptive rank, capped by the byte budget
-        rk, rv = ctx.adaptive_cap(slot.chunk.n_tokens)
+    rk, rv = ctx.formation_ranks(decision.rank, slot.chunk.n_tokens)
+    # under a fidelity target a patch is formed with every direction and cut per layer by the
+    # rule, which records how it met the target; a full-rank ask (exact conditioning) stays exact
+    rule = ctx.fidelity_rule if not is_full(decision.rank) else None
     key = patch_store_key(ctx, slot, prefix, kind, (rk, rv))
     q0 = len(meter.traffic.quarantined)
     patch = ctx.store.get_patch(key, fingerprint=ctx.fingerprint, traffic=meter.traffic)
@@ -94,7 +94,7 @@ def obtain(
             rank=rk,
             rank_v=rv,
             kind=kind,
-            energy=energy,
+            fidelity=rule,
             **options,
         )
         failed = ctx.store.put_patch(key, patch, traffic=meter.traffic)
@@ -108,8 +108,13 @@ def obtain(
     else:
         meter.patches_reused += 1
     cap_k, cap_v = ctx.clamp_rank(FULL, slot.chunk.n_tokens)
-    absolute = not PATCH_KINDS[kind].stacked or (rk >= cap_k and rv >= cap_v)
-    meter.notes.append(f"#{slot.ref.key}:{kind}@{rk}{'(reused)' if reused else ''}")
+    # a stacked correction replaces the conditioning only when it holds every direction of every
+    # layer (what it holds, not what it was asked for: the fidelity rule cuts it per layer)
+    ranks_k, ranks_v = patch.layer_ranks
+    absolute = not PATCH_KINDS[kind].stacked or (
+        len(patch.layers) == slot.chunk.num_layers and min(ranks_k, default=0) >= cap_k and min(ranks_v, default=0) >= cap_v)
+    meter.notes.append(f"#{slot.ref.key}:{kind}@{patch.rank_label if patch.per_layer else rk}{'(reused)' if reused else ''}")
+    meter.note_fidelity(slot, patch)
     formed_on = tuple((s.ref, s.version) for s in prefix)
     return Conditioning(patch=patch, formed_on=formed_on, absolute=absolute, reused=reused, key=key)
 

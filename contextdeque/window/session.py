@@ -45,6 +45,7 @@ from ..core.errors import CorruptEntryError, SessionError
 from ..patch import Patch
 from ..stores import StoreEntry
 from ..stores.format import decode_entry, encode_entry
+from ..patch.alloc import DEFAULT_ON_MISS
 from .context import DEFAULT_MAX_EVICTED
 from .graph import ConditioningGraph
 from .receipt import Meter, Receipt
@@ -164,6 +165,7 @@ class ConfigModel(_Model):
     fidelity_target: float | None
     max_patch_fraction: float
     max_evicted: int | None = DEFAULT_MAX_EVICTED  # absent in sessions saved before it was recorded
+    on_miss: str = DEFAULT_ON_MISS  # absent in sessions saved before it was recorded
 
 
 class ReceiptSummary(_Model):
@@ -365,7 +367,7 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
             budget_tokens=ctx.budget_tokens, rank=ctx.rank, patch_policy=policy_spec(ctx.policy),
             cascade_policy=ctx.cascade_policy, overflow=ctx.overflow, storage=str(ctx.storage).removeprefix("torch."),
             placement=getattr(placement, "name", "arrival") or "arrival", fidelity_target=ctx.fidelity_target,
-            max_patch_fraction=ctx.max_patch_fraction, max_evicted=ctx.max_evicted,
+            max_patch_fraction=ctx.max_patch_fraction, max_evicted=ctx.max_evicted, on_miss=ctx.on_miss,
         ),
         generation=state.generation,
         refs=list(refs.values()),
@@ -444,6 +446,7 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
         budget_tokens=c.budget_tokens, rank=c.rank, patch_policy=c.patch_policy, cascade_policy=c.cascade_policy,
         overflow=c.overflow, storage=storage_dtype(c.storage), placement=c.placement,
         fidelity_target=c.fidelity_target, max_patch_fraction=c.max_patch_fraction, max_evicted=c.max_evicted,
+        on_miss=c.on_miss,
     )
     kwargs.update(overrides)
     win = cls(backend, **kwargs)

@@ -28,42 +28,36 @@ Every operation returns (or, for ``append``, attaches to the returned ref) a :cl
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import os
-import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
-from ..core.chunk import Chunk, storage_dtype
-from ..core.args import check_float, check_instance, check_int, check_str, check_token_ids
+from ..core.chunk import Chunk
+from ..core.args import check_instance, check_int, check_str, check_token_ids
 from ..core.errors import BudgetError, UnknownRefError, WindowError, WindowTypeError
 from ..core.heap import release_freed_heap
-from ..core.kv import LayerKV, kv_nbytes
-from ..patch import Patch, form_patch
 from . import decode, ingest
-from .context import DEFAULT_MAX_EVICTED, WindowContext
-from .disposable import Verdict, run_test
-from .graph import Cascade, ConditioningGraph
+from ..patch.alloc import DEFAULT_ON_MISS
+from .config import DEFAULT_MAX_EVICTED, DEFAULT_RANK, WindowConfig
+from .context import WindowContext
+from .healing import WindowHealing
+from .introspection import WindowIntrospection
+from .lifecycle import WindowLifecycle
+from .reading import Answer, WindowReading
+from .disposable import Verdict
+from .graph import Cascade
 from .kvselect import SelectionPolicy
 from .placement import PlacementPolicy, make_placement, window_index
 from .policy import PatchPolicy, make_policy
-from .policy_latency import HealPolicy
 from .receipt import PAGES, Meter, Receipt
-from .reconcile import patch_store_key, reconcile
+from .reconcile import reconcile
 from .ref import ChunkRef, new_ref
 from .root import backend_with_root
 from .slot import Slot
-from .staleness import staleness
 from .state import EvictedEntry, WindowState
 from .store import WindowStore
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .healer import Healer
 
 T = TypeVar("T")
 
@@ -91,31 +85,7 @@ def check_refs(name: str, refs: Any) -> list[ChunkRef]:
     return out
 
 
-def _foreground(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a window method as a foreground operation (the idle healer gives way to it)."""
-
-    @functools.wraps(method)
-    def wrapper(self: "ContextWindow", *args: Any, **kwargs: Any) -> Any:
-        with self._ctx.foreground():
-            return method(self, *args, **kwargs)
-
-    return wrapper
-
-
-@dataclass
-class Answer:
-    """What ``ContextWindow.generate`` returns: the answer's ids, its text (with a tokenizer),
-    and the receipt. ``str(answer)`` is the text."""
-
-    token_ids: list[int]
-    text: str | None
-    receipt: Receipt | None = field(default=None, repr=False)
-
-    def __str__(self) -> str:
-        return self.text if self.text is not None else " ".join(map(str, self.token_ids))
-
-
-class ContextWindow:
+class ContextWindow(WindowIntrospection, WindowHealing, WindowLifecycle, WindowReading):
     """A context window of position-free KV chunks over one backend.
 
     Args:
@@ -141,10 +111,19 @@ class ContextWindow:
             ``"scheduler"`` (``contextdeque.scheduler``: the place that keeps stored patches
             valid and forms the fewest new ones), another registered name or a
             ``PlacementPolicy``.
-        fidelity_target: the safety envelope: when set (e.g. 0.99), each patch's rank is chosen
-            per chunk from Δ's singular spectrum — the smallest m capturing this fraction of Δ's
-            energy (K and V separately) — instead of the global ``rank``, capped so a patch
-            never exceeds ``max_patch_fraction`` of its page's bytes.
+        fidelity_target: an η target (e.g. 0.99: the patch closes 99% of the next-token KL gap
+            blind reuse leaves against a re-prefill, on the model's median calibration item).
+            When set, each patch gets per-layer K and V ranks allocated from Δ's singular spectra
+            where its energy is, as few bytes as capture the energy the model's calibrated
+            envelope says the target needs (``contextdeque calibrate --model``; without one the
+            target is read as that energy), within ``max_patch_fraction`` of its page's bytes;
+            ``rank`` is then not used. See docs/fidelity.md.
+        max_patch_fraction: the byte cap of a patch under ``fidelity_target``: its bytes over
+            its page's bytes.
+        on_miss: what a patch does when the cap cannot fit the target: ``"report"`` (the default:
+            keep the best patch within the cap; the receipt's ``fidelity_misses``, ``show()`` and
+            the patch's estimated η say so), ``"exceed_budget"`` (take the bytes the target
+            needs), ``"recompute"`` (the exact conditioning, every direction).
         kv_selection: a ``SelectionPolicy``: under memory pressure (more rows per KV head than
             its threshold) ``generate`` decodes over the rows its selector keeps (MM-ShiftKV,
             SnapKV, StreamingLLM); None: always the full window.
@@ -170,7 +149,7 @@ class ContextWindow:
         backend: Any,
         root: str | Sequence[int] | None = None,
         budget_tokens: int | None = None,
-        rank: int = 32,
+        rank: int = DEFAULT_RANK,
         store: Any = None,
         patch_policy: "str | PatchPolicy" = "default",
         cascade_policy: str = "reform",
@@ -180,52 +159,51 @@ class ContextWindow:
         placement: "str | PlacementPolicy" = "arrival",
         fidelity_target: float | None = None,
         max_patch_fraction: float = 0.25,
+        on_miss: str = DEFAULT_ON_MISS,
         kv_selection: "SelectionPolicy | None" = None,
         beyond_trained: bool = False,
         chunk_template: str = "{text}",
         max_evicted: int | None = DEFAULT_MAX_EVICTED,
     ) -> None:
+        root = self._checked_root(backend, root)
+        config = WindowConfig(
+            budget_tokens=budget_tokens, rank=rank, patch_policy=patch_policy, cascade_policy=cascade_policy,
+            overflow=overflow, storage=storage, placement=placement, fidelity_target=fidelity_target,
+            max_patch_fraction=max_patch_fraction, on_miss=on_miss, kv_selection=kv_selection,
+            beyond_trained=beyond_trained, chunk_template=chunk_template, max_evicted=max_evicted,
+        )
+        self._start(backend_with_root(backend, root), store, config)
+
+    @classmethod
+    def from_config(cls, backend: Any, config: WindowConfig, *, root: str | Sequence[int] | None = None,
+                    store: Any = None) -> "ContextWindow":
+        """A window over ``backend`` with the settings of ``config`` (a :class:`WindowConfig`, checked
+        when it was made); ``root`` and ``store`` as for the constructor."""
+        if not isinstance(config, WindowConfig):
+            raise WindowTypeError(f"config must be a WindowConfig, got {type(config).__name__}")
+        win = cls.__new__(cls)
+        win._start(backend_with_root(backend, cls._checked_root(backend, root)), store, config)
+        return win
+
+    @staticmethod
+    def _checked_root(backend: Any, root: str | Sequence[int] | None) -> str | list[int] | None:
+        """``backend`` is a backend and ``root`` text or token ids of its vocabulary (or None)."""
         if not all(hasattr(backend, a) for a in ("encode", "forward", "layout", "fingerprint", "root_ids")):
             raise WindowTypeError(
                 f"backend must be an HFBackend (e.g. contextdeque.load_model()), got {type(backend).__name__}"
             )
-        if root is not None:
-            if isinstance(root, str):
-                check_str("root", root)
-            else:
-                root = check_token_ids("root", root, backend.vocab_size, error=WindowError).tolist()
-        backend = backend_with_root(backend, root)
-        if kv_selection is not None and not isinstance(kv_selection, SelectionPolicy):
-            raise WindowTypeError(f"kv_selection must be a SelectionPolicy, got {type(kv_selection).__name__}")
-        if not (isinstance(patch_policy, (str, PatchPolicy))):
-            raise WindowTypeError(f"patch_policy must be a policy name or a PatchPolicy, got {type(patch_policy).__name__}")
-        if not (isinstance(placement, (str, PlacementPolicy))):
-            raise WindowTypeError(f"placement must be a policy name or a PlacementPolicy, got {type(placement).__name__}")
-        check_str("cascade_policy", cascade_policy, error=WindowError)
-        check_str("overflow", overflow, error=WindowError)
-        if not isinstance(storage, (str, torch.dtype)):
-            raise WindowTypeError(f"storage must be a dtype or its name, got {type(storage).__name__}")
-        if not isinstance(beyond_trained, bool):
-            raise WindowTypeError(f"beyond_trained must be a bool, got {type(beyond_trained).__name__}")
-        ingest.check_template(chunk_template)
+        if root is None or isinstance(root, str):
+            return check_str("root", root) if root is not None else None
+        return check_token_ids("root", root, backend.vocab_size, error=WindowError).tolist()
+
+    def _start(self, backend: Any, store: Any, config: WindowConfig) -> None:
+        """The window family's context from ``config``, and an empty state."""
         ctx = WindowContext(
             backend=backend,
             store=WindowStore.wrap(store, backend.device),
-            policy=make_policy(patch_policy),
-            rank=check_int("rank", rank, minimum=0, error=WindowError),
-            budget_tokens=check_int("budget_tokens", budget_tokens, minimum=1, none_ok=True, error=BudgetError),
-            cascade_policy=cascade_policy,
-            overflow=overflow,
-            storage=storage_dtype(storage),
-            placement=make_placement(placement),
-            fidelity_target=check_float("fidelity_target", fidelity_target, minimum=0.0, maximum=1.0, open_min=True,
-                                        none_ok=True, error=WindowError),
-            max_patch_fraction=check_float("max_patch_fraction", max_patch_fraction, minimum=0.0, maximum=1.0,
-                                           open_min=True, error=WindowError),
-            kv_selection=kv_selection,
-            beyond_trained=beyond_trained,
-            chunk_template=chunk_template,
-            max_evicted=check_int("max_evicted", max_evicted, minimum=0, none_ok=True, error=WindowError),
+            policy=make_policy(config.patch_policy),
+            config=config,
+            placement=make_placement(config.placement),
         )
         self._setup(ctx, WindowState(), parent=None)
         self._reserve_working_set(ctx)
@@ -266,147 +244,6 @@ class ContextWindow:
         self.receipts: deque[Receipt] = deque(maxlen=1000)
         #: the manifest this window was reopened from (``ContextWindow.open``), else None
         self.session: Any = None
-
-    # ================================================================== introspection
-    @property
-    def backend(self) -> Any:
-        """The backend (a view carrying the window's root if one was given)."""
-        return self._ctx.backend
-
-    @property
-    def context(self) -> WindowContext:
-        """The explicit shared context (backend, store, policy, counters)."""
-        return self._ctx
-
-    @property
-    def policy(self) -> PatchPolicy:
-        return self._ctx.policy
-
-    @property
-    def store(self) -> WindowStore:
-        return self._ctx.store
-
-    @property
-    def graph(self) -> ConditioningGraph:
-        """The conditioning graph (read it; the window keeps it in sync)."""
-        return self._state.graph
-
-    @property
-    def refs(self) -> tuple[ChunkRef, ...]:
-        """The chunks in the window, in order."""
-        return self._state.refs
-
-    @property
-    def evicted_refs(self) -> tuple[ChunkRef, ...]:
-        """Evicted chunks that can be recalled."""
-        return tuple(self._state.evicted)
-
-    @property
-    def tokens_used(self) -> int:
-        """Chunk tokens in the window (root excluded)."""
-        return self._state.tokens_used
-
-    @property
-    def budget_tokens(self) -> int | None:
-        return self._ctx.budget_tokens
-
-    @property
-    def root_ids(self) -> tuple[int, ...]:
-        return tuple(self._ctx.backend.root_ids)
-
-    @property
-    def stale_refs(self) -> tuple[ChunkRef, ...]:
-        """Chunks flagged stale by a recall cascade (``cascade_policy="flag"``)."""
-        return tuple(s.ref for s in self._state.slots if s.stale)
-
-    @property
-    def parent(self) -> "ContextWindow | None":
-        return self._parent
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def generation(self) -> int:
-        """Counts successful state-changing operations."""
-        return self._state.generation
-
-    def __len__(self) -> int:
-        return len(self._state.slots)
-
-    def __contains__(self, ref: object) -> bool:
-        return any(s.ref == ref for s in self._state.slots)
-
-    def placement(self) -> list[tuple[ChunkRef, int, int]]:
-        """``(ref, start, end)`` per chunk: contiguous from ``root_len`` on."""
-        return [(s.ref, s.start, s.end) for s in self._state.slots]
-
-    def next_position(self) -> int:
-        """Position of the first token after the window."""
-        return decode.next_position(self._ctx, self._state.slots)
-
-    def slot(self, ref: ChunkRef) -> Slot:
-        """The slot of an in-window chunk (read-only record)."""
-        return self._state.slots[self._state.index(ref)]
-
-    def kv(self, ref: ChunkRef) -> list[LayerKV]:
-        """The KV the model sees for ``ref``: per layer ``(k [H_k, T, d_k], v [H_v, T, d_v])``."""
-        page = self.slot(ref).page
-        assert page is not None
-        return list(page)
-
-    def patches(self, ref: ChunkRef) -> tuple[Patch, ...]:
-        """The conditioning patches ``ref`` carries (empty: blind canonical)."""
-        return self.slot(ref).patches
-
-    def chunk(self, ref: ChunkRef) -> Chunk:
-        return self.slot(ref).chunk
-
-    def cascade_preview(self, ref: ChunkRef) -> tuple[ChunkRef, ...]:
-        """In-window chunks transitively conditioned on ``ref`` (at most what recalling it
-        would make stale)."""
-        return self._state.graph.preview_cascade(ref, self.refs)
-
-    def text(self, *, root: bool = False) -> str:
-        """What the window holds, as text: each chunk's tokens decoded, concatenated exactly as
-        the model sees them (no separator is added: see ``chunk_template``); an image chunk
-        appears as ``[image: N tokens]``. ``root=True`` starts with the root.
-
-        Raises:
-            WindowError: the backend has no tokenizer.
-        """
-        tok = self._ctx.backend.tokenizer
-        if tok is None:
-            raise WindowError("text() needs a tokenizer; this backend has none (read window.chunk(ref).token_ids)")
-        parts = [tok.decode(list(self.root_ids))] if root else []
-        for s in self._state.slots:
-            ids = s.chunk.token_ids
-            parts.append(tok.decode(ids.tolist()) if ids is not None else f"[{s.chunk.modality}: {s.n_tokens} tokens]")
-        return "".join(parts)
-
-    def table(self) -> Any:
-        """The window as a ``rich`` table (see :meth:`show`)."""
-        from .view import window_table
-
-        return window_table(self)
-
-    def show(self, console: Any = None) -> None:
-        """Print the window as a table: per chunk its position span, tokens, label, conditioning
-        (patch kind@rank, or blind), staleness and the store tier of its canonical; evicted chunks
-        after it. ``console``: a ``rich.console.Console`` (default: stdout). Returns None (a REPL
-        echoes nothing after the table); :meth:`table` returns the table itself."""
-        from rich.console import Console
-
-        (console or Console()).print(self.table())
-
-    def __repr__(self) -> str:
-        b = "" if self._ctx.budget_tokens is None else f"/{self._ctx.budget_tokens}"
-        kind = "fork" if self._parent is not None else "window"
-        return (
-            f"ContextWindow({kind}, {len(self)} chunks, {self.tokens_used}{b} tokens, "
-            f"{len(self._state.evicted)} evicted, policy={self._ctx.policy.name})"
-        )
 
     # ================================================================== machinery
     def _check_open(self) -> None:
@@ -741,313 +578,6 @@ class ContextWindow:
             return {"refs": tuple(targets)}, None
 
         return self._run("refresh", body)[0]
-
-    # ------------------------------------------------------------------ healing
-    @property
-    def pending_refs(self) -> tuple[ChunkRef, ...]:
-        """In-window chunks a latency-first policy answered with a stale or blind patch, in window
-        order: what :meth:`heal` would work on."""
-        return tuple(s.ref for s in self._state.slots if s.ref in self._state.pending)
-
-    def heal_priority(self, ref: ChunkRef) -> float:
-        """How urgently ``ref`` needs healing: its staleness x its expected reuse."""
-        idx = self._state.index(ref)
-        slots = self._state.slots
-        reuse = self._ctx.expected_reuse(ref) if self._ctx.expected_reuse is not None else 1.0
-        return staleness(slots[idx], slots[:idx]) * float(reuse)
-
-    def heal(self, max_ms: float | None = None, *, max_steps: int | None = None) -> Receipt:
-        """Carry out the conditioning a latency-first policy deferred, most urgent first.
-
-        Each step takes the pending chunk of highest :meth:`heal_priority` and heals it together
-        with the pending chunks in front of it (a patch is formed on its antecedents' current
-        KV, so they go first), running the eager policy's decisions on the window as it stands;
-        each step is one transaction (an error or interruption leaves the window as it was
-        before that step). Stops when nothing is pending, after ``max_steps`` steps, or once
-        ``max_ms`` have passed (checked between steps). Returns one receipt for all steps
-        (``op="heal"``; each step is also in ``receipts``). Under an eager policy nothing is
-        ever pending and this is a no-op.
-        """
-        self._check_open()
-        check_float("max_ms", max_ms, minimum=0.0, none_ok=True, error=WindowError)
-        check_int("max_steps", max_steps, minimum=0, none_ok=True, error=WindowError)
-        t0 = time.perf_counter()
-        steps: list[Receipt] = []
-        while self._state.pending or self._unhealed_evicted():
-            if max_steps is not None and len(steps) >= int(max_steps):
-                break
-            if max_ms is not None and (time.perf_counter() - t0) * 1000.0 >= float(max_ms):
-                break
-            steps.append(self._heal_step())
-        return Receipt.merged("heal", steps, wall_ms=(time.perf_counter() - t0) * 1000.0)
-
-    def _unhealed_evicted(self) -> list[ChunkRef]:
-        """Evicted chunks that left before their canonical was computed, which healing encodes
-        (``latency-shared``; under ``latency`` their canonical waits for a recall that needs it)."""
-        if self._ctx.policy.lazy_canonicals:
-            return []
-        return [r for r, e in self._state.evicted.items() if e.owes_encode]
-
-    def _heal_step(self) -> Receipt:
-        """One heal transaction (see :meth:`heal`)."""
-
-        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
-            ctx = self._ctx
-            if not state.pending:
-                for ref in self._unhealed_evicted()[:1]:  # canonical of a chunk that left unhealed
-                    entry = state.evicted[ref]
-                    if entry.provisional is not None:
-                        ingest.canonical_of(self._ctx, entry.provisional, meter)
-                        source = ingest.source_of(entry.provisional)  # so a lost canonical can be rebuilt
-                    else:
-                        source = entry.source
-                        if ctx.store.get_chunk(entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature,
-                                               traffic=meter.traffic) is None:
-                            ingest.encode_and_store(ctx, meter, **entry.source)
-                    state.evicted[ref] = dataclasses.replace(entry, provisional=None, unhealed=False, source=source)
-                    return {"refs": (ref,)}, None
-                return {"refs": ()}, None  # healed meanwhile (e.g. by a foreground heal): nothing to do
-            target = max(state.pending, key=self.heal_priority)
-            idx = state.index(target)
-            batch = [s.ref for s in state.slots[: idx + 1] if s.ref in state.pending]
-            reasons = {r: state.pending[r].reason for r in batch}
-            eager = getattr(ctx.policy, "eager", ctx.policy)
-            carried = {r: state.pending[r].carried for r in batch}
-            heal_policy = HealPolicy(eager, carried)
-            lazy = ctx.policy.lazy_canonicals
-            slots = list(state.slots)
-            for i, s in enumerate(slots):
-                if s.ref not in reasons or not s.provisional:
-                    continue
-                pending = state.pending[s.ref]
-                if i == 0 or not lazy:  # its canonical: exact at the front; latency-shared: always
-                    slots[i] = self._canonicalize(s, slots[:i], reasons[s.ref], eager, meter)
-                elif pending.reason == "append" and not pending.requeued:
-                    del reasons[s.ref]  # exact where it stands: no canonical until something needs one
-                else:  # the eager policy would re-condition it: one conditioned forward on its prefix now
-                    # heal and place what is in front first: the forward runs after their healed KV
-                    head = {r: reasons.pop(r) for r in [x.ref for x in slots[:i]] if r in reasons}
-                    slots[:i], _ = reconcile(ctx, slots[:i], head, meter, policy=heal_policy)
-                    slots[i] = ingest.reforward(ctx, s, slots[:i], meter)
-                    meter.reconditioned.add(s.ref)
-                    del reasons[s.ref]
-            state.slots, _ = reconcile(ctx, slots, reasons, meter, policy=heal_policy)
-            for r in batch:
-                state.pending.pop(r, None)
-            return {"refs": tuple(batch)}, None
-
-        return self._run("heal", body)[0]
-
-    def _canonicalize(self, slot: Slot, prefix: Sequence[Slot], reason: str | None, eager: PatchPolicy, meter: Meter) -> Slot:
-        """A provisional slot as its canonical (blind, to be re-conditioned by the eager policy).
-
-        When the prefix is still the one its conditioned forward ran after, the patch the eager
-        policy wants there is the difference between that KV and the canonical: it is formed from
-        the provisional KV (an SVD, no forward) and stored, so re-conditioning finds it."""
-        ctx = self._ctx
-        canonical = ingest.canonical_of(self._ctx, slot.chunk, meter)
-        blind = Slot(ref=slot.ref, chunk=canonical, start=slot.start, layout=ctx.layout)
-        if tuple((p.ref, p.version) for p in prefix) == slot.inline_on:
-            wanted = eager.decide(reason, blind, prefix, valid=False, rank=ctx.rank)
-            if wanted.action == "form" and not wanted.stack:
-                rk, rv = ctx.clamp_rank(wanted.rank, canonical.n_tokens)
-                key = patch_store_key(ctx, blind, prefix, wanted.kind, (rk, rv))
-                if (rk or rv) and not ctx.store.has(key):
-                    patch = form_patch(
-                        ctx.backend, canonical, antecedents=[(p.chunk, list(p.patches)) for p in prefix],
-                        rank=rk, rank_v=rv, kind=wanted.kind, conditioned=(slot.chunk.keys, slot.chunk.values),
-                        **dict(wanted.options),
-                    )
-                    failed = ctx.store.put_patch(key, patch, traffic=meter.traffic)
-                    if failed:
-                        meter.notes.append(failed)
-        return blind
-
-    def start_healing(self, idle_ms: float = 20.0) -> "Healer":
-        """Heal in the background while the window is idle (no foreground operation for
-        ``idle_ms``): returns the running :class:`~contextdeque.window.healer.Healer` (call
-        ``stop()``, or use it as a context manager). Foreground operations never wait for it
-        longer than the layer in flight."""
-        from .healer import Healer
-
-        return Healer(self, idle_ms=idle_ms).start()
-
-    # ------------------------------------------------------------------ sessions
-    @_foreground
-    def save(self, path: "str | os.PathLike[str]") -> Receipt:
-        """Save the window to one file at ``path`` (atomic: a crash mid-save leaves what was
-        there): order, refs and labels, positions, canonicals and patch stacks, the evicted set
-        (with the canonicals the store still holds), pending heals, the conditioning graph,
-        policies, budget and a summary of the receipts (``contextdeque.window.session``).
-        Reopen it with :meth:`open`."""
-        from .session import save_window
-
-        return save_window(self, path)
-
-    @classmethod
-    def open(cls, path: "str | os.PathLike[str]", backend: Any, **overrides: Any) -> "ContextWindow":
-        """Reopen a window saved with :meth:`save` over ``backend`` (the same model, layout and
-        root, else ``SessionError``), running no forward: ``materialize()`` is bit-identical to
-        the saved window's, and the session continues (slide, recall, generate...). Refs are
-        fresh (same order and labels); ``overrides`` replace saved settings (e.g. ``store=``,
-        ``patch_policy=``). ``window.session`` is the manifest it was opened from.
-
-        Raises:
-            SessionError: no session there, corrupt, another schema version or another model.
-        """
-        from .session import open_window
-
-        return open_window(cls, path, backend, **overrides)
-
-    # ------------------------------------------------------------------ forks
-    @_foreground
-    def fork(self) -> "ContextWindow":
-        """A copy-on-write child: shares canonicals, patches and pages (no tensor is copied),
-        has its own order, overlay and evicted set. ``child.commit()`` makes the child's state
-        the parent's (only if the parent did not change since the fork); ``child.discard()``
-        drops it. Nothing the child does changes the parent."""
-        self._check_open()
-        meter = Meter(self._ctx, "fork")
-        child = ContextWindow._over(self._ctx, self._state.copy(), parent=self)
-        meter.notes.extend(self._ctx.store.hold(list(child._state.held_keys().elements()), meter.traffic))
-        receipt = meter.finish(refs=child.refs)
-        self._record(receipt)
-        child._record(receipt)
-        return child
-
-    @_foreground
-    def commit(self) -> Receipt:
-        """Make this fork's state its parent's and close the fork.
-
-        Raises:
-            WindowError: not a fork, already closed, or the parent changed since the fork.
-        """
-        self._check_open()
-        parent = self._parent
-        if parent is None:
-            raise WindowError("commit() is for forks; this window has no parent")
-        if parent._closed:
-            raise WindowError("the parent window is closed")
-        if parent._state.generation != self._base_generation:
-            raise WindowError(
-                "the parent changed since this fork was made (generation "
-                f"{self._base_generation} -> {parent._state.generation}); commit refused"
-            )
-        meter = Meter(self._ctx, "commit")
-        # The child's holds become the parent's; the parent's old state lets go of its own.
-        meter.notes.extend(self._ctx.store.release(list(parent._state.held_keys().elements()), meter.traffic))
-        new = self._state
-        new.generation = parent._state.generation + 1
-        parent._state = new
-        self._closed = True
-        receipt = meter.finish(refs=new.refs)
-        parent._record(receipt)
-        self._record(receipt)
-        return receipt
-
-    def discard(self) -> Receipt:
-        """Drop this fork (the parent is untouched)."""
-        self._check_open()
-        if self._parent is None:
-            raise WindowError("discard() is for forks; use close() for a window")
-        return self.close(op="discard")
-
-    @_foreground
-    def close(self, op: str = "close") -> Receipt:
-        """Release everything this window holds in the store; further operations raise."""
-        self._check_open()
-        meter = Meter(self._ctx, op)
-        meter.notes.extend(self._ctx.store.release(list(self._state.held_keys().elements()), meter.traffic))
-        self._closed = True
-        receipt = meter.finish(refs=self.refs)
-        self._record(receipt)
-        return receipt
-
-    # ------------------------------------------------------------------ reading it out
-    def materialize(self) -> Any:
-        """The KV the model sees, as a fresh transformers ``DynamicCache`` (batch 1): the root,
-        then every chunk's page, ``S = root_len + sum(n_tokens)`` tokens per layer.
-
-        Fresh every call: generating with it (which appends to it) never touches the window.
-        Continue it with ``model.generate(input_ids=window.input_ids_for(q),
-        past_key_values=cache, ...)``. Under the exact policy it equals the KV of one forward
-        over the root and the chunks (to float rounding)."""
-        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], Any]:
-            layers = decode.assemble(self._ctx, state.slots)
-            meter.page_bytes += kv_nbytes(layers)
-            return {"refs": state.refs}, decode.to_cache(self._ctx, layers)
-
-        return self._run("materialize", body, mutates=False)[1]
-
-    def input_ids_for(self, query: str | Sequence[int] | torch.Tensor, *, chat: bool = True) -> torch.Tensor:
-        """``[1, S + Q]`` ids for ``model.generate(input_ids=..., past_key_values=materialize())``:
-        the cached prefix's ids (root, then each chunk's tokens) followed by the query's (text is
-        tokenized and, with a chat template, closed as a user turn + assistant header).
-
-        Raises:
-            WindowError: the window holds a chunk whose span is not its token count (an image):
-                ``generate`` would place the query at the wrong position; use
-                ``ContextWindow.generate``, which passes positions explicitly.
-        """
-        self._check_open()
-        if not decode.hf_compatible(self._state.slots):
-            raise WindowError(
-                "the window holds a chunk whose span differs from its token count (or M-RoPE "
-                "positions); model.generate cannot continue it: use window.generate"
-            )
-        ids = decode.prefix_ids(self._ctx, self._state.slots) + decode.query_ids(self._ctx, query, chat=chat)
-        return torch.tensor([ids], dtype=torch.long, device=self._ctx.backend.device)
-
-    def generate(self, query: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 32, *, chat: bool = True, **kw: Any) -> Answer:
-        """Materialize and decode ``query``. Text-only windows go through
-        ``model.generate(input_ids=input_ids_for(query), past_key_values=materialize(), **kw)``
-        (greedy unless ``kw`` says otherwise); windows with image spans through the window's own
-        greedy decoder with explicit positions."""
-        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], Answer]:
-            check_int("max_new_tokens", max_new_tokens, minimum=1, error=WindowError)
-            q = decode.query_ids(self._ctx, query, chat=chat)
-            new_ids = decode.answer(self._ctx, state.slots, q, max_new_tokens, meter, **kw)
-            return {"refs": state.refs}, Answer(token_ids=new_ids, text=decode.decode_text(self._ctx, new_ids))
-
-        receipt, answer = self._run("generate", body, mutates=False)
-        answer.receipt = receipt
-        return answer
-
-    def is_disposable(
-        self,
-        ref: ChunkRef,
-        query: str | Sequence[int] | torch.Tensor,
-        max_new_tokens: int = 8,
-        *,
-        drop: bool = False,
-        kl_tol: float | None = None,
-        chat: bool = True,
-    ) -> Verdict:
-        """Is ``ref``'s conditioning load-bearing for ``query``?
-
-        Decodes ``query`` (greedy, ``max_new_tokens``) three ways: the window as is; with
-        ``ref``'s conditioning toggled off (its page becomes the bare relocated canonical; every
-        other chunk as is); and, with ``drop=True``, with ``ref`` dropped (later chunks shift
-        back keeping their KV). Disposable when every variant gives the same answer (and,
-        with ``kl_tol``, a first-token KL(as is || variant) at most ``kl_tol``). The window
-        is not changed.
-        """
-        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], dict[str, Any]]:
-            state.check_known(ref)
-            idx = state.index(ref)
-            check_int("max_new_tokens", max_new_tokens, minimum=1, error=WindowError)
-            check_float("kl_tol", kl_tol, minimum=0.0, none_ok=True, error=WindowError)
-            q = decode.query_ids(self._ctx, query, chat=chat)
-            slot = state.slots[idx]
-            # a provisional slot (latency-first, not healed yet) is conditioned by its own forward:
-            # its canonical (from the store, else encoded and stored for heal) is the variant without
-            canonical = ingest.canonical_of(self._ctx, slot.chunk, meter) if slot.provisional else None
-            found = run_test(self._ctx, state.slots, idx, q, max_new_tokens=max_new_tokens, drop=drop, kl_tol=kl_tol,
-                             canonical=canonical)
-            return {"refs": (ref,)}, found
-
-        receipt, found = self._run("is_disposable", body, mutates=False)
-        return Verdict(ref=ref, receipt=receipt, **found)
 
 
 __all__ = ["ContextWindow", "Answer", "Verdict", "Cascade", "Receipt", "ChunkRef", "PAGES"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...core.operator import relocate
-from ...patch import Patch, form_patch
+from ...patch import FidelityRule, Patch, fidelity_report, form_patch
 from ...patch.ops import truncate_patch
 from .base import ArmResult, ReuseArm, ReuseRequest
 from ...core.kv import concat_kv
@@ -22,7 +22,9 @@ class PatchArm(ReuseArm):
 
     ``rank``: K rank (``"full"`` = exact Δ); ``rank_v``: V rank (default ``rank``); ``kind``: a
     patch kind (exact, orbit, recall, deep, shared, removal); ``chain``: form each patch with the
-    antecedents' own patches applied; other keyword options go to :func:`form_patch`.
+    antecedents' own patches applied; ``fidelity``: a :class:`~contextdeque.patch.alloc.FidelityRule`
+    (per-layer ranks allocated to its target within its byte cap, at most ``rank``); other keyword
+    options go to :func:`form_patch`.
     """
 
     name = "patch"
@@ -35,10 +37,12 @@ class PatchArm(ReuseArm):
         kind: str = "exact",
         chain: bool = True,
         label: str | None = None,
+        fidelity: FidelityRule | None = None,
         **kind_options: Any,
     ) -> None:
         super().__init__(label=label or f"patch-r{rank}")
         self.rank, self.rank_v, self.kind, self.chain = rank, rank_v, kind, chain
+        self.fidelity = fidelity
         self.kind_options = kind_options
 
     def patches(self, request: ReuseRequest) -> tuple[list[list[Patch]], int]:
@@ -49,13 +53,14 @@ class PatchArm(ReuseArm):
         for i, chunk in enumerate(request.chunks):
             given = request.patches_for(i)
             if given:
-                out.append([truncate_patch(p, self.rank, self.rank_v) for p in given])
+                cut = [truncate_patch(p, self.rank, self.rank_v) for p in given]
+                out.append(cut if self.fidelity is None else [self.fidelity.shape(p, chunk) for p in cut])
             elif i == 0:
                 out.append([])
             else:
                 ants = [(request.chunks[j], out[j] if self.chain else None) for j in range(i)]
                 out.append([form_patch(be, chunk, ants, rank=self.rank, kind=self.kind, rank_v=self.rank_v,
-                                       **self.kind_options)])
+                                       fidelity=self.fidelity, **self.kind_options)])
         return out, be.forwards_run - before
 
     def run(self, request: ReuseRequest) -> ArmResult:
@@ -69,4 +74,8 @@ class PatchArm(ReuseArm):
         rep.bytes_canonical = request.page_bytes
         rep.bytes_extra = sum(p.nbytes for ps in pats for p in ps)
         rep.extras["patch_ranks"] = [[(p.rank_k, p.rank_v) for p in ps] for ps in pats]
+        # directions kept over all layers (K, V) and, under a fidelity rule, what it decided
+        rep.extras["patch_directions"] = [[tuple(sum(r) for r in p.layer_ranks) for p in ps] for ps in pats]
+        if self.fidelity is not None:
+            rep.extras["fidelity"] = [fidelity_report(p) for ps in pats for p in ps]
         return ArmResult(kv=concat_kv(parts), next_position=request.next_position, report=rep)

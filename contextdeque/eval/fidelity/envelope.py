@@ -1,15 +1,21 @@
-"""The safety envelope on the probe set: does Δ's captured energy predict η, and what η does each
-``fidelity_target`` reach, at what bytes, against fixed ranks?
+"""The fidelity envelope on the probe set: how captured energy maps to η for a model (its
+calibration), and what η and bytes a ``fidelity_target`` gets against fixed ranks.
 
 Per probe item (its chunks in order, as in the harness's main group): the re-prefill reference,
-blind reuse, and exact full-rank patches chained as a window holds them. Each patch's singular
-spectrum is read off its factors (``U S`` columns), so every rank is a truncation of the same
-patch: fixed ranks ``m`` for every chunk, and the adaptive rule (per chunk, the smallest m whose
-directions capture the target energy pooled over layers, K and V separately, capped at
-``max_patch_fraction`` of the page's bytes) for each target. Each variant's next-token KL against
-re-prefill gives η (items with a measurable blind gap only); its patch bytes are summed.
+blind reuse, and exact full-rank patches chained as a window holds them. Every variant is a cut
+of the same full patches (an SVD truncated is the top-m SVD), so variants differ only in which
+directions they keep:
 
-    python -m contextdeque.eval.fidelity.envelope --items 36 --json out.json --plot docs/envelope.png
+- ``fixed-r{m}``: rank m on every layer, K and V;
+- ``energy-{e}``: the allocation (``contextdeque.patch.alloc``: per layer and K/V, greedy energy
+  per byte) capturing energy e, no byte cap — the calibration's points;
+- ``target-{t}``: a window's rule for η target t (through the model's envelope) under the byte
+  cap ``max_patch_fraction`` of each page, misses reported.
+
+Each variant's next-token KL against re-prefill gives η (items with a measurable blind gap only).
+
+    python -m contextdeque.eval.fidelity.envelope --items 8 --ranks 8,16,24,32,64 \
+        --targets 0.95,0.97,0.98,0.99,0.995 --max-patch-fraction 0.25 --json out.json
     python -m contextdeque.eval.fidelity.envelope --arch qwen2   # a tiny random non-llama family
 """
 
@@ -19,80 +25,60 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from ...core.chunk import Chunk
+from ...core.metrics import kl_divergence
+from ...model.envelope import ENVELOPE_VERSION, FidelityEnvelope, load_envelope, save_envelope
+from ...patch import FidelityRule, Patch, fidelity_report, form_patch
+from ...patch.alloc import relative_weights
 from ...patch.ops import truncate_patch
 from ..arms import BlindArm, PatchArm, ReprefillArm, ReuseRequest
-from ...patch import captured_energy, form_patch, rank_for_energy
 from .harness import score_query
-from ...core.metrics import kl_divergence
-from .metrics import DEFAULT_MIN_GAP, eta
-from .probes import materialize, probe_set
+from .metrics import DEFAULT_MIN_GAP, eta, percentile
+from .probes import ProbeItem, materialize, probe_set
 
-FIXED_RANKS = (4, 8, 16, 32, 64)
-TARGETS = (0.9, 0.95, 0.99, 0.995)
+FIXED_RANKS = (16, 32, 64)
+TARGETS = (0.95, 0.99)
+CALIBRATION_ENERGIES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999)
+CALIBRATION_PER_FAMILY = 4
+"""Probe items per family the calibration measures: the *last* ones of each family, so the first
+items of the interleaved probe set (what ``contextdeque fidelity --items N`` checks, N <= 14) are
+held out."""
 
 
-def _s2(u: torch.Tensor) -> torch.Tensor:
-    """Squared singular values per layer from ``U S`` factors ``[L, T, r]`` -> ``[L, r]``."""
-    return u.to(torch.float64).pow(2).sum(1)
-
-
-def _byte_cap(T: int, F: int, fraction: float) -> int:
-    return max(1, min(T, F, int(fraction * T * F / (T + F))))
+def calibration_items(per_family: int = CALIBRATION_PER_FAMILY) -> list[ProbeItem]:
+    """The calibration's probe items (deterministic): the last ``per_family`` of each family."""
+    items = probe_set()
+    out: list[ProbeItem] = []
+    for fam in dict.fromkeys(i.family for i in items):
+        out += [i for i in items if i.family == fam][-int(per_family):]
+    return out
 
 
 @dataclass
-class Variant:
-    name: str
-    kind: str  # "fixed" / "adaptive"
-    param: float
-    kl: list[float] = field(default_factory=list)
-    eta: list[float | None] = field(default_factory=list)
-    energy: list[float] = field(default_factory=list)
-    bytes: int = 0
-    ranks: list[int] = field(default_factory=list)
+class ItemBase:
+    """One probe item, measured once: the request, the reference logits, blind reuse's KL and the
+    exact full-rank patch of every non-leading chunk (index -> patch)."""
+
+    item_id: str
+    request: ReuseRequest
+    start: int
+    query_ids: list[int]
+    ref_logits: torch.Tensor
+    kl_blind: float
+    full: dict[int, Patch]
 
 
-def rank_correlation(x: Sequence[float], y: Sequence[float]) -> float | None:
-    """Spearman's rank correlation (average ranks for ties)."""
-    if len(x) < 3:
-        return None
-
-    def ranks(v: Sequence[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2.0
-            i = j + 1
-        return r
-
-    rx, ry = ranks(x), ranks(y)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return num / den if den else None
-
-
-@torch.no_grad()
-def run_envelope(backend: Any, items: Sequence[Any], *, ranks: Sequence[int] = FIXED_RANKS, targets: Sequence[float] = TARGETS,
-                 max_patch_fraction: float = 0.5, max_chunk_tokens: int = 512, image_grid: tuple[int, int] | None = None,
-                 min_gap: float = DEFAULT_MIN_GAP) -> dict[str, Any]:
-    """Measure every variant on ``items`` (probe items); returns the summary dict (see module doc)."""
-    lay = backend.layout
-    fk, fv = lay.k_heads * lay.k_dim, lay.v_heads * lay.v_dim
-    variants = [Variant(f"fixed-r{r}", "fixed", r) for r in ranks] + [Variant(f"target-{t:g}", "adaptive", t) for t in targets]
-    blind_kls: list[float] = []
-    limit = getattr(lay, "max_trained_position", None)
-    too_long = 0
+def item_bases(backend: Any, items: Sequence[ProbeItem], *, max_chunk_tokens: int = 512,
+               image_grid: tuple[int, int] | None = None, skipped: list[str] | None = None) -> Iterator[ItemBase]:
+    """:class:`ItemBase` per item with at least two chunks; items that would run past the model's
+    trained context are left out (their ids appended to ``skipped``)."""
+    limit = getattr(backend.layout, "max_trained_position", None)
     for item in items:
         mat = materialize(item, backend, max_chunk_tokens=max_chunk_tokens, image_grid=image_grid)
         if len(mat.chunks) < 2:
@@ -100,75 +86,163 @@ def run_envelope(backend: Any, items: Sequence[Any], *, ranks: Sequence[int] = F
         req = ReuseRequest(backend, mat.chunks)
         start = req.next_position
         if limit is not None and start + len(mat.query_ids) > limit:
-            too_long += 1  # past the model's trained context: left out, and counted
+            if skipped is not None:
+                skipped.append(item.id)
             continue
         ref_logits, _ = score_query(backend, ReprefillArm().run(req).kv, start, mat.query_ids, 0)
         blind_logits, _ = score_query(backend, BlindArm().run(req).kv, start, mat.query_ids, 0)
-        kl_blind = kl_divergence(ref_logits, blind_logits)
-        blind_kls.append(kl_blind)
-        full: dict[int, list] = {}
+        full: dict[int, Patch] = {}
         for i in range(1, len(req.chunks)):
-            ants = [(req.chunks[j], full.get(j)) for j in range(i)]
-            full[i] = [form_patch(backend, req.chunks[i], ants, rank="full", kind="exact")]
-        tokens = [c.n_tokens for c in req.chunks[1:]]
-        for v in variants:
-            pats: dict[int, list] = {}
-            energies = []
-            for i, (p,) in full.items():
-                T = p.n_tokens
-                sk, sv = _s2(p.k_u), _s2(p.v_u)
-                if v.kind == "fixed":
-                    mk, mv = min(int(v.param), sk.shape[1]), min(int(v.param), sv.shape[1])
-                else:
-                    mk, _ = rank_for_energy(sk, v.param, _byte_cap(T, fk, max_patch_fraction))
-                    mv, _ = rank_for_energy(sv, v.param, _byte_cap(T, fv, max_patch_fraction))
-                q = truncate_patch(p, mk, mv)
-                pats[i] = [q]
-                v.bytes += q.nbytes
-                v.ranks.append(mk + mv)
-                energies.append(0.5 * (captured_energy(sk, mk) + captured_energy(sv, mv)))
-            kv = PatchArm("full").run(req.with_patches(pats)).kv
-            logits, _ = score_query(backend, kv, start, mat.query_ids, 0)
-            kl = kl_divergence(ref_logits, logits)
-            v.kl.append(kl)
-            v.eta.append(eta(kl_blind, kl, min_gap))
-            v.energy.append(sum(e * t for e, t in zip(energies, tokens)) / sum(tokens))
-    out = summarize(variants, blind_kls)
-    out["items_past_trained_context"] = too_long
-    return out
+            ants = [(req.chunks[j], [full[j]] if j in full else None) for j in range(i)]
+            full[i] = form_patch(backend, req.chunks[i], ants, rank="full", kind="exact")
+        yield ItemBase(item.id, req, start, list(mat.query_ids), ref_logits, kl_divergence(ref_logits, blind_logits), full)
 
 
-def summarize(variants: Sequence[Variant], blind_kls: Sequence[float]) -> dict[str, Any]:
-    rows = []
-    xs, ys = [], []
-    for v in variants:
-        etas = [e for e in v.eta if e is not None]
-        rows.append({
-            "variant": v.name, "kind": v.kind, "param": v.param,
-            "median_eta": statistics.median(etas) if etas else None,
-            "mean_eta": statistics.fmean(etas) if etas else None,
-            "n_eta": len(etas), "median_kl": statistics.median(v.kl) if v.kl else None,
-            "median_energy": statistics.median(v.energy) if v.energy else None,
-            "patch_bytes": v.bytes, "mean_rank_kv": statistics.fmean(v.ranks) if v.ranks else None,
-        })
-        for e, en in zip(v.eta, v.energy):
-            if e is not None:
-                xs.append(en)
-                ys.append(e)
-    out: dict[str, Any] = {"variants": rows, "items": len(blind_kls),
-                           "items_with_gap": sum(1 for k in blind_kls if k > DEFAULT_MIN_GAP),
-                           "energy_eta_spearman": rank_correlation(xs, ys), "points": list(zip(xs, ys))}
-    # the acceptance comparison: the cheapest fixed rank whose median η reaches the 0.99 target's
-    adapt = next((r for r in rows if r["kind"] == "adaptive" and abs(r["param"] - 0.99) < 1e-9), None)
-    if adapt and adapt["median_eta"] is not None:
-        fixed_ok = [r for r in rows if r["kind"] == "fixed" and r["median_eta"] is not None and r["median_eta"] >= adapt["median_eta"]]
-        cheapest = min(fixed_ok, key=lambda r: r["patch_bytes"]) if fixed_ok else None
-        out["target_0.99"] = {
-            "median_eta": adapt["median_eta"], "patch_bytes": adapt["patch_bytes"],
-            "cheapest_fixed_reaching_it": None if cheapest is None else cheapest["variant"],
-            "its_patch_bytes": None if cheapest is None else cheapest["patch_bytes"],
+@dataclass
+class Variant:
+    """One way of cutting the full patches: ``cut(patch, chunk) -> patch``."""
+
+    name: str
+    kind: str  # "fixed" / "energy" / "target"
+    param: float
+    cut: Callable[[Patch, Chunk], Patch]
+    kl: list[float] = field(default_factory=list)
+    eta: list[float | None] = field(default_factory=list)
+    energy: list[float] = field(default_factory=list)
+    bytes: int = 0
+    page_bytes: int = 0
+    ranks_k: list[int] = field(default_factory=list)  # per patch: directions kept over all layers
+    ranks_v: list[int] = field(default_factory=list)
+    layers: list[int] = field(default_factory=list)  # per patch: layers carrying a correction
+    misses: int = 0
+    estimated: list[float] = field(default_factory=list)  # per patch: the rule's estimated η
+
+    def measure(self, backend: Any, base: ItemBase, min_gap: float) -> None:
+        pats: dict[int, list[Patch]] = {}
+        energies, weights = [], []
+        for i, p in base.full.items():
+            chunk = base.request.chunks[i]
+            q = self.cut(p, chunk)
+            pats[i] = [q]
+            self.bytes += q.nbytes
+            self.page_bytes += chunk.nbytes
+            rk, rv = q.layer_ranks
+            self.ranks_k.append(sum(rk))
+            self.ranks_v.append(sum(rv))
+            self.layers.append(sum(1 for a, b in zip(rk, rv) if a or b))
+            energies.append(captured(p, q, chunk))
+            weights.append(chunk.n_tokens)
+            rep = fidelity_report(q)
+            if rep is not None:
+                self.misses += bool(rep["miss"])
+                if rep.get("eta_est") is not None:
+                    self.estimated.append(float(rep["eta_est"]))
+        kv = PatchArm("full").run(base.request.with_patches(pats)).kv
+        logits, _ = score_query(backend, kv, base.start, base.query_ids, 0)
+        kl = kl_divergence(base.ref_logits, logits)
+        self.kl.append(kl)
+        self.eta.append(eta(base.kl_blind, kl, min_gap))
+        self.energy.append(sum(e * w for e, w in zip(energies, weights)) / sum(weights))
+
+    def row(self) -> dict[str, Any]:
+        etas = [e for e in self.eta if e is not None]
+        n = len(self.ranks_k)
+        return {
+            "variant": self.name, "kind": self.kind, "param": self.param,
+            "median_eta": statistics.median(etas) if etas else None, "p10_eta": percentile(etas, 0.1),
+            "min_eta": min(etas) if etas else None, "n_eta": len(etas),
+            "median_kl": statistics.median(self.kl) if self.kl else None,
+            "median_energy": statistics.median(self.energy) if self.energy else None,
+            "patch_bytes": self.bytes, "bytes_fraction": self.bytes / self.page_bytes if self.page_bytes else None,
+            "patches": n, "misses": self.misses,
+            "mean_rank_k": sum(self.ranks_k) / max(1, sum(self.layers)) if n else None,
+            "mean_rank_v": sum(self.ranks_v) / max(1, sum(self.layers)) if n else None,
+            "mean_layers": sum(self.layers) / n if n else None,
+            "median_estimated_eta": statistics.median(self.estimated) if self.estimated else None,
         }
-    return out
+
+
+def captured(full: Patch, cut: Patch, chunk: Chunk) -> float:
+    """Energy of ``full``'s Δ that ``cut`` holds, in the rule's measure (each layer's deficit
+    relative to ``chunk``'s KV, K and V weighed equally: ``contextdeque.patch.alloc``), from the
+    factors' column norms — independent of the allocation that chose ``cut``."""
+    weights = dict(zip(("k", "v"), relative_weights(chunk, full.layers)))
+
+    def frac(which: str) -> float:
+        w = {l: float(weights[which][i]) for i, l in enumerate(full.layers)}
+        tot = sum(w[l] * float(full.layer_factors(which, i)[0].pow(2).sum()) for i, l in enumerate(full.layers))
+        got = sum(w[l] * float(cut.layer_factors(which, i)[0].pow(2).sum()) for i, l in enumerate(cut.layers))
+        return 1.0 if tot <= 0 else got / tot
+
+    return 0.5 * (frac("k") + frac("v"))
+
+
+def fixed_variant(rank: int) -> Variant:
+    return Variant(f"fixed-r{rank}", "fixed", rank, lambda p, c: truncate_patch(p, min(rank, p.rank_k), min(rank, p.rank_v)))
+
+
+def energy_variant(energy: float) -> Variant:
+    rule = FidelityRule(energy=energy)
+    return Variant(f"energy-{energy:g}", "energy", energy, lambda p, c: rule.shape(p, c))
+
+
+def target_variant(target: float, envelope: FidelityEnvelope | None, max_patch_fraction: float | None,
+                   on_miss: str = "report", name: str | None = None) -> Variant:
+    rule = FidelityRule.for_target(target, envelope, max_patch_fraction, on_miss)
+    return Variant(name or f"target-{target:g}", "target", target, lambda p, c: rule.shape(p, c))
+
+
+@torch.no_grad()
+def run_variants(backend: Any, items: Sequence[ProbeItem], variants: Sequence[Variant], *, max_chunk_tokens: int = 512,
+                 image_grid: tuple[int, int] | None = None, min_gap: float = DEFAULT_MIN_GAP) -> dict[str, Any]:
+    """Measure every variant on ``items``; returns ``{"variants": [row...], "items": n, ...}``."""
+    skipped: list[str] = []
+    blind: list[float] = []
+    for base in item_bases(backend, items, max_chunk_tokens=max_chunk_tokens, image_grid=image_grid, skipped=skipped):
+        blind.append(base.kl_blind)
+        for v in variants:
+            v.measure(backend, base, min_gap)
+    return {"variants": [v.row() for v in variants], "items": len(blind),
+            "items_with_gap": sum(1 for k in blind if k > min_gap), "items_past_trained_context": skipped}
+
+
+def calibrate_envelope(backend: Any, items: Sequence[ProbeItem] | None = None, *,
+                       energies: Sequence[float] = CALIBRATION_ENERGIES, max_chunk_tokens: int = 512,
+                       image_grid: tuple[int, int] | None = None, min_gap: float = DEFAULT_MIN_GAP) -> FidelityEnvelope:
+    """Measure the model's envelope: η (median, 10th percentile) of the uncapped allocation at each
+    energy in ``energies`` on ``items`` (default :func:`calibration_items`). Deterministic: the
+    same model, items and code give the same envelope.
+
+    Raises:
+        EnvelopeError: no item leaves blind reuse a measurable gap (nothing to calibrate on)."""
+    from ...core.errors import EnvelopeError
+
+    t0 = time.perf_counter()
+    items = list(calibration_items() if items is None else items)
+    variants = [energy_variant(e) for e in energies]
+    out = run_variants(backend, items, variants, max_chunk_tokens=max_chunk_tokens, image_grid=image_grid, min_gap=min_gap)
+    rows = out["variants"]
+    if any(r["median_eta"] is None for r in rows):
+        raise EnvelopeError(f"no calibration item leaves blind reuse a gap above {min_gap:g} nats on "
+                            f"{getattr(backend, 'name', 'this model')}: nothing to calibrate η on")
+    return FidelityEnvelope(
+        fingerprint=backend.fingerprint, model=str(getattr(backend, "name", "")),
+        energies=tuple(float(e) for e in energies), median_eta=tuple(float(r["median_eta"]) for r in rows),
+        p10_eta=tuple(float(r["p10_eta"]) for r in rows),
+        mean_bytes_fraction=tuple(float(r["bytes_fraction"] or 0.0) for r in rows),
+        n_items=int(rows[0]["n_eta"]), items=tuple(i.id for i in items), version=ENVELOPE_VERSION,
+        seconds=round(time.perf_counter() - t0, 3),
+    )
+
+
+def ensure_envelope(backend: Any, *, refresh: bool = False, **kw: Any) -> FidelityEnvelope:
+    """The model's envelope: the cached one (keyed by the weights' fingerprint), else calibrated
+    now and cached. ``refresh``: calibrate again even when cached."""
+    env = None if refresh else load_envelope(backend.fingerprint)
+    if env is None:
+        env = calibrate_envelope(backend, **kw)
+        save_envelope(env)
+    return env
 
 
 def plot_envelope(summary: dict[str, Any], path: str, title: str = "") -> None:
@@ -177,28 +251,18 @@ def plot_envelope(summary: dict[str, Any], path: str, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    pts = summary["points"]
-    a.scatter([p[0] for p in pts], [p[1] for p in pts], s=8, alpha=0.5)
-    a.set_xlabel("captured energy of Δ (token-weighted, K/V mean)")
-    a.set_ylabel("η (gap closed vs blind)")
-    rho = summary["energy_eta_spearman"]
-    a.set_title(f"energy vs η: Spearman ρ = {rho:.3f}" if rho is not None else "energy vs η")
-    a.set_ylim(-0.5, 1.05)
-    rows = summary["variants"]
-    fixed = [r for r in rows if r["kind"] == "fixed" and r["median_eta"] is not None]
-    adapt = [r for r in rows if r["kind"] == "adaptive" and r["median_eta"] is not None]
-    b.plot([r["patch_bytes"] / 2**20 for r in fixed], [r["median_eta"] for r in fixed], "o-", label="fixed rank m")
-    for r in fixed:
-        b.annotate(f"m={int(r['param'])}", (r["patch_bytes"] / 2**20, r["median_eta"]), fontsize=7)
-    b.plot([r["patch_bytes"] / 2**20 for r in adapt], [r["median_eta"] for r in adapt], "s-", label="fidelity_target τ")
-    for r in adapt:
-        b.annotate(f"τ={r['param']:g}", (r["patch_bytes"] / 2**20, r["median_eta"]), fontsize=7)
-    b.set_xlabel("patch bytes over the probe set (MiB)")
-    b.set_ylabel("median η")
-    b.set_title("η reached per target vs fixed ranks")
-    b.legend()
-    fig.suptitle(title)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for kind, style in (("fixed", "o-"), ("energy", "^:"), ("target", "s-")):
+        rows = [r for r in summary["variants"] if r["kind"] == kind and r["median_eta"] is not None]
+        if not rows:
+            continue
+        ax.plot([r["patch_bytes"] / 2**20 for r in rows], [r["median_eta"] for r in rows], style, label=kind)
+        for r in rows:
+            ax.annotate(r["variant"], (r["patch_bytes"] / 2**20, r["median_eta"]), fontsize=7)
+    ax.set_xlabel("patch bytes over the probe items (MiB)")
+    ax.set_ylabel("median η")
+    ax.set_title(title or "η per patch byte")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -208,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m contextdeque.eval.fidelity.envelope", description=__doc__.split("\n")[0])
     ap.add_argument("--items", type=int, default=None, help="first N probe items (default: all 36)")
     ap.add_argument("--arch", default=None, help="a tiny random architecture (contextdeque.model.testing) instead of the default model")
-    ap.add_argument("--max-patch-fraction", type=float, default=0.5)
+    ap.add_argument("--ranks", default=",".join(map(str, FIXED_RANKS)))
+    ap.add_argument("--targets", default=",".join(map(str, TARGETS)))
+    ap.add_argument("--max-patch-fraction", default="0.25",
+                    help="the targets' byte caps, comma-separated ('none': no cap); one target arm per target and cap")
+    ap.add_argument("--on-miss", default="report", help="comma-separated on_miss values; one target arm per value")
     ap.add_argument("--max-chunk-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared, busy CPU)")
     ap.add_argument("--json", default=None, help="write the summary here")
@@ -220,19 +288,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.arch:
         from ...model.testing import tiny_backend
 
-        be = tiny_backend(args.arch)
-        grid = (4, 4)
+        be, grid = tiny_backend(args.arch), (4, 4)
     else:
         from ...model import load_model
 
-        be = load_model()
-        grid = None
-    s = run_envelope(be, probe_set(args.items), max_patch_fraction=args.max_patch_fraction,
-                     max_chunk_tokens=args.max_chunk_tokens, image_grid=grid)
-    s["model"] = be.name if hasattr(be, "name") else str(args.arch)
+        be, grid = load_model(), None
+    env = ensure_envelope(be, max_chunk_tokens=args.max_chunk_tokens, image_grid=grid)
+    variants = [fixed_variant(int(r)) for r in args.ranks.split(",") if r]
+    caps = [None if c.strip() == "none" else float(c) for c in args.max_patch_fraction.split(",") if c.strip()]
+    misses = [m.strip() for m in args.on_miss.split(",") if m.strip()]
+    for t in (float(x) for x in args.targets.split(",") if x):
+        for cap in caps:
+            for m in misses:
+                name = f"target-{t:g}" if len(caps) == len(misses) == 1 else f"target-{t:g}@{cap}-{m}"
+                variants.append(target_variant(t, env, cap, m, name))
+    s = run_variants(be, probe_set(args.items), variants, max_chunk_tokens=args.max_chunk_tokens, image_grid=grid)
+    s["model"] = getattr(be, "name", str(args.arch))
+    s["envelope"] = env.as_dict()
     for r in s["variants"]:
         print(json.dumps(r))
-    print(json.dumps({k: v for k, v in s.items() if k not in ("variants", "points")}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(s, f, indent=1, sort_keys=True)

@@ -48,9 +48,10 @@ from ..arms import (
 from ...core.kv import concat_kv
 from ...core.kv import LayerKV
 from ...core.operator import relocate
-from ...patch import Patch, form_patch
+from ...patch import FidelityRule, Patch, form_patch
 from ...patch.ops import combine_patches, patch_from_conditioned, truncate_patch
-from .metrics import DEFAULT_MIN_GAP, BytesReport, eta, flip_recover, n_flips, pooled_eta
+from ...window.decode import greedy_steps
+from .metrics import DEFAULT_MIN_GAP, BytesReport, eta, flip_recover, n_flips, percentile, pooled_eta
 from ...core.metrics import kl_divergence, ulp_error, ulp_error_at_scale
 from .probes import MaterializedItem, ProbeItem, materialize
 
@@ -82,6 +83,12 @@ class HarnessConfig:
     select_on_patch: bool = True
     capsule_retention: float = 0.4
     image_grid: tuple[int, int] | None = None
+    # ``target-{t}`` arms (with the patch family): a window's fidelity rule per η target, through
+    # ``envelope`` (the model's, or None: the target read as an energy), under the byte cap
+    fidelity_targets: tuple[float, ...] = ()
+    envelope: Any = None
+    max_patch_fraction: float | None = 0.25
+    on_miss: str = "report"
 
 
 @dataclass
@@ -126,37 +133,18 @@ def score_query(
     """Prefill ``query_ids`` after ``kv`` (per layer ``[H, S, d]``) at positions ``start..``, then
     greedy-decode up to ``n_decode`` tokens (stopping at EOS). Returns the next-token logits
     ``[vocab]`` (fp32) after the query and the decoded token ids."""
-    model, dev = backend.model, backend.device
+    dev = backend.device
     cache = compat.cache_from_layers([(k.unsqueeze(0).to(dev), v.unsqueeze(0).to(dev)) for k, v in kv])
-    past = kv[0][0].shape[1]
     eos = getattr(backend.tokenizer, "eos_token_id", None) if backend.tokenizer is not None else None
 
-    def step(ids: list[int], pos0: int, seen: int) -> torch.Tensor:
-        out = model(
-            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
-            position_ids=backend.position_ids(backend.text_positions(pos0, len(ids))),
-            past_key_values=cache,
-            attention_mask=torch.ones(1, seen + len(ids), dtype=torch.long, device=dev),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+    def count(n: int) -> None:
         backend.forwards_run += 1
-        backend.tokens_prefilled += len(ids)
-        return out.logits[0, -1].to(torch.float32)
+        backend.tokens_prefilled += n
 
-    q = [int(t) for t in query_ids]
-    logits = step(q, start, past)
-    first = logits.clone()
-    out: list[int] = []
-    pos, seen = start + len(q), past + len(q)
-    for _ in range(max(0, n_decode)):
-        tok = int(torch.argmax(logits))
-        out.append(tok)
-        if (eos is not None and tok == eos) or len(out) >= n_decode:
-            break
-        logits = step([tok], pos, seen)
-        pos, seen = pos + 1, seen + 1
-    return first, tuple(out)
+    # the window's one decoding loop; it always decodes one token: n_decode=0 keeps none of them
+    first, answer = greedy_steps(backend, cache, kv[0][0].shape[1], start, [int(t) for t in query_ids],
+                                 max(1, n_decode), [] if eos is None else [eos], count)
+    return first, tuple(answer[: max(0, n_decode)])
 
 
 class _Scorer:
@@ -236,6 +224,11 @@ def _main_group(mat: MaterializedItem, cfg: HarnessConfig, n_decode: int, ulps: 
         res = PatchArm("full", label="patch-full").run(preq)
         res.report.compile_forwards = compile_fw
         add("patch-full", res)
+        for t in cfg.fidelity_targets:
+            rule = FidelityRule.for_target(t, cfg.envelope, cfg.max_patch_fraction, cfg.on_miss)
+            res = PatchArm("full", label=f"target-{t:g}", fidelity=rule).run(preq)
+            res.report.compile_forwards = compile_fw
+            add(f"target-{t:g}", res)
         if len(req.chunks) > 1:
             ulps.setdefault("patch-full", []).append(
                 _ulp_sample(_rows(res.kv, req.offsets[1], R + req.n_chunk_tokens), _rows(ref.kv, req.offsets[1], R + req.n_chunk_tokens), sdt)
@@ -505,6 +498,26 @@ def _pool_ulps(parts: list[dict[str, Any]]) -> dict[str, float]:
 # ---------------------------------------------------------------------------- aggregation
 
 
+def _patch_figures(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A patch arm's ranks and bytes: mean directions per patch (K, V; summed over layers), patch
+    bytes, and under a fidelity rule the miss count (patches short of the target within the cap)
+    and patches past the cap."""
+    dirs = [d for r in reports for ps in r.get("patch_directions", ()) for d in ps]
+    if not dirs:
+        return {}
+    out: dict[str, Any] = {
+        "mean_directions_k": sum(d[0] for d in dirs) / len(dirs), "mean_directions_v": sum(d[1] for d in dirs) / len(dirs),
+        "patch_bytes": sum(int(r.get("bytes_extra", 0)) for r in reports), "patches": len(dirs),
+    }
+    fid = [f for r in reports for f in r.get("fidelity", ()) if f]
+    if fid:
+        out["misses"] = sum(1 for f in fid if f["miss"])
+        out["over_cap"] = sum(1 for f in fid if f["action"] in ("exceeded-budget", "recomputed"))
+        est = [f["eta_est"] for f in fid if f.get("eta_est") is not None]
+        out["median_estimated_eta"] = _median(est) if est else None
+    return out
+
+
 def _median(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -538,6 +551,7 @@ def summarize_samples(samples: Sequence[Sample], cfg: HarnessConfig) -> dict[str
             "n": len(rows),
             "n_with_gap": len(etas),
             "median_eta": _median(etas),
+            "p10_eta": percentile(etas, 0.1),
             "mean_eta": _mean(etas),
             "pooled_eta": pooled_eta([s.blind_kl for s, _ in rows], kls),
             "median_kl": _median(kls),
@@ -550,6 +564,7 @@ def summarize_samples(samples: Sequence[Sample], cfg: HarnessConfig) -> dict[str
             "recompute_fraction": _mean(rec) if rec else 0.0,
             "tokens_recomputed_fraction": (sum(a for a, _ in row_bytes) / max(1, sum(b for _, b in row_bytes))),
         }
+        arms[name].update(_patch_figures([sc.report for _, sc in rows]))
         for key in ("coverage", "kept_fraction", "recon_error_k", "recon_error_v", "bytes_saved_fraction"):
             vals = [float(sc.report[key]) for _, sc in rows if sc.report.get(key) is not None]
             if vals:

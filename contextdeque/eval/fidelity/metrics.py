@@ -85,3 +85,15 @@ def summarize(values: Sequence[float | None]) -> dict[str, float | int | None]:
     if not vals:
         return {"median": None, "mean": None, "n": 0}
     return {"median": statistics.median(vals), "mean": statistics.fmean(vals), "n": len(vals)}
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-quantile (``q`` in [0, 1]) of ``values``, linearly interpolated between order
+    statistics (numpy's default); None for no values. ``percentile(x, 0.1)``: the 10th percentile."""
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * float(q)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

@@ -1,0 +1,289 @@
+"""Rank allocation under one byte budget, and the fidelity rule a window's target sets.
+
+A patch's K and V corrections are factorized per layer; each kept direction j of layer l costs
+``(T + F) * element_size`` bytes (one column of ``U S`` and one row of ``V^T``) and captures
+``s²_{l,j}`` of that layer's Δ energy. A window's rule counts each layer's deficit relative to
+the layer's own KV (``w_l = 1 / ‖K_l‖²``, likewise V: a layer's error matters as a fraction of
+what that layer holds — the V norms of the default model grow 20x with depth), pools it over
+layers (so the layers where the deficit lives weigh the most; the paper's Appendix B/C: the
+middle and deep layers; a layer without deficit gets nothing), and weighs K and V equally:
+
+    E = ½ Σ_l w_l^K Σ_{j<m_l^K} s²_K[l,j] / Σ_l w_l^K ‖Δ_K,l‖²  +  ½ (the same for V)
+
+(measured on the default model, this weighting gives the 10th-percentile item a higher η per
+byte than uniform ranks, and the median the same; raw pooled energy starves the middle layers'
+V and does worse than uniform ranks — docs/fidelity.md).
+
+:func:`allocate_ranks` water-fills bytes to where the energy is: directions are taken greedily by
+marginal energy per byte. Within a (layer, K/V) the singular values descend and the cost is
+constant, so the greedy order takes every layer's directions top-down (an allocation is a set of
+per-layer ranks), and each prefix of that order is the fractional knapsack's optimum at its own
+byte count, hence the most energy any allocation of at most those bytes captures. So a target is
+reached with at most one direction's bytes more than the fewest possible, and under a byte cap B
+the allocation captures at least the optimum of B minus one direction's bytes (when K and V
+directions cost the same: exactly the fewest bytes, exactly the optimum). Layers with a
+negligible deficit get rank 0.
+
+:class:`FidelityRule` turns a window's ``fidelity_target`` (an η, through the model's calibrated
+envelope, :mod:`contextdeque.model.envelope`) into an energy, allocates under the byte cap, and
+says what a miss does (``on_miss``). What it decided is recorded in ``patch.meta["fidelity"]``
+(:func:`fidelity_report`), so a patch served from a store reports as the formed one did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.errors import PatchError
+from .base import Patch
+from .ops import cut_patch
+
+ON_MISS = ("report", "exceed_budget", "recompute")
+"""What a patch does when the byte cap cannot meet the target: ``report`` keeps the best patch
+within the cap and reports the miss; ``exceed_budget`` takes the bytes the target needs; and
+``recompute`` gives the chunk its exact conditioning (every direction: the KV a re-prefill of it
+computes), whatever that costs."""
+
+DEFAULT_ON_MISS = "report"
+
+FIDELITY_RULE_VERSION = 2
+"""Scheme of the allocation and its store-key parts (patches formed under another are misses)."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Per-layer ranks (one per layer of the spectra given) and what they capture and cost."""
+
+    ranks_k: tuple[int, ...]
+    ranks_v: tuple[int, ...]
+    energy_k: float  # fraction of Δ_K's energy the K ranks capture (1.0 for a zero Δ_K)
+    energy_v: float
+    nbytes: int
+    k_share: float = 0.5  # K's weight in ``energy``
+
+    @property
+    def energy(self) -> float:
+        """K's and V's captured fractions weighed by their shares (the quantity the envelope maps
+        to η)."""
+        return self.k_share * self.energy_k + (1.0 - self.k_share) * self.energy_v
+
+
+def direction_bytes(n_tokens: int, width: int, element_size: int) -> int:
+    """Bytes one kept direction of a ``[n_tokens, width]`` Δ costs: a ``U S`` column and a
+    ``V^T`` row."""
+    return (int(n_tokens) + int(width)) * int(element_size)
+
+
+def allocate_ranks(
+    s2_k: torch.Tensor,
+    s2_v: torch.Tensor,
+    *,
+    bytes_k: int,
+    bytes_v: int,
+    target: float | None = None,
+    budget: int | None = None,
+    weight_k: torch.Tensor | None = None,
+    weight_v: torch.Tensor | None = None,
+    kv_share: float | None = 0.5,
+) -> Allocation:
+    """Per-layer K and V ranks by greedy marginal energy per byte (see the module docstring).
+
+    Args:
+        s2_k: ``[L, r_k]`` squared singular values of Δ_K per layer, descending in each row
+            (a row may be zero-padded); ``s2_v`` likewise ``[L, r_v]``.
+        bytes_k, bytes_v: bytes of one K / V direction (:func:`direction_bytes`).
+        target: stop as soon as the captured energy reaches this fraction (None: fill the budget).
+        budget: most bytes in all (None: no cap).
+        weight_k, weight_v: ``[L]`` per-layer weights of the energy (None: 1), e.g. one over the
+            layer's canonical K / V energy, which counts each layer's deficit relative to its KV.
+        kv_share: K's share of the objective (V has the rest): 0.5 weighs K's and V's captured
+            fractions equally; None pools K and V (weighted) energy in one fraction.
+
+    Returns the :class:`Allocation`; it falls short of ``target`` only when ``budget`` binds.
+    Raises:
+        PatchError: no target and no budget, a target outside (0, 1], or malformed spectra.
+    """
+    if target is None and budget is None:
+        raise PatchError("allocate_ranks needs a target energy, a byte budget or both")
+    if target is not None and not 0.0 < float(target) <= 1.0:
+        raise PatchError(f"target energy must be in (0, 1], got {target}")
+    if s2_k.dim() != 2 or s2_v.dim() != 2 or s2_k.shape[0] != s2_v.shape[0]:
+        raise PatchError(f"spectra must be [L, r] for K and V with one L, got {tuple(s2_k.shape)} and {tuple(s2_v.shape)}")
+    if min(bytes_k, bytes_v) <= 0:
+        raise PatchError(f"a direction costs a positive number of bytes, got K {bytes_k} and V {bytes_v}")
+    L = s2_k.shape[0]
+    s2 = [s2_k.to(torch.float64).clamp_min(0.0), s2_v.to(torch.float64).clamp_min(0.0)]
+    for t, wt in ((0, weight_k), (1, weight_v)):
+        if wt is not None:
+            if wt.shape != (L,) or bool((wt < 0).any()):
+                raise PatchError(f"per-layer weights must be [L={L}] and non-negative, got {tuple(wt.shape)}")
+            s2[t] = s2[t] * wt.to(torch.float64).view(L, 1)
+    totals = [float(x.sum()) for x in s2]
+    if kv_share is None:  # one pool: each tensor's share is its part of the (weighted) total
+        both = totals[0] + totals[1]
+        share = [totals[0] / both, totals[1] / both] if both > 0 else [0.5, 0.5]
+    else:
+        share = [float(kv_share), 1.0 - float(kv_share)]
+    costs = (int(bytes_k), int(bytes_v))
+    # candidate directions: (value per byte, value, tensor, layer); zero-energy ones are never taken
+    values, tensor_ids, layer_ids = [], [], []
+    for t in (0, 1):
+        if totals[t] <= 0.0:
+            continue
+        v = share[t] * s2[t] / totals[t]
+        values.append(v.reshape(-1))
+        tensor_ids.append(torch.full((v.numel(),), t, dtype=torch.int64))
+        layer_ids.append(torch.arange(L).repeat_interleave(v.shape[1]))
+    ranks = [[0] * L, [0] * L]
+    captured = [0.0, 0.0]
+    spent = 0
+    need = None if target is None else float(target) - 1e-12
+    base = sum(share[t] for t in (0, 1) if totals[t] <= 0.0)  # a zero Δ is captured at rank 0
+    if values and (need is None or base < need):
+        value = torch.cat(values)
+        tensor = torch.cat(tensor_ids)
+        layer = torch.cat(layer_ids)
+        cost = torch.tensor(costs, dtype=torch.float64)[tensor]
+        # stable: equal ratios keep (tensor, layer, index) order, so each layer is taken top-down
+        order = torch.argsort(-(value / cost), stable=True)
+        energy = base
+        for i in order.tolist():
+            val = float(value[i])
+            if val <= 0.0:
+                break  # sorted by ratio: everything after is zero too
+            t, l = int(tensor[i]), int(layer[i])
+            if budget is not None and spent + costs[t] > budget:
+                continue  # a cheaper tensor's directions may still fit
+            ranks[t][l] += 1
+            spent += costs[t]
+            captured[t] += val
+            energy += val
+            if need is not None and energy >= need:
+                break
+    frac = [1.0 if totals[t] <= 0.0 or share[t] <= 0.0 else min(1.0, captured[t] / share[t]) for t in (0, 1)]
+    return Allocation(tuple(ranks[0]), tuple(ranks[1]), frac[0], frac[1], spent, share[0])
+
+
+def relative_weights(chunk: Any, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-layer weights ``([n], [n])`` counting a layer's deficit relative to its canonical K / V:
+    one over the layer's K (V) energy; 0 for a layer that holds none."""
+    out = []
+    for t in (chunk.keys, chunk.values):
+        e = t[list(layers)].to(torch.float64).pow(2).flatten(1).sum(1)
+        out.append(torch.where(e > 0, 1.0 / e.clamp_min(1e-300), torch.zeros_like(e)))
+    return out[0], out[1]
+
+
+def layer_spectra(patch: Patch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared singular values per layer of a patch's Δ, ``([n, r_k], [n, r_v])`` (rows padded
+    with zeros), read off its ``U S`` factors (column norms: ``U`` is orthonormal). Exact for a
+    patch formed by SVD (every kind but a shared basis)."""
+    if patch.basis_id is not None:
+        raise PatchError("a shared-basis patch's factors are projections, not singular directions: no spectrum")
+    out = []
+    for which, ranks in zip(("k", "v"), patch.layer_ranks):
+        s2 = torch.zeros(len(patch.layers), max(ranks, default=0), dtype=torch.float64)
+        for i in range(len(patch.layers)):
+            u, _ = patch.layer_factors(which, i)
+            s2[i, : u.shape[1]] = u.to(torch.float64).pow(2).sum(0)
+        out.append(s2)
+    return out[0], out[1]
+
+
+@dataclass(frozen=True)
+class FidelityRule:
+    """What a fidelity target asks of every patch a window forms.
+
+    ``energy``: the energy to capture (from ``eta_target`` through ``envelope``, or the target
+    itself read as an energy when the model has no calibrated envelope); ``max_patch_fraction``:
+    the byte cap, patch bytes over the page's (None: no cap); ``on_miss``: see :data:`ON_MISS`.
+    """
+
+    energy: float
+    max_patch_fraction: float | None = None
+    on_miss: str = DEFAULT_ON_MISS
+    eta_target: float | None = None
+    envelope: Any = None  # a model.envelope.FidelityEnvelope (energy -> η), or None
+
+    def __post_init__(self) -> None:
+        if not 0.0 < float(self.energy) <= 1.0:
+            raise PatchError(f"target energy must be in (0, 1], got {self.energy}")
+        if self.max_patch_fraction is not None and not 0.0 < float(self.max_patch_fraction) <= 1.0:
+            raise PatchError(f"max_patch_fraction must be in (0, 1], got {self.max_patch_fraction}")
+        if self.on_miss not in ON_MISS:
+            raise PatchError(f"on_miss must be one of {ON_MISS}, got {self.on_miss!r}")
+
+    @classmethod
+    def for_target(cls, eta_target: float, envelope: Any = None, max_patch_fraction: float | None = None,
+                   on_miss: str = DEFAULT_ON_MISS) -> "FidelityRule":
+        """The rule for an η target: the energy the model's ``envelope`` says reaches it (the
+        target itself, read as an energy, when there is no envelope)."""
+        energy = float(eta_target) if envelope is None else envelope.energy_for(float(eta_target))
+        return cls(energy=energy, max_patch_fraction=max_patch_fraction, on_miss=on_miss,
+                   eta_target=float(eta_target), envelope=envelope)
+
+    def key_parts(self) -> list[str]:
+        """What this rule adds to a patch's store key (a patch formed under another rule differs)."""
+        cap = "none" if self.max_patch_fraction is None else f"{float(self.max_patch_fraction):.6g}"
+        return [f"fidelity-v{FIDELITY_RULE_VERSION}", f"energy:{float(self.energy):.6g}", f"cap:{cap}",
+                f"on-miss:{self.on_miss}"]
+
+    def estimate_eta(self, energy: float) -> float | None:
+        """η the envelope expects at ``energy`` (None without an envelope)."""
+        return None if self.envelope is None else float(self.envelope.eta_for(energy))
+
+    def shape(self, full: Patch, chunk: Any) -> Patch:
+        """``full`` (a patch of ``chunk`` holding every direction it may keep, per layer) cut to the
+        allocation this rule asks for (the byte cap: ``max_patch_fraction`` of the chunk's page
+        bytes), with the decision recorded in ``meta["fidelity"]``."""
+        s2_k, s2_v = layer_spectra(full)
+        w_k, w_v = relative_weights(chunk, full.layers)
+        elem = full.k_u.element_size()
+        costs = dict(bytes_k=direction_bytes(full.n_tokens, full._width("k"), elem),
+                     bytes_v=direction_bytes(full.n_tokens, full._width("v"), elem), weight_k=w_k, weight_v=w_v)
+        budget = None if self.max_patch_fraction is None else int(float(self.max_patch_fraction) * chunk.nbytes)
+        alloc = allocate_ranks(s2_k, s2_v, target=self.energy, budget=budget, **costs)
+        short = alloc.energy < self.energy - 1e-9
+        action = "within-budget"
+        if short and self.on_miss == "exceed_budget":
+            alloc, action = allocate_ranks(s2_k, s2_v, target=self.energy, **costs), "exceeded-budget"
+        elif short and self.on_miss == "recompute":
+            have_k, have_v = full.layer_ranks
+            alloc = Allocation(tuple(have_k), tuple(have_v), 1.0, 1.0,
+                               sum(have_k) * int(costs["bytes_k"]) + sum(have_v) * int(costs["bytes_v"]))
+            action = "recomputed"
+        elif short:
+            action = "reported"
+        eta_est = self.estimate_eta(alloc.energy)
+        meta = dict(full.meta)
+        meta.update({
+            "energy_target": f"{float(self.energy):.6g}", "energy_k": f"{alloc.energy_k:.6g}",
+            "energy_v": f"{alloc.energy_v:.6g}",
+            "fidelity": json.dumps({
+                "eta_target": self.eta_target, "energy_target": round(float(self.energy), 6),
+                "energy": round(alloc.energy, 6), "eta_est": None if eta_est is None else round(eta_est, 6),
+                "calibrated": self.envelope is not None, "bytes": alloc.nbytes, "budget_bytes": budget,
+                "miss": alloc.energy < self.energy - 1e-9, "shortfall": short, "action": action,
+            }, sort_keys=True),
+        })
+        return dataclasses.replace(cut_patch(full, alloc.ranks_k, alloc.ranks_v), meta=meta)
+
+
+def fidelity_report(patch: Any) -> dict[str, Any] | None:
+    """What the fidelity rule decided for ``patch`` (see :meth:`FidelityRule.shape`): η target,
+    energy target and captured, estimated η, bytes and byte budget, ``miss`` (the patch falls
+    short of the target), ``shortfall`` (the cap could not meet it) and ``action``
+    (``within-budget`` / ``reported`` / ``exceeded-budget`` / ``recomputed``). None for a patch
+    formed without a target."""
+    raw = getattr(patch, "meta", {}).get("fidelity")
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None

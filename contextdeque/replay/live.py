@@ -1,0 +1,88 @@
+"""The live executor of a trace: a real :class:`~contextdeque.window.ContextWindow` driven through a
+trace's window operations, the same trace the cost model prices.
+
+One driver for everything that runs a trace on a window (``replay --fidelity``, the test that the
+cost model's predicted forwards and tokens equal the window's receipts): ``arrive`` appends (or
+recalls a chunk the window evicted; a new chunk always goes to the end, ``append`` takes no
+index), ``recall`` / ``evict`` / ``reorder`` act on the chunk's ref,
+``slide`` evicts the agent's ``n`` oldest (its own order, wherever placement put them), ``fork`` /
+``commit`` / ``discard`` stack windows, and a ``step`` heals what a latency-first window queued
+(the agent's tool time, as the cost model assumes); what is still queued when the trace ends is
+healed after it. Queries are handed to ``on_query`` (the window itself does not read them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..traces.io import Trace
+from ..window.receipt import Receipt
+
+TokenIds = Callable[[Any], "list[int]"]
+
+
+def recall_step(at: int | None, n_in_window: int) -> str:
+    """``recall`` appends at the end; ``look-back`` brings a chunk back inside the window."""
+    return "recall" if at is None or at >= n_in_window else "look-back"
+
+
+def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
+                 on_query: Callable[[int, Any, Any, str], None] | None = None, heal_at_end: bool = True) -> Receipt:
+    """Run ``trace`` on ``window``; returns the sum of its window operations' receipts (``op="trace"``).
+
+    ``token_ids(arrive_event)``: the ids a chunk's content becomes (called once per chunk id).
+    ``on_query(index, event, window, step)``: called at every query with the window as it stands
+    and the step type of the last window operation (``append``, ``recall``, ``look-back``,
+    ``slide``, ``evict``, ``reorder``, ``fork``, ``commit``, ``discard``)."""
+    win = window
+    receipts: list[Receipt] = []
+    stack: list[tuple[Any, list[str]]] = []
+    refs: dict[str, Any] = {}
+    ids_of: dict[str, list[int]] = {}
+    logical: list[str] = []  # the agent's own order (what `slide` counts)
+    step = "append"
+    for i, ev in enumerate(trace.events):
+        op = ev.op
+        if op not in ("query", "step"):
+            step = op if op not in ("arrive", "recall") else "append"
+        if op == "arrive":
+            if ev.id in refs and refs[ev.id] in win.evicted_refs:
+                step = recall_step(ev.at, len(logical))
+                receipts.append(win.recall(refs[ev.id], at=ev.at))
+            elif ev.id not in refs or refs[ev.id] not in win.refs:
+                if ev.id not in ids_of:
+                    ids_of[ev.id] = token_ids(ev)
+                refs[ev.id] = win.append(token_ids=ids_of[ev.id])  # (the window appends at the end only)
+                receipts.append(win.last_receipt)
+            logical.insert(len(logical) if ev.at is None else min(ev.at, len(logical)), ev.id)
+        elif op == "recall":
+            step = recall_step(ev.at, len(logical))
+            receipts.append(win.recall(refs[ev.id], at=ev.at))
+            logical.insert(len(logical) if ev.at is None else min(ev.at, len(logical)), ev.id)
+        elif op == "evict":
+            receipts.append(win.evict(refs[ev.id]))
+            logical.remove(ev.id)
+        elif op == "slide":
+            for cid in logical[: ev.n]:
+                receipts.append(win.evict(refs[cid]))
+            del logical[: ev.n]
+        elif op == "reorder":
+            receipts.append(win.reorder([refs[c] for c in ev.order]))
+            logical = list(ev.order)
+        elif op == "fork":
+            stack.append((win, list(logical)))
+            win = win.fork()
+        elif op == "commit":
+            receipts.append(win.commit())
+            win, _ = stack.pop()
+        elif op == "discard":
+            receipts.append(win.discard())
+            win, logical = stack.pop()
+        elif op == "step":
+            if win.pending_refs:  # the agent's tool time: heal, as the cost model does
+                receipts.append(win.heal())
+        elif op == "query" and on_query is not None:
+            on_query(i, ev, win, step)
+    if heal_at_end and win.pending_refs:
+        receipts.append(win.heal())
+    return Receipt.merged("trace", receipts)

@@ -1,0 +1,89 @@
+"""WindowConfig: a window's settings in one frozen object, validated once, with the defaults in one
+place (``DEFAULT_RANK``: the patch rank m every entry point defaults to).
+
+``ContextWindow(backend, **settings)`` builds one from its keywords; ``ContextWindow.from_config``
+takes one as it is. Policies and placements are kept as given (a name or an instance): the window
+makes the instances, the settings only name them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.args import check_float, check_int, check_str
+from ..core.chunk import storage_dtype
+from ..core.errors import BudgetError, WindowError, WindowTypeError
+from ..patch.alloc import DEFAULT_ON_MISS, ON_MISS
+from .graph import CASCADE_POLICIES
+from .kvselect import SelectionPolicy
+from .placement import PlacementPolicy
+from .policy import PatchPolicy
+
+DEFAULT_RANK = 32  # the patch rank m: the window's, the server's and the commands' default
+DEFAULT_MAX_EVICTED = 10_000  # evicted refs a window remembers unless told otherwise
+OVERFLOW_POLICIES = ("slide", "error")
+
+
+@dataclass(frozen=True)
+class WindowConfig:
+    """The settings of a window family (a window and its forks); see :class:`~.window.ContextWindow`
+    for what each one does. Every field is checked when the object is made (a wrong type raises
+    ``WindowTypeError``, a wrong value ``WindowError`` / ``BudgetError``); ``storage`` is kept as
+    a dtype whichever way it was named."""
+
+    budget_tokens: int | None = None
+    rank: int = DEFAULT_RANK
+    patch_policy: "str | PatchPolicy" = "default"
+    cascade_policy: str = "reform"
+    overflow: str = "slide"
+    storage: "torch.dtype | str" = torch.float32
+    placement: "str | PlacementPolicy" = "arrival"
+    fidelity_target: float | None = None
+    max_patch_fraction: float = 0.25
+    on_miss: str = DEFAULT_ON_MISS
+    kv_selection: SelectionPolicy | None = None
+    beyond_trained: bool = False
+    chunk_template: str = "{text}"
+    max_evicted: int | None = DEFAULT_MAX_EVICTED
+
+    def __post_init__(self) -> None:
+        if self.kv_selection is not None and not isinstance(self.kv_selection, SelectionPolicy):
+            raise WindowTypeError(f"kv_selection must be a SelectionPolicy, got {type(self.kv_selection).__name__}")
+        if not isinstance(self.patch_policy, (str, PatchPolicy)):
+            raise WindowTypeError(f"patch_policy must be a policy name or a PatchPolicy, got {type(self.patch_policy).__name__}")
+        if not isinstance(self.placement, (str, PlacementPolicy)):
+            raise WindowTypeError(f"placement must be a policy name or a PlacementPolicy, got {type(self.placement).__name__}")
+        check_str("cascade_policy", self.cascade_policy, error=WindowError)
+        if self.cascade_policy not in CASCADE_POLICIES:
+            raise WindowError(f"cascade_policy must be one of {CASCADE_POLICIES}, got {self.cascade_policy!r}")
+        check_str("on_miss", self.on_miss, choices=ON_MISS, error=WindowError)
+        check_str("overflow", self.overflow, error=WindowError)
+        if self.overflow not in OVERFLOW_POLICIES:
+            raise WindowError(f"overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}")
+        if not isinstance(self.storage, (str, torch.dtype)):
+            raise WindowTypeError(f"storage must be a dtype or its name, got {type(self.storage).__name__}")
+        if not isinstance(self.beyond_trained, bool):
+            raise WindowTypeError(f"beyond_trained must be a bool, got {type(self.beyond_trained).__name__}")
+        from .ingest import check_template  # (ingest stands on the context, which stands on this)
+
+        check_template(self.chunk_template)
+        checked = dict(
+            rank=check_int("rank", self.rank, minimum=0, error=WindowError),
+            budget_tokens=check_int("budget_tokens", self.budget_tokens, minimum=1, none_ok=True, error=BudgetError),
+            storage=storage_dtype(self.storage),
+            fidelity_target=check_float("fidelity_target", self.fidelity_target, minimum=0.0, maximum=1.0, open_min=True,
+                                        none_ok=True, error=WindowError),
+            max_patch_fraction=check_float("max_patch_fraction", self.max_patch_fraction, minimum=0.0, maximum=1.0,
+                                           open_min=True, error=WindowError),
+            max_evicted=check_int("max_evicted", self.max_evicted, minimum=0, none_ok=True, error=WindowError),
+        )
+        for name, value in checked.items():  # normalized once (frozen: set through object.__setattr__)
+            object.__setattr__(self, name, value)
+
+    def replace(self, **changes: Any) -> "WindowConfig":
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)

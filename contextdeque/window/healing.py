@@ -1,0 +1,158 @@
+"""Healing a latency-first window: the conditioning its policy deferred, carried out later (``heal``,
+the idle healer), each step one transaction on the window as it then stands."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..core.args import check_float, check_int
+from ..core.errors import WindowError
+from ..patch import form_patch
+from . import ingest
+from .policy import PatchPolicy
+from .policy_latency import HealPolicy
+from .receipt import Meter, Receipt
+from .reconcile import patch_store_key, reconcile
+from .ref import ChunkRef
+from .slot import Slot
+from .staleness import staleness
+from .state import WindowState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .healer import Healer
+
+
+class WindowHealing:
+    """The healing operations of a :class:`~.window.ContextWindow` (a mixin over its ``_run``)."""
+
+    # ------------------------------------------------------------------ healing
+    @property
+    def pending_refs(self) -> tuple[ChunkRef, ...]:
+        """In-window chunks a latency-first policy answered with a stale or blind patch, in window
+        order: what :meth:`heal` would work on."""
+        return tuple(s.ref for s in self._state.slots if s.ref in self._state.pending)
+
+    def heal_priority(self, ref: ChunkRef) -> float:
+        """How urgently ``ref`` needs healing: its staleness x its expected reuse."""
+        idx = self._state.index(ref)
+        slots = self._state.slots
+        reuse = self._ctx.expected_reuse(ref) if self._ctx.expected_reuse is not None else 1.0
+        return staleness(slots[idx], slots[:idx]) * float(reuse)
+
+    def heal(self, max_ms: float | None = None, *, max_steps: int | None = None) -> Receipt:
+        """Carry out the conditioning a latency-first policy deferred, most urgent first.
+
+        Each step takes the pending chunk of highest :meth:`heal_priority` and heals it together
+        with the pending chunks in front of it (a patch is formed on its antecedents' current
+        KV, so they go first), running the eager policy's decisions on the window as it stands;
+        each step is one transaction (an error or interruption leaves the window as it was
+        before that step). Stops when nothing is pending, after ``max_steps`` steps, or once
+        ``max_ms`` have passed (checked between steps). Returns one receipt for all steps
+        (``op="heal"``; each step is also in ``receipts``). Under an eager policy nothing is
+        ever pending and this is a no-op.
+        """
+        self._check_open()
+        check_float("max_ms", max_ms, minimum=0.0, none_ok=True, error=WindowError)
+        check_int("max_steps", max_steps, minimum=0, none_ok=True, error=WindowError)
+        t0 = time.perf_counter()
+        steps: list[Receipt] = []
+        while self._state.pending or self._unhealed_evicted():
+            if max_steps is not None and len(steps) >= int(max_steps):
+                break
+            if max_ms is not None and (time.perf_counter() - t0) * 1000.0 >= float(max_ms):
+                break
+            steps.append(self._heal_step())
+        return Receipt.merged("heal", steps, wall_ms=(time.perf_counter() - t0) * 1000.0)
+
+    def _unhealed_evicted(self) -> list[ChunkRef]:
+        """Evicted chunks that left before their canonical was computed, which healing encodes
+        (``latency-shared``; under ``latency`` their canonical waits for a recall that needs it)."""
+        if self._ctx.policy.lazy_canonicals:
+            return []
+        return [r for r, e in self._state.evicted.items() if e.owes_encode]
+
+    def _heal_step(self) -> Receipt:
+        """One heal transaction (see :meth:`heal`)."""
+
+        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
+            ctx = self._ctx
+            if not state.pending:
+                for ref in self._unhealed_evicted()[:1]:  # canonical of a chunk that left unhealed
+                    entry = state.evicted[ref]
+                    if entry.provisional is not None:
+                        ingest.canonical_of(self._ctx, entry.provisional, meter)
+                        source = ingest.source_of(entry.provisional)  # so a lost canonical can be rebuilt
+                    else:
+                        source = entry.source
+                        if ctx.store.get_chunk(entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature,
+                                               traffic=meter.traffic) is None:
+                            ingest.encode_and_store(ctx, meter, **entry.source)
+                    state.evicted[ref] = dataclasses.replace(entry, provisional=None, unhealed=False, source=source)
+                    return {"refs": (ref,)}, None
+                return {"refs": ()}, None  # healed meanwhile (e.g. by a foreground heal): nothing to do
+            target = max(state.pending, key=self.heal_priority)
+            idx = state.index(target)
+            batch = [s.ref for s in state.slots[: idx + 1] if s.ref in state.pending]
+            reasons = {r: state.pending[r].reason for r in batch}
+            eager = getattr(ctx.policy, "eager", ctx.policy)
+            carried = {r: state.pending[r].carried for r in batch}
+            heal_policy = HealPolicy(eager, carried)
+            lazy = ctx.policy.lazy_canonicals
+            slots = list(state.slots)
+            for i, s in enumerate(slots):
+                if s.ref not in reasons or not s.provisional:
+                    continue
+                pending = state.pending[s.ref]
+                if i == 0 or not lazy:  # its canonical: exact at the front; latency-shared: always
+                    slots[i] = self._canonicalize(s, slots[:i], reasons[s.ref], eager, meter)
+                elif pending.reason == "append" and not pending.requeued:
+                    del reasons[s.ref]  # exact where it stands: no canonical until something needs one
+                else:  # the eager policy would re-condition it: one conditioned forward on its prefix now
+                    # heal and place what is in front first: the forward runs after their healed KV
+                    head = {r: reasons.pop(r) for r in [x.ref for x in slots[:i]] if r in reasons}
+                    slots[:i], _ = reconcile(ctx, slots[:i], head, meter, policy=heal_policy)
+                    slots[i] = ingest.reforward(ctx, s, slots[:i], meter)
+                    meter.reconditioned.add(s.ref)
+                    del reasons[s.ref]
+            state.slots, _ = reconcile(ctx, slots, reasons, meter, policy=heal_policy)
+            for r in batch:
+                state.pending.pop(r, None)
+            return {"refs": tuple(batch)}, None
+
+        return self._run("heal", body)[0]
+
+    def _canonicalize(self, slot: Slot, prefix: Sequence[Slot], reason: str | None, eager: PatchPolicy, meter: Meter) -> Slot:
+        """A provisional slot as its canonical (blind, to be re-conditioned by the eager policy).
+
+        When the prefix is still the one its conditioned forward ran after, the patch the eager
+        policy wants there is the difference between that KV and the canonical: it is formed from
+        the provisional KV (an SVD, no forward) and stored, so re-conditioning finds it."""
+        ctx = self._ctx
+        canonical = ingest.canonical_of(self._ctx, slot.chunk, meter)
+        blind = Slot(ref=slot.ref, chunk=canonical, start=slot.start, layout=ctx.layout)
+        if tuple((p.ref, p.version) for p in prefix) == slot.inline_on:
+            wanted = eager.decide(reason, blind, prefix, valid=False, rank=ctx.rank)
+            if wanted.action == "form" and not wanted.stack:
+                rk, rv = ctx.clamp_rank(wanted.rank, canonical.n_tokens)
+                key = patch_store_key(ctx, blind, prefix, wanted.kind, (rk, rv))
+                if (rk or rv) and not ctx.store.has(key):
+                    patch = form_patch(
+                        ctx.backend, canonical, antecedents=[(p.chunk, list(p.patches)) for p in prefix],
+                        rank=rk, rank_v=rv, kind=wanted.kind, conditioned=(slot.chunk.keys, slot.chunk.values),
+                        **dict(wanted.options),
+                    )
+                    failed = ctx.store.put_patch(key, patch, traffic=meter.traffic)
+                    if failed:
+                        meter.notes.append(failed)
+        return blind
+
+    def start_healing(self, idle_ms: float = 20.0) -> "Healer":
+        """Heal in the background while the window is idle (no foreground operation for
+        ``idle_ms``): returns the running :class:`~contextdeque.window.healer.Healer` (call
+        ``stop()``, or use it as a context manager). Foreground operations never wait for it
+        longer than the layer in flight."""
+        from .healer import Healer
+
+        return Healer(self, idle_ms=idle_ms).start()
