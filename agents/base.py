@@ -147,7 +147,7 @@ class Step:
 
 def query_ids(backend: Any, question: str) -> list[int]:
     """The question's token ids, closing the user turn the window root opened (chat template)."""
-    from contextdeque.eval.fidelity.probes import query_suffix, tokenize
+    from contextdeque.model.text import query_suffix, tokenize
 
     return tokenize(backend, "\n\n" + question + query_suffix(backend))
 

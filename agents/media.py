@@ -1,184 +1,24 @@
-"""Images and video for the agents: reading and checking pixels, the image path a model has (the
-real vision tower of a Qwen-VL model, or the documented emulation on a text-only model), decoding
-a video file with PyAV, and building a clip from real photographs.
-
-The emulation (text-only models such as the default SmolLM2): real pixels are cut into 16x16
-patches and sent through a fixed seeded random projection into the model's input-embedding
-space (``contextdeque.eval.fidelity.probes.pixel_span_embeddings``). It exercises everything the window
-does with an image span (its size, its position, storing, relocating, patching, recalling it)
-but the model has NO visual understanding of it: answers about the picture's content are not
-meaningful on such a model.
+"""Video for the agents: decoding a video file with PyAV and building a clip from real
+photographs. Images (reading pixels, the image path a model has, the emulation) live one layer
+down in :mod:`contextdeque.model.images`; their names are re-exported here for the agents.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
-import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
-import torch
 
-from contextdeque.core.errors import MediaError, MediaTypeError, UnsupportedMediaError
-
-SUPPORTED_IMAGE_MODES = ("RGB", "L")
-"""PIL modes an image may come in (``L``, grayscale, becomes three equal channels)."""
-
-DEFAULT_IMAGE_TOKENS = 64
-"""Most tokens an emulated image span takes (its grid keeps the picture's aspect)."""
-
-
-# ---------------------------------------------------------------------------- images
-
-
-def load_image(image: Any, *, name: str = "image") -> np.ndarray:
-    """Pixels ``[H, W, 3]`` uint8 from an array, a PIL image, encoded bytes, a file path or a
-    ``data:image/...;base64,`` URL.
-
-    Arrays: ``[H, W]`` (grayscale) or ``[H, W, 3]``, uint8 or floats in [0, 1]. PIL images in
-    mode RGB or L.
-
-    Raises:
-        MediaTypeError: ``image`` is none of those types.
-        UnsupportedMediaError: a mode or channel count other than RGB / grayscale (e.g. RGBA, CMYK).
-        MediaError: the bytes or file cannot be decoded, or the picture is empty.
-    """
-    if isinstance(image, (str, Path)):
-        text = str(image)
-        if text.startswith("data:"):
-            return load_image(_data_url_bytes(text, name), name=name)
-        if text.startswith(("http://", "https://")):
-            raise MediaError(f"{name}: remote image URLs are not fetched; pass the pixels or a data: URL")
-        try:
-            data = Path(text).read_bytes()
-        except OSError as exc:
-            raise MediaError(f"{name}: cannot read {text!r}: {exc.strerror or exc}") from exc
-        return load_image(data, name=name)
-    if isinstance(image, (bytes, bytearray, memoryview)):
-        from PIL import Image, UnidentifiedImageError
-
-        try:
-            pil = Image.open(io.BytesIO(bytes(image)))
-            pil.load()
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
-            raise MediaError(f"{name}: not a readable image ({exc})") from exc
-        return load_image(pil, name=name)
-    if _is_pil(image):
-        if image.mode not in SUPPORTED_IMAGE_MODES:
-            raise UnsupportedMediaError(
-                f"{name}: image mode {image.mode!r} is not supported; convert it to one of "
-                f"{SUPPORTED_IMAGE_MODES} first (e.g. image.convert('RGB'))"
-            )
-        return load_image(np.asarray(image), name=name)
-    if isinstance(image, torch.Tensor):
-        image = image.detach().cpu().numpy()
-    if not isinstance(image, np.ndarray):
-        raise MediaTypeError(
-            f"{name} must be an array, a PIL image, bytes, a path or a data: URL, got {type(image).__name__}"
-        )
-    a = image
-    if a.ndim == 3 and a.shape[-1] == 1:
-        a = a[..., 0]
-    if a.ndim == 2:
-        a = np.stack([a] * 3, axis=-1)
-    if a.ndim != 3 or a.shape[-1] != 3:
-        mode = {2: "LA", 4: "RGBA"}.get(a.shape[-1] if a.ndim == 3 else -1, f"shape {tuple(image.shape)}")
-        raise UnsupportedMediaError(f"{name}: {mode} pixels are not supported; give [H, W] or [H, W, 3] (RGB)")
-    if a.shape[0] < 1 or a.shape[1] < 1:
-        raise MediaError(f"{name}: empty picture {tuple(a.shape)}")
-    if a.dtype == np.uint8:
-        return np.ascontiguousarray(a)
-    if a.dtype == bool:
-        return np.ascontiguousarray(a.astype(np.uint8) * 255)
-    if a.dtype.kind == "f":
-        if not np.isfinite(a).all() or a.min() < 0.0 or a.max() > 1.0:
-            raise UnsupportedMediaError(f"{name}: float pixels must be finite and in [0, 1]")
-        return np.ascontiguousarray(np.round(a * 255.0).astype(np.uint8))
-    raise UnsupportedMediaError(f"{name}: pixel dtype {a.dtype} is not supported (uint8 or floats in [0, 1])")
-
-
-def _is_pil(x: Any) -> bool:
-    from PIL import Image
-
-    return isinstance(x, Image.Image)
-
-
-def _data_url_bytes(url: str, name: str) -> bytes:
-    head, _, payload = url.partition(",")
-    if not head.startswith("data:image/") or ";base64" not in head:
-        raise MediaError(f"{name}: only base64 data:image/... URLs are read, got {head[:40]!r}")
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise MediaError(f"{name}: the data URL's base64 payload is malformed") from exc
-
-
-def pixel_digest(pixels: np.ndarray) -> str:
-    """Content digest of pixels (what makes two images the same chunk)."""
-    from contextdeque.core.chunk import digest
-
-    return digest(torch.from_numpy(np.array(pixels, copy=True)))[:24]
-
-
-def emulation_grid(height: int, width: int, max_tokens: int = DEFAULT_IMAGE_TOKENS) -> tuple[int, int]:
-    """``(rows, cols)`` of an emulated span: the picture's aspect, ``rows * cols <= max_tokens``."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    aspect = height / max(1, width)
-    rows = max(1, int(math.floor(math.sqrt(max_tokens * aspect))))
-    cols = max(1, min(max_tokens // rows, int(round(rows / aspect)) or 1))
-    return rows, cols
-
-
-@dataclass
-class ImagePath:
-    """How a backend turns pixels into an image chunk.
-
-    ``kind``: ``"vision"`` (a Qwen-VL model's own vision tower and processor, through
-    ``ContextWindow.append(image=, processor=)``: the window's store keeps the tower's output,
-    so a pixel array is encoded once) or ``"emulated"`` (text-only models: a fixed seeded
-    projection, no visual understanding). ``projections``: emulated spans computed so far
-    (the emulation's stand-in for tower runs).
-    """
-
-    backend: Any
-    processor: Any = None
-    max_tokens: int = DEFAULT_IMAGE_TOKENS
-    projections: int = 0
-
-    @property
-    def kind(self) -> str:
-        return "vision" if self.processor is not None else "emulated"
-
-    def __post_init__(self) -> None:
-        mt = getattr(self.backend.model.config, "model_type", "")
-        if self.processor is None and mt in ("qwen2_vl", "qwen2_5_vl"):
-            raise MediaError(f"a {mt} model takes images through its vision tower: pass its image processor")
-
-    def append_kwargs(self, pixels: np.ndarray) -> dict[str, Any]:
-        """Keyword arguments for ``ContextWindow.append`` that place ``pixels`` as an image chunk."""
-        if self.processor is not None:
-            return {"image": pixels, "processor": self.processor}
-        from contextdeque.eval.fidelity.probes import embedding_norm, pixel_span_embeddings, resize_to_grid
-
-        rows, cols = emulation_grid(pixels.shape[0], pixels.shape[1], self.max_tokens)
-        hidden = int(self.backend.model.get_input_embeddings().weight.shape[1])
-        px = resize_to_grid(pixels.astype(np.float64) / 255.0, (rows, cols))
-        emb = pixel_span_embeddings(px, (rows, cols), hidden, embedding_norm(self.backend))
-        self.projections += 1
-        return {"embeds": emb.to(self.backend.dtype), "modality": "image-emulated"}
-
-    def tower_calls(self, window: Any) -> int:
-        """Times pixels were turned into embeddings: the vision tower's runs (counted by the
-        window) or the emulation's projections."""
-        if self.processor is not None:
-            return int(window.context.counters.get("vision_encodes", 0))
-        return self.projections
-
+from contextdeque.core.errors import MediaError
+from contextdeque.model.images import (
+    DEFAULT_IMAGE_TOKENS,
+    SUPPORTED_IMAGE_MODES,
+    ImagePath,
+    emulation_grid,
+    load_image,
+    pixel_digest,
+)
 
 # ---------------------------------------------------------------------------- video
 

@@ -12,7 +12,8 @@ import contextdeque as cd
 from contextdeque.core.errors import UnsupportedLayoutError
 from contextdeque.model import detect, zoo
 from contextdeque.model.hf import HFBackend
-from contextdeque.model.testing import build_tiny_model, causal_lm_model_types
+from contextdeque.model.testing import build_tiny_model
+from contextdeque.model.tiny_auto import causal_lm_model_types
 from contextdeque.window import ContextWindow
 
 NAMED = ["olmo2", "granite", "mistral", "mixtral", "phi3", "gemma2", "qwen3_moe", "smollm3"]

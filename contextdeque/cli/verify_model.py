@@ -9,7 +9,7 @@ from typing import Any
 
 from ..core.errors import ContextDequeError, ModelLoadError
 from ..eval.verify import DEFAULT_OFFSETS, verify_backend
-from ..model.testing import TinyBuildError
+from ..model.tiny_auto import TinyBuildError
 from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 
 

@@ -25,7 +25,7 @@ class NumericsError(ContextDequeError, ArithmeticError):
 class UnsupportedLayoutError(ContextDequeError):
     """The model's KV/RoPE layout cannot be relocated exactly (the message says why).
 
-    ``reason`` names the kind of refusal (see ``contextdeque.model.detect.REFUSAL_REASONS``):
+    ``reason`` names the kind of refusal (see ``contextdeque.model.structure.REFUSAL_REASONS``):
     e.g. ``"learned-positions"``, ``"recurrent"``, ``"proof-failed"``; ``measured`` is the
     relocation error that decided it, where one was measured; ``evidence`` names the parts of the
     model the reason rests on (e.g. the position-embedding modules).

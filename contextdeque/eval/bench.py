@@ -25,14 +25,9 @@ from typing import Any
 
 import torch
 
+from ..model.text import text_ids
+
 DEFAULT_TOKENS = (256, 512, 1024, 2048)
-
-
-def _text_ids(backend: Any, n: int) -> torch.Tensor:
-    """``[n]`` ids of real text (folded into the vocabulary for a tokenizer-less model)."""
-    from .window_bench import _chunks
-
-    return torch.tensor(_chunks(backend, 1, n)[0], dtype=torch.long)
 
 
 def _best_of(fn, repeats: int, device: "torch.device | str" = "cpu") -> float:
@@ -95,7 +90,7 @@ def run_bench(
     steps = len(tokens) * (2 + 2 * len(dtypes)) + 2
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("bench", total=steps)
-        ids_all = _text_ids(backend, max(tokens) + 256)
+        ids_all = text_ids(backend, max(tokens) + 256)
         root = backend.root_kv()
         chunks = {}
         for T in tokens:

@@ -25,7 +25,8 @@ from ..model.hf import HFBackend
 from ..core.chunk import Chunk
 from ..core.metrics import ulp
 from ..model.detect import OffsetReport, check_chunk
-from .fidelity.probes import embedding_norm, image_span_embeddings, tokenize
+from ..model.images import embedding_norm, image_span_embeddings
+from ..model.text import tokenize
 
 DEFAULT_OFFSETS = (1, 37, 999, 4099)
 
@@ -55,7 +56,7 @@ def bf16_ulp(scale: float) -> float:
 
 def real_text_ids(backend: HFBackend, n_tokens: int) -> torch.Tensor:
     """``[n_tokens]`` ids of real English (CPython's pydoc topics). Without a tokenizer (random tiny
-    models) the UTF-8 bytes are folded into the vocabulary (see :func:`.fidelity.probes.tokenize`)."""
+    models) the UTF-8 bytes are folded into the vocabulary (see :func:`contextdeque.model.text.tokenize`)."""
     from pydoc_data.topics import topics
 
     text = " ".join(topics[k] for k in ("lambda", "if", "while", "for", "try", "with"))
@@ -65,7 +66,7 @@ def real_text_ids(backend: HFBackend, n_tokens: int) -> torch.Tensor:
 def image_span_chunk(backend: HFBackend, grid: tuple[int, int] = (4, 6), image: str = "astronaut") -> Chunk:
     """An image-span chunk with a genuine M-RoPE grid: t fixed, h and w walking the grid, next
     position = start + max(h, w) extent (the Qwen2-VL rule). Embeddings are the project's one
-    image-span emulation (:func:`.fidelity.probes.image_span_embeddings`: real pixels through a
+    image-span emulation (:func:`contextdeque.model.images.image_span_embeddings`: real pixels through a
     fixed seeded projection), no vision tower involved."""
     h, w = grid
     hidden = int(backend.model.get_input_embeddings().weight.shape[1])

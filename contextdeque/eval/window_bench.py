@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from ..model.text import text_chunks as _chunks  # the one text source of the benches (its home is below eval)
+
 
 def _question(backend: Any, n: int = 10) -> list[int]:
     """An ``n``-token question (ids folded into the vocabulary for a tokenizer-less model)."""
@@ -37,23 +39,6 @@ def _question(backend: Any, n: int = 10) -> list[int]:
         vocab = int(backend.model.config.vocab_size)
         ids = [3 + b % (vocab - 3) for b in text.encode()]
     return ids[:n]
-
-
-def _chunks(backend: Any, n: int, size: int, text: str | None = None) -> list[list[int]]:
-    """``n`` chunks of ``size`` token ids of real documentation text (ids folded into the
-    vocabulary for a tokenizer-less model); ``text``: another text than the topics in order."""
-    from pydoc_data.topics import topics
-
-    if text is None:
-        text = "\n\n".join(topics[k] for k in sorted(topics))
-    if backend.tokenizer is not None:
-        ids = backend.tokenize(text[: 12 * n * size])
-    else:
-        vocab = int(backend.model.config.vocab_size)
-        ids = [3 + b % (vocab - 3) for b in text.encode()]
-    if len(ids) < n * size:
-        raise SystemExit(f"not enough text for {n} x {size} tokens")
-    return [ids[i * size : (i + 1) * size] for i in range(n)]
 
 
 def _page_storage(win: Any) -> dict[int, int]:

@@ -174,7 +174,7 @@ class PromptCutter:
     """
 
     def __init__(self, tokenizer: Any) -> None:
-        from ..agents.messages import ChatTemplate, normalize_messages
+        from ..session import ChatTemplate, normalize_messages
 
         template = ChatTemplate(tokenizer)
         probe = normalize_messages([

@@ -253,6 +253,26 @@ class HFBackend:
             self._root_kv = [(k.clone(), v.clone()) for k, v in res.kv]
         return self._root_kv
 
+    def reprefill(self, chunks: Sequence[Chunk]) -> ForwardResult:
+        """The re-prefill oracle: one forward over the root and ``chunks`` from scratch, nothing
+        reused (what a cache miss costs). Each chunk starts at the next free position (window
+        order). Returns the KV of all ``R + N`` tokens, per layer ``(k [H, R+N, d], v [H, R+N, d])``,
+        and no logits. Text-only chunks go in as token ids, anything else as fp32 embeddings."""
+        root_ids = torch.tensor(self.root_ids, dtype=torch.long)
+        positions, start = [self.text_positions(0, self.root_len)], self.root_len
+        for c in chunks:
+            positions.append(c.positions(start))
+            start += c.span
+        if all(c.token_ids is not None for c in chunks):
+            inputs = {"input_ids": torch.cat([root_ids, *(c.token_ids for c in chunks)])}
+        else:
+            parts = [self.embed_tokens(root_ids)]
+            for c in chunks:
+                inp = self.chunk_inputs(c)
+                parts.append(self.embed_tokens(inp["input_ids"]) if "input_ids" in inp else inp["inputs_embeds"])
+            inputs = {"inputs_embeds": torch.cat([p.to("cpu", torch.float32) for p in parts])}
+        return self.forward(**inputs, positions=torch.cat(positions, dim=1), past=None, logits="none")
+
     def adopt_root_kv(self, layers: Sequence[LayerKV]) -> bool:
         """Use ``layers`` (the root's KV as this model cached it, e.g. from a saved session) instead
         of running the root's forward. Only when the root's KV is not computed yet (returns False

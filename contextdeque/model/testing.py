@@ -113,10 +113,6 @@ __all__ = [
     "TINY_ARCHS",
     "TinyArch",
     "build_tiny_model",
-    "build_tiny_auto_model",
-    "tiny_auto_config",
-    "causal_lm_model_types",
-    "TinyBuildError",
     "build_tiny_vl_processor",
     "tiny_config",
     "VL_IMAGE_TOKEN_ID",
@@ -182,195 +178,122 @@ class TinyArch:
     multimodal: bool = False
 
 
+_TOKEN_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _rope(theta: float = 10_000.0, **extra: Any) -> dict[str, Any]:
+    """Plain (unscaled) ``rope_parameters`` with base ``theta`` and any extra keys."""
+    return {"rope_type": "default", "rope_theta": theta, **extra}
+
+
 def _common(**kw: Any) -> dict[str, Any]:
     base = dict(
-        vocab_size=_VOCAB,
-        hidden_size=_HIDDEN,
-        intermediate_size=_INTERMEDIATE,
-        num_hidden_layers=_LAYERS,
-        num_attention_heads=_HEADS,
-        num_key_value_heads=_KV_HEADS,
-        head_dim=_HEAD_DIM,
-        max_position_embeddings=_MAX_POS,
-        initializer_range=_INIT_RANGE,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+        vocab_size=_VOCAB, hidden_size=_HIDDEN, intermediate_size=_INTERMEDIATE, num_hidden_layers=_LAYERS,
+        num_attention_heads=_HEADS, num_key_value_heads=_KV_HEADS, head_dim=_HEAD_DIM,
+        max_position_embeddings=_MAX_POS, initializer_range=_INIT_RANGE, tie_word_embeddings=False, **_TOKEN_IDS,
     )
     base.update(kw)
     return base
 
 
+def _config(name: str, over: dict[str, Any], *, derive_head_dim: bool = False, **kw: Any) -> PreTrainedConfig:
+    """``transformers.<name>`` from the common tiny sizes with ``kw`` and then ``over`` on top;
+    ``derive_head_dim``: the config derives head_dim itself (hidden / heads, = 32 here)."""
+    import transformers
+
+    args = _common(**kw)
+    if derive_head_dim:
+        args.pop("head_dim")
+    args.update(over)
+    return getattr(transformers, name)(**args)
+
+
 def _llama(rope: dict[str, Any] | None = None) -> Callable[[dict[str, Any]], PreTrainedConfig]:
-    def make(over: dict[str, Any]) -> PreTrainedConfig:
-        from transformers import LlamaConfig
-
-        params = {"rope_type": "default", "rope_theta": 10_000.0}
-        if rope is not None:
-            params = {"rope_theta": 10_000.0, **rope}
-        return LlamaConfig(**_common(rope_parameters=params, **over))
-
-    return make
+    params = _rope() if rope is None else {"rope_theta": 10_000.0, **rope}
+    return lambda over: _config("LlamaConfig", over, rope_parameters=params)
 
 
 def _qwen2(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import Qwen2Config
-
-    kw = _common(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
-    kw.pop("head_dim")  # Qwen2 derives head_dim = hidden / heads (= 32 here)
-    kw.update(over)
-    return Qwen2Config(**kw)
+    return _config("Qwen2Config", over, derive_head_dim=True, rope_parameters=_rope(1_000_000.0))
 
 
 def _gemma3_text(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import Gemma3TextConfig
-
-    kw = _common(
+    return _config(
+        "Gemma3TextConfig", over,
         num_hidden_layers=3,
         # Real pattern is 5 sliding : 1 full; 2 : 1 keeps both kinds with 3 layers.
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         sliding_window=16,
         query_pre_attn_scalar=_HEAD_DIM,
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-        },
+        rope_parameters={"sliding_attention": _rope(), "full_attention": _rope(1_000_000.0)},
         tie_word_embeddings=True,
     )
-    kw.update(over)
-    return Gemma3TextConfig(**kw)
 
 
-def _mla_common(**kw: Any) -> dict[str, Any]:
-    """What the tiny DeepSeek-V2 / V3 (MLA + MoE) configs share: 4 KV heads (one per query head),
-    a 4-expert MoE after a dense layer 0, latent rank 32, rope / nope dims 16 / 32."""
-    base = _common(
-        num_key_value_heads=_HEADS,
-        moe_intermediate_size=64,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,  # layer 0 dense MLP, layer 1 MoE
-        kv_lora_rank=32,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-    )
-    base.pop("head_dim")  # the DeepSeek configs set head_dim = qk_rope_head_dim themselves
-    base.update(kw)
-    return base
+# What the tiny DeepSeek-V2 / V3 (MLA + MoE) configs share: 4 KV heads (one per query head), a
+# 4-expert MoE after a dense layer 0 (first_k_dense_replace), latent rank 32, rope / nope dims 16 / 32.
+# The DeepSeek configs set head_dim = qk_rope_head_dim themselves.
+_MLA = dict(
+    num_key_value_heads=_HEADS, moe_intermediate_size=64, n_shared_experts=1, n_routed_experts=4,
+    num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32,
+    v_head_dim=32, rope_parameters=_rope(),
+)
 
 
 def _deepseek_v3(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import DeepseekV3Config
-
-    kw = _mla_common(
-        # The grouped router needs n_group | n_routed_experts and topk_group <= n_group.
-        n_group=1,
-        topk_group=1,
-        q_lora_rank=48,
-        rope_interleave=True,
-    )
-    kw.update(over)
-    return DeepseekV3Config(**kw)
+    # The grouped router needs n_group | n_routed_experts and topk_group <= n_group.
+    return _config("DeepseekV3Config", over, derive_head_dim=True, **_MLA, n_group=1, topk_group=1, q_lora_rank=48,
+                   rope_interleave=True)
 
 
 def _deepseek_v2(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import DeepseekV2Config
-
-    kw = _mla_common(
-        topk_method="greedy",
-        q_lora_rank=None,  # V2-Lite has no query compression
-    )
-    kw.update(over)
-    return DeepseekV2Config(**kw)
+    # V2-Lite has no query compression
+    return _config("DeepseekV2Config", over, derive_head_dim=True, **_MLA, topk_method="greedy", q_lora_rank=None)
 
 
 def _phi(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import PhiConfig
-
-    kw = _common(
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
-    )
-    kw.pop("head_dim")  # Phi derives head_dim = hidden / heads
-    kw.update(over)
-    return PhiConfig(**kw)
+    return _config("PhiConfig", over, derive_head_dim=True, rope_parameters=_rope(partial_rotary_factor=0.5))
 
 
 def _stablelm(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import StableLmConfig
-
-    kw = _common(
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25},
-        qk_layernorm=True,  # per-head LayerNorm on keys before RoPE (StableLM-2 style)
-    )
-    kw.pop("head_dim")
-    kw.update(over)
-    return StableLmConfig(**kw)
+    # qk_layernorm: per-head LayerNorm on keys before RoPE (StableLM-2 style)
+    return _config("StableLmConfig", over, derive_head_dim=True, rope_parameters=_rope(partial_rotary_factor=0.25),
+                   qk_layernorm=True)
 
 
 def _glm(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import GlmConfig
-
-    kw = _common(
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
-    )
-    kw.update(over)
-    return GlmConfig(**kw)
+    return _config("GlmConfig", over, rope_parameters=_rope(partial_rotary_factor=0.5))
 
 
 def _cohere(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import CohereConfig
-
-    kw = _common(
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-        use_qk_norm=True,  # Command-R+ style per-head LayerNorm on keys before RoPE
-    )
-    kw.pop("head_dim")
-    kw.update(over)
-    return CohereConfig(**kw)
+    # use_qk_norm: Command-R+ style per-head LayerNorm on keys before RoPE
+    return _config("CohereConfig", over, derive_head_dim=True, rope_parameters=_rope(), use_qk_norm=True)
 
 
 def _gptj(over: dict[str, Any]) -> PreTrainedConfig:
     from transformers import GPTJConfig
 
     kw = dict(
-        vocab_size=_VOCAB,
-        n_embd=_HIDDEN,
-        n_layer=_LAYERS,
-        n_head=_HEADS,
+        vocab_size=_VOCAB, n_embd=_HIDDEN, n_layer=_LAYERS, n_head=_HEADS, n_inner=_INTERMEDIATE,
         rotary_dim=16,  # GPT-J-6B rotates 64 of 256 channels; here 16 of 32
-        n_inner=_INTERMEDIATE,
-        n_positions=_MAX_POS,
-        initializer_range=_INIT_RANGE,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+        n_positions=_MAX_POS, initializer_range=_INIT_RANGE, **_TOKEN_IDS,
     )
     kw.update(over)
     return GPTJConfig(**kw)
 
 
 def _phi3_longrope(over: dict[str, Any]) -> PreTrainedConfig:
-    from transformers import Phi3Config
-
     half = _HEAD_DIM // 2
-    kw = _common(
-        rope_parameters={
-            "rope_type": "longrope",
-            "rope_theta": 10_000.0,
-            "short_factor": [1.0 + 0.05 * i for i in range(half)],
-            "long_factor": [1.0 + 0.5 * i for i in range(half)],
-            "original_max_position_embeddings": _ORIG_MAX_POS,
-            "factor": _MAX_POS / _ORIG_MAX_POS,
-        },
-    )
-    kw.pop("head_dim")
-    kw["original_max_position_embeddings"] = _ORIG_MAX_POS
-    kw.update(over)
-    return Phi3Config(**kw)
+    longrope = {
+        "rope_type": "longrope",
+        "rope_theta": 10_000.0,
+        "short_factor": [1.0 + 0.05 * i for i in range(half)],
+        "long_factor": [1.0 + 0.5 * i for i in range(half)],
+        "original_max_position_embeddings": _ORIG_MAX_POS,
+        "factor": _MAX_POS / _ORIG_MAX_POS,
+    }
+    return _config("Phi3Config", over, derive_head_dim=True, rope_parameters=longrope,
+                   original_max_position_embeddings=_ORIG_MAX_POS)
 
 
 def _vl_text(**over: Any) -> dict[str, Any]:
@@ -517,123 +440,6 @@ def tiny_config(arch: str, **overrides: Any) -> PreTrainedConfig:
     return spec.build(dict(overrides))
 
 
-# Size fields of any transformers config (by the names configs use), set where the config's
-# constructor takes them. 4 layers so patterned layouts (a NoPE layer every 4th, sliding:full
-# mixes) show up; MLA fields small and consistent.
-_AUTO_SIZES: dict[str, Any] = dict(
-    vocab_size=_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=_MAX_POS,
-    n_embd=64, n_layer=4, n_head=4, n_positions=_MAX_POS, n_inner=128, n_ctx=_MAX_POS,
-    d_model=64, ffn_dim=128, decoder_layers=4, decoder_attention_heads=4, decoder_ffn_dim=128,
-    encoder_layers=4, encoder_attention_heads=4, encoder_ffn_dim=128,
-    num_layers=4, num_heads=4, d_ff=128, n_layers=4, n_heads=4,
-    moe_intermediate_size=64, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
-    n_shared_experts=1, shared_expert_intermediate_size=64,
-    kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-    n_group=1, topk_group=1, rotary_dim=8, initializer_range=_INIT_RANGE,
-    pad_token_id=0, bos_token_id=1, eos_token_id=2,
-)
-#: Largest parameter count ``tiny_auto_config`` accepts as tiny.
-AUTO_MAX_PARAMS = 8_000_000
-
-
-class TinyBuildError(RuntimeError):
-    """No tiny random-weight model of this architecture could be built from its default config."""
-
-
-def causal_lm_model_types() -> list[str]:
-    """Every ``model_type`` of the installed transformers' causal-LM auto mapping, sorted."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-def _shrunk_kwargs(cfg: PreTrainedConfig, extra: dict[str, Any]) -> dict[str, Any]:
-    import inspect
-
-    params = inspect.signature(type(cfg).__init__).parameters
-    sizes = {**_AUTO_SIZES, **extra}
-    kw = {k: v for k, v in sizes.items() if k in params}
-    old_layers = None
-    for name in ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "n_layers"):
-        if isinstance(getattr(cfg, name, None), int):
-            old_layers = getattr(cfg, name)
-            break
-    new_layers = int(sizes.get("num_hidden_layers", 4))
-    for name, val in cfg.to_dict().items():
-        if name not in params or name in kw:
-            continue
-        if isinstance(val, list) and old_layers and len(val) == old_layers and old_layers != new_layers:
-            kw[name] = val[:new_layers]  # per-layer lists (layer_types, no_rope_layers, ...)
-        elif isinstance(val, dict) and val and all(str(k).isdigit() for k in val):
-            kw[name] = {k: v for k, v in val.items() if int(k) < new_layers}
-    for sub in ("text_config", "decoder", "decoder_config"):
-        sub_cfg = getattr(cfg, sub, None)
-        if isinstance(sub_cfg, PreTrainedConfig) and sub in params:
-            kw[sub] = {**sub_cfg.to_dict(), **_shrunk_kwargs(sub_cfg, extra)}
-    return kw
-
-
-def tiny_auto_config(model_type: str, **extra: Any) -> PreTrainedConfig:
-    """A tiny config of any ``model_type`` in transformers' auto mapping: its default config with
-    every size field it takes (``_AUTO_SIZES``) shrunk, per-layer lists cut to 4 layers, and
-    ``extra`` on top.
-
-    Raises:
-        TinyBuildError: the default config cannot be shrunk consistently.
-    """
-    from transformers import AutoConfig
-
-    try:
-        cfg0 = AutoConfig.for_model(model_type)
-        return type(cfg0)(**_shrunk_kwargs(cfg0, extra))
-    except Exception as exc:  # transformers validates configs with many exception types
-        raise TinyBuildError(f"{model_type}: no tiny config: {type(exc).__name__}: {str(exc)[:200]}") from exc
-
-
-def build_tiny_auto_model(model_type: str, seed: int = 0, **extra: Any) -> PreTrainedModel:
-    """A tiny random-weight fp32 causal LM of any ``model_type`` in the auto mapping (see
-    :func:`tiny_auto_config`), in eval mode. MLA-style models that need as many KV heads as query
-    heads, and hybrids whose first attention layer comes late, are retried that way.
-
-    Raises:
-        TinyBuildError: no config, more than :data:`AUTO_MAX_PARAMS` parameters, or the model
-            cannot be built or run one forward.
-    """
-    errors = []
-    # retries: MLA-style models need as many KV heads as query heads; hybrids whose first attention
-    # layer comes after layer 4 need more layers
-    for attempt in ({}, {"num_key_value_heads": 4}, {"num_hidden_layers": 8, "n_layer": 8, "num_layers": 8}):
-        try:
-            config = tiny_auto_config(model_type, **{**attempt, **extra})
-            cls = _model_class(config)
-            want = getattr(cls, "config_class", None)
-            if want is not None and not isinstance(config, want):  # a VL wrapper mapped to its text LM
-                sub = config.get_text_config(decoder=True)
-                if isinstance(sub, want):
-                    config = sub
-            with torch.device("meta"):
-                n_params = sum(p.numel() for p in cls._from_config(config).parameters())
-            if n_params > AUTO_MAX_PARAMS:
-                raise TinyBuildError(
-                    f"{model_type}: the shrunk default config still has {n_params / 1e6:.1f}M parameters"
-                )
-            attn = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                model = cls._from_config(config, attn_implementation=attn, dtype=torch.float32).eval()
-            with torch.no_grad():
-                model(input_ids=torch.arange(4, 8).reshape(1, -1))
-            return model
-        except TinyBuildError as exc:
-            errors.append(str(exc))
-            if "parameters" in str(exc):
-                break
-        except Exception as exc:  # noqa: BLE001 - any failure of a foreign architecture's build
-            errors.append(f"{model_type}: {type(exc).__name__}: {str(exc)[:200]}")
-    raise TinyBuildError(errors[-1])
-
-
 def build_tiny_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """Build a tiny random-weight model of ``arch`` in fp32, eval mode, on CPU.
 
@@ -651,8 +457,11 @@ def build_tiny_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedMo
     Returns:
         The model (``…ForCausalLM``, or ``…ForConditionalGeneration`` for the VL archs).
     """
-    if arch not in TINY_ARCHS and arch in causal_lm_model_types():
-        return build_tiny_auto_model(arch, seed=seed, **overrides)
+    if arch not in TINY_ARCHS:
+        from .tiny_auto import build_tiny_auto_model, causal_lm_model_types  # it builds on this module's sizes
+
+        if arch in causal_lm_model_types():
+            return build_tiny_auto_model(arch, seed=seed, **overrides)
     attn = overrides.pop("attn_implementation", None)
     config = tiny_config(arch, **overrides)
     cls = _model_class(config)

@@ -22,7 +22,7 @@ from ..core.errors import UnsupportedLayoutError
 from .detect import PROBE_SHIFT, check_chunk, memory_only, rel_err, tolerance
 from .forward import run_forward
 from .hf import HFBackend
-from .testing import TinyBuildError, build_tiny_auto_model, causal_lm_model_types
+from .tiny_auto import TinyBuildError, build_tiny_auto_model, causal_lm_model_types
 
 #: Offset of the independent re-check of accepted models (farther than the proof's offsets).
 RECHECK_OFFSET = 2500

@@ -1,4 +1,4 @@
-"""How serve reads a request's messages: one `MessageWindow` per conversation (the agents
+"""How serve reads a request's messages: one `MessageWindow` per conversation (the session
 layer's chat-messages adapter), plus what serve needs around it — the prompt size a plain server
 would prefill (for the budget check and the prefill-avoided metric) and content digests to find
 the session a request continues.
@@ -10,7 +10,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..agents.messages import ChatMessage, ChatTemplate, TemplateCut, normalize_messages
+from ..session import ChatMessage, ChatTemplate, TemplateCut, normalize_messages
 from ..core.errors import AgentInputError, BudgetError
 
 __all__ = ["Prompt", "check_budget", "image_tokens", "parse_prompt", "prefix_digests", "turns_digest"]
@@ -58,7 +58,7 @@ def parse_prompt(template: ChatTemplate, raw: Sequence[Any], processor: Any = No
     Raises:
         AgentInputError: malformed messages, a template that cannot be cut, an unreadable image
             (``MediaError``), or image parts without a processor (this server runs a text-only
-            model; the agents layer's emulation has no visual understanding, so serving it would
+            model; the image-span emulation has no visual understanding, so serving it would
             be a silent lie).
     """
     msgs = normalize_messages(list(raw))

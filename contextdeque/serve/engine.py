@@ -35,8 +35,7 @@ from ..core.errors import AgentInputError
 from ..core.cooperative import Interrupted, background, install_layer_checkpoints
 from ..window import decode
 from ..window.policy import make_policy
-from ..agents import MessageWindow
-from ..agents.messages import normalize_messages
+from ..session import MessageWindow, normalize_messages
 from .compat import template_supports_tools
 from .conversation import Prompt, check_budget, parse_prompt, prefix_digests, turns_digest
 from .metrics import ServeMetrics

@@ -18,10 +18,10 @@ from typing import Any
 def _chunk_entry(backend: Any, tokens: int, storage: str) -> tuple[str, Any]:
     import torch
 
-    from ..eval.bench import _text_ids
+    from ..model.text import text_ids
     from ..stores import StoreEntry, chunk_key
 
-    chunk = backend.encode(token_ids=_text_ids(backend, tokens), storage=getattr(torch, storage))
+    chunk = backend.encode(token_ids=text_ids(backend, tokens), storage=getattr(torch, storage))
     tensors, meta = chunk.to_entry()
     return chunk_key(chunk.fingerprint, chunk.id), StoreEntry(tensors, meta)
 

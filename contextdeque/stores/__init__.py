@@ -4,7 +4,10 @@ Sits below the window layer: imports only torch, safetensors, filelock, the stan
 library, `contextdeque.core.errors`, `contextdeque.core.kv`, `contextdeque.core.capsule` /
 `contextdeque.core.chunk` (in `CapsuleTier`, which keeps chunks compressed at rest) and (inside `ValkeyTier`, when one is made) the ``valkey`` client. A new tier or eviction policy is one file with
 one class that names itself (``kind = ...`` / ``name = ...``, see `contextdeque.core.registry`) plus
-one import line here.
+one import line here. A tier implements only its primitives (`Tier._read` / `Tier._write` of one
+entry, delete, list, count, pins, and for a shared tier how a lease is taken, dropped and
+renewed); `Tier` itself holds the contract: argument handling, expectations, the victims' choice
+by policy, and the leases with their renewer.
 """
 
 from contextdeque.stores.base import (

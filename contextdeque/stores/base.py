@@ -15,10 +15,13 @@ Keys starting with ``cdq.`` are reserved for the on-disk format.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import types
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import quote, unquote
@@ -26,13 +29,21 @@ from urllib.parse import quote, unquote
 import torch
 
 from contextdeque.core.args import check_int, check_str
-from contextdeque.core.errors import CollisionError, FingerprintMismatchError, InvalidEntryError, StoreConfigError
+from contextdeque.core.errors import (
+    CollisionError,
+    FingerprintMismatchError,
+    InvalidEntryError,
+    StoreCapacityError,
+    StoreConfigError,
+)
 from contextdeque.core.kv import tensor_nbytes
 from contextdeque.core.registry import Registered
 from contextdeque.stores.registry import TIERS
 
 if TYPE_CHECKING:  # pragma: no cover
     from contextdeque.stores.policy import EvictionPolicy
+
+log = logging.getLogger("contextdeque.stores")
 
 RESERVED_META_PREFIX = "cdq."
 """Metadata keys with this prefix belong to the store's on-disk format."""
@@ -46,6 +57,11 @@ META_DIGEST = "content_digest"
 # --------------------------------------------------------------------------------------
 # Entries
 # --------------------------------------------------------------------------------------
+
+
+def _meta_field(key: str, doc: str) -> property:
+    """A read-only view of one metadata item of an entry (None when absent)."""
+    return property(lambda self: self.meta.get(key), doc=doc)
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,25 +117,10 @@ class StoreEntry:
         if bad:
             raise InvalidEntryError(f"metadata keys {bad} use the reserved prefix {RESERVED_META_PREFIX!r}")
 
-    @property
-    def fingerprint(self) -> str | None:
-        """The model fingerprint recorded in the metadata, if any."""
-        return self.meta.get(META_FINGERPRINT)
-
-    @property
-    def layout(self) -> str | None:
-        """The layout signature recorded in the metadata, if any."""
-        return self.meta.get(META_LAYOUT)
-
-    @property
-    def kind(self) -> str | None:
-        """``"chunk" | "patch" | "embeds"`` (or whatever the writer recorded)."""
-        return self.meta.get(META_KIND)
-
-    @property
-    def content_digest(self) -> str | None:
-        """The collision guard's witness (``meta["content_digest"]``), if any."""
-        return self.meta.get(META_DIGEST)
+    fingerprint = _meta_field(META_FINGERPRINT, "The model fingerprint recorded in the metadata, if any.")
+    layout = _meta_field(META_LAYOUT, "The layout signature recorded in the metadata, if any.")
+    kind = _meta_field(META_KIND, '``"chunk" | "patch" | "embeds"`` (or whatever the writer recorded).')
+    content_digest = _meta_field(META_DIGEST, 'The collision guard\'s witness (``meta["content_digest"]``), if any.')
 
     def with_tensors(self, tensors: Mapping[str, torch.Tensor]) -> StoreEntry:
         """A new entry with the same metadata and the given tensors (e.g. moved to a device)."""
@@ -267,8 +268,48 @@ class PutResult:
     evicted: tuple[Evicted, ...] = ()
 
 
+@dataclass(frozen=True)
+class Expect:
+    """What a read must find, checked on the entry's metadata before its tensors are used (see
+    `check_expectations`): the model fingerprint, the layout signature, the content digest."""
+
+    fingerprint: str | None = None
+    layout: str | None = None
+    digest: str | None = None
+
+    def check(self, key: str, meta: Mapping[str, str]) -> None:
+        """Raise `FingerprintMismatchError` / `CollisionError` when ``meta`` is not what is expected."""
+        check_expectations(key, meta, expect_fingerprint=self.fingerprint, expect_layout=self.layout,
+                           expect_digest=self.digest)
+
+
+@dataclass(frozen=True)
+class PutRequest:
+    """How one `Tier.put` writes (its keyword arguments, checked once by `Tier.put`)."""
+
+    pinned: bool = False
+    priority: int = 0
+    overwrite: bool = False
+    keep_evicted: bool = False
+    copy: bool = True
+
+
+def check_key(key: object) -> str:
+    """``key`` as a store key (a str), else `TypeError`."""
+    if not isinstance(key, str):
+        raise TypeError(f"store keys are str, got {type(key).__name__}")
+    return key
+
+
 class Tier(ABC, Registered):
     """One storage level with a byte budget and an eviction policy.
+
+    The contract is written here once: `get` / `put` argument handling, the choice of eviction
+    victims (`choose_victims`), and this process's leases with their renewal (`lease`,
+    `unlease`, `leased`). A tier implements only what differs: how it reads (`_read`) and writes
+    (`_write`) one entry, deletes, lists, counts and pins, and, for a tier shared between processes
+    (``shared = True``), how it takes, drops and renews a lease (`_take_leases`, `_drop_leases`,
+    `renew_leases`).
 
     Pinned entries are never evicted while pinned; `delete` still removes them.
     Implementations are safe to share between threads of one process.
@@ -286,6 +327,8 @@ class Tier(ABC, Registered):
     persistent: bool = False
     #: True when the tier lives on another machine and can be away (see the class docstring)
     remote: bool = False
+    #: True when other processes share the entries, so a process announces what it holds (`lease`)
+    shared: bool = False
 
     def __init__(self, *, name: str, budget_bytes: int | None, policy: str | EvictionPolicy = "lru") -> None:
         from contextdeque.stores.registry import make_policy
@@ -298,13 +341,18 @@ class Tier(ABC, Registered):
         self._budget = budget_bytes
         self.policy = make_policy(policy)
         self._lock = threading.RLock()
+        self._held: set[str] = set()  # keys this process leases (see `lease`)
+        self._held_pid = os.getpid()
+        self._renewer: threading.Thread | None = None
+        self._closed = threading.Event()
 
     @property
     def budget_bytes(self) -> int | None:
         """The byte budget (None: unbounded)."""
         return self._budget
 
-    @abstractmethod
+    # ------------------------------------------------------------------ the contract
+
     def get(
         self,
         key: str,
@@ -322,16 +370,8 @@ class Tier(ABC, Registered):
             FingerprintMismatchError: ``expect_fingerprint`` / ``expect_layout`` differ.
             CollisionError: ``expect_digest`` differs from the entry's ``content_digest``.
         """
+        return self._read(check_key(key), Expect(expect_fingerprint, expect_layout, expect_digest), bool(corrupt_ok))
 
-    @abstractmethod
-    def peek(self, key: str) -> Mapping[str, str] | None:
-        """The entry's metadata without loading tensors or marking it used; None if absent.
-
-        Raises:
-            CorruptEntryError: the stored metadata cannot be read.
-        """
-
-    @abstractmethod
     def put(
         self,
         key: str,
@@ -348,12 +388,39 @@ class Tier(ABC, Registered):
         If ``key`` exists with the same ``content_digest`` nothing is written (it is marked
         used, and pinned if asked). ``copy=False`` lets an in-memory tier keep the given
         tensors when they already live on its device (the caller hands them over).
+        ``keep_evicted``: hand back the victims' contents (`Evicted.entry`) where the tier still
+        has them, so they can spill into a lower tier.
 
         Raises:
             CollisionError: ``key`` holds a different ``content_digest`` (and not ``overwrite``).
             StoreCapacityError: the entry cannot fit in the budget (too big, or the rest is
                 pinned); nothing is evicted then.
             StoreUnavailableError: a remote tier is away; nothing was written.
+        """
+        check_key(key)
+        if not isinstance(entry, StoreEntry):
+            raise InvalidEntryError(f"a tier stores StoreEntry objects, got {type(entry).__name__}")
+        entry.user_meta_check()
+        return self._write(key, entry, PutRequest(bool(pinned), int(priority), bool(overwrite), bool(keep_evicted), bool(copy)))
+
+    # ------------------------------------------------------------------ what a tier implements
+
+    @abstractmethod
+    def _read(self, key: str, expect: Expect, corrupt_ok: bool) -> StoreEntry | None:
+        """`get` for a checked key: the entry (marked used) or None; ``expect`` is checked on
+        the metadata before the tensors are used; a corrupt copy raises, or with ``corrupt_ok``
+        is dropped and read as None."""
+
+    @abstractmethod
+    def _write(self, key: str, entry: StoreEntry, request: PutRequest) -> PutResult:
+        """`put` for a checked key and entry (see `put` for what ``request`` asks)."""
+
+    @abstractmethod
+    def peek(self, key: str) -> Mapping[str, str] | None:
+        """The entry's metadata without loading tensors or marking it used; None if absent.
+
+        Raises:
+            CorruptEntryError: the stored metadata cannot be read.
         """
 
     @abstractmethod
@@ -388,13 +455,98 @@ class Tier(ABC, Registered):
     def is_pinned(self, key: str) -> bool:
         """Whether ``key`` is pinned."""
 
+    # ------------------------------------------------------------------ eviction
+
+    def choose_victims(self, key: str, over: int, candidates: Sequence[EntryStat], usage: str) -> list[str]:
+        """Keys of ``candidates`` (the evictable entries) in the policy's order, until ``over``
+        more bytes are freed; nothing when ``over <= 0``.
+
+        Raises:
+            StoreCapacityError: evicting every candidate frees too little (the rest is pinned);
+                ``usage`` says how full the tier is, for the message.
+        """
+        if over <= 0:
+            return []
+        sizes = {c.key: c.nbytes for c in candidates}
+        victims: list[str] = []
+        for k in self.policy.order(candidates):
+            if over <= 0:
+                break
+            victims.append(k)
+            over -= sizes[k]
+        if over > 0:
+            raise StoreCapacityError(f"tier {self.name!r} cannot make room for {key!r}: {usage} and the rest is pinned")
+        return victims
+
+    # ------------------------------------------------------------------ leases
+
+    def _holds(self) -> set[str]:
+        """The keys this process leases; a forked child starts with none (and no renewer)."""
+        if self._held_pid != os.getpid():
+            self._held_pid = os.getpid()
+            self._held = set()
+            self._renewer = None
+        return self._held
+
     def lease(self, keys: "list[str] | tuple[str, ...]") -> None:
         """Announce that this process holds ``keys`` (stored or not yet) until `unlease`. A shared
-        tier keeps them for other processes to see and its expiry to respect (`ValkeyTier`: a
-        lease with expiry, renewed while held); a local tier has nobody to tell: a no-op."""
+        tier keeps them for other processes to see and its expiry to respect, renewing them while
+        held (`renew_leases`); a local tier has nobody to tell: a no-op."""
+        if not self.shared:
+            return
+        with self._lock:
+            held = self._holds()
+            keys = [k for k in dict.fromkeys(keys) if k not in held]
+            held.update(keys)
+        if keys:
+            self._take_leases(keys)
+            self._keep_renewing()
 
     def unlease(self, keys: "list[str] | tuple[str, ...]") -> None:
         """Undo `lease` for ``keys`` (a no-op for a local tier)."""
+        if not self.shared:
+            return
+        with self._lock:
+            held = self._holds()
+            keys = [k for k in dict.fromkeys(keys) if k in held]
+            held.difference_update(keys)
+        if keys:
+            self._drop_leases(keys)
+
+    def leased(self) -> set[str]:
+        """Keys this tier instance leases."""
+        with self._lock:
+            return set(self._holds())
+
+    def _take_leases(self, keys: list[str]) -> None:
+        """Make the leases on ``keys`` visible to the other processes (a shared tier's primitive)."""
+
+    def _drop_leases(self, keys: list[str]) -> None:
+        """Withdraw this process's leases on ``keys`` (a shared tier's primitive)."""
+
+    @property
+    def renew_every_s(self) -> float | None:
+        """Seconds between renewals of this process's leases and pins (None: they never lapse)."""
+        return None
+
+    def renew_leases(self) -> int:
+        """Renew this process's leases (and pins, where they lapse too); returns how many."""
+        return 0
+
+    def _keep_renewing(self) -> None:
+        """Start the renewer thread (once per process) if leases here lapse without renewal."""
+        period = self.renew_every_s
+        with self._lock:
+            self._holds()  # a forked child forgets its parent's renewer
+            if period is None or self._renewer is not None:
+                return
+            self._renewer = _start_renewer(self, period)
+
+    def close(self) -> None:
+        """Stop renewing leases (they lapse) and release what the tier holds open."""
+        self._closed.set()
+
+    # ------------------------------------------------------------------ conveniences
 
     def verify(self, key: str) -> bool:
         """True iff ``key`` is present and passes verification (a corrupt copy counts as absent)."""
@@ -414,7 +566,28 @@ class Tier(ABC, Registered):
             f"policy={self.policy.name!r})"
         )
 
-    # helpers shared by implementations -----------------------------------------------
-
     def _fits_budget(self, nbytes: int) -> bool:
         return self._budget is None or nbytes <= self._budget
+
+
+def _start_renewer(tier: Tier, period: float) -> threading.Thread:
+    """A daemon thread calling ``tier.renew_leases()`` every ``period`` seconds while the tier
+    lives, is not closed, and this is the process that started it."""
+    ref = weakref.ref(tier)
+    closed = tier._closed
+    pid = os.getpid()
+
+    def run() -> None:
+        while not closed.wait(period):
+            t = ref()
+            if t is None or os.getpid() != pid:
+                return
+            try:
+                t.renew_leases()
+            except Exception:  # noqa: BLE001 - a renewal is retried next period; never let the thread die
+                log.warning("store tier %r: renewing leases failed; retrying", t.name, exc_info=True)
+            del t
+
+    th = threading.Thread(target=run, name=f"{tier.kind}-lease-renewer-{tier.name}", daemon=True)
+    th.start()
+    return th

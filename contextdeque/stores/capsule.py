@@ -30,7 +30,7 @@ from typing import Any
 from contextdeque.core.capsule import CapsuleBank, CapsuleBasis, CapsuleChunk
 from contextdeque.core.chunk import Chunk
 from contextdeque.core.errors import CapsuleError, CorruptEntryError
-from contextdeque.stores.base import Evicted, PutResult, StoreEntry, Tier, check_expectations
+from contextdeque.stores.base import Evicted, Expect, PutRequest, PutResult, StoreEntry, Tier, check_expectations
 from contextdeque.stores.registry import make_tier
 
 
@@ -65,6 +65,7 @@ class CapsuleTier(Tier):
         self.basis_dir = None if basis_dir is None else Path(basis_dir)
         self.persistent = inner.persistent
         self.remote = inner.remote
+        self.shared = inner.shared
         self._saved: set[str] = set()
         self._bank_lock = threading.Lock()
 
@@ -119,16 +120,8 @@ class CapsuleTier(Tier):
         return StoreEntry(tensors, meta)
 
     # ------------------------------------------------------------------ Tier
-    def get(
-        self,
-        key: str,
-        *,
-        expect_fingerprint: str | None = None,
-        expect_layout: str | None = None,
-        expect_digest: str | None = None,
-        corrupt_ok: bool = False,
-    ) -> StoreEntry | None:
-        raw = self.inner.get(key, expect_fingerprint=expect_fingerprint, expect_layout=expect_layout,
+    def _read(self, key: str, expect: Expect, corrupt_ok: bool) -> StoreEntry | None:
+        raw = self.inner.get(key, expect_fingerprint=expect.fingerprint, expect_layout=expect.layout,
                              corrupt_ok=corrupt_ok)
         if raw is None:
             return None
@@ -139,7 +132,8 @@ class CapsuleTier(Tier):
                 raise
             self.inner.delete(key)
             return None
-        check_expectations(key, out.meta, expect_digest=expect_digest)
+        # the digest is the chunk's, not the capsule's: checked on the reconstruction
+        check_expectations(key, out.meta, expect_digest=expect.digest)
         return out
 
     def peek(self, key: str) -> Mapping[str, str] | None:
@@ -148,19 +142,8 @@ class CapsuleTier(Tier):
             return meta
         return CapsuleChunk.chunk_entry_meta(meta)
 
-    def put(
-        self,
-        key: str,
-        entry: StoreEntry,
-        *,
-        pinned: bool = False,
-        priority: int = 0,
-        overwrite: bool = False,
-        keep_evicted: bool = False,
-        copy: bool = True,
-    ) -> PutResult:
-        res = self.inner.put(key, self.encode(entry), pinned=pinned, priority=priority, overwrite=overwrite,
-                             keep_evicted=keep_evicted, copy=copy)
+    def _write(self, key: str, entry: StoreEntry, request: PutRequest) -> PutResult:
+        res = self.inner.put(key, self.encode(entry), **vars(request))
         if not any(ev.entry is not None and ev.entry.kind == "capsule" for ev in res.evicted):
             return res
         # victims spill into the tiers below as chunks, like from any other tier
@@ -191,6 +174,17 @@ class CapsuleTier(Tier):
 
     def is_pinned(self, key: str) -> bool:
         return self.inner.is_pinned(key)
+
+    # leases are the inner tier's (it renews them)
+    def _take_leases(self, keys: list[str]) -> None:
+        self.inner.lease(keys)
+
+    def _drop_leases(self, keys: list[str]) -> None:
+        self.inner.unlease(keys)
+
+    def close(self) -> None:
+        super().close()
+        self.inner.close()
 
     def __repr__(self) -> str:
         return f"CapsuleTier({self.inner!r}, bases={len(self.bank)}, basis_dir={self.basis_dir})"

@@ -29,9 +29,7 @@ import contextlib
 import hashlib
 import os
 import secrets
-import socket
 import threading
-import weakref
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -46,16 +44,9 @@ from contextdeque.core.errors import (
     StorePermissionError,
     StoreWriteError,
 )
-from contextdeque.stores.base import (
-    EntryStat,
-    Evicted,
-    PutResult,
-    StoreEntry,
-    Tier,
-    check_collision,
-    check_expectations,
-)
+from contextdeque.stores.base import EntryStat, Evicted, Expect, PutRequest, PutResult, StoreEntry, Tier, check_collision
 from contextdeque.stores.format import Header, decode_entry, encode_entry, parse_header
+from contextdeque.stores.holders import holder_alive, host_id, pid_alive, proc_start
 from contextdeque.stores.policy import EvictionPolicy
 
 SUFFIX = ".safetensors"
@@ -80,73 +71,6 @@ def _now_ns() -> int:
     with _clock_lock:
         _last_ns = max(time.time_ns(), _last_ns + 1)
         return _last_ns
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    except OSError:
-        return True
-    return True
-
-
-def _proc_stat(pid: int) -> tuple[str, str]:
-    """``(state, start time in clock ticks since boot)`` of process ``pid`` from /proc; ``("", "")``
-    where /proc is not there or the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode("ascii", "replace")
-    except OSError:
-        return "", ""
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return (fields[0], fields[19]) if len(fields) > 19 else ("", "")
-
-
-def _proc_start(pid: int) -> str:
-    return _proc_stat(pid)[1]
-
-
-_HOST_ID: str | None = None
-
-
-def host_id() -> str:
-    """12 hex chars naming this host *and boot* (hostname + kernel boot id): leases of a host
-    that rebooted are the leases of dead processes."""
-    global _HOST_ID
-    if _HOST_ID is None:
-        boot = ""
-        with contextlib.suppress(OSError):
-            boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        _HOST_ID = hashlib.sha256(f"{socket.gethostname()}\0{boot}".encode()).hexdigest()[:12]
-    return _HOST_ID
-
-
-def holder_alive(holder: str, mtime: float, lease_ttl_s: float | None, now: float | None = None) -> bool:
-    """Whether the lease ``holder`` (see the module docstring) still holds.
-
-    Same host: the process lives and started when the lease says. Another host: its holder
-    renewed it (the marker's mtime) within ``lease_ttl_s``; without a TTL it always holds."""
-    parts = holder.split("-")
-    if not parts[0].isdigit():
-        return False
-    pid = int(parts[0])
-    if len(parts) < 3 or parts[2] == host_id():
-        if not _pid_alive(pid):
-            return False
-        state, now_start = _proc_stat(pid)
-        if state in ("Z", "X"):  # killed, not yet reaped: dead
-            return False
-        start = parts[1] if len(parts) > 1 else ""
-        return not start or not now_start or start == now_start  # a recycled pid started later
-    if lease_ttl_s is None:
-        return True
-    return (time.time() if now is None else now) - mtime < lease_ttl_s
 
 
 def key_digest(key: str) -> str:
@@ -189,6 +113,7 @@ class DiskTier(Tier):
     kind = "disk"
 
     persistent = True
+    shared = True
 
     def __init__(
         self,
@@ -209,8 +134,6 @@ class DiskTier(Tier):
         self.lease_ttl_s = None if lease_ttl_s is None else float(lease_ttl_s)
         self._holder_pid = -1
         self._holder_name = ""
-        self._renewer: threading.Thread | None = None
-        self._leased: set[str] = set()
         self.fsync = fsync
         self._lock_timeout = lock_timeout
         try:
@@ -402,15 +325,7 @@ class DiskTier(Tier):
 
     # ------------------------------------------------------------------ Tier API
 
-    def get(
-        self,
-        key: str,
-        *,
-        expect_fingerprint: str | None = None,
-        expect_layout: str | None = None,
-        expect_digest: str | None = None,
-        corrupt_ok: bool = False,
-    ) -> StoreEntry | None:
+    def _read(self, key: str, expect: Expect, corrupt_ok: bool) -> StoreEntry | None:
         path = self.file_for(key)
         try:
             f = open(path, "rb")
@@ -421,10 +336,7 @@ class DiskTier(Tier):
         # Keep the file open while deciding: its inode cannot be reused meanwhile, so a
         # corrupt copy is only discarded if it is still the one at `path`.
         def refuse(h: Header) -> None:  # before any tensor is loaded
-            check_expectations(
-                key, h.meta, expect_fingerprint=expect_fingerprint,
-                expect_layout=expect_layout, expect_digest=expect_digest,
-            )
+            expect.check(key, h.meta)
 
         with f:
             st = os.fstat(f.fileno())
@@ -480,26 +392,16 @@ class DiskTier(Tier):
         except CorruptEntryError:
             return None
 
-    def put(
-        self,
-        key: str,
-        entry: StoreEntry,
-        *,
-        pinned: bool = False,
-        priority: int = 0,
-        overwrite: bool = False,
-        keep_evicted: bool = False,
-        copy: bool = True,
-    ) -> PutResult:
+    def _write(self, key: str, entry: StoreEntry, request: PutRequest) -> PutResult:
         final = self.file_for(key)
-        entry.user_meta_check()
-        if not overwrite:
+        pinned = request.pinned
+        if not request.overwrite:
             # Cheap early answer (no serialization) for a duplicate or a collision.
             with self._locked():
                 old = self._peek_for_put(key)
                 if old is not None and check_collision(key, old, entry.meta):
                     return self._dedupe_locked(final, pinned)
-        data = encode_entry(key, entry, priority)
+        data = encode_entry(key, entry, request.priority)
         if not self._fits_budget(len(data)):
             raise StoreCapacityError(
                 f"entry {key!r} ({len(data)} B on disk) exceeds tier {self.name!r}'s budget ({self._budget} B)"
@@ -508,12 +410,12 @@ class DiskTier(Tier):
         del data
         try:
             with self._locked():
-                if not overwrite:  # re-check: another process may have committed meanwhile
+                if not request.overwrite:  # re-check: another process may have committed meanwhile
                     old = self._peek_for_put(key)
                     if old is not None and check_collision(key, old, entry.meta):
                         return self._dedupe_locked(final, pinned)
                 assert tmp is not None
-                evicted = self._make_room(final.name[:_HASH_LEN], tmp.stat().st_size, key, keep_evicted)
+                evicted = self._make_room(final.name[:_HASH_LEN], tmp.stat().st_size, key, request.keep_evicted)
                 os.replace(tmp, final)
                 tmp = None
                 self._write_usage(self._usage_after)
@@ -580,17 +482,7 @@ class DiskTier(Tier):
                 break
             plan.append((fi, None))
             over -= fi.size
-        for k in self.policy.order(cands):
-            if over <= 0:
-                break
-            fi, h = by_key[k]
-            plan.append((fi, h))
-            over -= fi.size
-        if over > 0:
-            raise StoreCapacityError(
-                f"tier {self.name!r} cannot make room for {key!r}: {total} B used of {self._budget} B "
-                f"and the rest is pinned"
-            )
+        plan += [by_key[k] for k in self.choose_victims(key, over, cands, f"{total} B used of {self._budget} B")]
         evicted: list[Evicted] = []
         self._usage_after = total + size - sum(fi.size for fi, _ in plan)
         for fi, h in plan:
@@ -653,69 +545,56 @@ class DiskTier(Tier):
         pid = os.getpid()
         if pid != self._holder_pid:
             self._holder_pid = pid
-            self._holder_name = f"{pid}-{_proc_start(pid)}-{host_id()}-{secrets.token_hex(4)}"
-            self._renewer = None
-            self._leased = set()  # a forked child holds none of its parent's leases
+            self._holder_name = f"{pid}-{proc_start(pid)}-{host_id()}-{secrets.token_hex(4)}"
+            self._holds()  # a forked child holds none of its parent's leases
         return self._holder_name
 
-    def _marker(self, stem: str) -> Path:
-        return self.path / f"{stem}.{self.holder}{PIN_SUFFIX}"
+    def _marker(self, stem: str, holder: str | None = None) -> Path:
+        return self.path / f"{stem}.{holder or self.holder}{PIN_SUFFIX}"
 
     def _pin_locked(self, stem: str) -> None:
         with open(self._marker(stem), "a"):
             pass
         self._touch_marker(self._marker(stem))
-        if self.lease_ttl_s is not None and self._renewer is None:
-            self._renewer = _start_renewer(self)
+        self._keep_renewing()
 
     @staticmethod
     def _touch_marker(p: Path) -> None:
         with contextlib.suppress(OSError):
             os.utime(p)
 
+    @property
+    def renew_every_s(self) -> float | None:
+        return None if self.lease_ttl_s is None else self.lease_ttl_s / 3.0
+
     def renew_leases(self) -> int:
-        """Renew this instance's leases (their mtime is the renewal time); returns how many."""
+        """Renew this instance's leases and pins (their mtime is the renewal time); returns how many."""
         n = 0
         suffix = f".{self.holder}{PIN_SUFFIX}"
+        leases = f".{self.holder}L{PIN_SUFFIX}"
         with os.scandir(self.path) as it:
             for de in it:
-                if de.name.endswith(suffix):
+                if de.name.endswith((suffix, leases)):
                     self._touch_marker(Path(de.path))
                     n += 1
         return n
 
-    def lease(self, keys: "list[str] | tuple[str, ...]") -> None:
-        """Hold ``keys`` for this process (stored here or not yet: a window's entry may be
-        demoted into this directory later) until `unlease`: no process sharing the directory
-        evicts them while this process lives (see the module docstring). Separate from `pin`."""
-        holder = self.holder + "L"  # first: a forked child starts with no leases
-        keys = [k for k in keys if k not in self._leased]
-        if not keys:
-            return
+    # A lease (`Tier.lease`) is a marker of the holder name + "L", separate from the pins: a window's
+    # entry may be demoted into this directory later, and no process sharing the directory evicts
+    # it while this process lives (see the module docstring).
+    def _take_leases(self, keys: list[str]) -> None:
+        holder = self.holder + "L"
         with self._locked():
             for key in keys:
-                marker = self.path / f"{key_digest(key)}.{holder}{PIN_SUFFIX}"
-                with open(marker, "a"):
+                with open(self._marker(key_digest(key), holder), "a"):
                     pass
-                self._leased.add(key)
-        if self.lease_ttl_s is not None and self._renewer is None:
-            self._renewer = _start_renewer(self)
 
-    def unlease(self, keys: "list[str] | tuple[str, ...]") -> None:
-        """Let go of this process's leases on ``keys``."""
+    def _drop_leases(self, keys: list[str]) -> None:
         holder = self.holder + "L"
-        keys = [k for k in keys if k in self._leased]
-        if not keys:
-            return
         with self._locked():
             for key in keys:
                 with contextlib.suppress(FileNotFoundError):
-                    (self.path / f"{key_digest(key)}.{holder}{PIN_SUFFIX}").unlink()
-                self._leased.discard(key)
-
-    def leased(self) -> set[str]:
-        """Keys this tier instance leases."""
-        return set(self._leased)
+                    self._marker(key_digest(key), holder).unlink()
 
     def live_leases(self) -> dict[str, list[str]]:
         """Live leases and pins of every holder: entry file stem -> holders (dead holders'
@@ -763,7 +642,7 @@ class DiskTier(Tier):
             self._live_pinned(pins)
             for p in temps:
                 pid_s = p.name[len(TMP_PREFIX):].split("-", 1)[0]
-                if not pid_s.isdigit() or _pid_alive(int(pid_s)):
+                if not pid_s.isdigit() or pid_alive(int(pid_s)):
                     continue
                 try:
                     if now - p.stat().st_mtime < min_age_s:
@@ -805,23 +684,3 @@ class DiskTier(Tier):
         except CorruptEntryError:
             return "\0unreadable"
 
-
-def _start_renewer(tier: DiskTier) -> threading.Thread:
-    """A daemon thread renewing ``tier``'s leases every ``lease_ttl_s / 3`` while the tier lives."""
-    ref = weakref.ref(tier)
-    period = float(tier.lease_ttl_s or 1.0) / 3.0
-    pid = os.getpid()
-
-    def run() -> None:
-        stop = threading.Event()
-        while not stop.wait(period):
-            t = ref()
-            if t is None or os.getpid() != pid:
-                return
-            with contextlib.suppress(OSError):
-                t.renew_leases()
-            del t
-
-    th = threading.Thread(target=run, name=f"disk-lease-renewer-{tier.name}", daemon=True)
-    th.start()
-    return th

@@ -9,15 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from contextdeque.core.errors import ArgumentTypeError, StoreCapacityError, StoreConfigError
-from contextdeque.stores.base import (
-    EntryStat,
-    Evicted,
-    PutResult,
-    StoreEntry,
-    Tier,
-    check_collision,
-    check_expectations,
-)
+from contextdeque.stores.base import EntryStat, Evicted, Expect, PutRequest, PutResult, StoreEntry, Tier, check_collision
 from contextdeque.stores.policy import EvictionPolicy
 
 
@@ -109,25 +101,14 @@ class MemoryTier(Tier):
             return t
         return t.to(self.device, copy=True)
 
-    # Tier API --------------------------------------------------------------------------
+    # what the tier implements ------------------------------------------------------------
 
-    def get(
-        self,
-        key: str,
-        *,
-        expect_fingerprint: str | None = None,
-        expect_layout: str | None = None,
-        expect_digest: str | None = None,
-        corrupt_ok: bool = False,
-    ) -> StoreEntry | None:
+    def _read(self, key: str, expect: Expect, corrupt_ok: bool) -> StoreEntry | None:
         with self._lock:
             slot = self._slots.get(key)
             if slot is None:
                 return None
-            check_expectations(
-                key, slot.entry.meta, expect_fingerprint=expect_fingerprint,
-                expect_layout=expect_layout, expect_digest=expect_digest,
-            )
+            expect.check(key, slot.entry.meta)
             slot.last_used = next(self._clock)
             return slot.entry
 
@@ -136,25 +117,12 @@ class MemoryTier(Tier):
             slot = self._slots.get(key)
             return None if slot is None else slot.entry.meta
 
-    def put(
-        self,
-        key: str,
-        entry: StoreEntry,
-        *,
-        pinned: bool = False,
-        priority: int = 0,
-        overwrite: bool = False,
-        keep_evicted: bool = False,
-        copy: bool = True,
-    ) -> PutResult:
-        if not isinstance(key, str):
-            raise TypeError(f"store keys are str, got {type(key).__name__}")
-        entry.user_meta_check()
+    def _write(self, key: str, entry: StoreEntry, request: PutRequest) -> PutResult:
         with self._lock:
             old = self._slots.get(key)
-            if old is not None and not overwrite and check_collision(key, old.entry.meta, entry.meta):
+            if old is not None and not request.overwrite and check_collision(key, old.entry.meta, entry.meta):
                 old.last_used = next(self._clock)
-                if pinned:
+                if request.pinned:
                     self._pins.add(key)
                 return PutResult(stored=False)
             need = entry.nbytes
@@ -167,7 +135,7 @@ class MemoryTier(Tier):
             freed_by_replace = old.entry.nbytes if old is not None else 0
             victims = self._choose_victims(key, need - freed_by_replace)
             # Copy before evicting: a failing device copy must leave the tier unchanged.
-            stored = entry.with_tensors({n: self._place(t, copy) for n, t in entry.tensors.items()})
+            stored = entry.with_tensors({n: self._place(t, request.copy) for n, t in entry.tensors.items()})
             evicted = []
             for v in victims:
                 vslot = self._slots.pop(v)
@@ -176,18 +144,16 @@ class MemoryTier(Tier):
             if old is not None:
                 self._slots.pop(key)
                 self._used -= old.entry.nbytes
-            self._slots[key] = _Slot(stored, next(self._clock), int(priority))
+            self._slots[key] = _Slot(stored, next(self._clock), request.priority)
             self._used += stored.nbytes
-            if pinned:
+            if request.pinned:
                 self._pins.add(key)
             return PutResult(stored=True, evicted=tuple(evicted))
 
     def _choose_victims(self, key: str, need: int) -> list[str]:
         """Keys to evict so that ``need`` more bytes fit; raises if impossible."""
         room = self._room()
-        if room is None:
-            return []
-        over = self._used + need - room
+        over = self._used + need - room if room is not None else 0
         if over <= 0:
             return []
         cands = [
@@ -195,19 +161,8 @@ class MemoryTier(Tier):
             for k, s in self._slots.items()
             if k != key and k not in self._pins
         ]
-        sizes = {c.key: c.nbytes for c in cands}
-        victims: list[str] = []
-        for k in self.policy.order(cands):
-            if over <= 0:
-                break
-            victims.append(k)
-            over -= sizes[k]
-        if over > 0:
-            raise StoreCapacityError(
-                f"tier {self.name!r} cannot make room for {key!r}: {self._used} B used of "
-                f"{room} B (budget {self._budget} B less {self._budget - room} B reserved) and the rest is pinned"
-            )
-        return victims
+        usage = f"{self._used} B used of {room} B (budget {self._budget} B less {self._budget - room} B reserved)"
+        return self.choose_victims(key, over, cands, usage)
 
     def delete(self, key: str) -> bool:
         with self._lock:

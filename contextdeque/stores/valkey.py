@@ -45,27 +45,24 @@ import json
 import logging
 import os
 import socket
-import ssl
-import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
 
 from contextdeque.core.errors import (
     CollisionError,
     CorruptEntryError,
-    StoreAuthError,
     StoreCapacityError,
     StoreConfigError,
     StoreUnavailableError,
 )
-from contextdeque.stores.base import PutResult, StoreEntry, Tier, check_collision, check_expectations
+from contextdeque.stores.base import Expect, PutRequest, PutResult, StoreEntry, Tier, check_collision, check_key
 from contextdeque.stores.format import decode_entry, encode_entry
-from contextdeque.stores.traffic import report_fallback
+from contextdeque.stores.valkey_link import Away, ValkeyEndpoint, ValkeyLink, ValkeyStats, redact_url
 
 log = logging.getLogger("contextdeque.stores.valkey")
+
+__all__ = ["DEFAULT_PART_BYTES", "MANIFEST_VERSION", "ValkeyEndpoint", "ValkeyStats", "ValkeyTier", "redact_url"]
 
 MANIFEST_VERSION = 1
 DEFAULT_PART_BYTES = 4 * 1024 * 1024
@@ -73,7 +70,6 @@ _ORPHAN_MS = 10 * 60 * 1000  # parts not yet named by a manifest expire after th
 _REPLACED_MS = 30 * 1000  # parts of a replaced version: long enough for readers in flight
 _SIG_DOMAIN = b"cdq-valkey-entry-v1\0"
 _NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
-_SCHEMES = {"valkey": False, "redis": False, "valkeys": True, "rediss": True}
 
 # compare-and-delete: drop a manifest only if it still is the one we judged (one key: one slot)
 _DEL_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end"
@@ -85,156 +81,8 @@ def _check_name(what: str, value: str) -> str:
     return value
 
 
-@dataclass(frozen=True)
-class ValkeyEndpoint:
-    """Where the server is, parsed from a URL; the password is kept out of ``repr``.
-
-    URL forms: ``valkey://[user[:password]@]host:port[/db]``, ``valkeys://`` (TLS), the
-    ``redis``/``rediss`` spellings, and a ``+cluster`` suffix on the scheme
-    (``valkey+cluster://host:port``) for a cluster (any node is a start node).
-    """
-
-    host: str
-    port: int
-    db: int = 0
-    username: str | None = None
-    password: str | None = field(default=None, repr=False)
-    tls: bool = False
-    cluster: bool = False
-
-    @classmethod
-    def parse(cls, url: str) -> "ValkeyEndpoint":
-        """Parse ``url`` (see the class docstring).
-
-        Raises:
-            StoreConfigError: not such a URL (the message shows it with the password hidden).
-        """
-        if not isinstance(url, str):
-            raise StoreConfigError(f"store URL must be a str, got {type(url).__name__}")
-        try:
-            parts = urlsplit(url)
-            scheme, _, extra = parts.scheme.partition("+")
-            port = parts.port or 6379
-            host = parts.hostname
-        except ValueError as e:
-            raise StoreConfigError(f"bad store URL {redact_url(url)!r}: {e}") from None
-        if scheme not in _SCHEMES or extra not in ("", "cluster") or not host:
-            raise StoreConfigError(
-                f"bad store URL {redact_url(url)!r}: expected valkey://[user[:password]@]host:port/db "
-                "(or valkeys:// for TLS, valkey+cluster:// for a cluster)"
-            )
-        path = parts.path.strip("/")
-        try:
-            db = int(path) if path else int(parse_qs(parts.query).get("db", ["0"])[0])
-        except ValueError:
-            raise StoreConfigError(f"bad store URL {redact_url(url)!r}: database must be an integer") from None
-        cluster = extra == "cluster"
-        if cluster and db != 0:
-            raise StoreConfigError("a Valkey cluster has only database 0")
-        return cls(
-            host=host, port=int(port), db=db,
-            username=unquote(parts.username) if parts.username else None,
-            password=unquote(parts.password) if parts.password is not None else None,
-            tls=_SCHEMES[scheme], cluster=cluster,
-        )
-
-    @property
-    def address(self) -> str:
-        """``scheme://host:port/db`` without credentials (safe to log)."""
-        scheme = ("valkeys" if self.tls else "valkey") + ("+cluster" if self.cluster else "")
-        return f"{scheme}://{self.host}:{self.port}/{self.db}"
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for messages and logs)."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        netloc = parts.netloc.rsplit("@", 1)
-        user = parts.username or ""
-        return url.replace(parts.netloc, f"{user}:***@{netloc[-1]}", 1)
-    except ValueError:
-        return "<unparseable URL>"
-
-
-@dataclass
-class ValkeyStats:
-    """Counters of one `ValkeyTier` (since construction). Thread-safe increments via `bump`.
-
-    Attributes:
-        gets / hits / misses: reads, and how they ended (a rejected, evicted or corrupt entry
-            counts as a miss too).
-        evicted: reads that found a manifest whose parts the server had evicted or expired.
-        corrupt: reads whose bytes failed a checksum.
-        rejected: reads (and peeks) of entries whose signature did not verify (``secret`` set).
-        puts / put_dedup: entries written / puts that found the same content already there.
-        bytes_read / bytes_written: entry bytes moved (framing included).
-        fallbacks: reason -> operations answered without the server (it was away).
-        outages / recoveries: transitions to away and back.
-    """
-
-    gets: int = 0
-    hits: int = 0
-    misses: int = 0
-    evicted: int = 0
-    corrupt: int = 0
-    rejected: int = 0
-    puts: int = 0
-    put_dedup: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    fallbacks: dict[str, int] = field(default_factory=dict)
-    outages: int = 0
-    recoveries: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def bump(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            setattr(self, name, getattr(self, name) + n)
-
-    def fallback(self, reason: str) -> None:
-        with self._lock:
-            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-
-    @property
-    def fallbacks_total(self) -> int:
-        return sum(self.fallbacks.values())
-
-    def as_dict(self) -> dict[str, Any]:
-        with self._lock:
-            d = {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}
-            d["fallbacks"] = dict(self.fallbacks)
-        return d
-
-
 class _Rejected(Exception):
     """A manifest that must not be used (bad signature, unreadable under a secret)."""
-
-
-class _Away(Exception):
-    """The server cannot be used right now (reason in args[0])."""
-
-
-def _classify(exc: BaseException) -> str | None:
-    """Why a client exception means 'the server is away' (None: it is another failure)."""
-    import valkey.exceptions as vx
-
-    if isinstance(exc, (vx.AuthenticationError, vx.AuthorizationError, vx.AuthenticationWrongNumberOfArgsError)):
-        return "auth"
-    if isinstance(exc, vx.NoPermissionError):
-        return "auth"
-    if isinstance(exc, vx.BusyLoadingError):
-        return "loading"
-    if isinstance(exc, (vx.TimeoutError, socket.timeout, TimeoutError)):
-        return "timeout"
-    if isinstance(exc, (vx.ConnectionError, ConnectionError, OSError)):
-        return "unreachable"
-    if isinstance(exc, (vx.ClusterError, vx.SlotNotCoveredError, vx.TryAgainError, vx.ValkeyClusterException)):
-        return "cluster"
-    if isinstance(exc, vx.ResponseError) and str(exc).startswith(("LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN")):
-        return "loading"
-    return None
 
 
 class ValkeyTier(Tier):
@@ -281,6 +129,7 @@ class ValkeyTier(Tier):
 
     persistent = True
     remote = True
+    shared = True
 
     def __init__(
         self,
@@ -335,23 +184,22 @@ class ValkeyTier(Tier):
         self.lease_ms = int(lease_s * 1000)
         self.timeout_s = float(timeout_s)
         self.retry_after_s = float(retry_after_s)
-        self._tls = {"ca": tls_ca_file, "cert": tls_cert_file, "key": tls_key_file, "verify": bool(tls_verify)}
         self.stats = ValkeyStats()
         self.holder_id = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
         self._prefix = f"cdq{MANIFEST_VERSION}:{self.trust_domain}:{self.namespace}:"
-        self._client_obj: Any = None
-        self._client_lock = threading.Lock()
-        self._down_until = 0.0
-        self._away_reason: str | None = None
-        self._leases: set[str] = set()
-        self._lease_thread: threading.Thread | None = None
-        self._closed = threading.Event()
+        self.link = ValkeyLink(
+            ep, name=name, timeout_s=self.timeout_s, retry_after_s=self.retry_after_s, stats=self.stats,
+            tls={"ca": tls_ca_file, "cert": tls_cert_file, "key": tls_key_file, "verify": bool(tls_verify)},
+            hidden=(ep.password, self._secret.decode("latin-1") if self._secret else None),
+        )
+        self._call = self.link.call
+        self._call_or = self.link.call_or
         if self._secret is None:
             log.warning(
                 "store tier %r at %s has no secret: entries are unsigned and every writer of that "
                 "server is trusted", self.name, ep.address,
             )
-        self._connect_check()
+        self.link.connect_check()
 
     # ------------------------------------------------------------------ identity
 
@@ -370,11 +218,20 @@ class ValkeyTier(Tier):
     @property
     def available(self) -> bool:
         """False while the tier is answering locally (the server was away at the last try)."""
-        return self._away_reason is None
+        return self.link.available
 
     @property
     def away_reason(self) -> str | None:
-        return self._away_reason
+        return self.link.away_reason
+
+    def ping(self) -> bool:
+        """Whether the server answers now (tries even during the backoff)."""
+        return self.link.ping()
+
+    def close(self) -> None:
+        """Stop renewing leases (they lapse) and close the connections."""
+        super().close()
+        self.link.close()
 
     def __repr__(self) -> str:
         auth = "acl-user" if self.endpoint.username else ("password" if self.endpoint.password else "none")
@@ -384,136 +241,10 @@ class ValkeyTier(Tier):
             f"{'signed' if self.signed else 'unsigned (trusts every writer)'})"
         )
 
-    # ------------------------------------------------------------------ connection
-
-    def _redact(self, text: str) -> str:
-        for s in (self.endpoint.password, self._secret.decode("latin-1") if self._secret else None):
-            if s:
-                text = text.replace(s, "***")
-        return text
-
-    def _client_kwargs(self) -> dict[str, Any]:
-        ep = self.endpoint
-        kw: dict[str, Any] = {
-            "host": ep.host, "port": ep.port, "username": ep.username, "password": ep.password,
-            "socket_timeout": self.timeout_s, "socket_connect_timeout": self.timeout_s,
-        }
-        if not ep.cluster:
-            kw["db"] = ep.db
-            kw["retry_on_timeout"] = False
-        if ep.tls:
-            kw.update(ssl=True, ssl_ca_certs=self._tls["ca"], ssl_certfile=self._tls["cert"],
-                      ssl_keyfile=self._tls["key"],
-                      ssl_cert_reqs="required" if self._tls["verify"] else "none",
-                      ssl_check_hostname=bool(self._tls["verify"]))
-        return kw
-
-    def _make_client(self) -> Any:
-        import valkey
-        from valkey.backoff import NoBackoff
-        from valkey.retry import Retry
-
-        kw = self._client_kwargs()
-        if self.endpoint.cluster:
-            from valkey.cluster import ValkeyCluster
-
-            # One attempt per command: the tier's own backoff decides when to try again.
-            return ValkeyCluster(**kw, cluster_error_retry_attempts=1, retry=Retry(NoBackoff(), 0))
-        return valkey.Valkey(**kw, retry=Retry(NoBackoff(), 0), health_check_interval=0)
-
-    def _client(self) -> Any:
-        with self._client_lock:
-            if self._client_obj is None:
-                self._client_obj = self._make_client()
-            return self._client_obj
-
-    def _connect_check(self) -> None:
-        """Refuse bad credentials / TLS settings now; an absent server only starts the tier away."""
-        import valkey.exceptions as vx
-
-        try:
-            self._client().ping()
-        except (vx.ValkeyError, vx.ValkeyClusterException, OSError) as e:
-            reason = _classify(e)
-            text = self._redact(str(e))
-            who = f" as user {self.endpoint.username!r}" if self.endpoint.username else ""
-            if reason == "auth" or "WRONGPASS" in text or "NOAUTH" in text:
-                raise StoreAuthError(
-                    f"Valkey at {self.endpoint.address} refused the credentials{who}: {text}"
-                ) from None
-            if isinstance(e.__context__, ssl.SSLError) or "certificate verify failed" in text or "SSL" in text:
-                raise StoreConfigError(f"TLS to Valkey at {self.endpoint.address} failed: {text}") from None
-            if reason is None:
-                raise StoreConfigError(f"Valkey at {self.endpoint.address} answered with an error: {text}") from None
-            self._mark_away(reason, text)
-
-    def _mark_away(self, reason: str, detail: str = "") -> None:
-        if self._away_reason is None:
-            self.stats.bump("outages")
-            log.warning(
-                "store tier %r: Valkey at %s is away (%s%s); answering from the local tiers, "
-                "retrying every %.1fs", self.name, self.endpoint.address, reason,
-                f": {detail}" if detail else "", self.retry_after_s,
-            )
-        self._away_reason = reason
-        self._down_until = time.monotonic() + self.retry_after_s
-        with self._client_lock:
-            old, self._client_obj = self._client_obj, None
-        if old is not None:
-            try:
-                old.close()
-            except Exception:  # noqa: BLE001 - a broken client may fail to close
-                pass
-
-    def _mark_back(self) -> None:
-        if self._away_reason is not None:
-            self._away_reason = None
-            self.stats.bump("recoveries")
-            log.warning("store tier %r: Valkey at %s is back; sharing resumes", self.name, self.endpoint.address)
-
-    def _call(self, fn: Any) -> Any:
-        """Run ``fn(client)``; raise `_Away` (after bookkeeping) when the server is away."""
-        if self._away_reason is not None and time.monotonic() < self._down_until:
-            raise _Away("backoff")
-        try:
-            out = fn(self._client())
-        except Exception as e:  # noqa: BLE001 - classified below
-            reason = _classify(e)
-            if reason is None:
-                raise
-            self._mark_away(reason, self._redact(str(e)))
-            raise _Away(reason) from None
-        self._mark_back()
-        return out
-
-    def _fallback(self, reason: str) -> None:
-        self.stats.fallback(reason)
-        report_fallback(self.name, reason)
-
-    def ping(self) -> bool:
-        """Whether the server answers now (tries even during the backoff)."""
-        self._down_until = 0.0
-        try:
-            return bool(self._call(lambda c: c.ping()))
-        except _Away:
-            return False
-
-    def close(self) -> None:
-        """Stop renewing leases (they lapse) and close the connections."""
-        self._closed.set()
-        with self._client_lock:
-            c, self._client_obj = self._client_obj, None
-        if c is not None:
-            try:
-                c.close()
-            except Exception:  # noqa: BLE001
-                pass
-
     # ------------------------------------------------------------------ keys and manifests
 
     def _base(self, key: str) -> str:
-        if not isinstance(key, str):
-            raise TypeError(f"store keys are str, got {type(key).__name__}")
+        check_key(key)
         return self._prefix + "{" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest() + "}"
 
     @staticmethod
@@ -572,15 +303,7 @@ class ValkeyTier(Tier):
 
     # ------------------------------------------------------------------ Tier API
 
-    def get(
-        self,
-        key: str,
-        *,
-        expect_fingerprint: str | None = None,
-        expect_layout: str | None = None,
-        expect_digest: str | None = None,
-        corrupt_ok: bool = False,
-    ) -> StoreEntry | None:
+    def _read(self, key: str, expect: Expect, corrupt_ok: bool) -> StoreEntry | None:
         self.stats.bump("gets")
         base = self._base(key)
 
@@ -588,10 +311,7 @@ class ValkeyTier(Tier):
             raw, m = self._read_manifest(c, key)
             if m is None:
                 return None
-            check_expectations(
-                key, m["meta"], expect_fingerprint=expect_fingerprint,
-                expect_layout=expect_layout, expect_digest=expect_digest,
-            )
+            expect.check(key, m["meta"])
             pkeys = self._part_keys(base, m["blob"], m["n"])
             parts = c.mget(pkeys) if pkeys else []
             if any(p is None for p in parts):
@@ -618,20 +338,12 @@ class ValkeyTier(Tier):
                 pipe.execute()
             return entry
 
-        try:
-            entry = self._call(op)
-        except _Away as a:
-            self._fallback(str(a))
-            entry = None
+        entry = self._call_or(op, None)
         self.stats.bump("hits" if entry is not None else "misses")
         return entry
 
     def peek(self, key: str) -> Mapping[str, str] | None:
-        try:
-            _, m = self._call(lambda c: self._read_manifest(c, key))
-        except _Away as a:
-            self._fallback(str(a))
-            return None
+        _, m = self._call_or(lambda c: self._read_manifest(c, key), (None, None))
         return None if m is None else dict(m["meta"])
 
     def _peek_for_put(self, c: Any, key: str) -> tuple[bytes | None, dict[str, Any] | None]:
@@ -652,35 +364,24 @@ class ValkeyTier(Tier):
             return self._part_keys(base, m["blob"], m["n"])
         return []
 
-    def put(
-        self,
-        key: str,
-        entry: StoreEntry,
-        *,
-        pinned: bool = False,
-        priority: int = 0,
-        overwrite: bool = False,
-        keep_evicted: bool = False,
-        copy: bool = True,
-    ) -> PutResult:
-        entry.user_meta_check()
+    def _write(self, key: str, entry: StoreEntry, request: PutRequest) -> PutResult:
         base = self._base(key)
         blob_box: dict[str, Any] = {}
 
         def op(c: Any) -> PutResult:
             old_raw, old = self._peek_for_put(c, key)
-            if not overwrite and old is not None and check_collision(key, old["meta"], entry.meta):
+            if not request.overwrite and old is not None and check_collision(key, old["meta"], entry.meta):
                 self.stats.bump("put_dedup")
                 return PutResult(stored=False)
             if "blob" not in blob_box:
-                blob_box["blob"] = encode_entry(key, entry, priority)
+                blob_box["blob"] = encode_entry(key, entry, request.priority)
             blob: bytes = blob_box["blob"]
             digest = hashlib.sha256(blob).hexdigest()
             n = max(1, -(-len(blob) // self.part_bytes))
             pkeys = self._part_keys(base, digest, n)
             body: dict[str, Any] = {
                 "v": MANIFEST_VERSION, "key": key, "domain": self.trust_domain, "blob": digest,
-                "size": len(blob), "n": n, "priority": int(priority), "meta": dict(entry.meta),
+                "size": len(blob), "n": n, "priority": request.priority, "meta": dict(entry.meta),
                 "payload": entry.nbytes, "writer": self.holder_id, "t": int(time.time() * 1000),
             }
             if self._secret is not None:
@@ -717,8 +418,8 @@ class ValkeyTier(Tier):
 
         try:
             res = self._call(op)
-        except _Away as a:
-            self._fallback(str(a))
+        except Away as a:
+            self.link.fallback(str(a))
             raise StoreUnavailableError(
                 f"store tier {self.name!r} ({self.endpoint.address}) is away ({a}); {key!r} was not shared"
             ) from None
@@ -732,7 +433,7 @@ class ValkeyTier(Tier):
                     f"Valkey at {self.endpoint.address} is full (maxmemory with a no-eviction policy): {key!r} not stored"
                 ) from None
             raise
-        if pinned:
+        if request.pinned:
             self.pin(key)
         return res
 
@@ -745,12 +446,8 @@ class ValkeyTier(Tier):
             return raw is not None
 
         with self._lock:
-            self._leases.discard(key)
-        try:
-            return bool(self._call(op))
-        except _Away as a:
-            self._fallback(str(a))
-            return False
+            self._holds().discard(key)
+        return bool(self._call_or(op, False))
 
     def contains(self, key: str) -> bool:
         """Whether a usable manifest is stored (signature verified when a secret is set)."""
@@ -777,11 +474,7 @@ class ValkeyTier(Tier):
                     continue
             return out
 
-        try:
-            return self._call(op)
-        except _Away as a:
-            self._fallback(str(a))
-            return []
+        return self._call_or(op, [])
 
     def nbytes(self) -> int:
         """Payload bytes of this namespace's usable entries (a SCAN: for tools and tests)."""
@@ -794,7 +487,7 @@ class ValkeyTier(Tier):
     def priority_of(self, key: str) -> int:
         try:
             _, m = self._call(lambda c: self._read_manifest(c, key))
-        except (_Away, CorruptEntryError):
+        except (Away, CorruptEntryError):
             return 0
         return 0 if m is None else int(m.get("priority", 0))
 
@@ -824,39 +517,24 @@ class ValkeyTier(Tier):
         """Take (or renew) this holder's lease on ``key``; False if absent or the server is away."""
         if not self.contains(key):
             return False
-        try:
-            self._call(lambda c: self._lease_now(c, [key]))
-        except _Away as a:
-            self._fallback(str(a))
+        if self._call_or(lambda c: self._lease_now(c, [key]) or True, False) is False:
             return False
-        self._hold_leases([key])
+        with self._lock:
+            self._holds().add(key)
+        self._keep_renewing()
         return True
 
-    def lease(self, keys: "list[str] | tuple[str, ...]") -> None:
-        """Hold leases on ``keys`` from now on, whether or not they are stored yet (a window slot
-        holds a chunk whose canonical may be written later): taken now in one round trip, renewed
-        every ``lease_s / 3`` while this tier holds them, and taken then if the server is away
-        now. A lease on an absent entry is a short-lived marker, harmless."""
-        with self._lock:
-            keys = [k for k in keys if k not in self._leases]
-        if not keys:
-            return
-        self._hold_leases(keys)
+    # A lease (`Tier.lease`) is the same sorted-set entry as a pin, taken whether or not the entry is
+    # stored yet (a window slot holds a chunk whose canonical may be written later): taken now in one
+    # round trip, renewed every ``lease_s / 3`` while held, and taken then if the server is away now.
+    # A lease on an absent entry is a short-lived marker, harmless.
+    def _take_leases(self, keys: list[str]) -> None:
         try:
-            self._call(lambda c: self._lease_now(c, keys))
-        except _Away as a:
-            self._fallback(str(a))
+            self._call_or(lambda c: self._lease_now(c, keys), None)
         except Exception:  # noqa: BLE001 - a lease is bookkeeping: never fail the caller; renewal retries
             log.warning("store tier %r: taking %d leases failed; renewal will retry", self.name, len(keys), exc_info=True)
 
-    def unlease(self, keys: "list[str] | tuple[str, ...]") -> None:
-        """Let go of this holder's leases on ``keys`` (the entries' own TTL applies again)."""
-        with self._lock:
-            keys = [k for k in keys if k in self._leases]
-            self._leases.difference_update(keys)
-        if not keys:
-            return
-
+    def _drop_leases(self, keys: list[str]) -> None:
         def op(c: Any) -> None:
             pipe = c.pipeline(transaction=False)
             for key in keys:
@@ -864,56 +542,36 @@ class ValkeyTier(Tier):
             pipe.execute()
 
         try:
-            self._call(op)
-        except _Away as a:
-            self._fallback(str(a))  # the lease lapses by itself
+            self._call_or(op, None)  # away: the lease lapses by itself
         except Exception:  # noqa: BLE001 - the lease lapses by itself
             log.warning("store tier %r: letting go of %d leases failed; they lapse", self.name, len(keys), exc_info=True)
 
-    def _hold_leases(self, keys: "list[str]") -> None:
-        with self._lock:
-            self._leases.update(keys)
-            if self._lease_thread is None:
-                self._lease_thread = threading.Thread(target=self._renew_loop, name=f"valkey-leases-{self.name}", daemon=True)
-                self._lease_thread.start()
-
     def unpin(self, key: str) -> bool:
         with self._lock:
-            held = key in self._leases
-            self._leases.discard(key)
-        try:
-            removed = self._call(lambda c: c.zrem(self._base(key) + ":l", self.holder_id))
-        except _Away as a:
-            self._fallback(str(a))
-            return held
+            held = key in self._holds()
+            self._holds().discard(key)
+        removed = self._call_or(lambda c: c.zrem(self._base(key) + ":l", self.holder_id), False)
         return held or bool(removed)
 
     def is_pinned(self, key: str) -> bool:
         """Whether any holder (any process) has a lease on ``key`` that has not expired."""
         now = int(time.time() * 1000)
+        return bool(self._call_or(lambda c: c.zcount(self._base(key) + ":l", now + 1, "+inf"), False))
+
+    @property
+    def renew_every_s(self) -> float | None:
+        return self.lease_ms / 3000.0
+
+    def renew_leases(self) -> int:
+        """Renew this holder's leases and pins (one round trip); 0 while the server is away."""
+        keys = sorted(self.leased())
+        if not keys:
+            return 0
         try:
-            return bool(self._call(lambda c: c.zcount(self._base(key) + ":l", now + 1, "+inf")))
-        except _Away as a:
-            self._fallback(str(a))
-            return False
-
-    def leased(self) -> set[str]:
-        """Keys this tier instance holds leases on (renewed in the background)."""
-        with self._lock:
-            return set(self._leases)
-
-    def _renew_loop(self) -> None:
-        period = self.lease_ms / 3000.0
-        while not self._closed.wait(period):
-            keys = sorted(self.leased())
-            if not keys:
-                continue
-            try:
-                self._call(lambda c: self._lease_now(c, keys))
-            except _Away:
-                continue  # the leases lapse if the server stays away; renewed when it is back
-            except Exception:  # noqa: BLE001 - never let the renewer die on one bad reply
-                log.exception("store tier %r: lease renewal failed", self.name)
+            self._call(lambda c: self._lease_now(c, keys))
+        except Away:
+            return 0  # the leases lapse if the server stays away; renewed when it is back
+        return len(keys)
 
     # ------------------------------------------------------------------ tools
 
@@ -921,7 +579,7 @@ class ValkeyTier(Tier):
         """The judged manifest of ``key`` (parts, sizes, signer domain), for tools and tests."""
         try:
             _, m = self._call(lambda c: self._read_manifest(c, key))
-        except _Away:
+        except Away:
             return None
         if m is None:
             return None

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from .base import ArmResult, ReuseArm, ReuseRequest
 
 
@@ -13,16 +11,8 @@ class ReprefillArm(ReuseArm):
     name = "reprefill"
 
     def run(self, request: ReuseRequest) -> ArmResult:
-        be = request.backend
         R = request.root_len
-        root_ids = torch.tensor(be.root_ids, dtype=torch.long)
-        pos = torch.cat([be.text_positions(0, R), request.positions()], dim=1)
-        if request.all_text:
-            inputs = {"input_ids": torch.cat([root_ids, request.token_ids()])}
-        else:
-            root_emb = be.embed_tokens(root_ids).to("cpu", torch.float32)
-            inputs = {"inputs_embeds": torch.cat([root_emb, request.inputs()["inputs_embeds"]])}
-        res = be.forward(**inputs, positions=pos, past=None, logits="none")
+        res = request.backend.reprefill(request.chunks)
         rep = self.new_report(request)
         n = R + request.n_chunk_tokens
         rep.forwards = 1

@@ -19,7 +19,9 @@ import torch
 from ...core.capsule import CalibrationStats
 from ...core.chunk import Chunk
 from ...core.errors import CapsuleError
-from .probes import MAX_CHUNK_TOKENS, embedding_norm, image_span_embeddings, tokenize
+from ...model.images import embedding_norm, image_span_embeddings
+from ...model.text import tokenize
+from .probes import MAX_CHUNK_TOKENS
 
 CALIBRATION_TOPICS = (
     "assignment", "async", "attribute-access", "customization", "debugger", "formatstrings", "identifiers", "import",

@@ -27,17 +27,15 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from ...core.chunk import Chunk
 from ...core.errors import EmptyChunkError
-from ...model.chat import user_turn_suffix
+from ...model.images import embedding_norm, image_span_embeddings
+from ...model.text import query_suffix, tokenize
 
 MIN_CHUNK_TOKENS = 128
 MAX_CHUNK_TOKENS = 512
-PATCH_PX = 16  # image-span patch size in pixels
-PROJECTION_SEED = 20240611  # fixed: the emulated "vision tower" never changes between runs
 PYDOC_MAX_CHARS = 1700
 
 
@@ -299,81 +297,6 @@ def probe_set(n_items: int | None = None, *, seed: int = 0) -> list[ProbeItem]:
 
 
 # ---------------------------------------------------------------------------- turning items into inputs
-
-
-def _as_rgb(img: np.ndarray) -> np.ndarray:
-    a = np.asarray(img)
-    if a.dtype == bool:
-        a = a.astype(np.float64)
-    elif a.dtype.kind in "ui":
-        a = a.astype(np.float64) / float(np.iinfo(a.dtype).max)
-    else:
-        a = a.astype(np.float64)
-    if a.ndim == 2:
-        a = np.stack([a] * 3, axis=-1)
-    return a[..., :3]
-
-
-def image_pixels(name: str, grid: tuple[int, int]) -> np.ndarray:
-    """``skimage.data.<name>()`` as RGB floats in [0, 1], resized to ``grid * PATCH_PX`` pixels."""
-    import skimage.data  # a base dependency, imported here because it is slow to import
-
-    return resize_to_grid(getattr(skimage.data, name)(), grid)
-
-
-def embedding_norm(backend: Any) -> float:
-    """Mean L2 norm of the LM's input-embedding rows (the scale image spans are brought to)."""
-    w = backend.model.get_input_embeddings().weight.detach().to(torch.float32)
-    return float(w.norm(dim=-1).mean())
-
-
-def image_span_embeddings(name: str, grid: tuple[int, int], hidden: int, target_norm: float) -> torch.Tensor:
-    """EMULATED image span ``[rows * cols, hidden]`` of ``skimage.data.<name>()`` (see
-    :func:`pixel_span_embeddings`)."""
-    return pixel_span_embeddings(image_pixels(name, grid), grid, hidden, target_norm)
-
-
-def resize_to_grid(pixels: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
-    """RGB pixels ``[H, W, 3]`` (floats in [0, 1]) resized to ``grid * PATCH_PX`` pixels."""
-    from skimage.transform import resize
-
-    rows, cols = grid
-    return resize(_as_rgb(pixels), (rows * PATCH_PX, cols * PATCH_PX), order=1, anti_aliasing=True, preserve_range=True)
-
-
-def pixel_span_embeddings(px: np.ndarray, grid: tuple[int, int], hidden: int, target_norm: float) -> torch.Tensor:
-    """EMULATED image span ``[rows * cols, hidden]`` from pixels ``[rows*16, cols*16, 3]`` in [0, 1]:
-    16x16-px RGB patches (row-major), centred, through a fixed seeded Gaussian projection plus a
-    fixed seeded offset, each row scaled to ``target_norm``. No vision model: a stand-in with the
-    statistics of real pixels, for models without a vision tower."""
-    rows, cols = grid
-    p = PATCH_PX
-    patches = px.reshape(rows, p, cols, p, 3).transpose(0, 2, 1, 3, 4).reshape(rows * cols, p * p * 3)
-    x = torch.from_numpy(patches - 0.5).to(torch.float32)
-    g = torch.Generator().manual_seed(PROJECTION_SEED + hidden)
-    proj = torch.randn(p * p * 3, hidden, generator=g) / (p * p * 3) ** 0.5
-    offset = torch.randn(hidden, generator=g)
-    y = x @ proj
-    # the offset keeps flat patches (zero after centring) off the origin
-    y = y + offset * y.norm(dim=-1).median().clamp_min(1e-3) / offset.norm()
-    return y / y.norm(dim=-1, keepdim=True).clamp_min(1e-6) * target_norm
-
-
-def _fallback_ids(text: str, vocab: int) -> list[int]:
-    """A tokenizer-less byte mapping (tiny random test models): byte b -> 4 + b mod (vocab - 4)."""
-    return [4 + (b % max(1, vocab - 4)) for b in text.encode("utf-8")]
-
-
-def tokenize(backend: Any, text: str) -> list[int]:
-    if backend.tokenizer is None:
-        return _fallback_ids(text, int(backend.model.get_input_embeddings().weight.shape[0]))
-    return backend.tokenize(text)
-
-
-def query_suffix(backend: Any) -> str:
-    """What closes the user turn and opens the assistant turn in the backend's chat template
-    (``"<|im_end|>\\n<|im_start|>assistant\\n"`` for ChatML); a newline without a template."""
-    return user_turn_suffix(backend.tokenizer)
 
 
 def materialize(
