@@ -8,16 +8,18 @@ work is done, prepares, one transaction each (idle forwards only; the critical p
    canonical now (exact at the front; latency-first content has none until a re-read needs one).
    The patch that keeps it where it stands is the SVD of its provisional KV, no second forward.
    A slide then serves the canonical at the front (0 forwards, the eager policy's fidelity).
-2. **recalls**: the chunks ``expect()`` named, then the evicted chunks, most recently evicted
-   first, at the end and in front (:data:`ANTICIPATED_RECALLS` arrangements in all): the
-   arrangement the recall would produce (the budget's slide, the eager policy's decisions for the
-   survivors and for the cascade the recall implies) is simulated on a copy of the state, and the
-   patches the eager policy forms there are formed and stored under their usual keys. A
-   recall that lands in exactly that arrangement finds it (the patch key's antecedent signature,
-   ``patch/keys.py``: the antecedent chunk ids in order and the policy regime) and runs no
-   forward; in any other arrangement the key differs and nothing anticipated is served.
-   A chunk that left before its canonical was computed gets it (a look-back at the front needs
-   only the canonical).
+2. **recalls**: the recall chains the window's recall predictor (``window.predictor``: what
+   ``expect()`` named, recency, statistics learned from the session's own steps) ranks best by
+   expected benefit per idle token, as many as the budget allows (``heal(max_tokens=...)``:
+   a prediction whose estimated cost does not fit what is left is skipped; without a budget the
+   best :data:`ANTICIPATED_RECALLS`). For each, the arrangement its recalls would produce, one
+   after the other (the budget's slide, the eager policy's decisions for the survivors and for
+   the cascade the recall implies), is simulated on a copy of the state, and the patches the
+   eager policy forms there are formed and stored under their usual keys. A recall that lands in
+   exactly that arrangement finds it (the patch key's antecedent signature, ``patch/keys.py``:
+   the antecedent chunk ids in order and the policy regime) and runs no forward; in any other
+   arrangement the key differs and nothing anticipated is served. A chunk that left before its
+   canonical was computed gets it (a look-back at the front needs only the canonical).
 
 The keys of anticipated patches are remembered per window family, so receipts can say a chunk
 was served ``"anticipated"`` (see ``reconcile.obtain``).
@@ -25,10 +27,12 @@ was served ``"anticipated"`` (see ``reconcile.obtain``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import time
+from typing import TYPE_CHECKING, Any, Sequence
 
 from . import ingest
 from .policy_latency import HealPolicy
+from .predictor import Prediction, RecallPredictor, make_predictor, rank_predictions
 from .receipt import Meter, Receipt
 from .reconcile import reconcile
 from .ref import ChunkRef
@@ -39,20 +43,21 @@ if TYPE_CHECKING:  # pragma: no cover
     from .window import ContextWindow
 
 ANTICIPATED_RECALLS = 3
-"""Recall arrangements prepared per idle period: what ``expect()`` named (latest first), then the
-most recently evicted chunks, each back at the end and as a look-back in front (the page that
-just left is the likeliest re-read)."""
+"""Recall predictions prepared per idle period when ``heal()`` has no budget (``max_tokens`` /
+``max_ms``): the best ranked ones (the page that just left is the likeliest re-read)."""
+
+MAX_PREDICTIONS = 64
+"""Recall predictions looked at per idle period under a budget (the budget decides how many are formed)."""
+
+MAX_HINTS = 16
+"""Hints (:meth:`WindowAnticipation.expect`) a window keeps: the latest ones."""
 
 
-def recall_candidates(win: "ContextWindow", state: WindowState) -> list[tuple[ChunkRef, int | None]]:
-    """``(ref, at)`` for the recalls worth preparing, most likely first: expected refs that are
-    evicted, then evicted refs by recency (``at=None``: the window's end)."""
-    out: list[tuple[ChunkRef, int | None]] = [(r, at) for r, at in reversed(win.expected.items()) if r in state.evicted]
-    for ref in reversed(list(state.evicted)):  # eviction order: the last one left most recently
-        for at in (None, 0):  # back at the end, or a look-back in front
-            if (ref, at) not in out:
-                out.append((ref, at))
-    return out[:ANTICIPATED_RECALLS]
+def recall_candidates(win: "ContextWindow", state: WindowState) -> list[Prediction]:
+    """The recalls worth preparing, best first: the window's recall predictor
+    (``window.predictor``; what ``expect()`` named, recency, the session's statistics), ranked by
+    expected benefit per idle token."""
+    return rank_predictions(win.recall_predictor.predict(state, win.expected))
 
 
 def anticipate_slide(win: "ContextWindow", state: WindowState, meter: Meter) -> ChunkRef | None:
@@ -69,15 +74,38 @@ def anticipate_slide(win: "ContextWindow", state: WindowState, meter: Meter) -> 
     return slot.ref
 
 
+def anticipate_recalls(win: "ContextWindow", state: WindowState, recalls: Sequence[tuple[ChunkRef, int | None]],
+                       meter: Meter) -> bool:
+    """Form and store the patches the recalls ``recalls`` (in that order) would need, each in the
+    arrangement the ones before it leave (see the module doc, 2.). ``state`` is only read (the
+    simulation runs on a copy); the store gains the canonicals owed and the patches. Returns
+    whether anything was formed. A recall the budget would refuse ends the chain."""
+    sim = state.copy()
+    formed = False
+    for ref, at in recalls:
+        if ref not in sim.evicted:
+            break
+        done = _simulate_recall(win, sim, ref, at, meter)
+        if done is None:
+            break
+        formed |= done
+    return formed
+
+
 def anticipate_recall(win: "ContextWindow", state: WindowState, ref: ChunkRef, at: int | None, meter: Meter) -> bool:
-    """Form and store ``ref``'s recall patch for the arrangement ``recall(ref, at)`` would produce
-    now (see the module doc, 2.). The state is only read (the simulation runs on a copy); the
-    store gains the canonical (if it was owed) and the patch. Returns whether anything was formed."""
+    """:func:`anticipate_recalls` of one recall."""
+    return anticipate_recalls(win, state, [(ref, at)], meter)
+
+
+def _simulate_recall(win: "ContextWindow", sim: WindowState, ref: ChunkRef, at: int | None, meter: Meter) -> bool | None:
+    """``recall(ref, at)`` on ``sim`` (a copy of the window's state, changed in place) with the
+    eager policy's decisions, forming and storing what it needs. Returns whether anything was
+    formed; None when the recall cannot be prepared (refused by the budget, no source)."""
     ctx = win._ctx
-    entry = state.evicted[ref]
-    room = ctx.budget_tokens is None or state.tokens_used + entry.n_tokens <= ctx.budget_tokens
+    entry = sim.evicted[ref]
+    room = ctx.budget_tokens is None or sim.tokens_used + entry.n_tokens <= ctx.budget_tokens
     if not room and ctx.overflow == "error":  # that recall would be refused: nothing to prepare
-        return False
+        return None
     chunk = ctx.store.get_chunk(entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature,
                                 traffic=meter.traffic)
     formed = False
@@ -85,10 +113,10 @@ def anticipate_recall(win: "ContextWindow", state: WindowState, ref: ChunkRef, a
         source = entry.source if entry.source is not None else (
             ingest.source_of(entry.provisional) if entry.provisional is not None else None)
         if source is None:
-            return False
+            return None
         chunk = ingest.encode_and_store(ctx, meter, **source)
         formed = True
-    sim = state.copy()
+    candidates = frozenset(sim.graph.preview_cascade(ref, sim.refs))
     slots = list(sim.slots)
     reasons: dict[ChunkRef, str] = {}
     left = win._make_room(sim, slots, entry.n_tokens, reasons)
@@ -101,14 +129,14 @@ def anticipate_recall(win: "ContextWindow", state: WindowState, ref: ChunkRef, a
     eager = getattr(ctx.policy, "eager", ctx.policy)
     before = meter.patches_formed
     # the eager policy's decisions on the simulated arrangement, as the recall would run them:
-    # the survivors, the recalled chunk's patch, the cascade it implies (formed and stored; the
-    # slots are discarded)
-    candidates = frozenset(state.graph.preview_cascade(ref, state.refs)) - set(left)
-    placed, _ = reconcile(ctx, slots, reasons, meter, recalled=ref, cascade_candidates=candidates,
+    # the survivors, the recalled chunk's patch, the cascade it implies (formed and stored)
+    placed, _ = reconcile(ctx, slots, reasons, meter, recalled=ref, cascade_candidates=candidates - set(left),
                           policy=HealPolicy(eager))
     for new, old in zip(placed, slots):
         if new.stack is not old.stack:
             ctx.anticipated_keys.update(cond.key for cond in new.stack if cond.key)
+    sim.slots = placed
+    sim.graph.sync(sim.slots, sim.evicted)
     return formed or meter.patches_formed > before
 
 
@@ -128,32 +156,58 @@ class WindowAnticipation:
         self._state.check_known(ref)
         self.expected.pop(ref, None)
         self.expected[ref] = at
-        while len(self.expected) > ANTICIPATED_RECALLS:  # the latest hints count
+        while len(self.expected) > MAX_HINTS:  # the latest hints count
             del self.expected[next(iter(self.expected))]
 
-    def _anticipate(self, max_steps: int | None) -> list[Receipt]:
-        """The anticipation steps ``heal()`` runs once nothing is queued (see the module doc)."""
+    @property
+    def recall_predictor(self) -> RecallPredictor:
+        """The window family's recall predictor (``WindowConfig.recall_predictor``; see
+        ``window.predictor``): what anticipation prepares, and in what order."""
+        ctx = self._ctx
+        if ctx.predictor is None:
+            ctx.predictor = make_predictor(ctx.config.recall_predictor)
+        return ctx.predictor
+
+    def _observe(self, receipt: Receipt) -> None:
+        """Let the recall predictor learn from a finished operation."""
+        self.recall_predictor.observe(receipt, self._state)
+
+    def _anticipate(self, max_steps: int | None, max_tokens: int | None = None,
+                    deadline: float | None = None) -> list[Receipt]:
+        """The anticipation steps ``heal()`` runs once nothing is queued (see the module doc):
+        recall predictions in ranked order, each formed only if its estimated cost fits what is
+        left of ``max_tokens`` (a dearer one is skipped for a cheaper one further down); stops
+        after ``max_steps`` steps or at ``deadline`` (``time.perf_counter()``)."""
         steps: list[Receipt] = []
         if not self._ctx.config.anticipate or (max_steps is not None and max_steps <= 0):
             return steps
+
+        def spent() -> int:
+            return sum(r.tokens_prefilled for r in steps)
 
         def slide_body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
             ref = anticipate_slide(self, state, meter)
             return {"refs": () if ref is None else (ref,)}, None
 
-        receipt = self._run("anticipate", slide_body)[0]
-        if receipt.refs:
-            steps.append(receipt)
-        for ref, at in recall_candidates(self, self._state):
+        if max_tokens is None or max_tokens > 0:
+            receipt = self._run("anticipate", slide_body)[0]
+            if receipt.refs:
+                steps.append(receipt)
+        budgeted = max_tokens is not None or deadline is not None
+        predictions = recall_candidates(self, self._state)[: MAX_PREDICTIONS if budgeted else ANTICIPATED_RECALLS]
+        for prediction in predictions:
             if max_steps is not None and len(steps) >= max_steps:
                 break
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+            if max_tokens is not None and spent() + prediction.cost_tokens > max_tokens:
+                continue  # too dear for what is left: a cheaper one further down may fit
 
-            def recall_body(state: WindowState, meter: Meter, ref: ChunkRef = ref, at: int | None = at) -> tuple[dict[str, Any], None]:
-                formed = anticipate_recall(self, state, ref, at, meter)
-                return {"refs": (ref,) if formed else ()}, None
+            def recall_body(state: WindowState, meter: Meter, recalls=prediction.recalls) -> tuple[dict[str, Any], None]:
+                formed = anticipate_recalls(self, state, recalls, meter)
+                return {"refs": tuple(r for r, _ in recalls) if formed else ()}, None
 
             receipt = self._run("anticipate", recall_body, mutates=False)[0]
             if receipt.refs:
                 steps.append(receipt)
         return steps
-

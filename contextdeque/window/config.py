@@ -22,6 +22,7 @@ from .graph import CASCADE_POLICIES
 from .kvselect import SelectionPolicy
 from .placement import PlacementPolicy
 from .policy import PatchPolicy
+from .predictor import RECALL_PREDICTORS, RecallPredictor
 
 DEFAULT_RANK = 32  # the patch rank m: the window's, the server's and the commands' default
 DEFAULT_MAX_EVICTED = 10_000  # evicted refs a window remembers unless told otherwise
@@ -50,6 +51,7 @@ class WindowConfig:
     chunk_template: str = "{text}"
     max_evicted: int | None = DEFAULT_MAX_EVICTED
     anticipate: bool = False
+    recall_predictor: "str | RecallPredictor" = "session"
 
     def __post_init__(self) -> None:
         if self.kv_selection is not None and not isinstance(self.kv_selection, SelectionPolicy):
@@ -58,6 +60,12 @@ class WindowConfig:
             raise WindowTypeError(f"patch_policy must be a policy name or a PatchPolicy, got {type(self.patch_policy).__name__}")
         if not isinstance(self.placement, (str, PlacementPolicy)):
             raise WindowTypeError(f"placement must be a policy name or a PlacementPolicy, got {type(self.placement).__name__}")
+        if isinstance(self.recall_predictor, str):
+            if self.recall_predictor not in RECALL_PREDICTORS:
+                raise WindowError(f"unknown recall predictor {self.recall_predictor!r}; registered: {sorted(RECALL_PREDICTORS)}")
+        elif not isinstance(self.recall_predictor, RecallPredictor):
+            raise WindowTypeError(f"recall_predictor must be a predictor name or a RecallPredictor, got "
+                                  f"{type(self.recall_predictor).__name__}")
         check_str("cascade_policy", self.cascade_policy, error=WindowError)
         if self.cascade_policy not in CASCADE_POLICIES:
             raise WindowError(f"cascade_policy must be one of {CASCADE_POLICIES}, got {self.cascade_policy!r}")

@@ -56,6 +56,8 @@ class WindowContext:
     patch_index: "OrderedDict[str, dict[tuple[str, ...], None]]" = field(default_factory=OrderedDict, repr=False)
     # store keys of the patches anticipation formed (window.anticipation): receipts say "anticipated"
     anticipated_keys: set = field(default_factory=set, repr=False)
+    # the family's recall predictor (window.predictor), made from config.recall_predictor on first use
+    predictor: Any = field(default=None, repr=False)
     op_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _waiting: list[int] = field(default_factory=lambda: [0], repr=False)
     _waiting_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

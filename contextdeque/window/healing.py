@@ -41,7 +41,7 @@ class WindowHealing:
         reuse = self._ctx.expected_reuse(ref) if self._ctx.expected_reuse is not None else 1.0
         return staleness(slots[idx], slots[:idx]) * float(reuse)
 
-    def heal(self, max_ms: float | None = None, *, max_steps: int | None = None) -> Receipt:
+    def heal(self, max_ms: float | None = None, *, max_steps: int | None = None, max_tokens: int | None = None) -> Receipt:
         """Carry out the conditioning a latency-first policy deferred, most urgent first.
 
         Each step takes the pending chunk of highest :meth:`heal_priority` and heals it together
@@ -49,25 +49,38 @@ class WindowHealing:
         KV, so they go first), running the eager policy's decisions on the window as it stands;
         each step is one transaction (an error or interruption leaves the window as it was
         before that step). Stops when nothing is pending, after ``max_steps`` steps, or once
-        ``max_ms`` have passed (checked between steps). With ``anticipate=True``, what is left of
-        the budget then prepares the next likely re-reads (``window.anticipation``). Returns one receipt for all steps
+        ``max_ms`` have passed, or once the forwards have prefilled ``max_tokens`` tokens (checked
+        between steps: a deterministic idle budget, where ``max_ms`` depends on the machine). With
+        ``anticipate=True``, what is left of the budget then prepares the next likely re-reads,
+        the recall predictor's best by expected benefit per token (``window.anticipation``;
+        ``max_tokens=0``: nothing). Returns one receipt for all steps
         (``op="heal"``; each step is also in ``receipts``). Under an eager policy nothing is
         ever pending and this is a no-op.
         """
         self._check_open()
         check_float("max_ms", max_ms, minimum=0.0, none_ok=True, error=WindowError)
         check_int("max_steps", max_steps, minimum=0, none_ok=True, error=WindowError)
+        check_int("max_tokens", max_tokens, minimum=0, none_ok=True, error=WindowError)
         t0 = time.perf_counter()
+        deadline = None if max_ms is None else t0 + float(max_ms) / 1000.0
         steps: list[Receipt] = []
+
+        def tokens_left() -> int | None:
+            return None if max_tokens is None else int(max_tokens) - sum(r.tokens_prefilled for r in steps)
+
         while self._state.pending or self._unhealed_evicted():
             if max_steps is not None and len(steps) >= int(max_steps):
                 break
-            if max_ms is not None and (time.perf_counter() - t0) * 1000.0 >= float(max_ms):
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+            if max_tokens is not None and tokens_left() <= 0:
                 break
             steps.append(self._heal_step())
-        if not self._state.pending and (max_ms is None or (time.perf_counter() - t0) * 1000.0 < float(max_ms)):
+        if not self._state.pending and (deadline is None or time.perf_counter() < deadline):
             left = None if max_steps is None else int(max_steps) - len(steps)
-            steps.extend(self._anticipate(left))  # (window.anticipation; nothing unless anticipate=True)
+            budget = tokens_left()
+            # (window.anticipation; nothing unless anticipate=True)
+            steps.extend(self._anticipate(left, None if budget is None else max(0, budget), deadline))
         return Receipt.merged("heal", steps, wall_ms=(time.perf_counter() - t0) * 1000.0)
 
     def _unhealed_evicted(self) -> list[ChunkRef]:

@@ -52,6 +52,7 @@ from .graph import Cascade
 from .kvselect import SelectionPolicy
 from .placement import PlacementPolicy, make_placement, window_index
 from .policy import PatchPolicy, make_policy
+from .predictor import RecallPredictor
 from .receipt import PAGES, Meter, Receipt
 from .reconcile import reconcile
 from .ref import ChunkRef, new_ref
@@ -148,6 +149,10 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             slide brings to the front; the recall patches of the chunks :meth:`expect` names and
             of the most recently evicted ones, for the arrangement their recall would produce),
             so those steps run no forward. Idle forwards only; False: heal as before.
+        recall_predictor: what anticipation expects to be recalled next, ranked by expected
+            benefit per idle token (``window.predictor``): ``"session"`` (hints, recency and
+            statistics learned from this window's own steps), ``"recency"``, another registered
+            name or a ``RecallPredictor``.
     """
 
     def __init__(
@@ -171,6 +176,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
         chunk_template: str = "{text}",
         max_evicted: int | None = DEFAULT_MAX_EVICTED,
         anticipate: bool = False,
+        recall_predictor: "str | RecallPredictor" = "session",
     ) -> None:
         root = self._checked_root(backend, root)
         config = WindowConfig(
@@ -178,7 +184,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             overflow=overflow, storage=storage, placement=placement, fidelity_target=fidelity_target,
             max_patch_fraction=max_patch_fraction, on_miss=on_miss, kv_selection=kv_selection,
             beyond_trained=beyond_trained, chunk_template=chunk_template, max_evicted=max_evicted,
-            anticipate=anticipate,
+            anticipate=anticipate, recall_predictor=recall_predictor,
         )
         self._start(backend_with_root(backend, root), store, config)
 
@@ -304,6 +310,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
     def _record(self, receipt: Receipt) -> None:
         self.last_receipt = receipt
         self.receipts.append(receipt)
+        self._observe(receipt)  # the recall predictor learns from the session's own steps
 
     @staticmethod
     def _evict_at(state: WindowState, slots: list[Slot], idx: int, reasons: dict[ChunkRef, str]) -> ChunkRef:

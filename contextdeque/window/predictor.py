@@ -1,0 +1,134 @@
+"""Recall predictors: which evicted chunks the next steps bring back, where, and in what order,
+each prediction priced so anticipation (``window.anticipation``) spends idle time where it pays.
+
+A :class:`Prediction` is a chain of recalls (a group that left together comes back together: a
+web page's screenshot and text, a video segment's frames), the probability that the agent runs
+it next, its **cost** (the forming forwards' tokens, paid in idle time: each recalled chunk's
+patch, its canonical where one is owed, the re-forms of the recall cascade the conditioning graph
+implies) and its **benefit** (probability x the forward tokens a hit takes off the critical
+path). Anticipation forms predictions in order of benefit / cost while its idle budget lasts.
+
+A predictor is one small registered class in its own file (``core/registry`` style: set
+``name``): ``recency`` (``predictor_recency.py``: the agent's hints, then the most recently
+evicted) and ``session`` (``predictor_session.py``, the default: hints, recency, and statistics
+learned from the window's own steps). It sees the window's finished operations
+(:meth:`RecallPredictor.observe`) and the state when asked (:meth:`RecallPredictor.predict`); it
+never touches the model or the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Iterable, Mapping, Sequence
+
+from ..core.errors import WindowError
+from ..core.registry import Registered, Registry
+from .ref import ChunkRef
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .receipt import Receipt
+    from .state import WindowState
+
+RECALL_PREDICTORS: Registry["RecallPredictor"] = Registry("recall predictor")
+
+CANDIDATES = 32
+"""Evicted chunks a predictor looks at, most recently evicted first (bounds the work per idle period)."""
+
+Recall = tuple[ChunkRef, "int | None"]
+"""``(ref, at)``: recall ``ref`` at index ``at`` (None: the window's end)."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A recall chain the next steps may run (see the module doc).
+
+    ``recalls``: ``(ref, at)`` in the order they would run; ``probability``: that the agent runs
+    it next (0..1); ``cost_tokens``: tokens the forming forwards prefill when it is anticipated;
+    ``saved_tokens``: forward tokens a hit takes off the critical path; ``source``: why it was
+    predicted (``expected``, ``group``, ``recency``...)."""
+
+    recalls: tuple[Recall, ...]
+    probability: float
+    cost_tokens: int
+    saved_tokens: int
+    source: str = ""
+
+    @property
+    def benefit(self) -> float:
+        """Expected forward tokens saved: probability x saved tokens."""
+        return self.probability * self.saved_tokens
+
+    @property
+    def ratio(self) -> float:
+        """Expected benefit per idle token spent (what anticipation orders by)."""
+        return self.benefit / max(1, self.cost_tokens)
+
+
+class RecallPredictor(Registered):
+    """Base of a recall predictor: set ``name`` and implement :meth:`predict`; learn in
+    :meth:`observe` if it learns. One instance per window family (a window and its forks)."""
+
+    registry = RECALL_PREDICTORS
+    name: ClassVar[str] = ""
+
+    def observe(self, receipt: "Receipt", state: "WindowState") -> None:
+        """A window operation finished (``receipt``); ``state`` is the window after it."""
+
+    def predict(self, state: "WindowState", expected: Mapping[ChunkRef, "int | None"]) -> list[Prediction]:
+        """Predictions for ``state`` (any order: :func:`rank_predictions` orders them);
+        ``expected``: what the agent said it may recall next (``window.expect``), in the order said."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def make_predictor(spec: "str | RecallPredictor") -> RecallPredictor:
+    """A predictor from its registered name (or the instance itself)."""
+    return RECALL_PREDICTORS.make(spec, instance_of=RecallPredictor, error=WindowError)
+
+
+def rank_predictions(predictions: Iterable[Prediction]) -> list[Prediction]:
+    """``predictions`` by benefit / cost, then probability (stable: equal ones keep their order);
+    a chain predicted twice keeps its best-ranked copy."""
+    ranked = sorted(predictions, key=lambda p: (-p.ratio, -p.probability))
+    seen: set[tuple[Recall, ...]] = set()
+    out = []
+    for p in ranked:
+        if p.recalls and p.recalls not in seen:
+            seen.add(p.recalls)
+            out.append(p)
+    return out
+
+
+def chain_tokens(state: "WindowState", recalls: Sequence[Recall]) -> tuple[int, int]:
+    """``(cost_tokens, saved_tokens)`` of recalling ``recalls`` in order from ``state`` (an
+    estimate, no simulation): each recalled chunk's forming forward (its tokens), the in-window
+    chunks its recall cascade would re-form (the conditioning graph's dependents of it), and, in
+    the cost only, the canonical of a chunk that left before it had one (encoded once anyway)."""
+    cost = saved = 0
+    tokens = {s.ref: s.n_tokens for s in state.slots}
+    for ref, _ in recalls:
+        entry = state.evicted.get(ref)
+        if entry is None:
+            continue
+        cascade = sum(tokens.get(r, 0) for r in state.graph.preview_cascade(ref, state.refs))
+        saved += entry.n_tokens + cascade
+        cost += entry.n_tokens + cascade + (entry.n_tokens if entry.owes_encode else 0)
+    return cost, saved
+
+
+def priced(state: "WindowState", recalls: Sequence[Recall], probability: float, source: str) -> Prediction:
+    """A :class:`Prediction` of ``recalls`` with :func:`chain_tokens`' cost and saving."""
+    cost, saved = chain_tokens(state, recalls)
+    return Prediction(tuple(recalls), float(probability), cost, saved, source)
+
+
+def recent_evicted(state: "WindowState") -> list[ChunkRef]:
+    """The :data:`CANDIDATES` most recently evicted refs, most recent first."""
+    out = []
+    for ref in reversed(state.evicted):  # eviction order: the last one left most recently
+        out.append(ref)
+        if len(out) >= CANDIDATES:
+            break
+    return out
