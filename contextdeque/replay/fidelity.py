@@ -20,6 +20,12 @@ Every figure is also reported per step type — the last window operation before
 commit, discard) — and, for a latency-first window with queued work, once more after ``heal()``.
 A latency-first window heals at every step boundary (the agent's tool time), as the cost model
 assumes.
+Idle gaps (``idle_rate``, trace tokens the model prefills per idle second): each ``step``'s idle
+time (``traces.idle_gaps``) becomes a deterministic heal budget of ``idle_ms / 1000 x idle_rate x
+scale`` prefilled tokens (the trace's idle time, in the scaled trace's tokens), spent by ``heal``
+and, with ``anticipate=True``, by anticipation, instead of healing to completion at every step.
+The patch arm then reports the anticipation hit rate per step type (``replay.hits``: re-read
+steps answered fresh with 0 forwards, from the receipts).
 TTFT: wall time of (assembling the arm's KV + prefilling the query) over (re-prefilling the
 window + the query), measured side by side. The eviction policy does not change what the model
 sees, so its results are shared by every eviction combo.
@@ -38,6 +44,7 @@ import torch
 
 from ..scheduler.eviction import PolicyError
 from ..traces.io import Trace, read_trace
+from .hits import HitRate
 from .live import drive_window
 from .reuse import make_reuse
 
@@ -79,13 +86,14 @@ def _by_step(samples: dict[str, list[float]]) -> dict[str, float]:
 @torch.no_grad()
 def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *, seed: int = 0,
                  scale: float = DEFAULT_SCALE, patch_policy: str = "eager",
-                 window_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                 window_options: dict[str, Any] | None = None, idle_rate: float | None = None) -> dict[str, Any]:
     """Drive one window through ``trace``; measure at ``n`` sampled queries. Returns medians, overall
     and per step type (``kl_by_step`` ...; ``kl_healed_by_step`` where a latency-first window had
     work queued at the query). ``window_options``: more ``ContextWindow`` settings of the patch
     arm's window (e.g. ``fidelity_target=``); the patches its byte cap could not fit the target
     into are listed (``fidelity_miss_list``: ref, estimated η, action; the root window's
-    receipts, the last 1000)."""
+    receipts, the last 1000). ``idle_rate``: honour the trace's idle gaps (see the module doc);
+    the patch arm then reports ``anticipation`` (``HitRate.as_dict``) and ``hit_rate``."""
     from ..eval.arms import BlindArm, ReprefillArm, ReuseRequest, make_arm
     from ..eval.fidelity.harness import score_query
     from ..core.metrics import kl_divergence
@@ -134,13 +142,15 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
         ttfts.append(t_arm / t_ref)
         step_kl.setdefault(step, []).append(kl)
         step_ttft.setdefault(step, []).append(t_arm / t_ref)
-        if arm == "patch" and win.pending_refs:  # latency-first: what the answer would be once healed
+        if arm == "patch" and win.pending_refs and idle_rate is None:  # latency-first: the answer once healed
             win.heal()
             healed, _ = score_query(backend, _layers(win.materialize()), start, q, 0)
             step_healed.setdefault(step, []).append(kl_divergence(ref_logits, healed))
 
+    hits = HitRate() if arm == "patch" else None
+    idle_tokens = None if idle_rate is None else (lambda ms: int(ms / 1000.0 * float(idle_rate) * scale))
     drive_window(win, trace, lambda ev: chunk_ids(backend, ev.hash, max(MIN_TOKENS, int(round(ev.tokens * scale)))),
-                 on_query=on_query, heal_at_end=False)
+                 on_query=on_query, heal_at_end=False, on_step=None if hits is None else hits.add, idle_tokens=idle_tokens)
     # the patches the byte cap could not fit the target into, from the window's receipts
     misses = [{**m.as_dict(), "chunk": m.ref.label or m.ref.key} for rec in win.receipts for m in rec.fidelity_misses]
     defined = [e for e in etas if e is not None]
@@ -155,12 +165,15 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
         "fidelity_misses": sum(1 for m in misses if m["action"] == "reported"),
         "fidelity_over_cap": sum(1 for m in misses if m["action"] != "reported"),
         "fidelity_miss_list": misses,
+        "anticipation": None if hits is None else hits.as_dict(),
+        "hit_rate": None if hits is None else hits.rate(),
     }
 
 
 def run_fidelity_mode(traces: Sequence[str], combos: Sequence[tuple[str, str, str]], n: int, *, seed: int = 0,
                       scale: float = DEFAULT_SCALE, backend: Any = None, console: Any = None,
-                      patch_policy: str = "eager", window_options: dict[str, Any] | None = None) -> dict[tuple, dict[str, Any]]:
+                      patch_policy: str = "eager", window_options: dict[str, Any] | None = None,
+                      idle_rate: float | None = None) -> dict[tuple, dict[str, Any]]:
     """Fidelity figures keyed by ``(trace, placement, eviction, arm)`` for every combo."""
     for _, _, arm in combos:  # refused before any model work
         rule = make_reuse(arm)
@@ -181,6 +194,6 @@ def run_fidelity_mode(traces: Sequence[str], combos: Sequence[tuple[str, str, st
                 if console is not None:
                     console.print(f"[dim]fidelity: {t.name} {placement}/{arm}[/dim]")
                 done[key] = fidelity_run(backend, t, placement, arm, n, seed=seed, scale=scale,
-                                         patch_policy=patch_policy, window_options=window_options)
+                                         patch_policy=patch_policy, window_options=window_options, idle_rate=idle_rate)
             out[(t.name, placement, eviction, arm)] = done[key]
     return out

@@ -9,13 +9,18 @@ index), ``recall`` / ``evict`` / ``reorder`` act on the chunk's ref,
 ``commit`` / ``discard`` stack windows, and a ``step`` heals what a latency-first window queued
 (the agent's tool time, as the cost model assumes); what is still queued when the trace ends is
 healed after it. Queries are handed to ``on_query`` (the window itself does not read them).
+
+With ``idle_tokens`` the trace's idle gaps are honoured instead: at each ``step`` the window heals
+(and, with ``anticipate=True``, anticipates) within a deterministic budget of
+``idle_tokens(idle_ms)`` prefilled tokens (``traces.idle_gaps``; 0: nothing), so what a re-read
+finds depends on the idle time the agent had, not on the machine's speed.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..traces.io import Trace
+from ..traces.io import Trace, idle_gaps
 from ..window.receipt import Receipt
 
 TokenIds = Callable[[Any], "list[int]"]
@@ -27,15 +32,22 @@ def recall_step(at: int | None, n_in_window: int) -> str:
 
 
 def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
-                 on_query: Callable[[int, Any, Any, str], None] | None = None, heal_at_end: bool = True) -> Receipt:
+                 on_query: Callable[[int, Any, Any, str], None] | None = None, heal_at_end: bool = True,
+                 on_step: Callable[[str, Receipt], None] | None = None,
+                 idle_tokens: Callable[[float], int] | None = None) -> Receipt:
     """Run ``trace`` on ``window``; returns the sum of its window operations' receipts (``op="trace"``).
 
     ``token_ids(arrive_event)``: the ids a chunk's content becomes (called once per chunk id).
     ``on_query(index, event, window, step)``: called at every query with the window as it stands
     and the step type of the last window operation (``append``, ``recall``, ``look-back``,
-    ``slide``, ``evict``, ``reorder``, ``fork``, ``commit``, ``discard``)."""
+    ``slide``, ``evict``, ``reorder``, ``fork``, ``commit``, ``discard``).
+    ``on_step(step, receipt)``: called after every event that ran window operations, with its step
+    type and their receipts summed (a ``slide`` of n is n evictions). ``idle_tokens(idle_ms)``: the
+    heal budget of a step's idle gap, in prefilled tokens (see the module doc); None: heal what is
+    queued at every step, to completion."""
     win = window
     receipts: list[Receipt] = []
+    gaps = idle_gaps(trace) if idle_tokens is not None else {}
     stack: list[tuple[Any, list[str]]] = []
     refs: dict[str, Any] = {}
     ids_of: dict[str, list[int]] = {}
@@ -43,6 +55,7 @@ def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
     step = "append"
     for i, ev in enumerate(trace.events):
         op = ev.op
+        ran = len(receipts)
         if op not in ("query", "step"):
             step = op if op not in ("arrive", "recall") else "append"
         if op == "arrive":
@@ -79,10 +92,17 @@ def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
             receipts.append(win.discard())
             win, logical = stack.pop()
         elif op == "step":
-            if win.pending_refs:  # the agent's tool time: heal, as the cost model does
+            if idle_tokens is not None:  # the idle gap the trace records: heal and anticipate within it
+                budget = int(idle_tokens(gaps[i]))
+                if budget > 0:
+                    receipts.append(win.heal(max_tokens=budget))
+            elif win.pending_refs:  # the agent's tool time: heal, as the cost model does
                 receipts.append(win.heal())
+            continue
         elif op == "query" and on_query is not None:
             on_query(i, ev, win, step)
+        if on_step is not None and len(receipts) > ran:
+            on_step(step, Receipt.merged(step, receipts[ran:]))
     if heal_at_end and win.pending_refs:
         receipts.append(win.heal())
     return Receipt.merged("trace", receipts)

@@ -27,12 +27,12 @@ from .events import (
     TraceHeader,
 )
 from .generators import GENERATORS, generate
-from .io import Trace, check_trace, parse_event, parse_header, read_trace, scaled_trace, trace_from_events, write_trace
+from .io import Trace, check_trace, idle_gaps, parse_event, parse_header, read_trace, scaled_trace, trace_from_events, write_trace
 from .mooncake import BLOCK_TOKENS, import_mooncake
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "OPS", "TraceHeader", "Event", "Arrive", "Query", "Slide", "Reorder", "Evict", "Recall",
     "Fork", "Commit", "Discard", "Step", "Trace", "read_trace", "write_trace", "check_trace", "parse_event",
-    "parse_header", "scaled_trace", "trace_from_events", "TraceBuilder", "content_hash", "GENERATORS", "generate",
+    "parse_header", "idle_gaps", "scaled_trace", "trace_from_events", "TraceBuilder", "content_hash", "GENERATORS", "generate",
     "import_mooncake", "BLOCK_TOKENS",
 ]

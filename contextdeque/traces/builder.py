@@ -31,8 +31,8 @@ class TraceBuilder:
     def tokens(self) -> int:
         return sum(self.size[c] for c in self.window)
 
-    def step(self, t: float | None = None, label: str | None = None) -> None:
-        self.events.append(Step(t=t, label=label))
+    def step(self, t: float | None = None, label: str | None = None, idle: float | None = None) -> None:
+        self.events.append(Step(t=t, label=label, idle=None if idle is None else round(float(idle), 1)))
 
     def arrive(self, cid: str, tokens: int, h: str, modality: str = "text", at: int | None = None) -> str:
         """A chunk arrives; an id seen before (and evicted) is recalled instead."""

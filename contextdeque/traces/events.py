@@ -17,7 +17,8 @@ recall     an evicted chunk comes back (at the end, or at index ``at``)
 fork       a copy-on-write branch of the window starts (nested forks stack)
 commit     the innermost branch becomes the window
 discard    the innermost branch is dropped; the window is as before the fork
-step       boundary between agent steps (``t``: milliseconds since the trace began)
+step       boundary between agent steps (``t``: milliseconds since the trace began; ``idle``:
+           milliseconds the window then sits idle: a tool runs, a page loads, the user types)
 =========  =======================================================================
 """
 
@@ -103,9 +104,15 @@ class Discard(_Strict):
 
 
 class Step(_Strict):
+    """A boundary between agent steps: ``t`` (ms since the trace began), ``idle`` (ms the window
+    sits idle here before the next event: the agent waits on a tool, a page load, the user; the
+    replay heals and anticipates in it, ``contextdeque replay --fidelity --idle-rate``). Without
+    ``idle`` the replay takes the time since the previous timed step (an upper bound)."""
+
     op: Literal["step"] = "step"
     t: float | None = Field(None, ge=0)
     label: str | None = None
+    idle: float | None = Field(None, ge=0)
 
 
 Event = Annotated[

@@ -4,7 +4,8 @@ The agent first reads low-resolution thumbnails of every page (a few hundred tok
 asks which pages matter; it drops the thumbnails and reads the selected pages at full
 resolution (1,000-2,500 tokens of page image plus their extracted text); after filtering again it
 goes back to earlier thumbnails and pages (recalls) and moves the most relevant page next to
-the question (a reorder).
+the question (a reorder). Steps record their idle time: none while the model selects, a page's
+rendering (300-1,500 ms) before it is read, and before the re-access.
 """
 
 from __future__ import annotations
@@ -17,26 +18,28 @@ from .io import Trace
 @register_generator("doc")
 def generate_doc(seed: int = 0, pages: int = 10, select: int = 4, rounds: int = 4) -> Trace:
     rng = rng_for("doc", seed)
+    idle = rng_for("doc-idle", seed)  # its own stream: the trace's other draws do not change
     b = TraceBuilder(header("doc", seed, pages=pages, select=select, rounds=rounds))
     t = 0.0
-    b.step(t=t, label="question")
+    b.step(t=t, label="question", idle=0.0)
     b.arrive("question", rng.randint(40, 160), content_hash("doc", seed, "question"))
     thumbs = [f"thumb{p}" for p in range(pages)]
     thumb_tokens = rng.choice([196, 256, 324])
     full_tokens = {p: rng.randint(1000, 2500) for p in range(pages)}
     text_tokens = {p: rng.randint(150, 700) for p in range(pages)}
-    b.step(t=(t := t + 500.0), label="overview")
+    b.step(t=(t := t + 500.0), label="overview", idle=idle.uniform(300, 1500))
     for p in range(pages):
         b.arrive(thumbs[p], thumb_tokens, content_hash("doc", seed, "thumb", p), "image")
     b.query(rng.randint(30, 80), rng.randint(10, 40))
     read: list[int] = []
     for r in range(rounds):
-        b.step(t=(t := t + rng.uniform(3000, 9000)), label=f"round{r}")
+        b.step(t=(t := t + rng.uniform(3000, 9000)), label=f"round{r}", idle=0.0)
         chosen = sorted(rng.sample(range(pages), select))
         for c in list(b.window):
             if c.startswith("thumb") and int(c[5:]) not in chosen:
                 b.evict(c)
         for p in chosen:  # read page by page, asking about each
+            b.step(label=f"read{r}.{p}", idle=idle.uniform(300, 1500))  # the page is rendered
             b.arrive(f"page{p}.image", full_tokens[p], content_hash("doc", seed, "page", p), "image")
             b.arrive(f"page{p}.text", text_tokens[p], content_hash("doc", seed, "text", p))
             read.append(p)
@@ -52,6 +55,7 @@ def generate_doc(seed: int = 0, pages: int = 10, select: int = 4, rounds: int = 
             if c.startswith("thumb"):
                 b.evict(c)
         # re-access: earlier pages and thumbnails come back, ordered by relevance
+        b.step(label=f"reaccess{r}", idle=idle.uniform(300, 1500))
         back = rng.sample(sorted(set(read)), min(2, len(set(read))))
         for p in back:
             b.recall(f"page{p}.image")

@@ -4,7 +4,9 @@ earlier segments and comparison reorders (two segments placed side by side).
 The window holds the instruction and the last ``keep_segments`` segments (each a few frames of
 256-1,024 tokens plus a short caption). Every few segments the prompt changes and the agent
 looks back at an earlier segment (recall), sometimes reordering the window to put it next to the
-current one for comparison.
+current one for comparison. Steps record their idle time: the segment's capture (500-2,000 ms)
+before its frames arrive, the fetch of an earlier segment's frames (300-1,500 ms) before a
+look-back.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from .io import Trace
 def generate_video(seed: int = 0, segments: int = 16, keep_segments: int = 3, frames: tuple[int, int] = (2, 4),
                    lookback: float = 0.35, compare: float = 0.5) -> Trace:
     rng = rng_for("video", seed)
+    idle = rng_for("video-idle", seed)  # its own stream: the trace's other draws do not change
     b = TraceBuilder(header("video", seed, segments=segments, keep_segments=keep_segments))
     frame_tokens = rng.choice([256, 324, 576, 1024])  # one resolution per video
     t = 0.0
-    b.step(t=t, label="instruction")
+    b.step(t=t, label="instruction", idle=0.0)
     b.arrive("instruction", rng.randint(60, 200), content_hash("video", seed, "instruction"))
     seg_chunks: dict[int, list[str]] = {}
     live: list[int] = []
@@ -41,7 +44,7 @@ def generate_video(seed: int = 0, segments: int = 16, keep_segments: int = 3, fr
     prompt = 0
     for s in range(segments):
         t += rng.uniform(2000, 10000)
-        b.step(t=round(t, 1), label=f"segment{s}")
+        b.step(t=round(t, 1), label=f"segment{s}", idle=idle.uniform(500, 2000))
         ids = [f"seg{s}.f{k}" for k in range(rng.randint(*frames))] + [f"seg{s}.caption"]
         for c in ids:
             sizes[c] = frame_tokens if ".f" in c else rng.randint(20, 80)
@@ -59,6 +62,7 @@ def generate_video(seed: int = 0, segments: int = 16, keep_segments: int = 3, fr
             if old not in live:
                 if len(live) >= keep_segments:
                     hide(live[0])
+                b.step(label=f"lookback{s}", idle=idle.uniform(300, 1500))  # the earlier frames are fetched
                 show(old)
                 if rng.random() < compare:
                     # comparison: the looked-back segment right before the current one

@@ -2,7 +2,8 @@
 revisits (back button, returning to a results page) and exploratory forks.
 
 Per step the agent acts (a short message), lands on a page (a screenshot + its accessibility
-text), and queries the model. Only the last ``keep_pages`` pages stay in the window; the task
+text), and queries the model. Steps record their idle time: none while the model writes its
+action, the page's load time (500-3,000 ms) before the page lands. Only the last ``keep_pages`` pages stay in the window; the task
 prompt and the transcript of actions stay. A revisit of an unchanged page recalls its chunks;
 a changed page arrives as new content. Now and then the agent forks to peek at a link and
 discards (or keeps) the branch.
@@ -18,8 +19,9 @@ from .io import Trace
 @register_generator("web")
 def generate_web(seed: int = 0, steps: int = 24, keep_pages: int = 3, revisit: float = 0.25, fork: float = 0.1) -> Trace:
     rng = rng_for("web", seed)
+    idle = rng_for("web-idle", seed)  # its own stream: the trace's other draws do not change
     b = TraceBuilder(header("web", seed, steps=steps, keep_pages=keep_pages))
-    b.step(t=0.0, label="task")
+    b.step(t=0.0, label="task", idle=0.0)
     b.arrive("task", rng.randint(120, 400), content_hash("web", seed, "task"))
     pages: list[tuple[int, int]] = []  # (page, version) in visit order
     version: dict[int, int] = {}
@@ -44,8 +46,9 @@ def generate_web(seed: int = 0, steps: int = 24, keep_pages: int = 3, revisit: f
     random_sizes: dict[tuple[int, int], tuple[int, int]] = {}
     for s in range(steps):
         t += rng.uniform(800, 6000)
-        b.step(t=round(t, 1), label=f"step{s}")
+        b.step(t=round(t, 1), label=f"step{s}", idle=0.0)
         b.arrive(f"act{s}", rng.randint(20, 120), content_hash("web", seed, "act", s))
+        b.step(label=f"load{s}", idle=idle.uniform(500, 3000))  # the page loads
         if pages and rng.random() < revisit:
             p, v = rng.choice(pages[:-1] or pages)
             if rng.random() < 0.3:  # the page changed since: a new version

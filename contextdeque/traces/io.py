@@ -220,6 +220,26 @@ def check_trace(trace: Trace, *, line_nos: Sequence[int] | None = None) -> dict[
     return chunks
 
 
+def idle_gaps(trace: Trace) -> dict[int, float]:
+    """Milliseconds the window sits idle at each ``step`` event (by event index): its ``idle``;
+    else the time since the previous step with a time ``t`` (an upper bound: the replay does not
+    know how much of it the model spent answering); else 0."""
+    out: dict[int, float] = {}
+    last_t: float | None = None
+    for i, ev in enumerate(trace.events):
+        if ev.op != "step":
+            continue
+        if ev.idle is not None:
+            out[i] = float(ev.idle)
+        elif ev.t is not None and last_t is not None:
+            out[i] = max(0.0, float(ev.t) - last_t)
+        else:
+            out[i] = 0.0
+        if ev.t is not None:
+            last_t = float(ev.t)
+    return out
+
+
 def scaled_trace(trace: Trace, scale: float, minimum: int = 1) -> Trace:
     """``trace`` with every chunk's token count times ``scale`` (rounded, at least ``minimum``): the
     same agent at a size a tiny model or a CPU runs in seconds. Queries keep their sizes."""

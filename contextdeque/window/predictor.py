@@ -104,10 +104,13 @@ def rank_predictions(predictions: Iterable[Prediction]) -> list[Prediction]:
 def chain_tokens(state: "WindowState", recalls: Sequence[Recall]) -> tuple[int, int]:
     """``(cost_tokens, saved_tokens)`` of recalling ``recalls`` in order from ``state`` (an
     estimate, no simulation): each recalled chunk's forming forward (its tokens), the in-window
-    chunks its recall cascade would re-form (the conditioning graph's dependents of it), and, in
+    chunks its recall cascade would re-form (the conditioning graph's dependents of it that have
+    a canonical), and, in
     the cost only, the canonical of a chunk that left before it had one (encoded once anyway)."""
     cost = saved = 0
-    tokens = {s.ref: s.n_tokens for s in state.slots}
+    # a provisional dependent (latency-first content with no canonical) is kept by the eager
+    # decisions anticipation carries out (heal re-forwards it later): no idle tokens now
+    tokens = {s.ref: s.n_tokens for s in state.slots if not s.provisional}
     for ref, _ in recalls:
         entry = state.evicted.get(ref)
         if entry is None:

@@ -32,6 +32,9 @@ class LoadFallback:
         return {"chunk_id": self.chunk_id, "tier": self.tier, "error": self.error}
 
 
+DEFERRED_SERVED = ("stale", "blind", "conditioned")
+"""What a latency-first policy serves a chunk it defers (``Receipt.served``): not fresh."""
+
 ADDS = {"adds": True}  # field metadata: receipts sum this field (Receipt.__add__ / merged)
 
 
@@ -167,6 +170,13 @@ class Receipt:
     @property
     def total_bytes_moved(self) -> int:
         return sum(self.bytes_moved.values())
+
+    @property
+    def answered_fresh(self) -> bool:
+        """0 forwards, and every chunk given conditioning got a valid one (``served``: a stored,
+        anticipated, orbit or recurring patch; nothing stale, blind or waiting for its canonical):
+        a re-read that anticipation (or the store) covered."""
+        return self.forwards == 0 and not self.deferred and all(what not in DEFERRED_SERVED for _, what in self.served)
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-friendly copy."""
