@@ -1,0 +1,163 @@
+"""Recall predictors (window.predictor) and the replay's anticipation hit rate (replay.hits): the
+predictor ranks what the agent said first and learns groups from the session's own steps; the
+idle budget is deterministic (tokens, not wall time); the hit rate is read off the receipts —
+a trace whose recalls follow idle time gets them fresh, the same trace with no idle gets none."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import micro_llama
+
+from contextdeque.core.errors import WindowError, WindowTypeError
+from contextdeque.model.hf import HFBackend
+from contextdeque.replay.hits import HitRate
+from contextdeque.replay.live import drive_window
+from contextdeque.traces import TraceBuilder, TraceHeader, idle_gaps
+from contextdeque.window import RECALL_PREDICTORS, ContextWindow, Prediction, RecallPredictor
+from contextdeque.window.anticipation import recall_candidates
+from contextdeque.window.config import WindowConfig
+from contextdeque.window.predictor import rank_predictions
+
+PAGES = {"task": [5, 6, 7], "a": [10, 11, 12, 13], "b": [20, 21, 22, 23, 24], "c": [30, 31, 32], "d": [40, 41, 42, 43]}
+
+
+@pytest.fixture(scope="module")
+def backend(one_thread):
+    return HFBackend(micro_llama(11), None, root_ids=[1, 3], name="tiny-predictor-llama")
+
+
+def window(backend, predictor="session", **kw):
+    win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=True, recall_predictor=predictor, **kw)
+    refs = {name: win.append(chunk=backend.encode(token_ids=ids)) for name, ids in PAGES.items()}
+    win.heal()
+    return win, refs
+
+
+@pytest.mark.parametrize("predictor", sorted(RECALL_PREDICTORS))
+def test_an_expected_chunk_ranks_first(backend, predictor):
+    win, refs = window(backend, predictor)
+    for name in ("a", "b", "c"):
+        win.evict(refs[name])
+    top = recall_candidates(win, win._state)[0]
+    if predictor == "recency":  # no hint: the latest to leave
+        assert top.recalls == ((refs["c"], None),)
+    else:  # no hint: they left together, the group comes back together (end: the prior's favourite)
+        assert top.recalls[:2] == ((refs["a"], None), (refs["b"], None)) and top.source == "group"
+    win.expect(refs["a"], at=1)
+    top = recall_candidates(win, win._state)[0]
+    assert top.recalls == ((refs["a"], 1),) and top.source == "expected"
+
+
+def test_session_predictor_learns_groups_and_prepares_the_whole_chain(backend):
+    """Pages that leave together come back together: after one such round trip the predictor
+    ranks the group's chain first, and anticipation prepares every recall of it (0 forwards)."""
+    win, refs = window(backend)
+    for name in ("a", "b"):  # one eviction run: a group
+        win.evict(refs[name])
+    for name in ("a", "b"):
+        win.recall(refs[name])
+    predictor = win.recall_predictor
+    assert predictor.follows == 1 and predictor.p_follow > 0.5 and predictor.where["end"] == 2
+    win.heal()
+    win.evict(refs["c"])
+    win.evict(refs["task"])  # a run of two: c, task
+    win.append(chunk=backend.encode(token_ids=[50, 51]))  # ends the run
+    win.evict(refs["d"])  # a group of its own, the latest to leave
+    ranked = recall_candidates(win, win._state)
+    chains = [p.recalls for p in ranked if len(p.recalls) > 1]
+    assert chains and chains[0] == ((refs["c"], None), (refs["task"], None))
+    win.heal(max_tokens=10_000)
+    for name in ("c", "task"):
+        r = win.recall(refs[name])
+        assert r.forwards == 0 and r.answered_fresh and {w for _, w in r.served} == {"anticipated"}
+
+
+def test_predictions_are_priced_and_ranked_by_benefit_per_token():
+    from contextdeque.window.ref import new_ref
+
+    x, y = new_ref("x", 10), new_ref("y", 100)
+    cheap = Prediction(((x, None),), 0.5, cost_tokens=10, saved_tokens=10)
+    dear = Prediction(((y, None),), 0.6, cost_tokens=200, saved_tokens=100)  # owes its canonical too
+    assert cheap.ratio == pytest.approx(0.5) and dear.benefit == pytest.approx(60)
+    assert [p.recalls[0][0] for p in rank_predictions([dear, cheap, dear])] == [x, y]  # one copy each
+
+
+def test_a_predictor_is_one_registered_class(backend):
+    class LastOnly(RecallPredictor):
+        name = "test-last-only"
+
+        def predict(self, state, expected):
+            return [Prediction(((next(reversed(state.evicted)), 0),), 1.0, 1, 1)] if state.evicted else []
+
+    try:
+        win, refs = window(backend, "test-last-only")
+        win.evict(refs["b"])
+        assert [p.recalls for p in recall_candidates(win, win._state)] == [((refs["b"], 0),)]
+        win.heal()
+        assert win.recall(refs["b"], at=0).answered_fresh
+        with pytest.raises(WindowError, match="unknown recall predictor"):
+            WindowConfig(recall_predictor="nope")
+        with pytest.raises(WindowTypeError):
+            WindowConfig(recall_predictor=3)
+    finally:
+        del RECALL_PREDICTORS["test-last-only"]
+
+
+def test_the_idle_budget_is_tokens_and_deterministic(backend):
+    """heal(max_tokens=0) forms nothing; a budget is never overspent by anticipation (a prediction
+    that does not fit is skipped); the same steps under the same budget form the same work."""
+    def run(budget):
+        win, refs = window(backend)
+        for name in ("a", "b", "c"):
+            win.evict(refs[name])
+        r = win.heal(max_tokens=budget)
+        names = {ref: name for name, ref in refs.items()}
+        return r, (r.tokens_prefilled, r.forwards, [names[x] for x in r.refs])
+
+    none, _ = run(0)
+    assert none.forwards == 0 and none.tokens_prefilled == 0
+    full, _ = run(None)
+    assert full.tokens_prefilled > 0
+    small = full.tokens_prefilled - 1
+    ra, a = run(small)
+    _, b = run(small)
+    assert 0 < ra.tokens_prefilled <= small
+    assert a == b
+
+
+def recall_trace(idle: float):
+    """task, a, b, c arrive; c leaves; idle; c comes back (a recall at the end: nothing depends on
+    it); then a leaves; idle; a comes back in front (a look-back: b and c were conditioned on it)."""
+    b = TraceBuilder(TraceHeader(generator="test"))
+    b.step(t=0.0, idle=0.0)
+    for name in ("task", "a", "b", "c"):
+        b.arrive(name, len(PAGES[name]), name)
+    b.query(4, 1)
+    b.evict("c")
+    b.step(idle=idle)
+    b.recall("c")
+    b.query(4, 1)
+    b.evict("a")
+    b.step(idle=idle)
+    b.recall("a", at=0)
+    b.query(4, 1)
+    return b.build(name=f"recalls-{idle}")
+
+
+@pytest.mark.parametrize("idle", [0.0, 1000.0])
+def test_hit_rate_from_receipts(backend, idle):
+    trace = recall_trace(idle)
+    assert sorted(set(idle_gaps(trace).values())) == sorted({0.0, idle})
+    win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=True)
+    hits = HitRate()
+    steps = []
+    drive_window(win, trace, lambda ev: PAGES[ev.id], on_step=lambda s, r: (steps.append(s), hits.add(s, r)),
+                 idle_tokens=lambda ms: int(ms))  # 1 token per idle ms
+    assert steps == ["append"] * 4 + ["evict", "recall", "evict", "look-back"]
+    by = hits.by_step()
+    assert by["recall"]["steps"] == by["look-back"]["steps"] == 1 and by["evict"]["steps"] == 2
+    if idle:  # anticipated: both re-reads fresh, the look-back's cascade (b, c) included
+        assert hits.rate() == 1.0 and hits.rate(own=True) == 1.0
+    else:  # nothing prepared: served blind, deferred
+        assert hits.rate() == 0.0 and hits.rate(own=True) == 0.0
+    assert hits.as_dict()["re_reads"] == 2
