@@ -161,3 +161,17 @@ def test_hit_rate_from_receipts(backend, idle):
     else:  # nothing prepared: served blind, deferred
         assert hits.rate() == 0.0 and hits.rate(own=True) == 0.0
     assert hits.as_dict()["re_reads"] == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--idle-rate", "fast", "--fidelity", "1"], "--idle-rate: expected tokens per second"),
+    (["--idle-rate", "1000"], "--idle-rate needs --fidelity"),
+])
+def test_replay_cli_refuses_a_bad_idle_rate_before_any_work(tmp_path, capsys, argv, message):
+    from contextdeque.cli import main
+    from contextdeque.traces import write_trace
+
+    trace = recall_trace(10.0)
+    path = write_trace(tmp_path / "t.jsonl", trace.header, trace.events)
+    assert main(["replay", str(path), "--jobs", "1", *argv]) == 1
+    assert message in capsys.readouterr().err

@@ -339,3 +339,11 @@ def test_anticipate_survives_a_session(backend, tmp_path):
     win.save(tmp_path / "ant.cdq")
     assert read_manifest(tmp_path / "ant.cdq")[0].config.anticipate is True
     assert ContextWindow.open(tmp_path / "ant.cdq", backend)._ctx.config.anticipate is True
+
+
+def test_recall_predictor_survives_a_session(backend, tmp_path):
+    """The recall predictor is configuration (by name; what it learned is not saved)."""
+    win = busy_window(backend, anticipate=True, recall_predictor="recency")
+    win.save(tmp_path / "pred.cdq")
+    assert read_manifest(tmp_path / "pred.cdq")[0].config.recall_predictor == "recency"
+    assert ContextWindow.open(tmp_path / "pred.cdq", backend)._ctx.config.recall_predictor == "recency"

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..core.errors import ContextDequeError
+from ..core.errors import ArgumentError, ContextDequeError
 from .fidelity_target import add_fidelity_target_arguments, window_options
 from .model_spec import add_threads_argument, apply_threads_argument
 
@@ -40,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prices it; latency, exact, ...); "
                              "latency-first windows are also measured after heal(). 'latency' / 'latency-shared' also "
                              "price the patch arm so in cost-model mode (arms patch-latency / patch-latency-shared)")
+    parser.add_argument("--idle-rate", default=None, metavar="TOKENS_PER_S",
+                        help="fidelity mode: honour the traces' idle gaps (step idle / time): each becomes a heal budget of "
+                             "idle seconds x TOKENS_PER_S trace tokens (scaled like the chunks), spent by heal() with "
+                             "anticipation on, and the patch arm reports the anticipation hit rate per step type; "
+                             "'calibrated': the cost model's prefill rate at 2,048 tokens of context")
+    parser.add_argument("--predictor", default="session",
+                        help="with --idle-rate: the window's recall predictor (session, recency, ...; window.predictor)")
     add_fidelity_target_arguments(parser, "the fidelity mode's patch window gets this η target (docs/fidelity.md); the "
                                           "patches its byte cap could not fit it into are counted and listed with --json")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG figure here")
@@ -67,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
             rule = "patch-" + args.patch_policy
             combos = sorted({(p, e, rule if a == "patch" else a) for p, e, a in combos})
         cost, note = load_calibration(path=args.calibration)
+        idle_rate = _idle_rate(args.idle_rate, cost)
+        if idle_rate is not None and not args.fidelity:
+            raise ArgumentError("--idle-rate needs --fidelity N (it drives a real window through the traces)")
         config = ReplayConfig(budget_tokens=args.budget_tokens, device_bytes=int(args.device_gb * GiB),
                               host_bytes=int(args.host_gb * GiB), rank=args.rank, overlap_loads=args.overlap_loads)
         jobs = args.jobs or default_jobs()
@@ -85,12 +95,14 @@ def run(args: argparse.Namespace) -> int:
 
             apply_threads_argument(args)
             options = window_options(args)
+            if idle_rate is not None:
+                options.update(anticipate=True, recall_predictor=args.predictor)
             fid = run_fidelity_mode([str(p) for p in args.traces], combos, args.fidelity, seed=args.seed, console=err,
-                                    patch_policy=args.patch_policy, window_options=options)
+                                    patch_policy=args.patch_policy, window_options=options, idle_rate=idle_rate)
             for r in results:
                 r.update(fid.get((r["trace"], r["placement"], r["eviction"], r["arm"]), {}))
             extra["fidelity"] = {"queries_per_policy": args.fidelity, "seed": args.seed, "model": "SmolLM2-135M-Instruct",
-                                 "patch_policy": args.patch_policy, **options}
+                                 "patch_policy": args.patch_policy, "idle_rate": idle_rate, **options}
     except (ContextDequeError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -123,7 +135,46 @@ def run(args: argparse.Namespace) -> int:
     Console().print(table)
     if args.fidelity:
         Console().print(_step_table(results))
+        if any(r.get("anticipation") for r in results):
+            Console().print(_hit_table(results))
     return 0
+
+
+def _idle_rate(spec: str | None, cost) -> float | None:
+    """``--idle-rate``: a number of tokens per second, or ``calibrated`` (the cost model's prefill rate)."""
+    if spec is None:
+        return None
+    if spec == "calibrated":
+        return float(cost.tokens_per_s(2048))
+    try:
+        rate = float(spec)
+    except ValueError:
+        rate = -1.0
+    if not rate >= 0:
+        raise ArgumentError(f"--idle-rate: expected tokens per second (>= 0) or 'calibrated', got {spec!r}")
+    return rate
+
+
+def _hit_table(results: list[dict]) -> "Table":
+    """The anticipation hit rate per step type (re-read steps answered fresh with 0 forwards)."""
+    from rich.table import Table
+
+    table = Table(title="anticipation hit rate per step type (answered fresh with 0 forwards; own: the cascade aside)")
+    for c in ("trace", "placement", "arm", "step", "steps", "fresh", "rate", "own rate"):
+        table.add_column(c, justify="left" if c in ("trace", "placement", "arm", "step") else "right")
+    seen = set()
+    for r in results:
+        key = (r["trace"], r["placement"], r["arm"])
+        hits = r.get("anticipation")
+        if key in seen or not hits:
+            continue
+        seen.add(key)
+        for step, h in hits["by_step"].items():
+            table.add_row(*key, step, str(h["steps"]), str(h["hits"]), f"{h['rate']:.0%}", f"{h['own_rate']:.0%}")
+        if hits["re_reads"]:
+            table.add_row(*key, "re-reads (slide, recall, look-back, reorder)", str(hits["re_reads"]),
+                          str(hits["re_read_hits"]), f"{hits['hit_rate']:.0%}", f"{hits['own_hit_rate']:.0%}")
+    return table
 
 
 def _step_table(results: list[dict]) -> "Table":

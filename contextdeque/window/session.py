@@ -167,6 +167,7 @@ class ConfigModel(_Model):
     max_evicted: int | None = DEFAULT_MAX_EVICTED  # absent in sessions saved before it was recorded
     on_miss: str = DEFAULT_ON_MISS  # absent in sessions saved before it was recorded
     anticipate: bool = False  # (the same)
+    recall_predictor: str = "session"  # (the same; its learned statistics are not saved)
 
 
 class ReceiptSummary(_Model):
@@ -217,6 +218,10 @@ def policy_spec(policy: Any) -> str:
         return f"{policy.name}:{inner.name}" if inner.name != "eager" else policy.name
     return getattr(policy, "name", "") or "default"
 
+
+def _predictor_name(predictor: Any) -> str:
+    """The registered name a recall predictor is rebuilt from (an instance: its class's name)."""
+    return predictor if isinstance(predictor, str) else (getattr(predictor, "name", "") or "session")
 
 
 
@@ -369,7 +374,7 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
             cascade_policy=ctx.cascade_policy, overflow=ctx.overflow, storage=str(ctx.storage).removeprefix("torch."),
             placement=getattr(placement, "name", "arrival") or "arrival", fidelity_target=ctx.fidelity_target,
             max_patch_fraction=ctx.max_patch_fraction, max_evicted=ctx.max_evicted, on_miss=ctx.on_miss,
-            anticipate=ctx.config.anticipate,
+            anticipate=ctx.config.anticipate, recall_predictor=_predictor_name(ctx.config.recall_predictor),
         ),
         generation=state.generation,
         refs=list(refs.values()),
@@ -448,7 +453,7 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
         budget_tokens=c.budget_tokens, rank=c.rank, patch_policy=c.patch_policy, cascade_policy=c.cascade_policy,
         overflow=c.overflow, storage=storage_dtype(c.storage), placement=c.placement,
         fidelity_target=c.fidelity_target, max_patch_fraction=c.max_patch_fraction, max_evicted=c.max_evicted,
-        on_miss=c.on_miss, anticipate=c.anticipate,
+        on_miss=c.on_miss, anticipate=c.anticipate, recall_predictor=c.recall_predictor,
     )
     kwargs.update(overrides)
     win = cls(backend, **kwargs)
