@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .state import WindowState
 
 HINT_PROBABILITY = 0.9  # the agent said it may look there next
-MIN_CHAIN_PROBABILITY = 0.3  # a chain stops where the chance that the group goes on falls below this
+MIN_CHAIN_PROBABILITY = 0.1  # a chain stops where the chance that the group gets that far falls below this
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the recency prior in the learned rank histogram
 EVICTING = ("evict", "slide")
 
@@ -94,8 +94,9 @@ class SessionPredictor(RecallPredictor):
 
     @property
     def p_follow(self) -> float:
-        """Chance that a recalled group member is followed by the next one (prior 1/2)."""
-        return (self.follows + 1) / (self.chances + 2)
+        """Chance that a recalled group member is followed by the next one (prior 2/3: agents
+        tend to bring back a page or a segment whole)."""
+        return (self.follows + 2) / (self.chances + 3)
 
     @property
     def p_recalled(self) -> float:
