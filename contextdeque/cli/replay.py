@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "idle seconds x TOKENS_PER_S trace tokens (scaled like the chunks), spent by heal() with "
                              "anticipation on, and the patch arm reports the anticipation hit rate per step type; "
                              "'calibrated': the cost model's prefill rate at 2,048 tokens of context")
+    parser.add_argument("--ignore-hints", action="store_true",
+                        help="with --idle-rate: do not pass the traces' expect events (what the agent said it will re-read) on")
     parser.add_argument("--predictor", default="session",
                         help="with --idle-rate: the window's recall predictor (session, recency, ...; window.predictor)")
     add_fidelity_target_arguments(parser, "the fidelity mode's patch window gets this η target (docs/fidelity.md); the "
@@ -98,11 +100,13 @@ def run(args: argparse.Namespace) -> int:
             if idle_rate is not None:
                 options.update(anticipate=True, recall_predictor=args.predictor)
             fid = run_fidelity_mode([str(p) for p in args.traces], combos, args.fidelity, seed=args.seed, console=err,
-                                    patch_policy=args.patch_policy, window_options=options, idle_rate=idle_rate)
+                                    patch_policy=args.patch_policy, window_options=options, idle_rate=idle_rate,
+                                    hints=not args.ignore_hints)
             for r in results:
                 r.update(fid.get((r["trace"], r["placement"], r["eviction"], r["arm"]), {}))
             extra["fidelity"] = {"queries_per_policy": args.fidelity, "seed": args.seed, "model": "SmolLM2-135M-Instruct",
-                                 "patch_policy": args.patch_policy, "idle_rate": idle_rate, **options}
+                                 "patch_policy": args.patch_policy, "idle_rate": idle_rate,
+                                 "hints": not args.ignore_hints, **options}
     except (ContextDequeError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

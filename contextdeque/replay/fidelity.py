@@ -86,14 +86,16 @@ def _by_step(samples: dict[str, list[float]]) -> dict[str, float]:
 @torch.no_grad()
 def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *, seed: int = 0,
                  scale: float = DEFAULT_SCALE, patch_policy: str = "eager",
-                 window_options: dict[str, Any] | None = None, idle_rate: float | None = None) -> dict[str, Any]:
+                 window_options: dict[str, Any] | None = None, idle_rate: float | None = None,
+                 hints: bool = True) -> dict[str, Any]:
     """Drive one window through ``trace``; measure at ``n`` sampled queries. Returns medians, overall
     and per step type (``kl_by_step`` ...; ``kl_healed_by_step`` where a latency-first window had
     work queued at the query). ``window_options``: more ``ContextWindow`` settings of the patch
     arm's window (e.g. ``fidelity_target=``); the patches its byte cap could not fit the target
     into are listed (``fidelity_miss_list``: ref, estimated η, action; the root window's
     receipts, the last 1000). ``idle_rate``: honour the trace's idle gaps (see the module doc);
-    the patch arm then reports ``anticipation`` (``HitRate.as_dict``) and ``hit_rate``."""
+    the patch arm then reports ``anticipation`` (``HitRate.as_dict``) and ``hit_rate``. ``hints``:
+    pass the trace's ``expect`` events on to the window."""
     from ..eval.arms import BlindArm, ReprefillArm, ReuseRequest, make_arm
     from ..eval.fidelity.harness import score_query
     from ..core.metrics import kl_divergence
@@ -150,7 +152,8 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
     hits = HitRate() if arm == "patch" else None
     idle_tokens = None if idle_rate is None else (lambda ms: int(ms / 1000.0 * float(idle_rate) * scale))
     drive_window(win, trace, lambda ev: chunk_ids(backend, ev.hash, max(MIN_TOKENS, int(round(ev.tokens * scale)))),
-                 on_query=on_query, heal_at_end=False, on_step=None if hits is None else hits.add, idle_tokens=idle_tokens)
+                 on_query=on_query, heal_at_end=False, on_step=None if hits is None else hits.add, idle_tokens=idle_tokens,
+                 hints=hints)
     # the patches the byte cap could not fit the target into, from the window's receipts
     misses = [{**m.as_dict(), "chunk": m.ref.label or m.ref.key} for rec in win.receipts for m in rec.fidelity_misses]
     defined = [e for e in etas if e is not None]
@@ -173,7 +176,7 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
 def run_fidelity_mode(traces: Sequence[str], combos: Sequence[tuple[str, str, str]], n: int, *, seed: int = 0,
                       scale: float = DEFAULT_SCALE, backend: Any = None, console: Any = None,
                       patch_policy: str = "eager", window_options: dict[str, Any] | None = None,
-                      idle_rate: float | None = None) -> dict[tuple, dict[str, Any]]:
+                      idle_rate: float | None = None, hints: bool = True) -> dict[tuple, dict[str, Any]]:
     """Fidelity figures keyed by ``(trace, placement, eviction, arm)`` for every combo."""
     for _, _, arm in combos:  # refused before any model work
         rule = make_reuse(arm)
@@ -194,6 +197,7 @@ def run_fidelity_mode(traces: Sequence[str], combos: Sequence[tuple[str, str, st
                 if console is not None:
                     console.print(f"[dim]fidelity: {t.name} {placement}/{arm}[/dim]")
                 done[key] = fidelity_run(backend, t, placement, arm, n, seed=seed, scale=scale,
-                                         patch_policy=patch_policy, window_options=window_options, idle_rate=idle_rate)
+                                         patch_policy=patch_policy, window_options=window_options, idle_rate=idle_rate,
+                                         hints=hints)
             out[(t.name, placement, eviction, arm)] = done[key]
     return out

@@ -6,7 +6,7 @@ cost model's predicted forwards and tokens equal the window's receipts): ``arriv
 recalls a chunk the window evicted; a new chunk always goes to the end, ``append`` takes no
 index), ``recall`` / ``evict`` / ``reorder`` act on the chunk's ref,
 ``slide`` evicts the agent's ``n`` oldest (its own order, wherever placement put them), ``fork`` /
-``commit`` / ``discard`` stack windows, and a ``step`` heals what a latency-first window queued
+``commit`` / ``discard`` stack windows, ``expect`` passes the agent's hint on, and a ``step`` heals what a latency-first window queued
 (the agent's tool time, as the cost model assumes); what is still queued when the trace ends is
 healed after it. Queries are handed to ``on_query`` (the window itself does not read them).
 
@@ -34,7 +34,7 @@ def recall_step(at: int | None, n_in_window: int) -> str:
 def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
                  on_query: Callable[[int, Any, Any, str], None] | None = None, heal_at_end: bool = True,
                  on_step: Callable[[str, Receipt], None] | None = None,
-                 idle_tokens: Callable[[float], int] | None = None) -> Receipt:
+                 idle_tokens: Callable[[float], int] | None = None, hints: bool = True) -> Receipt:
     """Run ``trace`` on ``window``; returns the sum of its window operations' receipts (``op="trace"``).
 
     ``token_ids(arrive_event)``: the ids a chunk's content becomes (called once per chunk id).
@@ -44,7 +44,8 @@ def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
     ``on_step(step, receipt)``: called after every event that ran window operations, with its step
     type and their receipts summed (a ``slide`` of n is n evictions). ``idle_tokens(idle_ms)``: the
     heal budget of a step's idle gap, in prefilled tokens (see the module doc); None: heal what is
-    queued at every step, to completion."""
+    queued at every step, to completion. ``hints``: pass the trace's ``expect`` events on to the
+    window (``ContextWindow.expect``; False: the predictor goes without what the agent said)."""
     win = window
     receipts: list[Receipt] = []
     gaps = idle_gaps(trace) if idle_tokens is not None else {}
@@ -91,6 +92,10 @@ def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
         elif op == "discard":
             receipts.append(win.discard())
             win, logical = stack.pop()
+        elif op == "expect":
+            if hints and ev.id in refs and refs[ev.id] in win.evicted_refs:
+                win.expect(refs[ev.id], at=ev.at)
+            continue
         elif op == "step":
             if idle_tokens is not None:  # the idle gap the trace records: heal and anticipate within it
                 budget = int(idle_tokens(gaps[i]))

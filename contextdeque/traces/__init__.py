@@ -18,6 +18,7 @@ from .events import (
     Discard,
     Event,
     Evict,
+    Expect,
     Fork,
     Query,
     Recall,
@@ -31,7 +32,7 @@ from .io import Trace, check_trace, idle_gaps, parse_event, parse_header, read_t
 from .mooncake import BLOCK_TOKENS, import_mooncake
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "OPS", "TraceHeader", "Event", "Arrive", "Query", "Slide", "Reorder", "Evict", "Recall",
+    "FORMAT", "FORMAT_VERSION", "OPS", "TraceHeader", "Event", "Arrive", "Query", "Slide", "Reorder", "Evict", "Expect", "Recall",
     "Fork", "Commit", "Discard", "Step", "Trace", "read_trace", "write_trace", "check_trace", "parse_event",
     "parse_header", "idle_gaps", "scaled_trace", "trace_from_events", "TraceBuilder", "content_hash", "GENERATORS", "generate",
     "import_mooncake", "BLOCK_TOKENS",

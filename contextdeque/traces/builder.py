@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from typing import Sequence
 
-from .events import Arrive, Commit, Discard, Event, Evict, Fork, Query, Recall, Reorder, Slide, Step, TraceHeader
+from .events import Arrive, Commit, Discard, Event, Evict, Expect, Fork, Query, Recall, Reorder, Slide, Step, TraceHeader
 from .io import Trace, trace_from_events
 
 
@@ -52,6 +52,11 @@ class TraceBuilder:
         del self.evicted[cid]
         self.events.append(Recall(id=cid, at=at))
         self.window.insert(len(self.window) if at is None else at, cid)
+
+    def expect(self, cid: str, at: int | None = None) -> None:
+        """The agent says it may recall ``cid`` next (recorded only while it is evicted)."""
+        if cid in self.evicted:
+            self.events.append(Expect(id=cid, at=at))
 
     def evict(self, cid: str) -> None:
         if cid in self.window:

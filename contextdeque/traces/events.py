@@ -17,6 +17,8 @@ recall     an evicted chunk comes back (at the end, or at index ``at``)
 fork       a copy-on-write branch of the window starts (nested forks stack)
 commit     the innermost branch becomes the window
 discard    the innermost branch is dropped; the window is as before the fork
+expect     the agent says it may recall this evicted chunk next (at the end, or at ``at``): a
+           hint (``ContextWindow.expect``), the window does not change
 step       boundary between agent steps (``t``: milliseconds since the trace began; ``idle``:
            milliseconds the window then sits idle: a tool runs, a page loads, the user types)
 =========  =======================================================================
@@ -103,6 +105,12 @@ class Discard(_Strict):
     name: str | None = None
 
 
+class Expect(_Strict):
+    op: Literal["expect"] = "expect"
+    id: ChunkId
+    at: int | None = Field(None, ge=0)
+
+
 class Step(_Strict):
     """A boundary between agent steps: ``t`` (ms since the trace began), ``idle`` (ms the window
     sits idle here before the next event: the agent waits on a tool, a page load, the user; the
@@ -116,8 +124,8 @@ class Step(_Strict):
 
 
 Event = Annotated[
-    Union[Arrive, Query, Slide, Reorder, Evict, Recall, Fork, Commit, Discard, Step],
+    Union[Arrive, Query, Slide, Reorder, Evict, Recall, Fork, Commit, Discard, Expect, Step],
     Field(discriminator="op"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
-OPS = ("arrive", "query", "slide", "reorder", "evict", "recall", "fork", "commit", "discard", "step")
+OPS = ("arrive", "query", "slide", "reorder", "evict", "recall", "fork", "commit", "discard", "expect", "step")

@@ -5,7 +5,8 @@ asks which pages matter; it drops the thumbnails and reads the selected pages at
 resolution (1,000-2,500 tokens of page image plus their extracted text); after filtering again it
 goes back to earlier thumbnails and pages (recalls) and moves the most relevant page next to
 the question (a reorder). Steps record their idle time: none while the model selects, a page's
-rendering (300-1,500 ms) before it is read, and before the re-access.
+rendering (300-1,500 ms) before it is read, and before the re-access; the agent names the pages
+and thumbnails it goes back to (``expect``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def generate_doc(seed: int = 0, pages: int = 10, select: int = 4, rounds: int = 
             if c.startswith("thumb") and int(c[5:]) not in chosen:
                 b.evict(c)
         for p in chosen:  # read page by page, asking about each
+            for c in (f"page{p}.image", f"page{p}.text"):  # a page read before comes back: the agent names it
+                b.expect(c)
             b.step(label=f"read{r}.{p}", idle=idle.uniform(300, 1500))  # the page is rendered
             b.arrive(f"page{p}.image", full_tokens[p], content_hash("doc", seed, "page", p), "image")
             b.arrive(f"page{p}.text", text_tokens[p], content_hash("doc", seed, "text", p))
@@ -55,13 +58,14 @@ def generate_doc(seed: int = 0, pages: int = 10, select: int = 4, rounds: int = 
             if c.startswith("thumb"):
                 b.evict(c)
         # re-access: earlier pages and thumbnails come back, ordered by relevance
-        b.step(label=f"reaccess{r}", idle=idle.uniform(300, 1500))
         back = rng.sample(sorted(set(read)), min(2, len(set(read))))
-        for p in back:
-            b.recall(f"page{p}.image")
-            b.recall(f"page{p}.text")
-        for p in rng.sample(range(pages), 3):
-            b.recall(thumbs[p])
+        thumbs_back = rng.sample(range(pages), 3)
+        again = [c for p in back for c in (f"page{p}.image", f"page{p}.text")] + [thumbs[p] for p in thumbs_back]
+        for c in again:  # the agent says what it goes back to, in order
+            b.expect(c)
+        b.step(label=f"reaccess{r}", idle=idle.uniform(300, 1500))
+        for c in again:
+            b.recall(c)
         if rng.random() < 0.7:
             # the most relevant page moves next to the question at the end of the window
             pages_in = sorted({c.split(".")[0] for c in b.window if c.startswith("page")})

@@ -6,7 +6,7 @@ The window holds the instruction and the last ``keep_segments`` segments (each a
 looks back at an earlier segment (recall), sometimes reordering the window to put it next to the
 current one for comparison. Steps record their idle time: the segment's capture (500-2,000 ms)
 before its frames arrive, the fetch of an earlier segment's frames (300-1,500 ms) before a
-look-back.
+look-back, which the agent announces (``expect``).
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ def generate_video(seed: int = 0, segments: int = 16, keep_segments: int = 3, fr
             if old not in live:
                 if len(live) >= keep_segments:
                     hide(live[0])
+                for c in seg_chunks[old]:  # the agent asks for that segment
+                    b.expect(c)
                 b.step(label=f"lookback{s}", idle=idle.uniform(300, 1500))  # the earlier frames are fetched
                 show(old)
                 if rng.random() < compare:

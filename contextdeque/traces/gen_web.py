@@ -3,7 +3,8 @@ revisits (back button, returning to a results page) and exploratory forks.
 
 Per step the agent acts (a short message), lands on a page (a screenshot + its accessibility
 text), and queries the model. Steps record their idle time: none while the model writes its
-action, the page's load time (500-3,000 ms) before the page lands. Only the last ``keep_pages`` pages stay in the window; the task
+action, the page's load time (500-3,000 ms) before the page lands; a revisit's action names the
+page it goes back to (``expect``). Only the last ``keep_pages`` pages stay in the window; the task
 prompt and the transcript of actions stay. A revisit of an unchanged page recalls its chunks;
 a changed page arrives as new content. Now and then the agent forks to peek at a link and
 discards (or keeps) the branch.
@@ -48,7 +49,6 @@ def generate_web(seed: int = 0, steps: int = 24, keep_pages: int = 3, revisit: f
         t += rng.uniform(800, 6000)
         b.step(t=round(t, 1), label=f"step{s}", idle=0.0)
         b.arrive(f"act{s}", rng.randint(20, 120), content_hash("web", seed, "act", s))
-        b.step(label=f"load{s}", idle=idle.uniform(500, 3000))  # the page loads
         if pages and rng.random() < revisit:
             p, v = rng.choice(pages[:-1] or pages)
             if rng.random() < 0.3:  # the page changed since: a new version
@@ -65,6 +65,9 @@ def generate_web(seed: int = 0, steps: int = 24, keep_pages: int = 3, revisit: f
             in_window.remove((p, v))
             for c in chunks_of(p, v):
                 b.evict(c)
+        for c in chunks_of(p, v):  # a revisit: the action names the page it goes back to
+            b.expect(c)
+        b.step(label=f"load{s}", idle=idle.uniform(500, 3000))  # the page loads
         land(p, v, True)
         b.query(rng.randint(30, 90), rng.randint(15, 80))
         if rng.random() < fork:

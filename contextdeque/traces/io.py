@@ -22,7 +22,7 @@ from typing import IO, Iterable, Iterator, Sequence
 from pydantic import ValidationError
 
 from ..core.errors import TraceError, TraceVersionError, UnknownChunkError
-from .events import EVENT_ADAPTER, FORMAT, FORMAT_VERSION, Arrive, Event, TraceHeader
+from .events import EVENT_ADAPTER, FORMAT, FORMAT_VERSION, OPS, Arrive, Event, TraceHeader
 
 
 @dataclass
@@ -64,7 +64,7 @@ def _field_of(exc: ValidationError) -> tuple[str | None, str]:
     err = exc.errors()[0]
     loc = [str(x) for x in err.get("loc", ())]
     # a discriminated union puts the op name first: report the field inside the event
-    if len(loc) > 1 and loc[0] in ("arrive", "query", "slide", "reorder", "evict", "recall", "fork", "commit", "discard", "step"):
+    if len(loc) > 1 and loc[0] in OPS:
         loc = loc[1:]
     fld = ".".join(loc) or None
     msg = err.get("msg", "invalid")
@@ -198,6 +198,9 @@ def check_trace(trace: Trace, *, line_nos: Sequence[int] | None = None) -> dict[
                 raise fail(f"at={ev.at} is past the window's {len(window)} chunk(s)", "at")
             evicted.discard(ev.id)
             window.insert(at, ev.id)
+        elif op == "expect":
+            if ev.id not in chunks:
+                raise fail(f"cannot expect chunk {ev.id!r}: it never arrived", "id", UnknownChunkError)
         elif op == "reorder":
             unknown = [c for c in ev.order if c not in window]
             if unknown:

@@ -169,7 +169,10 @@ class WindowAnticipation:
         return ctx.predictor
 
     def _observe(self, receipt: Receipt) -> None:
-        """Let the recall predictor learn from a finished operation."""
+        """Let the recall predictor learn from a finished operation; a recall uses up its hint."""
+        if receipt.op == "recall" and "_expected" in self.__dict__:
+            for ref in receipt.refs:
+                self.expected.pop(ref, None)
         self.recall_predictor.observe(receipt, self._state)
 
     def _anticipate(self, max_steps: int | None, max_tokens: int | None = None,
