@@ -175,3 +175,35 @@ def test_replay_cli_refuses_a_bad_idle_rate_before_any_work(tmp_path, capsys, ar
     path = write_trace(tmp_path / "t.jsonl", trace.header, trace.events)
     assert main(["replay", str(path), "--jobs", "1", *argv]) == 1
     assert message in capsys.readouterr().err
+
+
+def old_recall_trace(hint: bool):
+    """Two groups leave (a, then c); after an idle that affords one prediction the agent recalls
+    the older one, a: only the agent's hint makes it the one prepared."""
+    b = TraceBuilder(TraceHeader(generator="test"))
+    for name in ("task", "a", "b", "c"):
+        b.arrive(name, len(PAGES[name]), name)
+    b.evict("a")
+    b.query(4, 1)
+    b.evict("c")
+    if hint:
+        b.expect("a")
+    b.step(idle=10.0)  # a costs 8 tokens (its canonical and its patch), c 6: one of them fits
+    b.recall("a")
+    return b.build(name=f"old-recall-{hint}")
+
+
+def test_an_expect_event_steers_a_small_idle_budget(backend):
+    from contextdeque.core.errors import UnknownChunkError
+    from contextdeque.traces import Expect, trace_from_events
+
+    for hint, fresh in ((True, 1.0), (False, 0.0)):
+        trace = old_recall_trace(hint)
+        assert sum(e.op == "expect" for e in trace.events) == int(hint)
+        win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=True)
+        hits = HitRate()
+        drive_window(win, trace, lambda ev: PAGES[ev.id], on_step=hits.add, idle_tokens=lambda ms: int(ms))
+        assert hits.rate(["recall"]) == fresh
+        assert not win.expected  # the recall used the hint up
+    with pytest.raises(UnknownChunkError, match="never arrived"):
+        trace_from_events(TraceHeader(generator="test"), [Expect(id="ghost")])

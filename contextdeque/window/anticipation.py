@@ -192,13 +192,19 @@ class WindowAnticipation:
             ref = anticipate_slide(self, state, meter)
             return {"refs": () if ref is None else (ref,)}, None
 
-        if max_tokens is None or max_tokens > 0:
-            receipt = self._run("anticipate", slide_body)[0]
-            if receipt.refs:
-                steps.append(receipt)
         budgeted = max_tokens is not None or deadline is not None
-        predictions = recall_candidates(self, self._state)[: MAX_PREDICTIONS if budgeted else ANTICIPATED_RECALLS]
+        predictions: list[Prediction | None] = list(
+            recall_candidates(self, self._state)[: MAX_PREDICTIONS if budgeted else ANTICIPATED_RECALLS])
+        # what the agent said comes first, then the next slide's canonical, then the other predictions
+        hinted = sum(1 for p in predictions if p is not None and p.source == "expected")
+        predictions.insert(hinted, None)
         for prediction in predictions:
+            if prediction is None:
+                if max_tokens is None or spent() < max_tokens:
+                    receipt = self._run("anticipate", slide_body)[0]
+                    if receipt.refs:
+                        steps.append(receipt)
+                continue
             if max_steps is not None and len(steps) >= max_steps:
                 break
             if deadline is not None and time.perf_counter() >= deadline:
