@@ -207,3 +207,16 @@ def test_an_expect_event_steers_a_small_idle_budget(backend):
         assert not win.expected  # the recall used the hint up
     with pytest.raises(UnknownChunkError, match="never arrived"):
         trace_from_events(TraceHeader(generator="test"), [Expect(id="ghost")])
+
+
+def test_session_predictor_memory_is_bounded_by_the_evicted_set(backend, monkeypatch):
+    from contextdeque.window import predictor_session
+
+    monkeypatch.setattr(predictor_session, "REMEMBERED", 2)
+    win, refs = window(backend)
+    for name in ("a", "b", "c"):
+        win.evict(refs[name])
+    win.recall(refs["a"])
+    win.recall(refs["b"])
+    win.evict(refs["d"])  # over the bound: only the refs still evicted are remembered
+    assert set(win.recall_predictor.group_of) == {refs["c"], refs["d"]}

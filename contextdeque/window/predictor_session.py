@@ -34,6 +34,7 @@ HINT_PROBABILITY = 0.9  # the agent said it may look there next
 MIN_CHAIN_PROBABILITY = 0.1  # a chain stops where the chance that the group gets that far falls below this
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the recency prior in the learned rank histogram
 EVICTING = ("evict", "slide")
+REMEMBERED = 4096  # group memberships kept before those of refs no longer evicted are dropped
 
 
 class SessionPredictor(RecallPredictor):
@@ -70,6 +71,10 @@ class SessionPredictor(RecallPredictor):
                 self.group_of[ref] = self.groups_evicted
                 self.members[self.groups_evicted].append(ref)
         self._last_op = op
+        if len(self.group_of) > REMEMBERED:  # bounded: forget the refs that are back or forgotten
+            self.group_of = {r: g for r, g in self.group_of.items() if r in state.evicted}
+            kept = set(self.group_of.values())
+            self.members = {g: [r for r in m if r in self.group_of] for g, m in self.members.items() if g in kept}
 
     def _learn_recall(self, ref: ChunkRef, state: "WindowState") -> None:
         self.recalls += 1
