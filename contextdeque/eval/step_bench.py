@@ -6,7 +6,9 @@ The window holds ``n_pages`` pages of real text (``pydoc_data.topics``) that the
 page was seen earlier and slid out (it is in the store). For each patch policy and step type:
 
 - ``slide``: ``slide(1)``;
-- ``recall``: ``recall(old page)`` at the end (the budget slides the oldest page out);
+- ``recall``: ``recall(old page, at="end")`` (the budget slides the oldest page out);
+- ``recall-valid``: ``recall(old page)``: the window chooses where (``recall_placement``, default
+  ``"valid"``: where a stored patch stays valid, or the front; the receipt's ``placed`` says);
 - ``look-back``: ``recall(old page, at=0)``: the old page goes back in front;
 - ``reorder``: the window reversed;
 - ``fork+reorder``: ``fork()`` then the child's first two pages swapped (an order no earlier
@@ -38,11 +40,13 @@ from typing import Any, Callable
 
 import torch
 
+from .. import scheduler  # noqa: F401  (registers the scheduler's placements: recall_placement="valid")
 from ..core.metrics import kl_divergence
 from ..kernels.bench_util import copy_bandwidth
+from ..window.placement import END
 from ..window.window import ContextWindow
 
-STEPS = ("slide", "recall", "look-back", "reorder", "fork+reorder", "append")
+STEPS = ("slide", "recall", "recall-valid", "look-back", "reorder", "fork+reorder", "append")
 
 
 @dataclass
@@ -63,6 +67,7 @@ class StepRow:
     page_mb: float
     floor_ms: float
     served: str = ""  # what the step's receipt says each re-conditioned chunk was served (Receipt.served)
+    placed: str = ""  # for a recall: the index it went to and why (Receipt.placed)
 
     @property
     def vs_reprefill(self) -> float:
@@ -190,6 +195,8 @@ def run_steps(
                 if step == "slide":
                     return target.slide(1)
                 if step == "recall":
+                    return target.recall(old_ref, at=END)
+                if step == "recall-valid":  # the window chooses (recall_placement)
                     return target.recall(old_ref)
                 if step == "look-back":
                     return target.recall(old_ref, at=0)
@@ -229,6 +236,7 @@ def run_steps(
                 deferred=len(receipt.deferred), page_mb=page_bytes / 1e6,
                 floor_ms=page_bytes / bandwidth * 1000.0,
                 served=",".join(sorted({what for _, what in receipt.served})),
+                placed=";".join(f"@{i}: {why}" for _, i, why in receipt.placed),
             ))
             if target is not win:
                 target.discard()
@@ -271,7 +279,7 @@ def window_step_ttft(
             sync(backend.device)
             t0 = time.perf_counter()
             win.slide(1)
-            win.recall(old_ref)
+            win.recall(old_ref, at=END)
             sync(backend.device)
             t_step = time.perf_counter()
             logits = _answer_logits(win, question)

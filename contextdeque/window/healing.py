@@ -77,8 +77,9 @@ class WindowHealing:
             return []
         return [r for r, e in self._state.evicted.items() if e.owes_encode]
 
-    def _heal_step(self) -> Receipt:
-        """One heal transaction (see :meth:`heal`)."""
+    def _heal_step(self, target: ChunkRef | None = None) -> Receipt:
+        """One heal transaction (see :meth:`heal`): ``target`` (a pending chunk; default: the one of
+        highest :meth:`heal_priority`) and the pending chunks in front of it."""
 
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
             ctx = self._ctx
@@ -96,8 +97,8 @@ class WindowHealing:
                     state.evicted[ref] = dataclasses.replace(entry, provisional=None, unhealed=False, source=source)
                     return {"refs": (ref,)}, None
                 return {"refs": ()}, None  # healed meanwhile (e.g. by a foreground heal): nothing to do
-            target = max(state.pending, key=self.heal_priority)
-            idx = state.index(target)
+            chosen = target if target is not None and target in state.pending else max(state.pending, key=self.heal_priority)
+            idx = state.index(chosen)
             batch = [s.ref for s in state.slots[: idx + 1] if s.ref in state.pending]
             reasons = {r: state.pending[r].reason for r in batch}
             eager = getattr(ctx.policy, "eager", ctx.policy)

@@ -12,6 +12,7 @@ from ..stores import TierTraffic
 
 if TYPE_CHECKING:  # pragma: no cover
     from .context import WindowContext
+    from .budget import BudgetReport
     from .graph import Cascade
     from .ref import ChunkRef
 
@@ -113,6 +114,12 @@ class Receipt:
             ``"blind"`` / ``"conditioned"`` (deferred: as in ``deferred``).
         fidelity_misses: chunks (re)conditioned by this operation whose patch the byte cap could
             not fit ``fidelity_target`` into, and what ``on_miss`` did (:class:`FidelityMiss`).
+        placed: for ``recall``, ``(ref, index, why)``: where the chunk went and why (``"asked"``:
+            the agent pinned it; else what the window's choice found there, e.g. ``"front:
+            canonical exact"``, ``"behind its stored patch's antecedents"``, ``"end"``).
+        budget: under ``answer_kl_budget``, what the fidelity floor estimated per chunk (served,
+            deficit, estimated KL), for the arrangement, and what it formed
+            (:class:`~.budget.BudgetReport`); None without a budget.
     """
 
     op: str
@@ -135,6 +142,8 @@ class Receipt:
     repairs: tuple[str, ...] = field(default=(), metadata=ADDS)
     served: tuple[tuple["ChunkRef", str], ...] = field(default=(), metadata=ADDS)
     fidelity_misses: tuple[FidelityMiss, ...] = field(default=(), metadata=ADDS)
+    placed: tuple[tuple["ChunkRef", int, str], ...] = field(default=(), metadata=ADDS)
+    budget: "BudgetReport | None" = None
 
     def __add__(self, other: "Receipt") -> "Receipt":
         """The sum of two receipts' added fields (counts, bytes per tier, wall time, refs, notes,
@@ -191,6 +200,8 @@ class Receipt:
             "repairs": list(self.repairs),
             "served": [[r.key, what] for r, what in self.served],
             "fidelity_misses": [m.as_dict() for m in self.fidelity_misses],
+            "placed": [[r.key, i, why] for r, i, why in self.placed],
+            "budget": None if self.budget is None else self.budget.as_dict(),
         }
 
     def summary(self) -> str:

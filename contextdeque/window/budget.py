@@ -1,0 +1,155 @@
+"""A fidelity floor users can set: ``ContextWindow(..., answer_kl_budget=...)``.
+
+A latency-first window answers a re-read with no forward on the critical path; what it could not
+serve valid (no stored patch, anticipation missed) it serves stale or blind and queues for
+``heal``. This module estimates what that costs the next answer and, when the estimate is above the
+budget, lets the step form the one patch that matters most, within a time cap.
+
+**The estimate.** Per chunk in the window, its *deficit* in [0, 1]: 0 for a chunk holding what the
+eager policy would give it (a valid patch, its canonical at the front, its own conditioned forward
+where it was read), its staleness score (``window.staleness``) for a chunk served stale, 1 for a
+blind canonical behind other chunks. Its estimated next-token KL is ``blind_kl x deficit``, where
+``blind_kl`` is the KL a blind chunk costs the answer: ``WindowConfig.blind_kl`` (default
+:data:`DEFAULT_BLIND_KL`, measured on the default model). The arrangement's estimate is the sum over
+chunks (conservative: every deficit adds to the answer's). Valid chunks count 0: the budget bounds
+what deferral costs over the eager policy, whose own residual (a rank-m patch, ~1e-3 on the default
+model) is the floor no budget below it can reach.
+
+**The step.** After an operation, when its estimate exceeds ``answer_kl_budget``, the pending chunk
+with the largest estimate is healed at once (one heal step: the eager policy's decision for it, on
+the window as it now stands, with any pending chunk in front of it first), if the forwards that
+takes are predicted to fit ``kl_budget_ms`` (predicted from the window family's measured ms per
+prefilled token; the first time, with nothing measured, it runs). The operation's receipt then
+holds both (``Receipt.budget`` says what was estimated and done).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .ref import ChunkRef
+from .slot import Slot
+from .staleness import staleness
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .receipt import Receipt
+    from .state import WindowState
+    from .window import ContextWindow
+
+DEFAULT_BLIND_KL = 0.06
+"""Next-token KL one blind chunk costs the answer on the default model (SmolLM2-135M, 4 x 512-token
+pages): ``window-bench --miss``'s ``blind`` arm (recall at the end, canonical relocated) measured
+0.06; the issue's latency-first recall step 0.061. A prior: set ``blind_kl`` for another model."""
+
+
+@dataclass(frozen=True)
+class ChunkEstimate:
+    """One chunk's state after an operation: what it holds (``served``: ``"valid"``, or the deferred
+    ``"stale"`` / ``"blind"`` / ``"conditioned"``), its deficit and its estimated KL."""
+
+    ref: ChunkRef
+    served: str
+    deficit: float
+    kl: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ref": self.ref.key, "served": self.served, "deficit": round(self.deficit, 4), "kl": self.kl}
+
+
+@dataclass(frozen=True)
+class BudgetReport:
+    """What the fidelity floor saw and did on one operation.
+
+    ``estimate``: the arrangement's estimated KL after the operation (before any fix);
+    ``after``: after the fix (== ``estimate`` when nothing was formed); ``budget``: the setting;
+    ``formed``: the chunk healed to meet it (None: none); ``skipped``: why nothing was formed
+    although the estimate was above the budget (``"over the time cap"``), else ""; ``chunks``:
+    per chunk estimates after the fix."""
+
+    budget: float
+    estimate: float
+    after: float
+    formed: ChunkRef | None
+    skipped: str
+    predicted_ms: float | None
+    chunks: tuple[ChunkEstimate, ...]
+
+    @property
+    def bound(self) -> bool:
+        """Whether the budget made the operation form something."""
+        return self.formed is not None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"budget": self.budget, "estimate": self.estimate, "after": self.after,
+                "formed": None if self.formed is None else self.formed.key, "skipped": self.skipped,
+                "predicted_ms": self.predicted_ms, "chunks": [c.as_dict() for c in self.chunks]}
+
+
+def chunk_estimates(slots: Sequence[Slot], pending: Any, served: dict[ChunkRef, str], blind_kl: float) -> list[ChunkEstimate]:
+    """Per slot (window order): its deficit and estimated KL (see the module doc). ``pending``: the
+    refs queued for healing; ``served``: what the operation served each deferred chunk."""
+    out = []
+    for i, s in enumerate(slots):
+        if s.ref not in pending:
+            out.append(ChunkEstimate(s.ref, "valid", 0.0, 0.0))
+            continue
+        deficit = staleness(s, slots[:i])
+        what = served.get(s.ref) or ("blind" if not s.stack and not s.provisional else "stale")
+        out.append(ChunkEstimate(s.ref, what, deficit, blind_kl * deficit))
+    return out
+
+
+def _ms_per_token(win: "ContextWindow") -> float | None:
+    rate = win._ctx.__dict__.get("_budget_ms_per_token")
+    return None if rate is None else float(rate)
+
+
+def learn_rate(win: "ContextWindow", receipt: "Receipt") -> None:
+    if receipt.tokens_prefilled > 0 and receipt.wall_ms > 0:
+        rate = receipt.wall_ms / receipt.tokens_prefilled
+        old = _ms_per_token(win)
+        win._ctx.__dict__["_budget_ms_per_token"] = rate if old is None else 0.5 * (old + rate)
+
+
+def _predicted_tokens(state: "WindowState", target: ChunkRef) -> int:
+    """Tokens the heal step for ``target`` prefills at most: it and the pending chunks in front."""
+    idx = state.index(target)
+    return sum(s.n_tokens for s in state.slots[: idx + 1] if s.ref in state.pending)
+
+
+def enforce(win: "ContextWindow", receipt: "Receipt") -> "Receipt":
+    """After an operation (``receipt``, already installed): estimate, and heal the one chunk that
+    matters most when the estimate exceeds the window's ``answer_kl_budget`` within
+    ``kl_budget_ms`` (see the module doc). Returns the operation's receipt, with the heal step's
+    costs added and ``budget`` set."""
+    import dataclasses
+
+    cfg = win._ctx.config
+    budget = cfg.answer_kl_budget
+    if budget is None:
+        return receipt
+    state = win._state
+    served = {r: what for r, what, _ in receipt.deferred}
+    chunks = chunk_estimates(state.slots, state.pending, served, cfg.blind_kl)
+    estimate = sum(c.kl for c in chunks)
+    formed, skipped, predicted, after_chunks = None, "", None, chunks
+    out = receipt
+    if estimate > budget:
+        target = max((c for c in chunks if c.kl > 0), key=lambda c: c.kl).ref
+        rate = _ms_per_token(win)
+        predicted = None if rate is None else rate * _predicted_tokens(state, target)
+        if cfg.kl_budget_ms is not None and predicted is not None and predicted > cfg.kl_budget_ms:
+            skipped = f"over the time cap ({predicted:.0f} ms predicted > {cfg.kl_budget_ms:g} ms)"
+        else:
+            step = win._heal_step(target)
+            learn_rate(win, step)
+            formed = target
+            out = receipt + step
+            out.notes = out.notes + (f"answer_kl_budget: healed #{target.key} (estimate {estimate:.2e} > {budget:g})",)
+            after_chunks = chunk_estimates(win._state.slots, win._state.pending, served, cfg.blind_kl)
+    report = BudgetReport(budget=budget, estimate=estimate, after=sum(c.kl for c in after_chunks), formed=formed,
+                          skipped=skipped, predicted_ms=predicted, chunks=tuple(after_chunks))
+    out = dataclasses.replace(out, budget=report)
+    win.last_receipt = out  # (the operation and the heal step are each in ``receipts`` already)
+    return out
