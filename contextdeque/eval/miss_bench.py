@@ -131,8 +131,7 @@ def run_miss_bench(backend: Any, pages: list[list[int]], question: list[int], *,
     half = L // 2
     arm(f"deep-patch({rank}, {half}/{L} layers)", 1.0, patched("deep", rank, deep_layers=half))
     root = backend.root_kv()
-    for frac in shallow_layers:
-        first = max(1, min(L - 1, round(frac * L)))
+    for first in sorted({max(1, min(L - 1, round(frac * L))) for frac in shallow_layers}):
         # the stored mid-depth state: from the canonical encode (page after the root), off the critical path
         hidden = run_hidden_at(backend.model, backend.n_pos_axes, input_ids=chunk.token_ids,
                                positions=chunk.positions(backend.root_len), past=root, layer=first)

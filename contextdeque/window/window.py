@@ -560,7 +560,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
                 why = "asked" if pinned else "end: no canonical yet (one forward behind the window)"
             else:
                 entering = Slot(ref=ref, chunk=chunk)
-                asked, chooser = pos, recall_chooser(ctx)
+                asked, chooser = pos, (None if pinned else recall_chooser(ctx))
                 if pinned or chooser is None:  # the window's placement, at the asked index (today's rule)
                     pos = window_index(ctx, state.graph, slots, entering, pos, entry.formed_on)
                 else:
