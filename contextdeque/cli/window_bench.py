@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-steps", action="store_true", help="skip the per-step re-read table")
     parser.add_argument("--step-policies", default="eager,latency,latency+anticipate",
                         help="policies for the per-step table (name+anticipate: with anticipate=True)")
+    parser.add_argument("--steps", default=None,
+                        help="per-step table: which steps, comma-separated (default: all of slide, recall, "
+                             "recall-valid, look-back, reorder, fork+reorder, append)")
     parser.add_argument("--no-idle", action="store_true",
                         help="per-step table: no heal() while its window is built (what a miss costs)")
     parser.add_argument("--no-healer", action="store_true", help="skip the idle healer's interference probe")
@@ -53,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         backend, n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
         policy=args.policy, rank=args.rank, step_policies=policies, step_idle=not args.no_idle,
         healer=not args.no_healer,
+        steps=None if args.steps is None else tuple(s.strip() for s in args.steps.split(",") if s.strip()),
     )
     steps, healer = result["steps"], result["healer"]
     flow = []

@@ -160,6 +160,9 @@ def run_steps(
     (``window.anticipation``: ``heal()`` also prepares the next likely re-reads).
     ``idle=False``: no ``heal()`` while the window is built (no idle time before the step: what
     a miss costs); the healed columns still heal after the step."""
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        raise ValueError(f"unknown step(s) {unknown}; known: {', '.join(STEPS)}")
     size = len(pages[0])
     need = n_pages + 2
     if len(pages) < need:

@@ -16,10 +16,11 @@ what deferral costs over the eager policy, whose own residual (a rank-m patch, ~
 model) is the floor no budget below it can reach.
 
 **The step.** After an operation, when its estimate exceeds ``answer_kl_budget``, the pending chunk
-with the largest estimate is healed at once (one heal step: the eager policy's decision for it, on
-the window as it now stands, with any pending chunk in front of it first), if the forwards that
-takes are predicted to fit ``kl_budget_ms`` (predicted from the window family's measured ms per
-prefilled token; the first time, with nothing measured, it runs). The operation's receipt then
+with the largest estimate (among equals, the one the operation brought in: a recall miss forms the
+recalled chunk's own patch) gets one forward at once (:func:`heal_one`: the heal step when nothing
+pending stands in front of it, else its patch on the window as it stands, not stored), if that
+forward is predicted to fit ``kl_budget_ms`` (from the window family's measured ms per prefilled
+token; the first time, with nothing measured, it runs). The operation's receipt then
 holds both (``Receipt.budget`` says what was estimated and done).
 """
 
@@ -33,7 +34,7 @@ from .slot import Slot
 from .staleness import staleness
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .receipt import Receipt
+    from .receipt import Meter, Receipt
     from .state import WindowState
     from .window import ContextWindow
 
@@ -113,9 +114,45 @@ def learn_rate(win: "ContextWindow", receipt: "Receipt") -> None:
 
 
 def _predicted_tokens(state: "WindowState", target: ChunkRef) -> int:
-    """Tokens the heal step for ``target`` prefills at most: it and the pending chunks in front."""
+    """Tokens the budget's step for ``target`` prefills: its own (see :func:`heal_one`)."""
+    return state.slots[state.index(target)].n_tokens
+
+
+def heal_one(win: "ContextWindow", target: ChunkRef) -> "Receipt":
+    """One forward for ``target``, as a transaction. With nothing pending in front of it, the heal
+    step (the eager policy's decision, stored under its usual key: exactly what ``heal()`` would
+    form). Otherwise its patch is formed on the window as it stands (the stale or blind chunks in
+    front included), placed but **not stored** (a stored patch is keyed by the antecedents' ids, and
+    these antecedents are not in the state the key promises), and it stays queued: ``heal()`` later
+    forms the eager policy's patch once the chunks in front are healed."""
+    state = win._state
     idx = state.index(target)
-    return sum(s.n_tokens for s in state.slots[: idx + 1] if s.ref in state.pending)
+    if not any(s.ref in state.pending for s in state.slots[:idx]) or state.slots[idx].provisional:
+        return win._heal_step(target)
+
+    def body(state: "WindowState", meter: "Meter") -> tuple[dict[str, Any], None]:
+        from ..core.kv import concat_kv
+        from ..patch import form_patch
+        from .reconcile import place
+        from .slot import Conditioning
+
+        ctx = win._ctx
+        slots = list(state.slots)
+        i = state.index(target)
+        slot, prefix = slots[i], slots[:i]
+        rk, rv = ctx.formation_ranks(ctx.rank, slot.chunk.n_tokens)
+        patch = form_patch(ctx.backend, slot.chunk, antecedents=[(s.chunk, list(s.patches)) for s in prefix],
+                           rank=rk, rank_v=rv, kind="recall", fidelity=ctx.fidelity_rule,
+                           past=concat_kv([ctx.backend.root_kv(), *(s.page for s in prefix)]))
+        meter.patches_formed += 1
+        cond = Conditioning(patch=patch, formed_on=tuple((s.ref, s.version) for s in prefix), absolute=True)
+        slots[i] = place(ctx, slot, slot.start, (cond,), meter)
+        meter.served[target] = "fresh"
+        meter.notes.append(f"#{target.key}: recall patch on the window as it stands (not stored; still queued)")
+        state.slots = tuple(slots)
+        return {"refs": (target,)}, None
+
+    return win._run("budget", body)[0]
 
 
 def enforce(win: "ContextWindow", receipt: "Receipt") -> "Receipt":
@@ -136,13 +173,16 @@ def enforce(win: "ContextWindow", receipt: "Receipt") -> "Receipt":
     formed, skipped, predicted, after_chunks = None, "", None, chunks
     out = receipt
     if estimate > budget:
-        target = max((c for c in chunks if c.kl > 0), key=lambda c: c.kl).ref
+        # the largest estimate; among equals the chunk the operation brought in (a miss forms the
+        # recalled chunk's own patch first: the chunks behind it keep theirs, as survivors do)
+        own = set(receipt.refs)
+        target = max((c for c in chunks if c.kl > 0), key=lambda c: (c.kl, c.ref in own)).ref
         rate = _ms_per_token(win)
         predicted = None if rate is None else rate * _predicted_tokens(state, target)
         if cfg.kl_budget_ms is not None and predicted is not None and predicted > cfg.kl_budget_ms:
             skipped = f"over the time cap ({predicted:.0f} ms predicted > {cfg.kl_budget_ms:g} ms)"
         else:
-            step = win._heal_step(target)
+            step = heal_one(win, target)
             learn_rate(win, step)
             formed = target
             out = receipt + step

@@ -80,7 +80,7 @@ class LatencyPolicy(PatchPolicy):
         if slot.provisional:  # no canonical yet: it keeps its conditioned KV until healed
             if reason is not None and not prefix:  # at the front the canonical is exact: heal computes it
                 return replace(KEEP, deferred=True)
-            return KEEP if wanted.action == "keep" else replace(KEEP, deferred=True)
+            return KEEP if wanted.action == "keep" or _never_forms(wanted) else replace(KEEP, deferred=True)
         if wanted.action != "form" or _never_forms(wanted):
             return wanted  # (a store lookup that falls back to keep/clear runs no forward either)
         return _store_only(wanted, self._stand_in(slot, prefix, wanted))
