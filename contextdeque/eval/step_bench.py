@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import scheduler  # noqa: F401  (registers the scheduler's placements: recall_placement="valid")
+from ..scheduler import ValidPlacement  # noqa: F401  (registers recall_placement="valid")
 from ..core.metrics import kl_divergence
 from ..kernels.bench_util import copy_bandwidth
 from ..window.placement import END
