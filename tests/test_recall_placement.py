@@ -44,6 +44,7 @@ def test_lookback_goes_back_behind_its_antecedents_and_revalidates_the_tail(micr
     assert w.refs == (a, b, c, d)
     assert r.forwards == 0 and r.patches_reused == 1 and r.patches_formed == 0
     assert r.placed == ((b, 1, "behind its stored patch's antecedents"),)
+    assert dict(r.served) == {b: "recurring"}  # its patch on (a): formed at its append, served again
     assert _all_valid(w)  # c and d hold what they held before b left: valid again
     for (k0, v0), (k1, v1) in zip(before, _cache(w)):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
@@ -122,3 +123,14 @@ def test_valid_placement_is_registered():
 
     p = make_placement("valid")
     assert isinstance(p, ValidPlacement) and p.weights.diverge == 0.0
+
+
+def test_served_says_orbit_for_a_stored_orbit_patch(micro):
+    w, (a, b, c, d) = _window(micro)
+    first = w.reorder([b, a, c, d])  # c: the same antecedent set in another order: an orbit patch
+    assert dict(first.served)[c] == "fresh" and dict(first.served)[a] == "fresh"
+    w.reorder([a, b, c, d])
+    again = w.reorder([b, a, c, d])
+    assert again.forwards == 0
+    assert dict(again.served)[c] == "orbit"  # the stored orbit patch of {a, b}
+    assert dict(again.served)[a] == "recurring"  # its exact patch on (b), formed by the first reorder

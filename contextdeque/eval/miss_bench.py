@@ -23,7 +23,8 @@ chunk behind re-patched: one forward each).
 
 ``forwards`` counts layer passes in units of one full forward over the page (a shallow recompute at
 layer l: ``(L-l)/L``). ``critical ms``: median of ``runs`` timings of what the step runs before the
-answer can start (the forward(s), the SVD, the page's placement). Nothing is asserted: it prints
+answer can start (the forward(s), the SVD, the page's placement; the look-back rows: one run each,
+as the window runs them). Nothing is asserted: it prints
 what it measured.
 """
 
@@ -41,6 +42,7 @@ from ..core.metrics import kl_divergence
 from ..core.operator import relocate, to_content_frame
 from ..model.forward import run_deep_forward, run_hidden_at
 from ..patch import form_patch
+from ..window.placement import END
 from ..window.window import ContextWindow
 from .step_bench import _answer_logits, _reprefill, _window_ids, sync
 
@@ -102,7 +104,7 @@ def run_miss_bench(backend: Any, pages: list[list[int]], question: list[int], *,
 
     # ---- recall at the end: the survivors as the eager recall leaves them, the recalled page per arm
     lead = win.fork()
-    lead.recall(old_ref)  # the budget slides the oldest page out; survivors keep their KV
+    lead.recall(old_ref, at=END)  # the budget slides the oldest page out; survivors keep their KV
     ants = [r for r in lead.refs if r != old_ref]
     past = concat_kv([backend.root_kv(), *(lead.kv(r) for r in ants)])
     chunk = lead.chunk(old_ref)
@@ -151,23 +153,21 @@ def run_miss_bench(backend: Any, pages: list[list[int]], question: list[int], *,
         row.eta = None if blind_kl <= 0 else (blind_kl - row.kl_answer) / blind_kl
 
     # ---- look-back in front: the page exact at the front, the tail behind it kept or re-formed
+    # (once each: a fork shares the store, so a second run would find the first run's patches)
     for tail in ("keep", "reform"):
         if progress:
             progress(f"look-back: tail {tail}")
-        times, kl, fwd = [], 0.0, 0.0
-        for _ in range(max(1, runs)):
-            child = win.fork()
-            sync(dev)
-            t = time.perf_counter()
-            receipt = child.recall(old_ref, at=0)
-            if tail == "reform":
-                receipt = receipt + child.refresh([r for r in child.refs if r != old_ref])
-            sync(dev)
-            times.append((time.perf_counter() - t) * 1000.0)
-            fwd = float(receipt.forwards)
-            ref_logits, _ = _reprefill(backend, _window_ids(child) + question)
-            kl = kl_divergence(ref_logits, _answer_logits(child, question))
-            child.discard()
-        rows.append(MissRow("look-back", f"tail {tail}", fwd, statistics.median(times), 0.0, kl, None))
+        child = win.fork()
+        sync(dev)
+        t = time.perf_counter()
+        receipt = child.recall(old_ref, at=0)
+        if tail == "reform":
+            receipt = receipt + child.refresh([r for r in child.refs if r != old_ref])
+        sync(dev)
+        ms = (time.perf_counter() - t) * 1000.0
+        ref_logits, _ = _reprefill(backend, _window_ids(child) + question)
+        kl = kl_divergence(ref_logits, _answer_logits(child, question))
+        child.discard()
+        rows.append(MissRow("look-back", f"tail {tail}", float(receipt.forwards), ms, 0.0, kl, None))
     win.close()
     return rows

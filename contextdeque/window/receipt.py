@@ -109,7 +109,8 @@ class Receipt:
         repairs: what the operation repaired: store copies that failed verification and were
             quarantined, and the canonicals / patches rebuilt from their source in their place.
         served: per chunk given conditioning (or deferred), ``(ref, what)``: ``"fresh"`` (a
-            patch formed now), ``"stored"`` (a valid stored patch), ``"anticipated"`` (a valid
+            patch formed now), ``"recurring"`` / ``"orbit"`` (a valid stored exact / orbit patch,
+            ``reconcile.served_label``), ``"anticipated"`` (a valid
             patch anticipation formed in idle time, ``window.anticipation``), ``"stale"`` /
             ``"blind"`` / ``"conditioned"`` (deferred: as in ``deferred``).
         fidelity_misses: chunks (re)conditioned by this operation whose patch the byte cap could
@@ -247,7 +248,7 @@ class Meter:
         # deferred ref -> the antecedents its conditioning carried before the deferral
         self.carried: dict["ChunkRef", tuple] = {}
         # ref -> the conditioning a chunk given new conditioning (or a deferred one) was served:
-        # "fresh" (formed now), "stored" / "anticipated" (a valid stored patch; anticipated: formed
+        # "fresh" (formed now), "recurring" / "orbit" / "anticipated" (a valid stored patch; anticipated: formed
         # ahead in idle time, window.anticipation), "stale" / "blind" / "conditioned" (deferred)
         self.served: dict["ChunkRef", str] = {}
         self.repairs: list[str] = []  # rebuilt from source (quarantines come from the traffic)

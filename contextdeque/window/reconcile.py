@@ -62,6 +62,16 @@ def patch_key_for(ctx: WindowContext, chunk, prefix_ids: Sequence[str], kind: st
     return WindowStore.patch_key(chunk, sig, PATCH_KINDS[kind].store_kind(), ranks)
 
 
+def served_label(kind: str, reused: bool, anticipated: bool) -> str:
+    """What ``Receipt.served`` says a chunk given a patch was served: ``"fresh"`` (formed now),
+    ``"anticipated"`` (a stored patch anticipation formed in idle time), ``"orbit"`` (a stored orbit
+    patch: every ordering of its antecedent set), ``"recurring"`` (a stored patch formed earlier for
+    this very arrangement: a recurring antecedent, amortized)."""
+    if not reused:
+        return "fresh"
+    return "anticipated" if anticipated else "orbit" if kind == "orbit" else "recurring"
+
+
 def obtain(
     ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], decision: Decision, meter: Meter
 ) -> Conditioning | None:
@@ -107,7 +117,7 @@ def obtain(
             meter.repairs.append(f"re-formed the {kind} patch of #{slot.ref.key} (its stored copy was corrupt)")
     else:
         meter.patches_reused += 1
-    meter.served[slot.ref] = ("anticipated" if key in ctx.anticipated_keys else "stored") if reused else "fresh"
+    meter.served[slot.ref] = served_label(kind, reused, key in ctx.anticipated_keys)
     cap_k, cap_v = ctx.clamp_rank(FULL, slot.chunk.n_tokens)
     # a stacked correction replaces the conditioning only when it holds every direction of every
     # layer (what it holds, not what it was asked for: the fidelity rule cuts it per layer)
