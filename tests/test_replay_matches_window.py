@@ -44,9 +44,10 @@ def _replay_totals(backend, trace, placement: str, rule: str) -> dict[str, int]:
 
 
 def test_the_rules_and_placements_cover_the_window():
-    """Guards the parametrization: the four window policies and both online placements."""
+    """Guards the parametrization: the four window policies and the three online placements
+    (``valid``: the scheduler without a divergence price, recall_placement's default)."""
     assert WINDOW_RULES == ["blind", "patch", "patch-latency", "patch-latency-shared"]
-    assert ONLINE_PLACEMENTS == ["arrival", "scheduler"]
+    assert ONLINE_PLACEMENTS == ["arrival", "scheduler", "valid"]
 
 
 @pytest.mark.parametrize("placement", ONLINE_PLACEMENTS)
