@@ -40,8 +40,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 DEFAULT_BLIND_KL = 0.06
 """Next-token KL one blind chunk costs the answer on the default model (SmolLM2-135M, 4 x 512-token
-pages): ``window-bench --miss``'s ``blind`` arm (recall at the end, canonical relocated) measured
-0.06; the issue's latency-first recall step 0.061. A prior: set ``blind_kl`` for another model."""
+pages of pydoc text), measured: 0.033 (``window-bench --miss``, the ``blind`` arm: the page recalled
+at the end as its relocated canonical), 0.061 (issue 21's latency-first recall step), 0.100 (its
+slide step, the front page blind); 0.06 is their middle. A prior: set ``blind_kl`` for another model."""
 
 
 @dataclass(frozen=True)
