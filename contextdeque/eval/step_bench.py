@@ -46,6 +46,7 @@ from ..kernels.bench_util import copy_bandwidth
 from ..window.placement import END
 from ..window.window import ContextWindow
 
+STEP_KL_BUDGET = 3e-3  # the "+budget" policies' answer_kl_budget: issue 21's acceptance KL per step
 STEPS = ("slide", "recall", "recall-valid", "look-back", "reorder", "fork+reorder", "append")
 
 
@@ -157,7 +158,9 @@ def run_steps(
     ``n_pages + 2`` pages (an old one, the window, the page ``append`` adds).
 
     A policy named ``"<name>+anticipate"`` runs ``<name>`` with ``anticipate=True``
-    (``window.anticipation``: ``heal()`` also prepares the next likely re-reads).
+    (``window.anticipation``: ``heal()`` also prepares the next likely re-reads); ``"+budget"``
+    with ``answer_kl_budget=STEP_KL_BUDGET`` (``window.budget``: a step whose estimate is above it
+    forms the one patch that matters most); both may be given (``latency+anticipate+budget``).
     ``idle=False``: no ``heal()`` while the window is built (no idle time before the step: what
     a miss costs); the healed columns still heal after the step."""
     unknown = [s for s in steps if s not in STEPS]
@@ -174,9 +177,13 @@ def run_steps(
     eager_healed: dict[str, torch.Tensor] = {}  # step -> the eager window's answer logits
     for policy in sorted(policies, key=lambda p: p != "eager"):  # eager first: the others compare to it
         # one store per policy: the eager window must not serve the latency one (or back)
-        name, _, extra = policy.partition("+")
+        name, *extras = policy.split("+")
+        unknown = set(extras) - {"anticipate", "budget"}
+        if unknown:
+            raise ValueError(f"unknown policy option(s) {sorted(unknown)} in {policy!r}: anticipate, budget")
         base = ContextWindow(backend, budget_tokens=n_pages * size, rank=rank, patch_policy=name,
-                             anticipate=extra == "anticipate")
+                             anticipate="anticipate" in extras,
+                             answer_kl_budget=STEP_KL_BUDGET if "budget" in extras else None)
         # pages the store has seen (their canonicals exist): what a re-read reads
         old_ref = base.append(chunk=backend.encode(token_ids=old))
         if idle:
