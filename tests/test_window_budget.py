@@ -106,3 +106,23 @@ def test_budget_settings_are_checked(backend):
     for bad in ({"answer_kl_budget": -1.0}, {"kl_budget_ms": -5.0}, {"blind_kl": 0.0}):
         with pytest.raises(WindowError):
             ContextWindow(backend, **bad)
+
+
+def test_valid_patches_count_the_envelopes_residual(backend, monkeypatch):
+    """Under a fidelity target on a model with a calibrated envelope, a valid chunk's estimate is
+    (1 - the envelope's η for its patch) x blind_kl; without a target it counts 0."""
+    from contextdeque.model import envelope
+    from contextdeque.model.envelope import FidelityEnvelope
+
+    env = FidelityEnvelope(fingerprint=backend.fingerprint, model="m", energies=(0.5, 0.9, 0.99),
+                           median_eta=(0.4, 0.8, 0.9), p10_eta=(0.3, 0.7, 0.8), mean_bytes_fraction=(0.1, 0.2, 0.3),
+                           n_items=3, items=("a",))
+    monkeypatch.setitem(envelope._ENVELOPES, backend.fingerprint, env)
+    win = ContextWindow(backend, rank=2, patch_policy="eager", fidelity_target=0.8, max_patch_fraction=1.0,
+                        answer_kl_budget=10.0)
+    win.append(token_ids=POOL[0])
+    r = win.append(token_ids=POOL[1]).receipt
+    second = r.budget.chunks[1]
+    assert second.served == "valid" and 0.0 < second.deficit <= 0.2 + 1e-6
+    assert second.kl == pytest.approx(DEFAULT_BLIND_KL * second.deficit)
+    assert r.budget.chunks[0].deficit == 0.0  # the front: its canonical, exact

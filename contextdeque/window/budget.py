@@ -5,15 +5,16 @@ serve valid (no stored patch, anticipation missed) it serves stale or blind and 
 ``heal``. This module estimates what that costs the next answer and, when the estimate is above the
 budget, lets the step form the one patch that matters most, within a time cap.
 
-**The estimate.** Per chunk in the window, its *deficit* in [0, 1]: 0 for a chunk holding what the
+**The estimate.** Per chunk in the window, its *deficit* in [0, 1]: for a chunk holding what the
 eager policy would give it (a valid patch, its canonical at the front, its own conditioned forward
-where it was read), its staleness score (``window.staleness``) for a chunk served stale, 1 for a
+where it was read) 0, or ``1 - η`` where its patch was formed under a ``fidelity_target`` and the
+model's calibrated envelope estimated its η (:func:`envelope_residual`); its staleness score (``window.staleness``) for a chunk served stale, 1 for a
 blind canonical behind other chunks. Its estimated next-token KL is ``blind_kl x deficit``, where
 ``blind_kl`` is the KL a blind chunk costs the answer: ``WindowConfig.blind_kl`` (default
 :data:`DEFAULT_BLIND_KL`, measured on the default model). The arrangement's estimate is the sum over
 chunks (conservative: every deficit adds to the answer's). Valid chunks count 0: the budget bounds
 what deferral costs over the eager policy, whose own residual (a rank-m patch, ~1e-3 on the default
-model) is the floor no budget below it can reach.
+model) is the floor no budget below it can reach, unless the envelope estimated it.
 
 **The step.** After an operation, when its estimate exceeds ``answer_kl_budget``, the pending chunk
 with the largest estimate (among equals, the one the operation brought in: a recall miss forms the
@@ -26,9 +27,11 @@ holds both (``Receipt.budget`` says what was estimated and done).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from ..patch.alloc import fidelity_report
 from .ref import ChunkRef
 from .slot import Slot
 from .staleness import staleness
@@ -94,7 +97,8 @@ def chunk_estimates(slots: Sequence[Slot], pending: Any, served: dict[ChunkRef, 
     out = []
     for i, s in enumerate(slots):
         if s.ref not in pending:
-            out.append(ChunkEstimate(s.ref, "valid", 0.0, 0.0))
+            deficit = envelope_residual(s)
+            out.append(ChunkEstimate(s.ref, "valid", deficit, blind_kl * deficit))
             continue
         deficit = staleness(s, slots[:i])
         what = served.get(s.ref) or ("blind" if not s.stack and not s.provisional else "stale")
@@ -105,6 +109,18 @@ def chunk_estimates(slots: Sequence[Slot], pending: Any, served: dict[ChunkRef, 
 def _ms_per_token(win: "ContextWindow") -> float | None:
     rate = win._ctx.__dict__.get("_budget_ms_per_token")
     return None if rate is None else float(rate)
+
+
+def envelope_residual(slot: Slot) -> float:
+    """The share of the blind gap a valid slot's patch leaves, by the model's calibrated envelope:
+    ``1 - η`` of its last patch where it was formed under a ``fidelity_target`` (the envelope's η
+    estimate for the energy it captured, ``patch.alloc.fidelity_report``); 0 otherwise (no estimate:
+    the eager policy's own residual is the floor)."""
+    if not slot.stack:
+        return 0.0
+    rep = fidelity_report(slot.stack[-1].patch)
+    eta = None if rep is None else rep.get("eta_est")
+    return 0.0 if eta is None else max(0.0, min(1.0, 1.0 - float(eta)))
 
 
 def learn_rate(win: "ContextWindow", receipt: "Receipt") -> None:
@@ -161,8 +177,6 @@ def enforce(win: "ContextWindow", receipt: "Receipt") -> "Receipt":
     matters most when the estimate exceeds the window's ``answer_kl_budget`` within
     ``kl_budget_ms`` (see the module doc). Returns the operation's receipt, with the heal step's
     costs added and ``budget`` set."""
-    import dataclasses
-
     cfg = win._ctx.config
     budget = cfg.answer_kl_budget
     if budget is None:
@@ -173,11 +187,14 @@ def enforce(win: "ContextWindow", receipt: "Receipt") -> "Receipt":
     estimate = sum(c.kl for c in chunks)
     formed, skipped, predicted, after_chunks = None, "", None, chunks
     out = receipt
-    if estimate > budget:
+    deferred = [c for c in chunks if c.served != "valid" and c.kl > 0]
+    if estimate > budget and not deferred:
+        skipped = "nothing deferred: the estimate is the valid patches' own residual"
+    elif estimate > budget:
         # the largest estimate; among equals the chunk the operation brought in (a miss forms the
         # recalled chunk's own patch first: the chunks behind it keep theirs, as survivors do)
         own = set(receipt.refs)
-        target = max((c for c in chunks if c.kl > 0), key=lambda c: (c.kl, c.ref in own)).ref
+        target = max(deferred, key=lambda c: (c.kl, c.ref in own)).ref
         rate = _ms_per_token(win)
         predicted = None if rate is None else rate * _predicted_tokens(state, target)
         if cfg.kl_budget_ms is not None and predicted is not None and predicted > cfg.kl_budget_ms:
@@ -188,6 +205,7 @@ def enforce(win: "ContextWindow", receipt: "Receipt") -> "Receipt":
             formed = target
             out = receipt + step
             out.notes = out.notes + (f"answer_kl_budget: healed #{target.key} (estimate {estimate:.2e} > {budget:g})",)
+            served[target] = "fresh"  # (still queued when its patch was formed on stale antecedents)
             after_chunks = chunk_estimates(win._state.slots, win._state.pending, served, cfg.blind_kl)
     report = BudgetReport(budget=budget, estimate=estimate, after=sum(c.kl for c in after_chunks), formed=formed,
                           skipped=skipped, predicted_ms=predicted, chunks=tuple(after_chunks))
