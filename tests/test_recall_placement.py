@@ -99,6 +99,19 @@ def test_no_valid_place_goes_to_the_end(micro):
     assert r.patches_formed <= r_end.patches_formed
 
 
+def test_without_the_scheduler_loaded_an_unpinned_recall_goes_to_the_end_and_says_why(micro, monkeypatch):
+    import sys
+
+    from contextdeque.window import placement
+
+    monkeypatch.delitem(placement.PLACEMENT_POLICIES, "valid")
+    monkeypatch.delitem(sys.modules, placement.SCHEDULER_MODULE)
+    w, (a, b, c, d) = _window(micro)
+    w.evict(b)
+    r = w.recall(b)
+    assert w.refs == (a, c, d, b) and "import contextdeque.scheduler" in r.placed[0][2]
+
+
 def test_recall_placement_is_checked(micro):
     with pytest.raises(WindowTypeError):
         cd.ContextWindow(micro, recall_placement=3)

@@ -171,25 +171,32 @@ def window_index(ctx: Any, graph: Any, slots: Sequence[Any], entering: Any, at: 
     return order.index(entering.ref)
 
 
-def recall_chooser(ctx: Any) -> PlacementPolicy | None:
+SCHEDULER_MODULE = "contextdeque.scheduler"
+"""Where the default ``recall_placement`` (``"valid"``) is registered (a higher layer: imported by
+``import contextdeque``, the agents and the benches; the window never imports it)."""
+
+
+def recall_chooser(ctx: Any) -> tuple[PlacementPolicy | None, str]:
     """The placement policy for recalls the agent does not pin (``WindowConfig.recall_placement``),
-    made on first use and kept on the window family's context; None: the window's own placement
-    at the end (today's rule). Made lazily because the default, ``"valid"``, is the placement
-    scheduler's (``contextdeque.scheduler`` registers it; ``import contextdeque`` and the window's
-    users in higher layers import it).
+    made on first use and kept on the window family's context, and a note: None with ``""`` for
+    ``recall_placement=None`` (the window's own placement at the end: the rule before issue 21);
+    None with the reason when the named policy is the scheduler's and the scheduler was never
+    imported in this process (the window then places at the end, and the receipt says why).
 
     Raises:
-        WindowError: the name is not registered (the message lists the registered ones)."""
+        WindowError: the name is not registered although the scheduler is loaded (a typo)."""
+    import sys
+
     spec = ctx.recall_placement
     if spec is None or isinstance(spec, PlacementPolicy):
-        return spec
+        return spec, ""
     if spec not in PLACEMENT_POLICIES:
-        raise WindowError(
-            f"recall_placement {spec!r} is not a registered placement policy (registered: "
-            f"{', '.join(sorted(PLACEMENT_POLICIES))}); the scheduler's placements register when "
-            "contextdeque.scheduler is imported (import contextdeque does it), or pass recall_placement=None")
+        if SCHEDULER_MODULE not in sys.modules:
+            return None, f"end: recall_placement {spec!r} is not registered here (import {SCHEDULER_MODULE})"
+        raise WindowError(f"recall_placement {spec!r} is not a registered placement policy (registered: "
+                          f"{', '.join(sorted(PLACEMENT_POLICIES))}), or pass recall_placement=None")
     ctx.recall_placement = make_placement(spec)
-    return ctx.recall_placement
+    return ctx.recall_placement, ""
 
 
 def placement_reason(ctx: Any, slots: Sequence[Any], entering: Any, index: int, pinned: bool) -> str:
