@@ -126,3 +126,12 @@ def test_valid_patches_count_the_envelopes_residual(backend, monkeypatch):
     assert second.served == "valid" and 0.0 < second.deficit <= 0.2 + 1e-6
     assert second.kl == pytest.approx(DEFAULT_BLIND_KL * second.deficit)
     assert r.budget.chunks[0].deficit == 0.0  # the front: its canonical, exact
+
+
+def test_a_saved_window_keeps_its_floor_and_recall_placement(backend, tmp_path):
+    win = ContextWindow(backend, rank=2, answer_kl_budget=2e-3, kl_budget_ms=50.0, blind_kl=0.1, recall_placement=None)
+    win.append(token_ids=POOL[0])
+    win.save(tmp_path / "s.cdq")
+    opened = ContextWindow.open(tmp_path / "s.cdq", backend)
+    cfg = opened.context.config
+    assert (cfg.answer_kl_budget, cfg.kl_budget_ms, cfg.blind_kl, cfg.recall_placement) == (2e-3, 50.0, 0.1, None)
