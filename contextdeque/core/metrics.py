@@ -1,7 +1,10 @@
 """Numerical comparisons every layer may use: next-token KL between two logit vectors, and
-errors in units in the last place (ULP) of a storage dtype."""
+errors in units in the last place (ULP) of a storage dtype, and quantiles of measured values."""
 
 from __future__ import annotations
+
+import math
+from typing import Sequence
 
 import torch
 
@@ -56,3 +59,15 @@ def ulp_error_at_scale(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -
     d = float((x.detach().to(torch.float64) - ref.detach().to(torch.float64)).abs().max())
     scale = ref.detach().to(torch.float64).abs().max().reshape(1)
     return d / float(ulp(scale, dtype)[0])
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-quantile (``q`` in [0, 1]) of ``values``, linearly interpolated between order
+    statistics (numpy's default); None for no values. ``percentile(x, 0.1)``: the 10th percentile."""
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * float(q)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -33,10 +34,10 @@ import torch
 
 from ...core.chunk import Chunk
 from ...core.metrics import kl_divergence
-from ...model.envelope import ENVELOPE_VERSION, FidelityEnvelope, load_envelope, save_envelope
-from ...patch import FidelityRule, Patch, fidelity_report, form_patch
-from ...patch.alloc import relative_weights
-from ...patch.ops import truncate_patch
+from ...model.envelope import CURVE_QUANTILE, ENVELOPE_VERSION, FidelityEnvelope, load_envelope, save_envelope
+from ...patch import FidelityRule, LayerSensitivity, Patch, fidelity_report, form_patch
+from ...patch.alloc import layer_spectra, rule_weights
+from ...patch.ops import cut_patch, truncate_patch
 from ..arms import BlindArm, PatchArm, ReprefillArm, ReuseRequest
 from .harness import score_query
 from .metrics import DEFAULT_MIN_GAP, eta, percentile
@@ -72,6 +73,12 @@ class ItemBase:
     ref_logits: torch.Tensor
     kl_blind: float
     full: dict[int, Patch]
+
+    def kl_with(self, backend: Any, patches: dict[int, Patch]) -> float:
+        """Next-token KL against the re-prefill when chunk ``i`` carries ``patches[i]``."""
+        kv = PatchArm("full").run(self.request.with_patches({i: [p] for i, p in patches.items()})).kv
+        logits, _ = score_query(backend, kv, self.start, self.query_ids, 0)
+        return kl_divergence(self.ref_logits, logits)
 
 
 def item_bases(backend: Any, items: Sequence[ProbeItem], *, max_chunk_tokens: int = 512,
@@ -116,30 +123,29 @@ class Variant:
     layers: list[int] = field(default_factory=list)  # per patch: layers carrying a correction
     misses: int = 0
     estimated: list[float] = field(default_factory=list)  # per patch: the rule's estimated η
+    sensitivity: LayerSensitivity | None = None  # the weights ``energy`` is measured in
 
     def measure(self, backend: Any, base: ItemBase, min_gap: float) -> None:
-        pats: dict[int, list[Patch]] = {}
+        pats: dict[int, Patch] = {}
         energies, weights = [], []
         for i, p in base.full.items():
             chunk = base.request.chunks[i]
             q = self.cut(p, chunk)
-            pats[i] = [q]
+            pats[i] = q
             self.bytes += q.nbytes
             self.page_bytes += chunk.nbytes
             rk, rv = q.layer_ranks
             self.ranks_k.append(sum(rk))
             self.ranks_v.append(sum(rv))
             self.layers.append(sum(1 for a, b in zip(rk, rv) if a or b))
-            energies.append(captured(p, q, chunk))
+            energies.append(captured(p, q, chunk, self.sensitivity))
             weights.append(chunk.n_tokens)
             rep = fidelity_report(q)
             if rep is not None:
                 self.misses += bool(rep["miss"])
                 if rep.get("eta_est") is not None:
                     self.estimated.append(float(rep["eta_est"]))
-        kv = PatchArm("full").run(base.request.with_patches(pats)).kv
-        logits, _ = score_query(backend, kv, base.start, base.query_ids, 0)
-        kl = kl_divergence(base.ref_logits, logits)
+        kl = base.kl_with(backend, pats)
         self.kl.append(kl)
         self.eta.append(eta(base.kl_blind, kl, min_gap))
         self.energy.append(sum(e * w for e, w in zip(energies, weights)) / sum(weights))
@@ -162,34 +168,107 @@ class Variant:
         }
 
 
-def captured(full: Patch, cut: Patch, chunk: Chunk) -> float:
+def captured(full: Patch, cut: Patch, chunk: Chunk, sensitivity: LayerSensitivity | None = None) -> float:
     """Energy of ``full``'s Δ that ``cut`` holds, in the rule's measure (each layer's deficit
-    relative to ``chunk``'s KV, K and V weighed equally: ``contextdeque.patch.alloc``), from the
-    factors' column norms — independent of the allocation that chose ``cut``."""
-    weights = dict(zip(("k", "v"), relative_weights(chunk, full.layers)))
+    relative to ``chunk``'s KV, weighed by ``sensitivity`` with K and V pooled, or K and V weighed
+    equally without it: :func:`contextdeque.patch.alloc.rule_weights`), from the factors' column
+    norms — independent of the allocation that chose ``cut``."""
+    w_k, w_v, kv_share = rule_weights(chunk, full.layers, sensitivity)
+    weights = {"k": dict(zip(full.layers, w_k.tolist())), "v": dict(zip(full.layers, w_v.tolist()))}
 
-    def frac(which: str) -> float:
-        w = {l: float(weights[which][i]) for i, l in enumerate(full.layers)}
-        tot = sum(w[l] * float(full.layer_factors(which, i)[0].pow(2).sum()) for i, l in enumerate(full.layers))
-        got = sum(w[l] * float(cut.layer_factors(which, i)[0].pow(2).sum()) for i, l in enumerate(cut.layers))
-        return 1.0 if tot <= 0 else got / tot
+    def kept(p: Patch, which: str) -> float:
+        return sum(weights[which][l] * float(p.layer_factors(which, i)[0].pow(2).sum()) for i, l in enumerate(p.layers))
 
-    return 0.5 * (frac("k") + frac("v"))
+    got = {t: kept(cut, t) for t in ("k", "v")}
+    tot = {t: kept(full, t) for t in ("k", "v")}
+    if kv_share is None:
+        both = tot["k"] + tot["v"]
+        return 1.0 if both <= 0 else (got["k"] + got["v"]) / both
+    frac = {t: 1.0 if tot[t] <= 0 else got[t] / tot[t] for t in ("k", "v")}
+    return kv_share * frac["k"] + (1.0 - kv_share) * frac["v"]
 
 
 def fixed_variant(rank: int) -> Variant:
     return Variant(f"fixed-r{rank}", "fixed", rank, lambda p, c: truncate_patch(p, min(rank, p.rank_k), min(rank, p.rank_v)))
 
 
-def energy_variant(energy: float) -> Variant:
-    rule = FidelityRule(energy=energy)
-    return Variant(f"energy-{energy:g}", "energy", energy, lambda p, c: rule.shape(p, c))
+def energy_variant(energy: float, sensitivity: LayerSensitivity | None = None) -> Variant:
+    rule = FidelityRule(energy=energy, sensitivity=sensitivity)
+    return Variant(f"energy-{energy:g}", "energy", energy, lambda p, c: rule.shape(p, c), sensitivity=sensitivity)
 
 
 def target_variant(target: float, envelope: FidelityEnvelope | None, max_patch_fraction: float | None,
                    on_miss: str = "report", name: str | None = None) -> Variant:
     rule = FidelityRule.for_target(target, envelope, max_patch_fraction, on_miss)
-    return Variant(name or f"target-{target:g}", "target", target, lambda p, c: rule.shape(p, c))
+    return Variant(name or f"target-{target:g}", "target", target, lambda p, c: rule.shape(p, c),
+                   sensitivity=rule.sensitivity)
+
+
+SENSITIVITY_PROBE_ENERGY = 0.75
+"""Where a layer's sensitivity is probed: the layer keeps the fewest top directions holding this
+fraction of its Δ energy (every other layer keeps all), so the KL measured is that of a tail like
+the ones a target leaves, not of the layer's whole deficit."""
+
+
+def probe_ranks(s2: torch.Tensor, energy: float) -> list[int]:
+    """Per row of descending squared singular values ``[n, r]``: the fewest leading entries
+    holding ``energy`` of the row's sum (0 for a zero row)."""
+    out = []
+    for row in s2:
+        tot = float(row.sum())
+        out.append(0 if tot <= 0 else int((row.cumsum(0) < energy * tot - 1e-300).sum().item()) + 1)
+    return [min(m, s2.shape[1]) for m in out]
+
+
+def item_sensitivity(backend: Any, base: ItemBase, n_layers: int,
+                     probe_energy: float = SENSITIVITY_PROBE_ENERGY) -> tuple[list[float], list[float]] | None:
+    """One item's per-layer sensitivities ``(K [n_layers], V [n_layers])``: for each layer and K/V,
+    the KL added when that layer's correction (in every patch of the item) is cut to its
+    ``probe_energy`` top directions, over the relative deficit energy the cut leaves out; each
+    normalized to mean 1 over the measured (layer, K/V). None when no cut moves the KL (no gap)."""
+    kl_full = base.kl_with(backend, base.full)
+    spectra = {i: layer_spectra(p) for i, p in base.full.items()}
+    weights = {i: rule_weights(base.request.chunks[i], p.layers)[:2] for i, p in base.full.items()}
+    sens: list[list[float | None]] = [[None] * n_layers, [None] * n_layers]
+    for t in (0, 1):
+        for layer in range(n_layers):
+            cut: dict[int, Patch] = {}
+            left_out = 0.0
+            for i, p in base.full.items():
+                if layer not in p.layers:
+                    cut[i] = p
+                    continue
+                j = p.layers.index(layer)
+                ranks = [list(r) for r in p.layer_ranks]
+                row = spectra[i][t][j]
+                m = probe_ranks(row.view(1, -1), probe_energy)[0]
+                ranks[t][j] = min(m, ranks[t][j])
+                left_out += float(weights[i][t][j]) * float(row[m:].sum())
+                cut[i] = cut_patch(p, ranks[0], ranks[1])
+            if left_out <= 0.0:
+                continue
+            sens[t][layer] = max(0.0, base.kl_with(backend, cut) - kl_full) / left_out
+    measured = [x for row in sens for x in row if x is not None]
+    mean = sum(measured) / len(measured) if measured else 0.0
+    if mean <= 0.0:
+        return None
+    return ([(x / mean if x is not None else math.nan) for x in sens[0]],
+            [(x / mean if x is not None else math.nan) for x in sens[1]])
+
+
+def aggregate_sensitivity(per_item: Sequence[tuple[list[float], list[float]]]) -> LayerSensitivity:
+    """The model's sensitivity: per (layer, K/V) the median over items that measured it (0 where
+    none did: no deficit there to weigh), renormalized to mean 1 over the measured ones."""
+    n = len(per_item[0][0])
+    med: list[list[float | None]] = [[None] * n, [None] * n]
+    for t in (0, 1):
+        for l in range(n):
+            vals = [item[t][l] for item in per_item if not math.isnan(item[t][l])]
+            med[t][l] = statistics.median(vals) if vals else None
+    measured = [x for row in med for x in row if x is not None]
+    mean = sum(measured) / len(measured) if measured and sum(measured) > 0 else 1.0
+    k, v = ([0.0 if x is None else x / mean for x in row] for row in med)
+    return LayerSensitivity(tuple(round(x, 6) for x in k), tuple(round(x, 6) for x in v))
 
 
 @torch.no_grad()
@@ -208,10 +287,14 @@ def run_variants(backend: Any, items: Sequence[ProbeItem], variants: Sequence[Va
 
 def calibrate_envelope(backend: Any, items: Sequence[ProbeItem] | None = None, *,
                        energies: Sequence[float] = CALIBRATION_ENERGIES, max_chunk_tokens: int = 512,
-                       image_grid: tuple[int, int] | None = None, min_gap: float = DEFAULT_MIN_GAP) -> FidelityEnvelope:
-    """Measure the model's envelope: η (median, 10th percentile) of the uncapped allocation at each
-    energy in ``energies`` on ``items`` (default :func:`calibration_items`). Deterministic: the
-    same model, items and code give the same envelope.
+                       image_grid: tuple[int, int] | None = None, min_gap: float = DEFAULT_MIN_GAP,
+                       sensitivity: bool = True, probe_energy: float = SENSITIVITY_PROBE_ENERGY,
+                       quantile: float = CURVE_QUANTILE) -> FidelityEnvelope:
+    """Measure the model's envelope on ``items`` (default :func:`calibration_items`): first, with
+    ``sensitivity``, each layer's K and V sensitivity (:func:`item_sensitivity`, median over the
+    items); then η (every item's, its median and 10th percentile) of the uncapped allocation,
+    weighed by those sensitivities, at each energy in ``energies``. Deterministic: the same
+    model, items and code give the same envelope.
 
     Raises:
         EnvelopeError: no item leaves blind reuse a measurable gap (nothing to calibrate on)."""
@@ -219,12 +302,23 @@ def calibrate_envelope(backend: Any, items: Sequence[ProbeItem] | None = None, *
 
     t0 = time.perf_counter()
     items = list(calibration_items() if items is None else items)
-    variants = [energy_variant(e) for e in energies]
-    out = run_variants(backend, items, variants, max_chunk_tokens=max_chunk_tokens, image_grid=image_grid, min_gap=min_gap)
-    rows = out["variants"]
-    if any(r["median_eta"] is None for r in rows):
+    bases = list(item_bases(backend, items, max_chunk_tokens=max_chunk_tokens, image_grid=image_grid))
+    gapped = [b for b in bases if b.kl_blind > min_gap]
+    if not gapped:
         raise EnvelopeError(f"no calibration item leaves blind reuse a gap above {min_gap:g} nats on "
                             f"{getattr(backend, 'name', 'this model')}: nothing to calibrate η on")
+    sens = None
+    t_sens = time.perf_counter()
+    if sensitivity:
+        n_layers = int(backend.layout.num_layers)
+        per_item = [x for x in (item_sensitivity(backend, b, n_layers, probe_energy) for b in gapped) if x is not None]
+        sens = aggregate_sensitivity(per_item) if per_item else None
+    t_sens = time.perf_counter() - t_sens
+    variants = [energy_variant(e, sens) for e in energies]
+    for b in bases:
+        for v in variants:
+            v.measure(backend, b, min_gap)
+    rows = [v.row() for v in variants]
     return FidelityEnvelope(
         fingerprint=backend.fingerprint, model=str(getattr(backend, "name", "")),
         energies=tuple(float(e) for e in energies), median_eta=tuple(float(r["median_eta"]) for r in rows),
@@ -232,6 +326,9 @@ def calibrate_envelope(backend: Any, items: Sequence[ProbeItem] | None = None, *
         mean_bytes_fraction=tuple(float(r["bytes_fraction"] or 0.0) for r in rows),
         n_items=int(rows[0]["n_eta"]), items=tuple(i.id for i in items), version=ENVELOPE_VERSION,
         seconds=round(time.perf_counter() - t0, 3),
+        item_eta=tuple(tuple(float(e) for e in v.eta if e is not None) for v in variants), quantile=float(quantile),
+        sensitivity_k=() if sens is None else sens.k, sensitivity_v=() if sens is None else sens.v,
+        sensitivity_seconds=round(t_sens, 3),
     )
 
 
