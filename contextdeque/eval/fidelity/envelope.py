@@ -17,11 +17,13 @@ Each variant's next-token KL against re-prefill gives η (items with a measurabl
     python -m contextdeque.eval.fidelity.envelope --items 8 --ranks 8,16,24,32,64 \
         --targets 0.95,0.97,0.98,0.99,0.995 --max-patch-fraction 0.25 --json out.json
     python -m contextdeque.eval.fidelity.envelope --arch qwen2   # a tiny random non-llama family
+    python -m contextdeque.eval.fidelity.envelope --model DIR_OR_GGUF   # another checkpoint
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -210,6 +212,11 @@ fraction of its Δ energy (every other layer keeps all), so the KL measured is t
 the ones a target leaves, not of the layer's whole deficit."""
 
 
+NEGLIGIBLE_DEFICIT = 1e-6
+"""A (layer, K/V) whose relative deficit is below this fraction of the item's largest is not
+probed (its sensitivity stays unmeasured)."""
+
+
 def probe_ranks(s2: torch.Tensor, energy: float) -> list[int]:
     """Per row of descending squared singular values ``[n, r]``: the fewest leading entries
     holding ``energy`` of the row's sum (0 for a zero row)."""
@@ -229,6 +236,14 @@ def item_sensitivity(backend: Any, base: ItemBase, n_layers: int,
     kl_full = base.kl_with(backend, base.full)
     spectra = {i: layer_spectra(p) for i, p in base.full.items()}
     weights = {i: rule_weights(base.request.chunks[i], p.layers)[:2] for i, p in base.full.items()}
+    # a (layer, K/V) whose relative deficit is rounding noise (layer 0's KV sees no context) has
+    # no sensitivity to measure: KL noise over ~0 energy would swamp the rest
+    deficit = [[0.0] * n_layers, [0.0] * n_layers]
+    for i, p in base.full.items():
+        for t in (0, 1):
+            for j, layer in enumerate(p.layers):
+                deficit[t][layer] += float(weights[i][t][j]) * float(spectra[i][t][j].sum())
+    floor = NEGLIGIBLE_DEFICIT * max(max(row) for row in deficit)
     sens: list[list[float | None]] = [[None] * n_layers, [None] * n_layers]
     for t in (0, 1):
         for layer in range(n_layers):
@@ -245,7 +260,7 @@ def item_sensitivity(backend: Any, base: ItemBase, n_layers: int,
                 ranks[t][j] = min(m, ranks[t][j])
                 left_out += float(weights[i][t][j]) * float(row[m:].sum())
                 cut[i] = cut_patch(p, ranks[0], ranks[1])
-            if left_out <= 0.0:
+            if left_out <= 0.0 or deficit[t][layer] <= floor:
                 continue
             sens[t][layer] = max(0.0, base.kl_with(backend, cut) - kl_full) / left_out
     measured = [x for row in sens for x in row if x is not None]
@@ -369,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m contextdeque.eval.fidelity.envelope", description=__doc__.split("\n")[0])
     ap.add_argument("--items", type=int, default=None, help="first N probe items (default: all 36)")
     ap.add_argument("--arch", default=None, help="a tiny random architecture (contextdeque.model.testing) instead of the default model")
+    ap.add_argument("--model", default=None, help="a local checkpoint (HF directory or .gguf) instead of the default model")
+    ap.add_argument("--calibration-per-family", type=int, default=CALIBRATION_PER_FAMILY,
+                    help="calibration items per probe family when the model has no cached envelope")
+    ap.add_argument("--quantile", type=float, default=None,
+                    help="read the target map at this quantile of the calibration items' η (default: the envelope's)")
     ap.add_argument("--ranks", default=",".join(map(str, FIXED_RANKS)))
     ap.add_argument("--targets", default=",".join(map(str, TARGETS)))
     ap.add_argument("--max-patch-fraction", default="0.25",
@@ -389,8 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from ...model import load_model
 
-        be, grid = load_model(), None
-    env = ensure_envelope(be, max_chunk_tokens=args.max_chunk_tokens, image_grid=grid)
+        be, grid = load_model(args.model), None
+    env = ensure_envelope(be, items=calibration_items(args.calibration_per_family),
+                          max_chunk_tokens=args.max_chunk_tokens, image_grid=grid)
+    if args.quantile is not None:
+        env = dataclasses.replace(env, quantile=float(args.quantile))
     variants = [fixed_variant(int(r)) for r in args.ranks.split(",") if r]
     caps = [None if c.strip() == "none" else float(c) for c in args.max_patch_fraction.split(",") if c.strip()]
     misses = [m.strip() for m in args.on_miss.split(",") if m.strip()]
