@@ -87,3 +87,48 @@ def test_calibration_is_deterministic_cached_and_invalidated_by_a_weight_change(
     assert edited.fingerprint != be.fingerprint
     assert load_envelope(edited.fingerprint) is None
     assert load_envelope(be.fingerprint) is not None
+
+
+def test_sensitivity_probe_is_the_scorers_forward_with_exact_gradients(tiny_backend_factory, one_thread):
+    """The calibration's sensitivity probe: ``query_logits`` is the harness scorer's first step
+    (the same logits), its gradient through the KV agrees with central finite differences of the
+    KL, and one item's sensitivities are deterministic for a seed, NaN where a layer has no
+    deficit (layer 0: its KV sees no context), and aggregate to mean 1 over the measured."""
+    import math
+
+    from contextdeque.core.metrics import kl_divergence_tensor
+    from contextdeque.eval.fidelity.envelope import aggregate_sensitivity, item_bases, item_sensitivity, query_logits
+    from contextdeque.eval.fidelity.harness import score_query
+
+    be = tiny_backend_factory("qwen2")
+    base = next(b for b in item_bases(be, probe_set(3), **SMALL) if b.kl_blind > 1e-4)
+    kv = base.kv_with(base.full)
+    with torch.no_grad():
+        torch.testing.assert_close(query_logits(be, kv, base.start, base.query_ids),
+                                   score_query(be, kv, base.start, base.query_ids, 0)[0], rtol=1e-5, atol=1e-5)
+    blind = next(iter(base.request.chunks[1:]))  # a direction to move along: the chunk's own K scaled
+    layer = be.layout.num_layers - 1
+    direction = torch.zeros_like(kv[layer][0])
+    direction[:, -blind.n_tokens:] = kv[layer][0][:, -blind.n_tokens:]
+
+    def kl_at(e):
+        moved = list(kv)
+        moved[layer] = (kv[layer][0] + e * direction, kv[layer][1])
+        return kl_divergence_tensor(base.ref_logits, query_logits(be, moved, base.start, base.query_ids))
+
+    e0 = torch.tensor(0.05, requires_grad=True)
+    with torch.enable_grad():
+        (g,) = torch.autograd.grad(kl_at(e0), e0)
+    h = 1e-3
+    with torch.no_grad():
+        fd = (float(kl_at(torch.tensor(0.05 + h))) - float(kl_at(torch.tensor(0.05 - h)))) / (2 * h)
+    assert float(g) == pytest.approx(fd, rel=0.05, abs=1e-7)
+    n = be.layout.num_layers
+    a = item_sensitivity(be, base, n, samples=2, seed=5)
+    b = item_sensitivity(be, base, n, samples=2, seed=5)
+    assert a is not None and len(a[0]) == len(a[1]) == n
+    assert [str(x) for x in a[0] + a[1]] == [str(x) for x in b[0] + b[1]]
+    assert math.isnan(a[0][0]) and math.isnan(a[1][0])
+    agg = aggregate_sensitivity([a, b])
+    measured = [x for x, y in zip(agg.k + agg.v, a[0] + a[1]) if not math.isnan(y)]
+    assert agg.k[0] == agg.v[0] == 0.0 and all(x > 0 for x in measured)

@@ -14,11 +14,16 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
     P is the reference (re-prefill), Q the arm. Zero iff the distributions are equal.
     """
+    return max(0.0, float(kl_divergence_tensor(p_logits, q_logits)))
+
+
+def kl_divergence_tensor(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """:func:`kl_divergence` as a 0-d fp64 tensor that carries gradients (not clamped at 0)."""
     lp = torch.log_softmax(p_logits.to(torch.float64).reshape(-1), dim=-1)
     lq = torch.log_softmax(q_logits.to(torch.float64).reshape(-1), dim=-1)
     if lp.shape != lq.shape:
         raise ValueError(f"logit shapes differ: {tuple(lp.shape)} vs {tuple(lq.shape)}")
-    return max(0.0, float((lp.exp() * (lp - lq)).sum()))
+    return (lp.exp() * (lp - lq)).sum()
 
 
 _MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10, torch.float64: 52}

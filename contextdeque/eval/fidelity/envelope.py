@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ...core.chunk import Chunk
-from ...core.metrics import kl_divergence
+from ...core.metrics import kl_divergence, kl_divergence_tensor
 from ...model.envelope import CURVE_QUANTILE, ENVELOPE_VERSION, FidelityEnvelope, load_envelope, save_envelope
 from ...patch import FidelityRule, LayerSensitivity, Patch, fidelity_report, form_patch
 from ...patch.alloc import layer_spectra, rule_weights
@@ -76,10 +76,13 @@ class ItemBase:
     kl_blind: float
     full: dict[int, Patch]
 
+    def kv_with(self, patches: dict[int, Patch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The item's KV (per layer ``[H, S, d]``) when chunk ``i`` carries ``patches[i]``."""
+        return PatchArm("full").run(self.request.with_patches({i: [p] for i, p in patches.items()})).kv
+
     def kl_with(self, backend: Any, patches: dict[int, Patch]) -> float:
         """Next-token KL against the re-prefill when chunk ``i`` carries ``patches[i]``."""
-        kv = PatchArm("full").run(self.request.with_patches({i: [p] for i, p in patches.items()})).kv
-        logits, _ = score_query(backend, kv, self.start, self.query_ids, 0)
+        logits, _ = score_query(backend, self.kv_with(patches), self.start, self.query_ids, 0)
         return kl_divergence(self.ref_logits, logits)
 
 
@@ -207,14 +210,13 @@ def target_variant(target: float, envelope: FidelityEnvelope | None, max_patch_f
 
 
 SENSITIVITY_PROBE_ENERGY = 0.75
-"""Where a layer's sensitivity is probed: the layer keeps the fewest top directions holding this
-fraction of its Δ energy (every other layer keeps all), so the KL measured is that of a tail like
-the ones a target leaves, not of the layer's whole deficit."""
-
+"""Where the sensitivities are probed: every layer keeps the fewest top directions holding this
+fraction of its Δ energy, so the KL measured is that of tails like the ones a target leaves, not
+of whole deficits."""
 
 NEGLIGIBLE_DEFICIT = 1e-6
 """A (layer, K/V) whose relative deficit is below this fraction of the item's largest is not
-probed (its sensitivity stays unmeasured)."""
+probed (its sensitivity stays unmeasured; layer 0's KV sees no context, its Δ is rounding)."""
 
 
 def probe_ranks(s2: torch.Tensor, energy: float) -> list[int]:
@@ -223,66 +225,110 @@ def probe_ranks(s2: torch.Tensor, energy: float) -> list[int]:
     out = []
     for row in s2:
         tot = float(row.sum())
-        out.append(0 if tot <= 0 else int((row.cumsum(0) < energy * tot - 1e-300).sum().item()) + 1)
+        out.append(0 if tot <= 0 else int((row.cumsum(0) < energy * tot).sum().item()) + 1)
     return [min(m, s2.shape[1]) for m in out]
 
 
-def item_sensitivity(backend: Any, base: ItemBase, n_layers: int,
-                     probe_energy: float = SENSITIVITY_PROBE_ENERGY) -> tuple[list[float], list[float]] | None:
-    """One item's per-layer sensitivities ``(K [n_layers], V [n_layers])``: for each layer and K/V,
-    the KL added when that layer's correction (in every patch of the item) is cut to its
-    ``probe_energy`` top directions, over the relative deficit energy the cut leaves out; each
-    normalized to mean 1 over the measured (layer, K/V). None when no cut moves the KL (no gap)."""
-    kl_full = base.kl_with(backend, base.full)
+def query_logits(backend: Any, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int,
+                 query_ids: Sequence[int]) -> torch.Tensor:
+    """Next-token logits ``[vocab]`` after prefilling ``query_ids`` at ``start..`` over ``kv`` (per
+    layer ``[H, S, d]``), differentiable in ``kv``: the first step of
+    :func:`contextdeque.window.decode.greedy_steps` (which runs without gradients)."""
+    from ...core import compat
+
+    dev = backend.device
+    cache = compat.cache_from_layers([(k.unsqueeze(0).to(dev), v.unsqueeze(0).to(dev)) for k, v in kv])
+    ids = torch.as_tensor([int(t) for t in query_ids], dtype=torch.long, device=dev).reshape(1, -1)
+    n, past = ids.shape[1], kv[0][0].shape[1]
+    out = backend.model(input_ids=ids, position_ids=backend.position_ids(backend.text_positions(start, n)),
+                        past_key_values=cache, attention_mask=torch.ones(1, past + n, dtype=torch.long, device=dev),
+                        use_cache=True, logits_to_keep=1)
+    backend.forwards_run += 1
+    backend.tokens_prefilled += n
+    return out.logits[0, -1].to(torch.float32)
+
+
+SENSITIVITY_SAMPLES = 4
+"""Random-sign probes per item (each one forward and one backward pass)."""
+
+
+def item_sensitivity(backend: Any, base: ItemBase, n_layers: int, probe_energy: float = SENSITIVITY_PROBE_ENERGY,
+                     samples: int = SENSITIVITY_SAMPLES, seed: int = 0) -> tuple[list[float], list[float]] | None:
+    """One item's per-layer sensitivities ``(K [n_layers], V [n_layers])``, NaN where not measured.
+
+    Every (layer, K/V) ``l`` of every patch of the item is cut to its ``probe_energy`` top
+    directions, leaving out a residual ``r_l`` of relative energy ``E_l``. Near the full patch the
+    next-token KL is quadratic in the residual left out: with the KV ``full − Σ β_l r_l``,
+    ``KL(β) ≈ ½ βᵀ G β``. The sensitivity is the diagonal per unit energy, ``a_l = G_ll / 2E_l``
+    (were KL a sum of per-layer terms ``a_l E_l β_l²``, this is its ``a_l``). ``G``'s diagonal is
+    estimated without a forward per layer: at random signs ``β = z`` one backward pass gives
+    ``∇KL = G z``, and ``z ⊙ G z`` averages to ``diag G`` (Hutchinson) over ``samples`` draws
+    (deterministic: ``seed``). Values are over the KL of the cut itself (β = 1), so items weigh
+    alike; a negative estimate (noise) stays in, for the average over items to cancel."""
     spectra = {i: layer_spectra(p) for i, p in base.full.items()}
     weights = {i: rule_weights(base.request.chunks[i], p.layers)[:2] for i, p in base.full.items()}
-    # a (layer, K/V) whose relative deficit is rounding noise (layer 0's KV sees no context) has
-    # no sensitivity to measure: KL noise over ~0 energy would swamp the rest
     deficit = [[0.0] * n_layers, [0.0] * n_layers]
     for i, p in base.full.items():
         for t in (0, 1):
             for j, layer in enumerate(p.layers):
                 deficit[t][layer] += float(weights[i][t][j]) * float(spectra[i][t][j].sum())
     floor = NEGLIGIBLE_DEFICIT * max(max(row) for row in deficit)
-    sens: list[list[float | None]] = [[None] * n_layers, [None] * n_layers]
-    for t in (0, 1):
-        for layer in range(n_layers):
-            cut: dict[int, Patch] = {}
-            left_out = 0.0
-            for i, p in base.full.items():
-                if layer not in p.layers:
-                    cut[i] = p
-                    continue
-                j = p.layers.index(layer)
-                ranks = [list(r) for r in p.layer_ranks]
+    left_out = [[0.0] * n_layers, [0.0] * n_layers]
+    cut: dict[int, Patch] = {}
+    for i, p in base.full.items():
+        ranks = [list(r) for r in p.layer_ranks]
+        for t in (0, 1):
+            for j, layer in enumerate(p.layers):
+                if deficit[t][layer] <= floor:
+                    continue  # kept whole: nothing to measure there
                 row = spectra[i][t][j]
-                m = probe_ranks(row.view(1, -1), probe_energy)[0]
-                ranks[t][j] = min(m, ranks[t][j])
-                left_out += float(weights[i][t][j]) * float(row[m:].sum())
-                cut[i] = cut_patch(p, ranks[0], ranks[1])
-            if left_out <= 0.0 or deficit[t][layer] <= floor:
-                continue
-            sens[t][layer] = max(0.0, base.kl_with(backend, cut) - kl_full) / left_out
-    measured = [x for row in sens for x in row if x is not None]
-    mean = sum(measured) / len(measured) if measured else 0.0
-    if mean <= 0.0:
+                m = min(probe_ranks(row.view(1, -1), probe_energy)[0], ranks[t][j])
+                ranks[t][j] = m
+                left_out[t][layer] += float(weights[i][t][j]) * float(row[m:].sum())
+        cut[i] = cut_patch(p, ranks[0], ranks[1])
+    kv_cut, kv_full = base.kv_with(cut), base.kv_with(base.full)
+    with torch.no_grad():
+        kl_cut = kl_divergence(base.ref_logits, query_logits(backend, kv_cut, base.start, base.query_ids))
+    if kl_cut <= 0.0:
         return None
-    return ([(x / mean if x is not None else math.nan) for x in sens[0]],
-            [(x / mean if x is not None else math.nan) for x in sens[1]])
+    resid = [(kf - kc, vf - vc) for (kc, vc), (kf, vf) in zip(kv_cut, kv_full)]
+    gen = torch.Generator().manual_seed(int(seed))
+    diag = torch.zeros(2, len(resid), dtype=torch.float64)
+    for _ in range(max(1, int(samples))):
+        z = torch.randint(0, 2, (2, len(resid)), generator=gen).to(kv_full[0][0].dtype) * 2 - 1
+        beta = z.clone().requires_grad_(True)
+        with torch.enable_grad():
+            kv = [(kf - beta[0, l] * rk, vf - beta[1, l] * rv) for l, ((kf, vf), (rk, rv)) in enumerate(zip(kv_full, resid))]
+            kl = kl_divergence_tensor(base.ref_logits, query_logits(backend, kv, base.start, base.query_ids))
+            (grad,) = torch.autograd.grad(kl, beta)
+        diag += (z * grad).to(torch.float64)
+    diag /= max(1, int(samples))
+    sens = [[math.nan] * n_layers, [math.nan] * n_layers]
+    for t in (0, 1):
+        for layer in range(min(n_layers, diag.shape[1])):
+            if left_out[t][layer] > 0.0 and deficit[t][layer] > floor:
+                sens[t][layer] = float(diag[t, layer]) / (2.0 * left_out[t][layer] * kl_cut)
+    return sens[0], sens[1]
+
+
+SENSITIVITY_FLOOR = 0.02
+"""The least weight a measured (layer, K/V) keeps, over the mean: an estimate at or below zero is
+noise around a small value, and a zero weight would never give that layer a direction."""
 
 
 def aggregate_sensitivity(per_item: Sequence[tuple[list[float], list[float]]]) -> LayerSensitivity:
-    """The model's sensitivity: per (layer, K/V) the median over items that measured it (0 where
-    none did: no deficit there to weigh), renormalized to mean 1 over the measured ones."""
+    """The model's sensitivity: per (layer, K/V) the mean over the items that measured it (0
+    where none did: no deficit there to weigh), normalized to mean 1 over the measured ones and
+    floored at :data:`SENSITIVITY_FLOOR`."""
     n = len(per_item[0][0])
-    med: list[list[float | None]] = [[None] * n, [None] * n]
+    avg: list[list[float | None]] = [[None] * n, [None] * n]
     for t in (0, 1):
         for l in range(n):
             vals = [item[t][l] for item in per_item if not math.isnan(item[t][l])]
-            med[t][l] = statistics.median(vals) if vals else None
-    measured = [x for row in med for x in row if x is not None]
+            avg[t][l] = sum(vals) / len(vals) if vals else None
+    measured = [max(0.0, x) for row in avg for x in row if x is not None]
     mean = sum(measured) / len(measured) if measured and sum(measured) > 0 else 1.0
-    k, v = ([0.0 if x is None else x / mean for x in row] for row in med)
+    k, v = ([0.0 if x is None else max(SENSITIVITY_FLOOR, x / mean) for x in row] for row in avg)
     return LayerSensitivity(tuple(round(x, 6) for x in k), tuple(round(x, 6) for x in v))
 
 
@@ -300,6 +346,7 @@ def run_variants(backend: Any, items: Sequence[ProbeItem], variants: Sequence[Va
             "items_with_gap": sum(1 for k in blind if k > min_gap), "items_past_trained_context": skipped}
 
 
+@torch.no_grad()
 def calibrate_envelope(backend: Any, items: Sequence[ProbeItem] | None = None, *,
                        energies: Sequence[float] = CALIBRATION_ENERGIES, max_chunk_tokens: int = 512,
                        image_grid: tuple[int, int] | None = None, min_gap: float = DEFAULT_MIN_GAP,
@@ -326,7 +373,8 @@ def calibrate_envelope(backend: Any, items: Sequence[ProbeItem] | None = None, *
     t_sens = time.perf_counter()
     if sensitivity:
         n_layers = int(backend.layout.num_layers)
-        per_item = [x for x in (item_sensitivity(backend, b, n_layers, probe_energy) for b in gapped) if x is not None]
+        per_item = [x for x in (item_sensitivity(backend, b, n_layers, probe_energy, seed=k)
+                                for k, b in enumerate(gapped)) if x is not None]
         sens = aggregate_sensitivity(per_item) if per_item else None
     t_sens = time.perf_counter() - t_sens
     variants = [energy_variant(e, sens) for e in energies]
