@@ -59,6 +59,14 @@ def test_envelope_map_is_monotone_and_inverts():
         assert e == 1.0 or env.eta_for(e - 1e-6) < t + 1e-9
     with pytest.raises(EnvelopeError):
         dataclasses.replace(env, energies=(0.9, 0.5, 0.99))
+    # with every item's η kept, the map reads their lower quartile (conservative on harder items)
+    rows = ((0.2, 0.6, 0.7, 0.9, 1.0), (0.8, 0.9, 0.95, 0.97, 0.99), (0.95, 0.96, 0.98, 0.99, 1.0))
+    q = dataclasses.replace(env, item_eta=rows)
+    assert q.map_eta() == pytest.approx([0.6, 0.9, 0.96]) and q.eta_for(0.9) == pytest.approx(0.9)
+    assert q.energy_for(0.9) <= 0.9 + 1e-12 and q.eta_for(q.energy_for(0.95)) >= 0.95 - 1e-9
+    assert dataclasses.replace(q, quantile=0.5).map_eta() == pytest.approx([0.7, 0.95, 0.98])
+    with pytest.raises(EnvelopeError):
+        dataclasses.replace(env, item_eta=rows[:2])
 
 
 def test_calibration_is_deterministic_cached_and_invalidated_by_a_weight_change(monkeypatch, tmp_path, one_thread):
@@ -68,10 +76,13 @@ def test_calibration_is_deterministic_cached_and_invalidated_by_a_weight_change(
     monkeypatch.setenv("CONTEXTDEQUE_CACHE", str(tmp_path))
     model = build_tiny_model("llama", seed=3)
     be = HFBackend(model, None, root_ids=list(TINY_ROOT_IDS), name="tiny-llama")
-    kw = dict(items=probe_set(3), energies=(0.5, 0.9, 0.99), **SMALL)
+    kw = dict(items=probe_set(3), energies=(0.5, 0.9, 0.99), sensitivity=True, **SMALL)
     first = calibrate_envelope(be, **kw)
     again = calibrate_envelope(be, **kw)
-    assert dataclasses.replace(first, seconds=0.0) == dataclasses.replace(again, seconds=0.0)
+    assert first == again  # wall times are not compared
+    assert len(first.sensitivity_k) == be.layout.num_layers and first.item_eta and len(first.item_eta) == 3
+    plain = calibrate_envelope(be, **{**kw, "sensitivity": False})
+    assert plain.sensitivity_k == () and plain.layer_sensitivity() is None and plain.median_eta != ()
     forget_envelope(be.fingerprint)
     assert load_envelope(be.fingerprint) is None
     made = ensure_envelope(be, **kw)

@@ -76,7 +76,8 @@ def test_a_calibrated_sensitivity_weighs_the_windows_allocation(tiny_backend_fac
 
     be = tiny_backend_factory(arch)
     with memory_only():
-        env = calibrate_envelope(be, items=probe_set(2), energies=(0.5, 0.9), max_chunk_tokens=48, image_grid=(3, 3))
+        env = calibrate_envelope(be, items=probe_set(2), energies=(0.5, 0.9), max_chunk_tokens=48, image_grid=(3, 3),
+                                 sensitivity=True)
         save_envelope(env)
     sens = env.sensitivity_k + env.sensitivity_v
     assert len(env.sensitivity_k) == len(env.sensitivity_v) == be.layout.num_layers

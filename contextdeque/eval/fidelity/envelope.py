@@ -350,7 +350,7 @@ def run_variants(backend: Any, items: Sequence[ProbeItem], variants: Sequence[Va
 def calibrate_envelope(backend: Any, items: Sequence[ProbeItem] | None = None, *,
                        energies: Sequence[float] = CALIBRATION_ENERGIES, max_chunk_tokens: int = 512,
                        image_grid: tuple[int, int] | None = None, min_gap: float = DEFAULT_MIN_GAP,
-                       sensitivity: bool = True, probe_energy: float = SENSITIVITY_PROBE_ENERGY,
+                       sensitivity: bool = False, probe_energy: float = SENSITIVITY_PROBE_ENERGY,
                        quantile: float = CURVE_QUANTILE) -> FidelityEnvelope:
     """Measure the model's envelope on ``items`` (default :func:`calibration_items`): first, with
     ``sensitivity``, each layer's K and V sensitivity (:func:`item_sensitivity`, median over the
@@ -435,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="a local checkpoint (HF directory or .gguf) instead of the default model")
     ap.add_argument("--calibration-per-family", type=int, default=CALIBRATION_PER_FAMILY,
                     help="calibration items per probe family when the model has no cached envelope")
+    ap.add_argument("--sensitivity", action="store_true",
+                    help="calibrate per-layer K/V sensitivities and weigh the allocation by them (opt-in: "
+                         "measured worse than equal weights on two models, docs/fidelity.md)")
     ap.add_argument("--quantile", type=float, default=None,
                     help="read the target map at this quantile of the calibration items' η (default: the envelope's)")
     ap.add_argument("--ranks", default=",".join(map(str, FIXED_RANKS)))
@@ -458,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         from ...model import load_model
 
         be, grid = load_model(args.model), None
-    env = ensure_envelope(be, items=calibration_items(args.calibration_per_family),
+    env = ensure_envelope(be, items=calibration_items(args.calibration_per_family), sensitivity=args.sensitivity,
                           max_chunk_tokens=args.max_chunk_tokens, image_grid=grid)
     if args.quantile is not None:
         env = dataclasses.replace(env, quantile=float(args.quantile))
