@@ -11,14 +11,16 @@ middle and deep layers; a layer without deficit gets nothing), and weighs K and 
     E = ½ Σ_l w_l^K Σ_{j<m_l^K} s²_K[l,j] / Σ_l w_l^K ‖Δ_K,l‖²  +  ½ (the same for V)
 
 When the model's envelope carries measured per-layer sensitivities (:class:`LayerSensitivity`:
-the next-token KL one unit of a layer's relative K or V deficit costs, fitted in calibration),
-each weight is multiplied by its layer's sensitivity and K and V are pooled in one fraction:
+the next-token KL one unit of a layer's relative K or V deficit costs, fitted in calibration —
+opt-in), each weight is multiplied by its layer's sensitivity and K and V are pooled in one
+fraction:
 
     E = Σ_{l, K/V} a_l w_l Σ_{j<m_l} s²[l,j] / Σ_{l, K/V} a_l w_l ‖Δ_l‖²
 
-which, were the KL a sum of per-layer terms, is the fraction of blind reuse's KL the patch
-closes — so the greedy spends bytes where η is lost, not where energy is (on the default model K
-is ~10x more sensitive than V per unit of relative deficit; docs/fidelity.md).
+which, were the KL a sum of per-layer terms, would be the fraction of blind reuse's KL the patch
+closes. Measured, it is not (on the default model the sensitivities say K outweighs V ≈ 20x; the
+allocation then starves V and loses η against equal weights and uniform ranks; Gemma 3 likewise —
+docs/fidelity.md), so calibration leaves them out unless asked.
 
 :func:`allocate_ranks` water-fills bytes to where the energy is: directions are taken greedily by
 marginal energy per byte. Within a (layer, K/V) the singular values descend and the cost is

@@ -248,7 +248,7 @@ def query_logits(backend: Any, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], 
     return out.logits[0, -1].to(torch.float32)
 
 
-SENSITIVITY_SAMPLES = 4
+SENSITIVITY_SAMPLES = 8
 """Random-sign probes per item (each one forward and one backward pass)."""
 
 
