@@ -23,6 +23,7 @@ from ..scheduler.graph import PatchGraph
 from ..traces.io import Trace
 from ..window.policy_default import ORBIT_MAX_ANTECEDENTS, ORBIT_MAX_ORDERINGS
 from ..window.placement import ArrivalPlacement, PlacementPolicy, PlacementView, make_placement
+from ..window.plan import Difference, Encode, Form, Forward, Load, Op, Plan, Reuse
 from .cost import CostModel
 from .pool import Pool, ReplayConfig, ReplayResult
 from .reuse import ReuseCost, make_reuse
@@ -34,8 +35,11 @@ class Replayer:
     """Runs one trace under one policy combination (see the module doc)."""
 
     def __init__(self, trace: Trace, placement: "str | PlacementPolicy" = "arrival", eviction: "str | PoolEvictionPolicy" = "lru",
-                 arm: "str | ReuseCost" = "patch", cost: CostModel | None = None, config: ReplayConfig | None = None) -> None:
+                 arm: "str | ReuseCost" = "patch", cost: CostModel | None = None, config: ReplayConfig | None = None,
+                 plan: Plan | None = None) -> None:
         self.trace = trace
+        #: the window operations this replay decides (``window.plan``), recorded when given
+        self.plan = plan
         self.placement = make_placement(placement)
         self.eviction = make_eviction(eviction)
         self.arm = make_reuse(arm)
@@ -54,7 +58,7 @@ class Replayer:
             if self.cfg.device_bytes < biggest * self.kv_bpt:
                 raise BudgetError(f"device budget of {self.cfg.device_bytes} bytes is below one chunk "
                                   f"({where} has {biggest} tokens = {biggest * self.kv_bpt} bytes)")
-        self.pool = Pool(self.cfg.device_bytes, self.cfg.host_bytes, self.eviction, self.cost, self.r)
+        self.pool = Pool(self.cfg.device_bytes, self.cfg.host_bytes, self.eviction, self.cost, self.r, self.do)
         self.graph = PatchGraph()
         # window state
         self.order: list[str] = []
@@ -91,6 +95,28 @@ class Replayer:
         self._cascading = False
 
     # ------------------------------------------------------------------ charges
+    def do(self, op: Op, *, window_op: bool = True) -> None:
+        """Charge one planned operation: what it counts (``window.plan``: the counts the live
+        window's receipts add up) and its modelled seconds (``CostModel.seconds``). ``window_op``:
+        part of the window's plan (False: a query's own read or an arm's recompute)."""
+        r = self.r
+        counts = op.counts()
+        if counts:
+            r.forwards += counts.get("forwards", 0)
+            r.tokens_prefilled += counts.get("tokens_prefilled", 0)
+            r.encodes += counts.get("encodes", 0)
+            r.patch_forms += counts.get("patches_formed", 0)
+            r.patch_hits += counts.get("patches_reused", 0)
+        stored = op.stored()
+        if stored is not None and stored[1]:
+            r.stored[stored[0]] = r.stored.get(stored[0], 0) + stored[1]
+        seconds = self.cost.seconds(op)
+        r.est_seconds += seconds
+        if isinstance(op, Load):
+            r.load_seconds += seconds
+        if window_op and self.plan is not None:
+            self.plan.add(op)
+
     def charge_apply(self, tokens: int) -> None:
         """Relocate (+ patch) ``tokens`` of canonical KV into the pages a query reads."""
         if tokens > 0:
@@ -107,17 +133,15 @@ class Replayer:
             # no canonical to patch: one conditioned forward behind this prefix, and still none (a
             # stored patch would cost as much: the canonical's forward)
             t = self.tokens[key]
-            r.patch_forms += 1
-            r.forwards += 1
-            r.tokens_prefilled += t
-            r.est_seconds += self.cost.form_s(t, sum(map(self.tokens.__getitem__, prefix)) if ctx is None else ctx)
+            r.patch_forms += 1  # (the replay counts the re-forward among its forms)
+            self.do(Forward(c, t, context=sum(map(self.tokens.__getitem__, prefix)) if ctx is None else ctx))
             self._set_formed(key, tuple(prefix))
             return
         # (a removal patch is a correction stacked on this slot's own patches: never a store hit)
         hit = (self.graph.has_patch(c, pc) if kind == "exact" else self.graph.has_orbit(c, frozenset(pc)) if kind == "orbit"
                else False)
         if hit:
-            r.patch_hits += 1
+            self.do(Reuse(c, self.tokens[key], kind=kind, antecedents=pc))
         elif self._defers and not self._healing:
             if key in self._provisional and kind == "exact":
                 # new content: one forward of its tokens after the window (a prefix cache's append);
@@ -126,9 +150,7 @@ class Replayer:
                 t = self.tokens[key]
                 if ctx is None:
                     ctx = sum(map(self.tokens.__getitem__, prefix))
-                r.forwards += 1
-                r.tokens_prefilled += t
-                r.est_seconds += self.cost.prefill_s(t, ctx)
+                self.do(Forward(c, t, context=ctx))
                 self._pending_canon[key] = pc
             else:  # no forward on the critical path: it keeps what it has until the heal
                 self._pending_form[key] = self._pending_form.get(key, False) or self._cascading
@@ -149,11 +171,8 @@ class Replayer:
                 for i in range(2, len(prefix) + 1):
                     n_fw *= i
                 n_fw = min(n_fw, ORBIT_MAX_ORDERINGS)
-            r.patch_forms += 1
-            r.forwards += n_fw
-            r.tokens_prefilled += n_fw * t
-            r.est_seconds += n_fw * self.cost.form_s(t, ctx)
             pb = self.cost.patch_bytes(t, self.rank)
+            self.do(Form(c, t, kind=kind, antecedents=pc, forwards=n_fw, context=ctx, tier="device", nbytes=pb))
             r.patch_bytes += pb
             r.bytes["device"] += pb
             if kind != "removal":
@@ -202,12 +221,8 @@ class Replayer:
 
     def _encode(self, key: str) -> None:
         """One forward of ``key``'s tokens alone: its canonical."""
-        r = self.r
         t = self.tokens[key]
-        r.encodes += 1
-        r.forwards += 1
-        r.tokens_prefilled += t
-        r.est_seconds += self.cost.prefill_s(t, 0)
+        self.do(Encode(self.content[key], t, tier="device", nbytes=self.arm.canonical_bytes(t, self.kv_bpt)))
 
     def heal(self) -> None:
         """Latency-first: the idle-time work queued since the last heal, on the window as it stands
@@ -265,9 +280,8 @@ class Replayer:
                     self._set_formed(key, ())
                 elif pc and key not in anew and self._prefix_content(key) == pc:  # latency-shared: the patch is the difference
                     t = self.tokens[key]
-                    r.patch_forms += 1
-                    r.est_seconds += t * self.cost.svd_s_per_token
                     pb = self.cost.patch_bytes(t, self.rank)
+                    self.do(Difference(self.content[key], t, antecedents=pc, tier="device", nbytes=pb))
                     r.patch_bytes += pb
                     r.bytes["device"] += pb
                     self.graph.add(self.content[key], pc, "exact")
@@ -363,7 +377,7 @@ class Replayer:
             r.refreshes += 1
             self._pending_form[key] = False
         elif action == "refresh-hit":
-            r.patch_hits += 1
+            self.do(Reuse(self.content[key], self.tokens[key], antecedents=tuple(self.content[p] for p in prefix)))
             r.refreshes += 1
             self._set_formed(key, tuple(prefix))
         else:  # "refresh" / "removal": one conditioned forward
@@ -529,7 +543,7 @@ class Replayer:
                 continue
             pc = frozenset(self.content[p] for p in prefix)
             if self.graph.has_orbit(self.content[k], pc):
-                self.r.patch_hits += 1
+                self.do(Reuse(self.content[k], self.tokens[k], kind="orbit", antecedents=tuple(self.content[p] for p in prefix)))
                 self._set_formed(k, tuple(prefix))
             elif set(self.formed.get(k, ())) == set(prefix) and len(prefix) <= ORBIT_MAX_ANTECEDENTS:
                 self._form(k, prefix, "orbit")
@@ -569,9 +583,8 @@ class Replayer:
             elif op == "query":
                 r.queries += 1
                 self.arm.query(self, ev.tokens, ev.output_tokens)
-                r.tokens_prefilled += ev.tokens
-                r.forwards += 1
-                r.est_seconds += cost.prefill_s(ev.tokens, self.window_tokens) + ev.output_tokens / cost.decode_tokens_per_s
+                self.do(Forward("query", ev.tokens, context=self.window_tokens), window_op=False)
+                r.est_seconds += ev.output_tokens / cost.decode_tokens_per_s
             elif op == "evict":
                 if ev.id in self.order:
                     self._remove(ev.id, idx)  # survivors keep their KV (relocation only) unless the placement refreshes them

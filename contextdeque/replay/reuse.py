@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ..core.registry import Registered, Registry
 from ..eval.arms import ARMS
 from ..scheduler.eviction import PolicyError
+from ..window.plan import Forward
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Replayer
@@ -78,9 +79,7 @@ class ReuseCost(Registered):
     def recompute(self, eng: "Replayer", tokens: int) -> None:
         """Charge ``tokens`` recomputed in context at query time (one partial forward)."""
         if tokens > 0:
-            eng.r.tokens_prefilled += tokens
-            eng.r.forwards += 1
-            eng.r.est_seconds += eng.cost.prefill_s(tokens, eng.window_tokens - tokens)
+            eng.do(Forward("recompute", tokens, context=eng.window_tokens - tokens), window_op=False)
 
 
 def make_reuse(spec: "str | ReuseCost") -> ReuseCost:

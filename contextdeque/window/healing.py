@@ -11,6 +11,7 @@ from ..core.args import check_float, check_int
 from ..core.errors import WindowError
 from ..patch import form_patch
 from . import ingest
+from .plan import Difference
 from .policy import PatchPolicy
 from .policy_latency import HealPolicy
 from .receipt import Meter, Receipt
@@ -150,6 +151,8 @@ class WindowHealing:
                     failed = ctx.store.put_patch(key, patch, traffic=meter.traffic)
                     if failed:
                         meter.notes.append(failed)
+                    meter.plan.add(Difference(canonical.id, canonical.n_tokens, antecedents=tuple(p.chunk.id for p in prefix),
+                                              tier=ctx.store.tier_of(key) or "none", nbytes=patch.nbytes))
         return blind
 
     def start_healing(self, idle_ms: float = 20.0) -> "Healer":

@@ -19,6 +19,7 @@ from ..model import vision
 from ..model.vision import pixel_key
 from . import decode
 from .context import WindowContext
+from .plan import Encode, Forward
 from .receipt import Meter
 from .ref import ChunkRef, new_ref
 from .slot import Slot
@@ -169,6 +170,7 @@ def encode_and_store(ctx: WindowContext, meter: Meter, **inputs: Any) -> Chunk:
     encoded = ctx.backend.encode(storage=ctx.storage, **inputs)
     ctx.counters["encodes"] += 1
     key = ctx.store.put_chunk(encoded, traffic=meter.traffic)
+    meter.plan.add(Encode(encoded.id, encoded.n_tokens, tier=ctx.store.tier_of(key) or "none", nbytes=encoded.nbytes))
     stored = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)
     return stored if stored is not None else encoded
 
@@ -214,6 +216,7 @@ def provisional(ctx: WindowContext, pending: Unencoded, prefix: Sequence[Slot], 
         positions=pos, past=past, logits="none",
     )
     keys, values = to_content_frame(res.kv, ctx.layout, pos)
+    meter.plan.add(Forward(pending.chunk_id, pending.n_tokens, context=sum(s.n_tokens for s in prefix)))
     chunk = Chunk(
         id=pending.chunk_id, fingerprint=ctx.fingerprint, layout_signature=ctx.layout.signature,
         root_digest=backend.root_digest, keys=keys.to(ctx.storage).contiguous(),

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..patch.alloc import fidelity_report
 from ..stores import TierTraffic
+from .plan import Op, Plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from .context import WindowContext
@@ -113,6 +114,9 @@ class Receipt:
             ``"blind"`` / ``"conditioned"`` (deferred: as in ``deferred``).
         fidelity_misses: chunks (re)conditioned by this operation whose patch the byte cap could
             not fit ``fidelity_target`` into, and what ``on_miss`` did (:class:`FidelityMiss`).
+        plan: the operations the window executed, key-only (``window.plan``: encodes, forwards,
+            patches formed or reused, keeps and clears, with their inputs and stored bytes), the
+            same record the offline replay prices.
     """
 
     op: str
@@ -135,6 +139,7 @@ class Receipt:
     repairs: tuple[str, ...] = field(default=(), metadata=ADDS)
     served: tuple[tuple["ChunkRef", str], ...] = field(default=(), metadata=ADDS)
     fidelity_misses: tuple[FidelityMiss, ...] = field(default=(), metadata=ADDS)
+    plan: tuple[Op, ...] = field(default=(), metadata=ADDS, repr=False)
 
     def __add__(self, other: "Receipt") -> "Receipt":
         """The sum of two receipts' added fields (counts, bytes per tier, wall time, refs, notes,
@@ -241,6 +246,7 @@ class Meter:
         self.served: dict["ChunkRef", str] = {}
         self.repairs: list[str] = []  # rebuilt from source (quarantines come from the traffic)
         self.fidelity_misses: list[FidelityMiss] = []
+        self.plan = Plan()  # what this operation executed (window.plan)
         self._fw0 = ctx.total_forwards()
         self._tok0 = ctx.total_tokens()
         self._enc0 = ctx.counters["encodes"]
@@ -289,5 +295,6 @@ class Meter:
                  for q in self.traffic.quarantined] + self.repairs
             ),
             fidelity_misses=tuple(self.fidelity_misses),
+            plan=tuple(self.plan),
             **fields,
         )

@@ -1,0 +1,202 @@
+"""The plan: a window operation's decisions as key-only operations (no tensors).
+
+The window's policies (patch policy, placement, staleness, eviction) decide over keys; what they
+decide is a list of operations, each with its inputs (the chunk's content key, its tokens, the
+antecedent keys a patch is formed on, the bytes it stores and the tier they go to). Two
+executors take the same operations:
+
+- the live window (``reconcile``, ``ingest``, ``healing``) *executes* each one on its backend and
+  store and records it on the operation's receipt (``Receipt.plan``);
+- the offline replay (``replay/engine.py``) records the operations its key-only window decides
+  and *prices* them with its cost model (``CostModel.seconds``).
+
+What an operation costs in forwards, prefilled tokens, encodes, patches and stored bytes is
+written once, here (:meth:`Op.counts`), so a plan's totals mean the same on both sides:
+``tests/test_replay_matches_window.py`` holds them equal on the agents' traces.
+
+=================  ==========================================================================
+operation          what it is (forwards x tokens it prefills; bytes it stores)
+=================  ==========================================================================
+``Encode``         a canonical ``KV(B | root)``: one forward of B's tokens; stores the canonical
+``Forward``        one forward of B's tokens after ``context`` cached tokens that keeps no
+                   canonical (latency-first new content, a provisional chunk re-forwarded,
+                   a query or a baseline arm's recompute)
+``Form``           a conditioning patch of ``kind`` on ``antecedents``: ``forwards`` conditioned
+                   forwards of B's tokens (an orbit patch runs one per ordering) + the SVD;
+                   stores the patch
+``Difference``     a patch taken from a conditioned forward already run (latency-first heal:
+                   provisional KV minus its canonical): the SVD only; stores the patch
+``Reuse``          a valid patch served by the store (a hit: no forward)
+``Keep``/``Clear`` a slot keeps its conditioning / drops it to its canonical (free); ``deferred``:
+                   stands in for conditioning a latency-first policy queued for the heal
+``Load``           a canonical read from a slower ``tier`` into the fastest one
+=================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+#: the counts every operation adds to (a plan's totals have exactly these keys, plus ``stored``)
+COUNTS = ("forwards", "tokens_prefilled", "encodes", "patches_formed", "patches_reused")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One planned operation on chunk content ``chunk`` (its content key) of ``tokens`` tokens."""
+
+    chunk: str
+    tokens: int
+
+    def counts(self) -> dict[str, int]:
+        """What this operation adds to a plan's totals (keys of :data:`COUNTS`)."""
+        return {}
+
+    def stored(self) -> tuple[str, int] | None:
+        """``(tier, bytes)`` of KV this operation writes into the store, or None."""
+        return None
+
+
+@dataclass(frozen=True)
+class Encode(Op):
+    """The canonical ``KV(B | root)``: one forward of B's tokens, stored in ``tier`` (``nbytes``
+    of K and V)."""
+
+    tier: str = "device"
+    nbytes: int = 0
+
+    def counts(self) -> dict[str, int]:
+        return {"forwards": 1, "tokens_prefilled": self.tokens, "encodes": 1}
+
+    def stored(self) -> tuple[str, int] | None:
+        return (self.tier, self.nbytes)
+
+
+@dataclass(frozen=True)
+class Forward(Op):
+    """One forward of B's tokens after ``context`` cached tokens; no canonical kept."""
+
+    context: int = 0
+
+    def counts(self) -> dict[str, int]:
+        return {"forwards": 1, "tokens_prefilled": self.tokens}
+
+
+@dataclass(frozen=True)
+class Form(Op):
+    """A ``kind`` patch of B on ``antecedents`` (content keys, window order): ``forwards``
+    conditioned forwards of B's tokens after ``context`` tokens, then the SVD; stored in ``tier``
+    (``nbytes`` of factors)."""
+
+    kind: str = "exact"
+    antecedents: tuple[str, ...] = ()
+    forwards: int = 1
+    context: int = 0
+    tier: str = "device"
+    nbytes: int = 0
+
+    def counts(self) -> dict[str, int]:
+        return {"forwards": self.forwards, "tokens_prefilled": self.forwards * self.tokens, "patches_formed": 1}
+
+    def stored(self) -> tuple[str, int] | None:
+        return (self.tier, self.nbytes)
+
+
+@dataclass(frozen=True)
+class Difference(Op):
+    """A patch of B on ``antecedents`` taken from a conditioned forward already run (no forward:
+    the SVD of its KV minus the canonical), stored in ``tier``."""
+
+    antecedents: tuple[str, ...] = ()
+    tier: str = "device"
+    nbytes: int = 0
+
+    def counts(self) -> dict[str, int]:
+        return {"patches_formed": 1}
+
+    def stored(self) -> tuple[str, int] | None:
+        return (self.tier, self.nbytes)
+
+
+@dataclass(frozen=True)
+class Reuse(Op):
+    """A valid ``kind`` patch of B on ``antecedents`` served by the store."""
+
+    kind: str = "exact"
+    antecedents: tuple[str, ...] = ()
+
+    def counts(self) -> dict[str, int]:
+        return {"patches_reused": 1}
+
+
+@dataclass(frozen=True)
+class Keep(Op):
+    """A slot keeps its conditioning (``deferred``: in place of a patch the heal will form)."""
+
+    deferred: bool = False
+
+
+@dataclass(frozen=True)
+class Clear(Op):
+    """A slot drops its patches: its canonical (exact with nothing in front)."""
+
+    deferred: bool = False
+
+
+@dataclass(frozen=True)
+class Load(Op):
+    """A canonical (``nbytes``) read out of the slower ``tier`` into the fastest one."""
+
+    tier: str = "host"
+    nbytes: int = 0
+
+
+@dataclass
+class Plan:
+    """An ordered list of operations (what one or more window operations decided)."""
+
+    ops: list[Op] = field(default_factory=list)
+
+    def add(self, op: Op) -> Op:
+        self.ops.append(op)
+        return op
+
+    def extend(self, ops: Iterable[Op]) -> None:
+        self.ops.extend(ops)
+
+    def __iter__(self) -> Iterator[Op]:
+        return iter(self.ops)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def __add__(self, other: "Plan") -> "Plan":
+        return Plan([*self.ops, *other.ops])
+
+    def totals(self) -> dict[str, int]:
+        """The plan's :data:`COUNTS` summed over its operations."""
+        return plan_totals(self.ops)
+
+    def stored(self) -> dict[str, int]:
+        """Tier -> bytes of KV (canonicals and patches) the plan writes into the store."""
+        return stored_bytes(self.ops)
+
+
+def plan_totals(ops: Iterable[Op]) -> dict[str, int]:
+    """:data:`COUNTS` summed over ``ops``."""
+    out = dict.fromkeys(COUNTS, 0)
+    for op in ops:
+        for k, v in op.counts().items():
+            out[k] += v
+    return out
+
+
+def stored_bytes(ops: Iterable[Op]) -> dict[str, int]:
+    """Tier -> bytes of KV ``ops`` write into the store (canonicals encoded, patches formed)."""
+    out: dict[str, int] = {}
+    for op in ops:
+        s = op.stored()
+        if s is not None and s[1]:
+            out[s[0]] = out.get(s[0], 0) + s[1]
+    return out
