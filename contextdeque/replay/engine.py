@@ -14,6 +14,7 @@ Everything is deterministic: no clock, no randomness, insertion-ordered containe
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any, Hashable, Sequence
 
@@ -21,7 +22,10 @@ from ..core.errors import BudgetError
 from ..scheduler.eviction import PoolEvictionPolicy, make_eviction
 from ..scheduler.graph import PatchGraph
 from ..traces.io import Trace
-from ..window.policy_default import ORBIT_MAX_ANTECEDENTS, ORBIT_MAX_ORDERINGS
+from ..patch import PATCH_KINDS
+from ..window.plan import ChunkKeys, KeySlot
+from ..window.policy import Decision, make_policy
+from ..window.ref import ChunkRef
 from ..window.placement import ArrivalPlacement, PlacementPolicy, PlacementView, make_placement
 from ..window.plan import Difference, Encode, Form, Forward, Load, Op, Plan, Reuse
 from .cost import CostModel
@@ -60,6 +64,11 @@ class Replayer:
                                   f"({where} has {biggest} tokens = {biggest * self.kv_bpt} bytes)")
         self.pool = Pool(self.cfg.device_bytes, self.cfg.host_bytes, self.eviction, self.cost, self.r, self.do)
         self.graph = PatchGraph()
+        # the window's own patch policy decides (over key-only slots, ``window.plan.KeySlot``):
+        # latency-first rules price its eager policy's decisions and defer them as it does
+        self.policy = make_policy(self.arm.window_policy or "eager")
+        self.eager = getattr(self.policy, "eager", self.policy)
+        self._refs = {cid: ChunkRef(key=i, chunk_id=a.hash, n_tokens=a.tokens) for i, (cid, a) in enumerate(trace.chunks.items())}
         # window state
         self.order: list[str] = []
         self.tokens: dict[str, int] = {cid: a.tokens for cid, a in trace.chunks.items()}
@@ -122,10 +131,46 @@ class Replayer:
         if tokens > 0:
             self.r.est_seconds += tokens * self.kv_bpt / self.cost.apply_bytes_per_s
 
-    def _form(self, key: str, prefix: Sequence[str], kind: str = "exact", ctx: int | None = None) -> None:
+    # ------------------------------------------------------------------ the window's policy
+    def key_slot(self, key: str) -> KeySlot:
+        """``key`` as the window's patch policy sees a slot, keys only."""
+        formed = self.formed.get(key, ())
+        refs = self._refs
+        return KeySlot(ref=refs[key], chunk=ChunkKeys(self.content[key], self.tokens[key]),
+                       conditioned_on=tuple((refs[a], "") for a in formed), stack=("patch",) if formed else ())
+
+    def decide(self, reason: str, key: str, prefix: Sequence[str]) -> Decision:
+        """The window's own (eager) patch policy's decision for ``key`` behind ``prefix``."""
+        valid = tuple(prefix) == self.formed.get(key, ())
+        return self.eager.decide(reason, self.key_slot(key), [self.key_slot(p) for p in prefix], valid=valid, rank=self.rank)
+
+    def carry_out(self, key: str, prefix: Sequence[str], decision: Decision, ctx: int | None = None) -> str:
+        """Price ``decision`` for ``key`` behind ``prefix`` as ``reconcile.execute`` carries it out:
+        a ``form`` is a store hit or one formed patch (a ``reuse_only`` one falls back when the
+        store has none); returns the action taken (``keep`` / ``clear`` / ``form``)."""
+        d: Decision | None = decision
+        while d is not None and d.action == "form":
+            if d.reuse_only and not self._stored(key, prefix, d.kind):
+                d = d.fallback
+                continue
+            self._form(key, prefix, d.kind, ctx=ctx, max_orderings=dict(d.options).get("max_orderings", 1))
+            return "form"
+        if d is not None and d.action == "clear" and self.formed.get(key):
+            self._set_formed(key, ())
+            return "clear"
+        return "keep"
+
+    def _stored(self, key: str, prefix: Sequence[str], kind: str | None) -> bool:
+        """Whether the store holds a valid ``kind`` patch of ``key``'s content on ``prefix``."""
+        c, pc = self.content[key], tuple(map(self.content.__getitem__, prefix))
+        if kind == "orbit":
+            return self.graph.has_orbit(c, frozenset(pc))
+        return PATCH_KINDS[kind].exact_on_prefix and self.graph.has_patch(c, pc)
+
+    def _form(self, key: str, prefix: Sequence[str], kind: str = "exact", ctx: int | None = None, max_orderings: int = 1) -> None:
         """Conditioning for ``key`` behind ``prefix`` (``ctx``: its tokens, when the caller knows
         them): a store hit or one formed patch (latency-first: the provisional forward, or deferred
-        to the heal)."""
+        to the heal); an orbit patch runs one forward per ordering, at most ``max_orderings``."""
         pc = tuple(map(self.content.__getitem__, prefix))
         c = self.content[key]
         r = self.r
@@ -138,12 +183,11 @@ class Replayer:
             self._set_formed(key, tuple(prefix))
             return
         # (a removal patch is a correction stacked on this slot's own patches: never a store hit)
-        hit = (self.graph.has_patch(c, pc) if kind == "exact" else self.graph.has_orbit(c, frozenset(pc)) if kind == "orbit"
-               else False)
+        hit = self._stored(key, prefix, kind)
         if hit:
             self.do(Reuse(c, self.tokens[key], kind=kind, antecedents=pc))
         elif self._defers and not self._healing:
-            if key in self._provisional and kind == "exact":
+            if key in self._provisional and PATCH_KINDS[kind].exact_on_prefix:
                 # new content: one forward of its tokens after the window (a prefix cache's append);
                 # its KV is exactly conditioned on this prefix, the canonical and patch come at heal
                 del self._provisional[key]
@@ -165,12 +209,7 @@ class Replayer:
             t = self.tokens[key]
             if ctx is None:
                 ctx = sum(map(self.tokens.__getitem__, prefix))
-            n_fw = 1
-            if kind == "orbit":
-                n_fw = 1
-                for i in range(2, len(prefix) + 1):
-                    n_fw *= i
-                n_fw = min(n_fw, ORBIT_MAX_ORDERINGS)
+            n_fw = min(math.factorial(len(prefix)), max_orderings) if kind == "orbit" else 1
             pb = self.cost.patch_bytes(t, self.rank)
             self.do(Form(c, t, kind=kind, antecedents=pc, forwards=n_fw, context=ctx, tier="device", nbytes=pb))
             r.patch_bytes += pb
@@ -420,7 +459,8 @@ class Replayer:
                 before = self.formed.get(key, ())
                 prefix = self.order[:-1]
                 if prefix:
-                    self._form(key, prefix, ctx=self.window_tokens - self.tokens[key])
+                    self.carry_out(key, prefix, self.decide("recall" if recall else "append", key, prefix),
+                                   ctx=self.window_tokens - self.tokens[key])
                 else:
                     self._set_formed(key, ())
                 if recall:
@@ -451,7 +491,7 @@ class Replayer:
                 if not prefix:
                     self._set_formed(k, ())
                 else:
-                    self._form(k, prefix)
+                    self.carry_out(k, prefix, self.decide("recall" if recall else "append", k, prefix))
                 if recall:
                     changed[k] = self.formed[k] != before
             elif old_pos.get(k, -1) != i:
@@ -493,7 +533,7 @@ class Replayer:
                     continue
                 if not self._defers:  # (latency-first: counted when the heal re-forms it)
                     self.r.cascade_reforms += 1
-                self._form(d, self.order[:i])
+                self.carry_out(d, self.order[:i], self.decide("cascade", d, self.order[:i]))
         finally:
             self._cascading = False
 
@@ -541,14 +581,7 @@ class Replayer:
             if k in self._no_canon:  # no canonical for a stored patch to serve: re-forwarded at the heal
                 self._form(k, prefix)
                 continue
-            pc = frozenset(self.content[p] for p in prefix)
-            if self.graph.has_orbit(self.content[k], pc):
-                self.do(Reuse(self.content[k], self.tokens[k], kind="orbit", antecedents=tuple(self.content[p] for p in prefix)))
-                self._set_formed(k, tuple(prefix))
-            elif set(self.formed.get(k, ())) == set(prefix) and len(prefix) <= ORBIT_MAX_ANTECEDENTS:
-                self._form(k, prefix, "orbit")
-            else:
-                self._form(k, prefix, "exact")
+            self.carry_out(k, prefix, self.decide("reorder", k, prefix))
 
     def run(self) -> ReplayResult:
         """Replay the whole trace; returns the result (the engine is single-use)."""

@@ -38,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
+from .ref import ChunkRef
+
 #: the counts every operation adds to (a plan's totals have exactly these keys, plus ``stored``)
 COUNTS = ("forwards", "tokens_prefilled", "encodes", "patches_formed", "patches_reused")
 
@@ -200,3 +202,29 @@ def stored_bytes(ops: Iterable[Op]) -> dict[str, int]:
         if s is not None and s[1]:
             out[s[0]] = out.get(s[0], 0) + s[1]
     return out
+
+
+@dataclass(frozen=True)
+class ChunkKeys:
+    """A chunk as a policy sees it with keys only: its content key (``id``) and ``n_tokens``."""
+
+    id: str
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class KeySlot:
+    """A slot as a patch policy sees it, with keys only (no KV): what a planner without a model
+    (the replay) hands the window's own policy (``PatchPolicy.decide``) in place of a
+    :class:`~.slot.Slot`. ``conditioned_on``: ``(ref, version)`` of the antecedents its
+    conditioning was formed on; ``stack``: non-empty when it carries a patch."""
+
+    ref: ChunkRef
+    chunk: ChunkKeys
+    conditioned_on: tuple[tuple[ChunkRef, str], ...] = ()
+    stack: tuple[str, ...] = ()
+    provisional: bool = False
+
+    @property
+    def n_tokens(self) -> int:
+        return self.chunk.n_tokens
