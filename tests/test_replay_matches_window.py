@@ -37,18 +37,19 @@ WINDOW_RULES = sorted(name for name, rule in REUSE_COSTS.items() if rule.window_
 ONLINE_PLACEMENTS = sorted(name for name in PLACEMENT_POLICIES if not getattr(make_placement(name), "offline", False))
 RANK = 8
 SCALE = 1 / 64
+BUDGET = 94  # tokens of the scaled traces (about 6,000 of the generated ones)
 
 
-def _window_receipt(backend, trace, placement: str, policy: str):
+def _window_receipt(backend, trace, placement: str, policy: str, budget: int | None = None):
     win = ContextWindow(backend, rank=RANK, placement=placement, patch_policy=policy, beyond_trained=True,
-                        store=[MemoryTier("cpu", None, name="device")])
+                        budget_tokens=budget, store=[MemoryTier("cpu", None, name="device")])
     return drive_window(win, trace, lambda ev: chunk_ids(backend, ev.hash, ev.tokens))
 
 
-def _replay_plan(backend, trace, placement: str, rule: str) -> tuple[Plan, dict]:
+def _replay_plan(backend, trace, placement: str, rule: str, budget: int | None = None) -> tuple[Plan, dict]:
     cost = CostModel.geometry_of(backend, storage_bytes=4, rank=RANK)
     plan = Plan()
-    r = Replayer(trace, placement, "lru", rule, cost, ReplayConfig(rank=RANK), plan=plan).run()
+    r = Replayer(trace, placement, "lru", rule, cost, ReplayConfig(rank=RANK, budget_tokens=budget), plan=plan).run()
     queries = [e for e in trace.events if e.op == "query"]
     totals = {"forwards": r.forwards - len(queries), "tokens_prefilled": r.tokens_prefilled - sum(q.tokens for q in queries),
               "encodes": r.encodes}
@@ -66,15 +67,11 @@ def test_the_rules_and_placements_cover_the_window():
     assert ONLINE_PLACEMENTS == ["arrival", "scheduler"]
 
 
-@pytest.mark.parametrize("placement", ONLINE_PLACEMENTS)
-@pytest.mark.parametrize("rule", WINDOW_RULES)
-@pytest.mark.parametrize("kind", ["doc", "web", "video"])
-def test_replay_predicts_the_live_windows_forwards_and_tokens(tiny_backend_factory, one_thread, kind, rule, placement):
-    backend = tiny_backend_factory("llama")
+def _check(backend, kind: str, rule: str, placement: str, budget: int | None = None) -> None:
     backend.root_kv()  # the root's one prefill is the backend's, not the trace's
     trace = scaled_trace(generate(kind, seed=0), SCALE, minimum=2)
-    live = _window_receipt(backend, trace, placement, REUSE_COSTS[rule].window_policy)
-    plan, predicted = _replay_plan(backend, trace, placement, rule)
+    live = _window_receipt(backend, trace, placement, REUSE_COSTS[rule].window_policy, budget)
+    plan, predicted = _replay_plan(backend, trace, placement, rule, budget)
     executed = plan_totals(live.plan)
     # the window's plan is what it ran: its totals are the backend's own counters
     assert {k: executed[k] for k in ("forwards", "tokens_prefilled", "encodes")} == {
@@ -84,3 +81,18 @@ def test_replay_predicts_the_live_windows_forwards_and_tokens(tiny_backend_facto
     assert plan_totals(plan)["forwards"] == live.forwards
     assert _costly(plan) == _costly(live.plan)  # the same operations on chunks of the same sizes
     assert live.forwards > 0 and stored_bytes(live.plan).get("device", 0) > 0
+
+
+@pytest.mark.parametrize("placement", ONLINE_PLACEMENTS)
+@pytest.mark.parametrize("rule", WINDOW_RULES)
+@pytest.mark.parametrize("kind", ["doc", "web", "video"])
+def test_replay_predicts_the_live_windows_forwards_and_tokens(tiny_backend_factory, one_thread, kind, rule, placement):
+    _check(tiny_backend_factory("llama"), kind, rule, placement)
+
+
+@pytest.mark.parametrize("kind", ["doc", "web", "video"])
+def test_replay_predicts_the_live_eager_window_under_a_token_budget(tiny_backend_factory, one_thread, kind):
+    """A budget slides the oldest chunks out (survivors left at the front drop their patches, and a
+    recall's cascade spares them): the replay's window does what the live one does. (Latency-first
+    windows under a budget are not priced exactly yet: docs/replay.md.)"""
+    _check(tiny_backend_factory("llama"), kind, "patch", "arrival", BUDGET)

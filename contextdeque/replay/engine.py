@@ -392,9 +392,13 @@ class Replayer:
             self._canon_due.add(self.order[0])
         if not self.arm.patches or i >= len(self.order):
             return
-        if self._upkeep is None:  # survivors behind the departed chunk keep their KV as it is
-            formed = self.formed
-            self.r.stale_keeps += sum(1 for k in self.order[i:] if formed.get(k))
+        if self._upkeep is None:  # survivors behind the departed chunk: what the patch policy says
+            for j in range(i, len(self.order)):
+                k = self.order[j]
+                if j == 0 and (k in self._no_canon or k in self._pending_canon):
+                    continue  # no canonical to clear to (the window's provisional slot): the heal computes it
+                if self.carry_out(k, self.order[:j], self.decide("survivor", k, self.order[:j])) == "keep" and self.formed.get(k):
+                    self.r.stale_keeps += 1
             return
         view = self.view(index)  # survivors behind the departed chunk: keep, clear or refresh
         for j in range(i, len(self.order)):
@@ -403,8 +407,12 @@ class Replayer:
     def _resident_upkeep(self, view: PlacementView, key: str, prefix: list[str], before: list[str]) -> None:
         """A resident whose prefix changed: the placement policy's upkeep decision (the scheduler's
         staleness rule), else keep (the default patch policy: survivors keep their KV)."""
-        action = "keep" if self._upkeep is None else self._upkeep(view, key, prefix, before)
         r = self.r
+        if self._upkeep is None:  # the patch policy's answer for a resident something was inserted before
+            if self.carry_out(key, prefix, self.decide("inserted", key, prefix)) == "keep":
+                r.stale_keeps += 1
+            return
+        action = self._upkeep(view, key, prefix, before)
         if action == "keep":
             r.stale_keeps += 1
         elif action == "clear":
