@@ -91,8 +91,7 @@ class WindowHealing:
                         source = ingest.source_of(entry.provisional)  # so a lost canonical can be rebuilt
                     else:
                         source = entry.source
-                        if ctx.store.get_chunk(entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature,
-                                               traffic=meter.traffic) is None:
+                        if ingest.load_canonical(ctx, entry.chunk_key, meter) is None:
                             ingest.encode_and_store(ctx, meter, **entry.source)
                     state.evicted[ref] = dataclasses.replace(entry, provisional=None, unhealed=False, source=source)
                     return {"refs": (ref,)}, None
