@@ -26,6 +26,9 @@ from contextdeque.replay.fidelity import chunk_ids
 from contextdeque.replay.live import drive_window
 from contextdeque.replay.reuse import REUSE_COSTS
 from contextdeque.traces import generate, scaled_trace
+from contextdeque.traces.builder import TraceBuilder, content_hash
+from contextdeque.traces.events import TraceHeader
+from contextdeque.traces.io import Trace
 from contextdeque.stores import MemoryTier
 from contextdeque.window import ContextWindow
 from contextdeque.window.plan import Plan, plan_totals, stored_bytes
@@ -57,8 +60,9 @@ def _replay_plan(backend, trace, placement: str, rule: str, budget: int | None =
 
 
 def _costly(plan) -> Counter:
-    """The plan's operations that cost a forward or store bytes, by type and size."""
-    return Counter((type(op).__name__, op.tokens) for op in plan if op.counts().get("forwards") or op.stored())
+    """The plan's operations that cost a forward or store bytes, by type, size and forwards."""
+    return Counter((type(op).__name__, op.tokens, op.counts().get("forwards", 0)) for op in plan
+                   if op.counts().get("forwards") or op.stored())
 
 
 def test_the_rules_and_placements_cover_the_window():
@@ -96,3 +100,36 @@ def test_replay_predicts_the_live_eager_window_under_a_token_budget(tiny_backend
     recall's cascade spares them): the replay's window does what the live one does. (Latency-first
     windows under a budget are not priced exactly yet: docs/replay.md.)"""
     _check(tiny_backend_factory("llama"), kind, "patch", "arrival", BUDGET)
+
+
+def _built(steps) -> "Trace":
+    tb = TraceBuilder(TraceHeader(generator="test", agent="doc", seed=0))
+    for op, *args in steps:
+        getattr(tb, op)(*args)
+    return tb.build("built")
+
+
+def _chunks(*spec):
+    return [("arrive", cid, n, content_hash(cid)) for cid, n in spec]
+
+
+# the heal decides as the window's eager policy would have on the slot as it was deferred: a pure
+# permutation of what a slot carried heals with an orbit patch (one forward per ordering)
+HEAL_CASES = {
+    "reorder-a-permutation": [*_chunks(("a", 5), ("b", 4), ("c", 6)), ("step",), ("slide", 1), ("recall", "a"), ("step",),
+                              ("reorder", ["b", "a", "c"]), ("step",), ("reorder", ["a", "b", "c"]), ("step",)],
+    "recall-to-the-front": [*_chunks(("a", 5), ("b", 4), ("c", 6)), ("step",), ("evict", "a"), ("step",), ("recall", "a", 0),
+                            ("step",), ("reorder", ["c", "b", "a"]), ("step",), ("reorder", ["b", "c", "a"]), ("step",)],
+}
+
+
+@pytest.mark.parametrize("rule", WINDOW_RULES)
+@pytest.mark.parametrize("case", sorted(HEAL_CASES))
+def test_replay_heals_as_the_window_does(tiny_backend_factory, one_thread, case, rule):
+    backend = tiny_backend_factory("llama")
+    backend.root_kv()
+    trace = _built(HEAL_CASES[case])
+    live = _window_receipt(backend, trace, "arrival", REUSE_COSTS[rule].window_policy)
+    plan, predicted = _replay_plan(backend, trace, "arrival", rule)
+    assert (predicted["forwards"], predicted["tokens_prefilled"]) == (live.forwards, live.tokens_prefilled)
+    assert _costly(plan) == _costly(live.plan)

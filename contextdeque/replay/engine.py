@@ -101,6 +101,7 @@ class Replayer:
         self._leave_canon: dict[str, None] = {}
         self._canon_due: set[str] = set()  # no-canonical chunks to turn blind (at the front): canonical at heal
         self._pending_form: dict[str, bool] = {}  # key -> re-form even where its prefix is unchanged (cascade)
+        self._pending_reason: dict[str, str] = {}  # key -> why it was first deferred (what the heal decides on)
         self._cascading = False
 
     # ------------------------------------------------------------------ charges
@@ -144,7 +145,7 @@ class Replayer:
         valid = tuple(prefix) == self.formed.get(key, ())
         return self.eager.decide(reason, self.key_slot(key), [self.key_slot(p) for p in prefix], valid=valid, rank=self.rank)
 
-    def carry_out(self, key: str, prefix: Sequence[str], decision: Decision, ctx: int | None = None) -> str:
+    def carry_out(self, key: str, prefix: Sequence[str], decision: Decision, ctx: int | None = None, reason: str | None = None) -> str:
         """Price ``decision`` for ``key`` behind ``prefix`` as ``reconcile.execute`` carries it out:
         a ``form`` is a store hit or one formed patch (a ``reuse_only`` one falls back when the
         store has none); returns the action taken (``keep`` / ``clear`` / ``form``)."""
@@ -153,7 +154,7 @@ class Replayer:
             if d.reuse_only and not self._stored(key, prefix, d.kind):
                 d = d.fallback
                 continue
-            self._form(key, prefix, d.kind, ctx=ctx, max_orderings=dict(d.options).get("max_orderings", 1))
+            self._form(key, prefix, d.kind, ctx=ctx, max_orderings=dict(d.options).get("max_orderings", 1), reason=reason)
             return "form"
         if d is not None and d.action == "clear" and self.formed.get(key):
             self._set_formed(key, ())
@@ -167,10 +168,12 @@ class Replayer:
             return self.graph.has_orbit(c, frozenset(pc))
         return PATCH_KINDS[kind].exact_on_prefix and self.graph.has_patch(c, pc)
 
-    def _form(self, key: str, prefix: Sequence[str], kind: str = "exact", ctx: int | None = None, max_orderings: int = 1) -> None:
+    def _form(self, key: str, prefix: Sequence[str], kind: str = "exact", ctx: int | None = None, max_orderings: int = 1,
+              reason: str | None = None) -> None:
         """Conditioning for ``key`` behind ``prefix`` (``ctx``: its tokens, when the caller knows
         them): a store hit or one formed patch (latency-first: the provisional forward, or deferred
-        to the heal); an orbit patch runs one forward per ordering, at most ``max_orderings``."""
+        to the heal, which decides on the first deferral's ``reason``); an orbit patch runs one
+        forward per ordering, at most ``max_orderings``."""
         pc = tuple(map(self.content.__getitem__, prefix))
         c = self.content[key]
         r = self.r
@@ -198,6 +201,8 @@ class Replayer:
                 self._pending_canon[key] = pc
             else:  # no forward on the critical path: it keeps what it has until the heal
                 self._pending_form[key] = self._pending_form.get(key, False) or self._cascading
+                if reason is not None:
+                    self._pending_reason.setdefault(key, reason)
                 if self._recalling and not self._cascading and tuple(prefix) != self.formed.get(key, ()):
                     # its KV will change at the heal: the chunks conditioned on it now re-form then
                     # (the recall cascade, decided at the recall as the eager policy does)
@@ -339,8 +344,13 @@ class Replayer:
                 elif force or key in anew or tuple(prefix) != self.formed.get(key, ()):
                     if force:
                         self.r.cascade_reforms += 1
-                    self._form(key, prefix)
+                    reason = "cascade" if force else self._pending_reason.get(key)
+                    if key in anew or key in self._no_canon or reason is None:
+                        self._form(key, prefix)
+                    else:  # the eager policy's decision on the slot as it was deferred (what it carried)
+                        self.carry_out(key, prefix, self.decide(reason, key, prefix))
             self._pending_form.clear()
+            self._pending_reason.clear()
         finally:
             self._healing = False
         r.heal_tokens += r.tokens_prefilled - tok0
@@ -359,6 +369,7 @@ class Replayer:
             del pinned[k]
         if self._defers:
             self._pending_form.pop(key, None)
+            self._pending_reason.pop(key, None)
             self._canon_due.discard(key)
             was_provisional = self._provisional.pop(key, "x") is None
             forwarded = self._pending_canon.pop(key, None) is not None or self._no_canon.pop(key, "x") is None
@@ -467,8 +478,8 @@ class Replayer:
                 before = self.formed.get(key, ())
                 prefix = self.order[:-1]
                 if prefix:
-                    self.carry_out(key, prefix, self.decide("recall" if recall else "append", key, prefix),
-                                   ctx=self.window_tokens - self.tokens[key])
+                    why = "recall" if recall else "append"
+                    self.carry_out(key, prefix, self.decide(why, key, prefix), ctx=self.window_tokens - self.tokens[key], reason=why)
                 else:
                     self._set_formed(key, ())
                 if recall:
@@ -499,7 +510,8 @@ class Replayer:
                 if not prefix:
                     self._set_formed(k, ())
                 else:
-                    self.carry_out(k, prefix, self.decide("recall" if recall else "append", k, prefix))
+                    why = "recall" if recall else "append"
+                    self.carry_out(k, prefix, self.decide(why, k, prefix), reason=why)
                 if recall:
                     changed[k] = self.formed[k] != before
             elif old_pos.get(k, -1) != i:
@@ -541,7 +553,7 @@ class Replayer:
                     continue
                 if not self._defers:  # (latency-first: counted when the heal re-forms it)
                     self.r.cascade_reforms += 1
-                self.carry_out(d, self.order[:i], self.decide("cascade", d, self.order[:i]))
+                self.carry_out(d, self.order[:i], self.decide("cascade", d, self.order[:i]), reason="cascade")
         finally:
             self._cascading = False
 
@@ -587,9 +599,9 @@ class Replayer:
                     self._set_formed(k, ())
                 continue
             if k in self._no_canon:  # no canonical for a stored patch to serve: re-forwarded at the heal
-                self._form(k, prefix)
+                self._form(k, prefix, reason="reorder")
                 continue
-            self.carry_out(k, prefix, self.decide("reorder", k, prefix))
+            self.carry_out(k, prefix, self.decide("reorder", k, prefix), reason="reorder")
 
     def run(self) -> ReplayResult:
         """Replay the whole trace; returns the result (the engine is single-use)."""
