@@ -23,7 +23,7 @@ from ..scheduler.eviction import PoolEvictionPolicy, make_eviction
 from ..scheduler.graph import PatchGraph
 from ..traces.io import Trace
 from ..patch import PATCH_KINDS
-from ..window.plan import ChunkKeys, KeySlot
+from ..window.plan import ChunkKeys, KeySlot, KeySlots
 from ..window.policy import Decision, make_policy
 from ..window.ref import ChunkRef
 from ..window.placement import ArrivalPlacement, PlacementPolicy, PlacementView, make_placement
@@ -68,11 +68,12 @@ class Replayer:
         # latency-first rules price its eager policy's decisions and defer them as it does
         self.policy = make_policy(self.arm.window_policy or "eager")
         self.eager = getattr(self.policy, "eager", self.policy)
-        self._refs = {cid: ChunkRef(key=i, chunk_id=a.hash, n_tokens=a.tokens) for i, (cid, a) in enumerate(trace.chunks.items())}
         # window state
         self.order: list[str] = []
         self.tokens: dict[str, int] = {cid: a.tokens for cid, a in trace.chunks.items()}
         self.content: dict[str, str] = {cid: a.hash for cid, a in trace.chunks.items()}
+        self._refs = _Refs(self.content, self.tokens)
+        self._key_slots: dict[str, tuple[tuple[str, ...], KeySlot]] = {}
         self.formed: dict[str, tuple[str, ...]] = {}
         self._formed_set: dict[str, frozenset] = {}  # lazily built membership sets of `formed`
         self.window_tokens = 0
@@ -134,16 +135,23 @@ class Replayer:
 
     # ------------------------------------------------------------------ the window's policy
     def key_slot(self, key: str) -> KeySlot:
-        """``key`` as the window's patch policy sees a slot, keys only."""
+        """``key`` as the window's patch policy sees a slot, keys only (one object per key and
+        conditioning: a slot is looked at far more often than its conditioning changes)."""
         formed = self.formed.get(key, ())
+        cached = self._key_slots.get(key)
+        if cached is not None and cached[0] is formed:
+            return cached[1]
         refs = self._refs
-        return KeySlot(ref=refs[key], chunk=ChunkKeys(self.content[key], self.tokens[key]),
-                       conditioned_on=tuple((refs[a], "") for a in formed), stack=("patch",) if formed else ())
+        slot = KeySlot(refs[key], ChunkKeys(self.content[key], self.tokens[key]),
+                       (lambda: [(refs[a], "") for a in formed]) if formed else (), ("patch",) if formed else ())
+        self._key_slots[key] = (formed, slot)
+        return slot
 
     def decide(self, reason: str, key: str, prefix: Sequence[str]) -> Decision:
         """The window's own (eager) patch policy's decision for ``key`` behind ``prefix``."""
-        valid = tuple(prefix) == self.formed.get(key, ())
-        return self.eager.decide(reason, self.key_slot(key), [self.key_slot(p) for p in prefix], valid=valid, rank=self.rank)
+        formed = self.formed.get(key, ())
+        valid = len(formed) == len(prefix) and tuple(prefix) == formed
+        return self.eager.decide(reason, self.key_slot(key), KeySlots(prefix, self.key_slot), valid=valid, rank=self.rank)
 
     def carry_out(self, key: str, prefix: Sequence[str], decision: Decision, ctx: int | None = None, reason: str | None = None) -> str:
         """Price ``decision`` for ``key`` behind ``prefix`` as ``reconcile.execute`` carries it out:
@@ -677,6 +685,18 @@ class Replayer:
         sched = getattr(self.placement, "decisions", None)
         if sched:
             r.scheduler = dict(sched)
+
+
+class _Refs(dict):
+    """Trace chunk id -> a ``ChunkRef`` standing for it in key-only slots (made when first asked)."""
+
+    def __init__(self, content: dict[str, str], tokens: dict[str, int]) -> None:
+        super().__init__()
+        self._content, self._tokens = content, tokens
+
+    def __missing__(self, key: str) -> ChunkRef:
+        ref = self[key] = ChunkRef(key=len(self), chunk_id=self._content[key], n_tokens=self._tokens[key])
+        return ref
 
 
 class _FutureView(dict):

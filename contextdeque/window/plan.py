@@ -36,9 +36,12 @@ operation          what it is (forwards x tokens it prefills; bytes it stores)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from collections.abc import Sequence as SequenceABC
+from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 from .ref import ChunkRef
+
+Tag = tuple[ChunkRef, str]  # (antecedent ref, its version): as ``slot.Tag``
 
 #: the counts every operation adds to (a plan's totals have exactly these keys, plus ``stored``)
 COUNTS = ("forwards", "tokens_prefilled", "encodes", "patches_formed", "patches_reused")
@@ -212,19 +215,45 @@ class ChunkKeys:
     n_tokens: int
 
 
-@dataclass(frozen=True)
 class KeySlot:
     """A slot as a patch policy sees it, with keys only (no KV): what a planner without a model
     (the replay) hands the window's own policy (``PatchPolicy.decide``) in place of a
     :class:`~.slot.Slot`. ``conditioned_on``: ``(ref, version)`` of the antecedents its
-    conditioning was formed on; ``stack``: non-empty when it carries a patch."""
+    conditioning was formed on (or a callable giving them: built only if a policy reads them);
+    ``stack``: non-empty when it carries a patch."""
 
-    ref: ChunkRef
-    chunk: ChunkKeys
-    conditioned_on: tuple[tuple[ChunkRef, str], ...] = ()
-    stack: tuple[str, ...] = ()
-    provisional: bool = False
+    __slots__ = ("ref", "chunk", "stack", "provisional", "_tags")
+
+    def __init__(self, ref: ChunkRef, chunk: ChunkKeys, conditioned_on: "Sequence[Tag] | Callable[[], Sequence[Tag]]" = (),
+                 stack: tuple[str, ...] = (), provisional: bool = False) -> None:
+        self.ref, self.chunk, self.stack, self.provisional = ref, chunk, stack, provisional
+        self._tags = conditioned_on
+
+    @property
+    def conditioned_on(self) -> tuple[Tag, ...]:
+        if callable(self._tags):
+            self._tags = tuple(self._tags())
+        return tuple(self._tags)
 
     @property
     def n_tokens(self) -> int:
         return self.chunk.n_tokens
+
+
+class KeySlots(SequenceABC):
+    """``keys[:stop]`` as :class:`KeySlot` objects, each built by ``make(key)`` only when a policy
+    reads it (most decisions read only whether anything is in front)."""
+
+    def __init__(self, keys: Sequence[Hashable], make: Callable[[Hashable], KeySlot], stop: int | None = None) -> None:
+        self._keys, self._make = keys, make
+        self._n = len(keys) if stop is None else stop
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self._make(k) for k in self._keys[: self._n][i]]
+        if not -self._n <= i < self._n:
+            raise IndexError(i)
+        return self._make(self._keys[i % self._n])
