@@ -23,19 +23,19 @@ from ..scheduler.eviction import PoolEvictionPolicy, make_eviction
 from ..scheduler.graph import PatchGraph
 from ..traces.io import Trace
 from ..patch import PATCH_KINDS
-from ..window.plan import ChunkKeys, KeySlot, KeySlots
-from ..window.policy import Decision, make_policy
-from ..window.ref import ChunkRef
+from ..window.plan import KeySlot
+from ..window.policy import make_policy
 from ..window.placement import ArrivalPlacement, PlacementPolicy, PlacementView, make_placement
 from ..window.plan import Difference, Encode, Form, Forward, Load, Op, Plan, Reuse
 from .cost import CostModel
+from .decide import PolicyDecisions, Refs
 from .pool import Pool, ReplayConfig, ReplayResult
 from .reuse import ReuseCost, make_reuse
 
 __all__ = ["Replayer", "ReplayConfig", "ReplayResult", "Pool"]
 
 
-class Replayer:
+class Replayer(PolicyDecisions):
     """Runs one trace under one policy combination (see the module doc)."""
 
     def __init__(self, trace: Trace, placement: "str | PlacementPolicy" = "arrival", eviction: "str | PoolEvictionPolicy" = "lru",
@@ -72,7 +72,7 @@ class Replayer:
         self.order: list[str] = []
         self.tokens: dict[str, int] = {cid: a.tokens for cid, a in trace.chunks.items()}
         self.content: dict[str, str] = {cid: a.hash for cid, a in trace.chunks.items()}
-        self._refs = _Refs(self.content, self.tokens)
+        self._refs = Refs(self.content, self.tokens)
         self._key_slots: dict[str, tuple[tuple[str, ...], KeySlot]] = {}
         self.formed: dict[str, tuple[str, ...]] = {}
         self._formed_set: dict[str, frozenset] = {}  # lazily built membership sets of `formed`
@@ -132,49 +132,6 @@ class Replayer:
         """Relocate (+ patch) ``tokens`` of canonical KV into the pages a query reads."""
         if tokens > 0:
             self.r.est_seconds += tokens * self.kv_bpt / self.cost.apply_bytes_per_s
-
-    # ------------------------------------------------------------------ the window's policy
-    def key_slot(self, key: str) -> KeySlot:
-        """``key`` as the window's patch policy sees a slot, keys only (one object per key and
-        conditioning: a slot is looked at far more often than its conditioning changes)."""
-        formed = self.formed.get(key, ())
-        cached = self._key_slots.get(key)
-        if cached is not None and cached[0] is formed:
-            return cached[1]
-        refs = self._refs
-        slot = KeySlot(refs[key], ChunkKeys(self.content[key], self.tokens[key]),
-                       (lambda: [(refs[a], "") for a in formed]) if formed else (), ("patch",) if formed else ())
-        self._key_slots[key] = (formed, slot)
-        return slot
-
-    def decide(self, reason: str, key: str, prefix: Sequence[str]) -> Decision:
-        """The window's own (eager) patch policy's decision for ``key`` behind ``prefix``."""
-        formed = self.formed.get(key, ())
-        valid = len(formed) == len(prefix) and tuple(prefix) == formed
-        return self.eager.decide(reason, self.key_slot(key), KeySlots(prefix, self.key_slot), valid=valid, rank=self.rank)
-
-    def carry_out(self, key: str, prefix: Sequence[str], decision: Decision, ctx: int | None = None, reason: str | None = None) -> str:
-        """Price ``decision`` for ``key`` behind ``prefix`` as ``reconcile.execute`` carries it out:
-        a ``form`` is a store hit or one formed patch (a ``reuse_only`` one falls back when the
-        store has none); returns the action taken (``keep`` / ``clear`` / ``form``)."""
-        d: Decision | None = decision
-        while d is not None and d.action == "form":
-            if d.reuse_only and not self._stored(key, prefix, d.kind):
-                d = d.fallback
-                continue
-            self._form(key, prefix, d.kind, ctx=ctx, max_orderings=dict(d.options).get("max_orderings", 1), reason=reason)
-            return "form"
-        if d is not None and d.action == "clear" and self.formed.get(key):
-            self._set_formed(key, ())
-            return "clear"
-        return "keep"
-
-    def _stored(self, key: str, prefix: Sequence[str], kind: str | None) -> bool:
-        """Whether the store holds a valid ``kind`` patch of ``key``'s content on ``prefix``."""
-        c, pc = self.content[key], tuple(map(self.content.__getitem__, prefix))
-        if kind == "orbit":
-            return self.graph.has_orbit(c, frozenset(pc))
-        return PATCH_KINDS[kind].exact_on_prefix and self.graph.has_patch(c, pc)
 
     def _form(self, key: str, prefix: Sequence[str], kind: str = "exact", ctx: int | None = None, max_orderings: int = 1,
               reason: str | None = None) -> None:
@@ -685,18 +642,6 @@ class Replayer:
         sched = getattr(self.placement, "decisions", None)
         if sched:
             r.scheduler = dict(sched)
-
-
-class _Refs(dict):
-    """Trace chunk id -> a ``ChunkRef`` standing for it in key-only slots (made when first asked)."""
-
-    def __init__(self, content: dict[str, str], tokens: dict[str, int]) -> None:
-        super().__init__()
-        self._content, self._tokens = content, tokens
-
-    def __missing__(self, key: str) -> ChunkRef:
-        ref = self[key] = ChunkRef(key=len(self), chunk_id=self._content[key], n_tokens=self._tokens[key])
-        return ref
 
 
 class _FutureView(dict):
