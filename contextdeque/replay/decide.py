@@ -43,11 +43,13 @@ class PolicyDecisions:
         self._key_slots[key] = (formed, slot)
         return slot
 
-    def decide(self, reason: str, key: str, prefix: Sequence[str]) -> Decision:
-        """The window's own (eager) patch policy's decision for ``key`` behind ``prefix``."""
+    def decide(self, reason: str, key: str, prefix: Sequence[str], stop: int | None = None) -> Decision:
+        """The window's own (eager) patch policy's decision for ``key`` behind ``prefix`` (its
+        first ``stop`` keys, when given: no copy of the window's order per survivor)."""
         formed = self.formed.get(key, ())
-        valid = len(formed) == len(prefix) and tuple(prefix) == formed
-        return self.eager.decide(reason, self.key_slot(key), KeySlots(prefix, self.key_slot), valid=valid, rank=self.rank)
+        n = len(prefix) if stop is None else stop
+        valid = len(formed) == n and tuple(prefix[:n]) == formed
+        return self.eager.decide(reason, self.key_slot(key), KeySlots(prefix, self.key_slot, n), valid=valid, rank=self.rank)
 
     def carry_out(self, key: str, prefix: Sequence[str], decision: Decision, ctx: int | None = None, reason: str | None = None) -> str:
         """Price ``decision`` for ``key`` behind ``prefix`` as ``reconcile.execute`` carries it out:

@@ -369,11 +369,15 @@ class Replayer(PolicyDecisions):
         if not self.arm.patches or i >= len(self.order):
             return
         if self._upkeep is None:  # survivors behind the departed chunk: what the patch policy says
-            for j in range(i, len(self.order)):
-                k = self.order[j]
+            order = self.order
+            for j in range(i, len(order)):
+                k = order[j]
                 if j == 0 and (k in self._no_canon or k in self._pending_canon):
                     continue  # no canonical to clear to (the window's provisional slot): the heal computes it
-                if self.carry_out(k, self.order[:j], self.decide("survivor", k, self.order[:j])) == "keep" and self.formed.get(k):
+                d = self.decide("survivor", k, order, j)
+                if d.action == "keep":  # (the common answer: nothing to price)
+                    self.r.stale_keeps += bool(self.formed.get(k))
+                elif self.carry_out(k, order[:j], d) == "keep" and self.formed.get(k):
                     self.r.stale_keeps += 1
             return
         view = self.view(index)  # survivors behind the departed chunk: keep, clear or refresh
