@@ -150,6 +150,7 @@ def heal_one(win: "ContextWindow", target: ChunkRef) -> "Receipt":
     def body(state: "WindowState", meter: "Meter") -> tuple[dict[str, Any], None]:
         from ..core.kv import concat_kv
         from ..patch import form_patch
+        from .plan import Form
         from .reconcile import place
         from .slot import Conditioning
 
@@ -162,6 +163,8 @@ def heal_one(win: "ContextWindow", target: ChunkRef) -> "Receipt":
                            rank=rk, rank_v=rv, kind="recall", fidelity=ctx.fidelity_rule,
                            past=concat_kv([ctx.backend.root_kv(), *(s.page for s in prefix)]))
         meter.patches_formed += 1
+        meter.plan.add(Form(slot.chunk.id, slot.n_tokens, kind="recall", antecedents=tuple(p.chunk.id for p in prefix),
+                            forwards=1, context=sum(p.n_tokens for p in prefix), tier="none", nbytes=patch.nbytes))
         cond = Conditioning(patch=patch, formed_on=tuple((s.ref, s.version) for s in prefix), absolute=True)
         slots[i] = place(ctx, slot, slot.start, (cond,), meter)
         meter.served[target] = "fresh"

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..patch.alloc import fidelity_report
 from ..stores import TierTraffic
+from .plan import Op, Plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from .context import WindowContext
@@ -121,6 +122,9 @@ class Receipt:
         budget: under ``answer_kl_budget``, what the fidelity floor estimated per chunk (served,
             deficit, estimated KL), for the arrangement, and what it formed
             (:class:`~.budget.BudgetReport`); None without a budget.
+        plan: the operations the window executed, key-only (``window.plan``: encodes, forwards,
+            patches formed or reused, keeps and clears, with their inputs and stored bytes), the
+            same record the offline replay prices.
     """
 
     op: str
@@ -145,6 +149,7 @@ class Receipt:
     fidelity_misses: tuple[FidelityMiss, ...] = field(default=(), metadata=ADDS)
     placed: tuple[tuple["ChunkRef", int, str], ...] = field(default=(), metadata=ADDS)
     budget: "BudgetReport | None" = None
+    plan: tuple[Op, ...] = field(default=(), metadata=ADDS, repr=False)
 
     def __add__(self, other: "Receipt") -> "Receipt":
         """The sum of two receipts' added fields (counts, bytes per tier, wall time, refs, notes,
@@ -253,6 +258,7 @@ class Meter:
         self.served: dict["ChunkRef", str] = {}
         self.repairs: list[str] = []  # rebuilt from source (quarantines come from the traffic)
         self.fidelity_misses: list[FidelityMiss] = []
+        self.plan = Plan()  # what this operation executed (window.plan)
         self._fw0 = ctx.total_forwards()
         self._tok0 = ctx.total_tokens()
         self._enc0 = ctx.counters["encodes"]
@@ -301,5 +307,6 @@ class Meter:
                  for q in self.traffic.quarantined] + self.repairs
             ),
             fidelity_misses=tuple(self.fidelity_misses),
+            plan=tuple(self.plan),
             **fields,
         )
