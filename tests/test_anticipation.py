@@ -47,7 +47,7 @@ def build(backend, policy, *, anticipate=False, provisional=False, budget=22):
 
 STEPS = {
     "slide": lambda w, refs: w.slide(1),
-    "recall": lambda w, refs: w.recall(refs[0]),
+    "recall": lambda w, refs: w.recall(refs[0], at="end"),
     "look-back": lambda w, refs: w.recall(refs[0], at=0),
 }
 
@@ -74,7 +74,7 @@ def test_anticipation_off_heals_as_before(backend):
     plain, refs_p = build(backend, "latency")
     off, refs_o = build(backend, "latency", anticipate=False)
     assert not off._ctx.anticipated_keys and not any(r.op == "anticipate" for r in off.receipts)
-    r_plain, r_off = plain.recall(refs_p[0]), off.recall(refs_o[0])
+    r_plain, r_off = plain.recall(refs_p[0], at="end"), off.recall(refs_o[0], at="end")
     assert r_off.forwards == r_plain.forwards == 0
     assert r_off.deferred and [d[1:] for d in r_off.deferred] == [d[1:] for d in r_plain.deferred]
     assert "anticipated" not in {what for _, what in r_off.served}
@@ -91,7 +91,7 @@ def test_stale_anticipation_is_not_served(backend):
     win, refs = build(backend, "latency", anticipate=True)
     assert win._ctx.anticipated_keys  # heal formed some
     win.append(chunk=backend.encode(token_ids=POOL[5]))  # no heal: nothing anticipated for this arrangement
-    r = win.recall(refs[0])
+    r = win.recall(refs[0], at="end")
     assert r.forwards == 0 and r.patches_reused == 0
     assert "anticipated" not in {what for _, what in r.served}
     assert refs[0] in {ref for ref, _, _ in r.deferred}
@@ -132,5 +132,5 @@ def test_anticipation_skips_a_recall_the_budget_would_refuse(backend):
     assert not win._ctx.anticipated_keys
     win.evict(refs[2])
     win.heal()
-    r = win.recall(refs[0])
+    r = win.recall(refs[0], at="end")
     assert r.forwards == 0 and not r.deferred and r.served and all(w == "anticipated" for _, w in r.served)

@@ -42,7 +42,7 @@ def test_an_expected_chunk_ranks_first(backend, predictor):
     if predictor == "recency":  # no hint: the latest to leave
         assert top.recalls == ((refs["c"], None),)
     else:  # no hint: they left together, the group comes back together (end: the prior's favourite)
-        assert top.recalls[:2] == ((refs["a"], None), (refs["b"], None)) and top.source == "group"
+        assert top.recalls[:2] == ((refs["a"], "end"), (refs["b"], "end")) and top.source == "group"
     win.expect(refs["a"], at=1)
     top = recall_candidates(win, win._state)[0]
     assert top.recalls == ((refs["a"], 1),) and top.source == "expected"
@@ -55,7 +55,7 @@ def test_session_predictor_learns_groups_and_prepares_the_whole_chain(backend):
     for name in ("a", "b"):  # one eviction run: a group
         win.evict(refs[name])
     for name in ("a", "b"):
-        win.recall(refs[name])
+        win.recall(refs[name], at="end")
     predictor = win.recall_predictor
     assert predictor.follows == 1 and predictor.p_follow > 0.5 and predictor.where["end"] == 2
     win.heal()
@@ -65,10 +65,10 @@ def test_session_predictor_learns_groups_and_prepares_the_whole_chain(backend):
     win.evict(refs["d"])  # a group of its own, the latest to leave
     ranked = recall_candidates(win, win._state)
     chains = [p.recalls for p in ranked if len(p.recalls) > 1]
-    assert chains and chains[0] == ((refs["c"], None), (refs["task"], None))
+    assert chains and chains[0] == ((refs["c"], "end"), (refs["task"], "end"))
     win.heal(max_tokens=10_000)
     for name in ("c", "task"):
-        r = win.recall(refs[name])
+        r = win.recall(refs[name], at="end")
         assert r.forwards == 0 and r.answered_fresh and {w for _, w in r.served} == {"anticipated"}
 
 

@@ -31,6 +31,7 @@ import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 from . import ingest
+from .placement import END, recall_chooser, window_index
 from .policy_latency import HealPolicy
 from .predictor import Prediction, RecallPredictor, make_predictor, rank_predictions
 from .receipt import Meter, Receipt
@@ -120,9 +121,16 @@ def _simulate_recall(win: "ContextWindow", sim: WindowState, ref: ChunkRef, at: 
     slots = list(sim.slots)
     reasons: dict[ChunkRef, str] = {}
     left = win._make_room(sim, slots, entry.n_tokens, reasons)
-    pos = len(slots) if at is None else max(0, min(int(at), len(slots) + len(left)) - len(left))
+    entering = Slot(ref=ref, chunk=chunk)
+    if at is None or at == END:
+        pos = len(slots)
+        chooser = None if at == END else recall_chooser(ctx)[0]
+        if chooser is not None:  # recall(ref) without `at`: where the window's recall placement puts it
+            pos = window_index(ctx, sim.graph, slots, entering, None, entry.formed_on, policy=chooser)
+    else:
+        pos = max(0, min(int(at), len(slots) + len(left)) - len(left))
     del sim.evicted[ref]
-    slots.insert(pos, Slot(ref=ref, chunk=chunk))
+    slots.insert(pos, entering)
     reasons[ref] = "recall"
     for later in slots[pos + 1:]:
         reasons[later.ref] = "inserted"

@@ -34,8 +34,9 @@ RECALL_PREDICTORS: Registry["RecallPredictor"] = Registry("recall predictor")
 CANDIDATES = 32
 """Evicted chunks a predictor looks at, most recently evicted first (bounds the work per idle period)."""
 
-Recall = tuple[ChunkRef, "int | None"]
-"""``(ref, at)``: recall ``ref`` at index ``at`` (None: the window's end)."""
+Recall = tuple[ChunkRef, "int | str | None"]
+"""``(ref, at)``: recall ``ref`` at index ``at``, at ``"end"``, or (None) where ``recall(ref)``
+puts it (the window's recall placement)."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Mapping
 
+from .placement import END
 from .predictor import CANDIDATES, Prediction, RecallPredictor, Recall, chain_tokens, priced, recent_evicted
 from .ref import ChunkRef
 
@@ -108,10 +109,15 @@ class SessionPredictor(RecallPredictor):
         """Chance that an evicted group comes back (prior 1/2)."""
         return min(1.0, (self.recalls + 1) / (self.groups_evicted + 2))
 
-    def p_where(self) -> dict[int | None, float]:
-        """``at -> chance``: the end (None) or the front (0); prior 2:1 for the end."""
-        total = self.where["end"] + self.where["front"] + 3
-        return {None: (self.where["end"] + 2) / total, 0: (self.where["front"] + 1) / total}
+    def p_where(self) -> dict[int | str | None, float]:
+        """``at -> chance``: the end (``"end"``), the front (0), or, once recalls were seen
+        landing inside, where ``recall(ref)`` without ``at`` puts it (None: the window's recall
+        placement); prior 2:1 for the end."""
+        total = self.where["end"] + self.where["front"] + self.where["inside"] + 3
+        out: dict[int | str | None, float] = {END: (self.where["end"] + 2) / total, 0: (self.where["front"] + 1) / total}
+        if self.where["inside"]:
+            out[None] = self.where["inside"] / total
+        return out
 
     # ------------------------------------------------------------------ predictions
     def predict(self, state: "WindowState", expected: Mapping[ChunkRef, int | None]) -> list[Prediction]:
@@ -141,7 +147,7 @@ class SessionPredictor(RecallPredictor):
             if i and go_on * self.p_follow < MIN_CHAIN_PROBABILITY:
                 break
             go_on *= self.p_follow if i else 1.0
-            recalls.append((ref, None if at is None else at + i))
+            recalls.append((ref, at if not isinstance(at, int) else at + i))
             c, s = chain_tokens(state, [(ref, None)])
             cost, saved = cost + c, saved + go_on * s
         return Prediction(tuple(recalls), p, int(cost), int(round(saved)), "group" if len(recalls) > 1 else "recency")
