@@ -11,7 +11,7 @@ import sys
 import torch
 
 from ..eval.load_bench import run_load_bench
-from .fidelity_target import fraction
+from .window_options import fraction
 from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..core.errors import ContextDequeError
-from .fidelity_target import add_fidelity_target_arguments, window_options
+from .window_options import add_fidelity_target_arguments, window_options
 from .model_spec import add_threads_argument, apply_threads_argument
 
 GiB = 1 << 30

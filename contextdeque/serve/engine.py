@@ -31,10 +31,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..core.errors import AgentInputError
+from ..core.errors import AgentInputError, WindowTypeError
 from ..core.cooperative import Interrupted, background, install_layer_checkpoints
 from ..window import decode
-from ..window.policy import make_policy
+from ..window.config import WindowConfig
 from ..session import MessageWindow, normalize_messages
 from .compat import template_supports_tools
 from .conversation import Prompt, check_budget, parse_prompt, prefix_digests, turns_digest
@@ -43,6 +43,12 @@ from .metrics import ServeMetrics
 SERVE_POLICY = "latency-shared"
 """The server's default patch policy: latency-first, with every canonical computed while healing
 (``window/policy_latency_shared.py``): what one replica encodes, the others find in the store."""
+
+
+def serve_config(**settings: Any) -> WindowConfig:
+    """The settings of a served session's window: ``SERVE_POLICY`` and the defaults, with
+    ``settings`` on top (a ``MessageWindow`` keeps the whole list: ``overflow`` is ``"error"``)."""
+    return WindowConfig(**{"patch_policy": SERVE_POLICY, **settings, "overflow": "error"})
 
 log = logging.getLogger("contextdeque.serve")
 
@@ -180,10 +186,9 @@ class Engine:
         backend: ``HFBackend`` with a chat-template tokenizer.
         store: the ``TieredStore`` all sessions share (local tiers, optionally a Valkey tier).
         model_name: the name clients use (``GET /v1/models``).
-        rank / patch_policy: window patch settings.
-        window_options: further ``ContextWindow`` settings of every session's window, e.g.
-            ``fidelity_target=``, ``max_patch_fraction=``, ``on_miss=`` (misses are counted in
-            the metrics and listed in each response's usage).
+        config: every session's window settings, one ``WindowConfig`` (default:
+            :func:`serve_config`: the ``SERVE_POLICY`` and the default rank); a ``fidelity_target``
+            in it counts its misses in the metrics and lists them in each response's usage.
         context_tokens: most tokens one request may need (default: the model's maximum positions).
         max_tokens: default and ceiling of ``max_tokens`` per request.
         queue_size: requests waiting for the worker beyond the running one; more get 429.
@@ -205,8 +210,7 @@ class Engine:
         store: Any,
         *,
         model_name: str,
-        rank: int = 32,
-        patch_policy: str = SERVE_POLICY,
+        config: WindowConfig | None = None,
         context_tokens: int | None = None,
         max_tokens: int = 256,
         queue_size: int = 16,
@@ -215,19 +219,17 @@ class Engine:
         plain: bool = False,
         heal_idle_ms: float | None = 20.0,
         processor: Any = None,
-        window_options: dict[str, Any] | None = None,
     ) -> None:
         self.backend = backend
-        self.window_options = dict(window_options or {})
+        self.config = serve_config() if config is None else config
+        if not isinstance(self.config, WindowConfig):
+            raise WindowTypeError(f"config must be a WindowConfig, got {type(self.config).__name__}")
         self.store = store
         self.model_name = model_name
         self.processor = processor
         # the template MessageWindow cuts with (image parts wrapped in the model's vision tokens)
         self.template = MessageWindow(backend, processor=processor).template
         self.tools_supported = template_supports_tools(backend.tokenizer)
-        self.rank = rank
-        make_policy(patch_policy)  # an unknown name is refused now (WindowError), not on the first request
-        self.patch_policy = patch_policy
         cfg = getattr(backend.model, "config", None)
         self.context_tokens = context_tokens or int(getattr(getattr(cfg, "get_text_config", lambda: cfg)(), "max_position_embeddings", 2048))
         self.max_tokens = max_tokens
@@ -372,8 +374,7 @@ class Engine:
                     if cand is not None and not cand.busy:
                         self.sessions.move_to_end(cand.id)
                         return cand, False
-            conv = MessageWindow(self.backend, rank=self.rank, patch_policy=self.patch_policy, store=self.store,
-                                 processor=self.processor, **self.window_options)
+            conv = MessageWindow(self.backend, self.config, store=self.store, processor=self.processor)
             s = Session(sid or uuid.uuid4().hex, conv)
             old = self.sessions.pop(s.id, None)
             if old is not None:

@@ -1,5 +1,6 @@
 """WindowConfig: a window's settings in one frozen object, validated once, with the defaults in one
-place (``DEFAULT_RANK``: the patch rank m every entry point defaults to).
+place (``DEFAULT_RANK``, the patch rank m every entry point defaults to, is written in
+``patch/rank.py``, below every layer that needs it).
 
 ``ContextWindow(backend, **settings)`` builds one from its keywords; ``ContextWindow.from_config``
 takes one as it is. Policies and placements are kept as given (a name or an instance): the window
@@ -18,12 +19,12 @@ from ..core.args import check_float, check_int, check_str
 from ..core.chunk import storage_dtype
 from ..core.errors import BudgetError, WindowError, WindowTypeError
 from ..patch.alloc import DEFAULT_ON_MISS, ON_MISS
+from ..patch.rank import DEFAULT_RANK  # (re-exported: the one default rank, written in patch/rank.py)
 from .graph import CASCADE_POLICIES
 from .kvselect import SelectionPolicy
 from .placement import PlacementPolicy
-from .policy import PatchPolicy
+from .policy import PatchPolicy, make_policy
 
-DEFAULT_RANK = 32  # the patch rank m: the window's, the server's and the commands' default
 DEFAULT_MAX_EVICTED = 10_000  # evicted refs a window remembers unless told otherwise
 OVERFLOW_POLICIES = ("slide", "error")
 
@@ -56,6 +57,7 @@ class WindowConfig:
             raise WindowTypeError(f"kv_selection must be a SelectionPolicy, got {type(self.kv_selection).__name__}")
         if not isinstance(self.patch_policy, (str, PatchPolicy)):
             raise WindowTypeError(f"patch_policy must be a policy name or a PatchPolicy, got {type(self.patch_policy).__name__}")
+        make_policy(self.patch_policy)  # an unknown name is refused here, once (WindowError), not at first use
         if not isinstance(self.placement, (str, PlacementPolicy)):
             raise WindowTypeError(f"placement must be a policy name or a PlacementPolicy, got {type(self.placement).__name__}")
         check_str("cascade_policy", self.cascade_policy, error=WindowError)

@@ -40,13 +40,13 @@ import networkx as nx
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..core.chunk import Chunk, storage_dtype
+from ..core.chunk import Chunk
 from ..core.errors import CorruptEntryError, SessionError
 from ..patch import Patch
 from ..stores import StoreEntry
 from ..stores.format import decode_entry, encode_entry
 from ..patch.alloc import DEFAULT_ON_MISS
-from .context import DEFAULT_MAX_EVICTED
+from .config import DEFAULT_MAX_EVICTED, WindowConfig
 from .graph import ConditioningGraph
 from .receipt import Meter, Receipt
 from .ref import ChunkRef, new_ref
@@ -155,6 +155,8 @@ class BlobModel(_Model):
 
 
 class ConfigModel(_Model):
+    """The saved :class:`~.config.WindowConfig` (its fields of plain values; the policies by name)."""
+
     budget_tokens: int | None
     rank: int
     patch_policy: str
@@ -364,13 +366,12 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
         root_ids=[int(i) for i in ctx.backend.root_ids],
         root_digest=ctx.backend.root_digest,
         root_kv=len(root),
-        config=ConfigModel(
-            budget_tokens=ctx.budget_tokens, rank=ctx.rank, patch_policy=policy_spec(ctx.policy),
-            cascade_policy=ctx.cascade_policy, overflow=ctx.overflow, storage=str(ctx.storage).removeprefix("torch."),
-            placement=getattr(placement, "name", "arrival") or "arrival", fidelity_target=ctx.fidelity_target,
-            max_patch_fraction=ctx.max_patch_fraction, max_evicted=ctx.max_evicted, on_miss=ctx.on_miss,
-            anticipate=ctx.config.anticipate,
-        ),
+        config=ConfigModel(**{
+            **{name: getattr(ctx.config, name) for name in ConfigModel.model_fields},
+            # the instances the window made, saved as the registered names they are rebuilt from
+            "patch_policy": policy_spec(ctx.policy), "storage": str(ctx.storage).removeprefix("torch."),
+            "placement": getattr(placement, "name", "arrival") or "arrival",
+        }),
         generation=state.generation,
         refs=list(refs.values()),
         slots=slots,
@@ -393,6 +394,9 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
 
 
 # ====================================================================== open
+CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(WindowConfig))
+
+
 def read_manifest(path: str | os.PathLike[str]) -> tuple[SessionManifest, dict[str, torch.Tensor]]:
     """The verified manifest and tensors of a session file.
 
@@ -443,15 +447,8 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
         )
     if backend.root_digest != m.root_digest:
         raise SessionError(f"session {path} was saved after root {m.root_digest}, the backend's is {backend.root_digest}")
-    c = m.config
-    kwargs: dict[str, Any] = dict(
-        budget_tokens=c.budget_tokens, rank=c.rank, patch_policy=c.patch_policy, cascade_policy=c.cascade_policy,
-        overflow=c.overflow, storage=storage_dtype(c.storage), placement=c.placement,
-        fidelity_target=c.fidelity_target, max_patch_fraction=c.max_patch_fraction, max_evicted=c.max_evicted,
-        on_miss=c.on_miss, anticipate=c.anticipate,
-    )
-    kwargs.update(overrides)
-    win = cls(backend, **kwargs)
+    config = WindowConfig(**{**m.config.model_dump(), **{k: v for k, v in overrides.items() if k in CONFIG_FIELDS}})
+    win = cls.from_config(backend, config, **{k: v for k, v in overrides.items() if k not in CONFIG_FIELDS})
     ctx = win._ctx
     device = ctx.backend.device
     meter = Meter(ctx, "open")
