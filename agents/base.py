@@ -29,7 +29,7 @@ from contextdeque.scheduler import SchedulerPlacement  # noqa: F401  (registers 
 from contextdeque.core.errors import WindowError
 from contextdeque.core.metrics import kl_divergence
 from contextdeque.traces import TraceBuilder, TraceHeader, content_hash, write_trace
-from contextdeque.window import ChunkRef, ContextWindow, Receipt
+from contextdeque.window import DEFAULT_RANK, ChunkRef, ContextWindow, Receipt, WindowConfig
 
 from .measure import common_prefix, reprefill_first_token, window_first_token, window_stream
 
@@ -74,7 +74,7 @@ class AgentConfig:
     """
 
     budget_tokens: int = 640
-    rank: int = 32
+    rank: int = DEFAULT_RANK
     fidelity_target: float | None = None
     patch_policy: Any = "default"
     cascade_policy: str = "reform"
@@ -85,11 +85,11 @@ class AgentConfig:
     store: Any = None
     heal_between_steps: bool = True
 
-    def window_kwargs(self) -> dict[str, Any]:
-        return dict(
+    def window_config(self) -> WindowConfig:
+        """The agent window's settings, validated once (the store is handed to the window beside them)."""
+        return WindowConfig(
             budget_tokens=self.budget_tokens, rank=self.rank, patch_policy=self.patch_policy,
-            cascade_policy=self.cascade_policy, store=self.store, placement=self.placement,
-            fidelity_target=self.fidelity_target,
+            cascade_policy=self.cascade_policy, placement=self.placement, fidelity_target=self.fidelity_target,
         )
 
 
@@ -166,7 +166,7 @@ class AgentRun:
                  on_step: Callable[[Step], None] | None = None) -> None:
         self.backend = backend
         self.config = config
-        self.window = ContextWindow(backend, **config.window_kwargs())
+        self.window = ContextWindow.from_config(backend, config.window_config(), store=config.store)
         self.trace = TraceBuilder(TraceHeader(generator=generator, agent=agent, seed=config.seed,
                                               meta={"model": str(getattr(backend, "name", "")),
                                                     "budget_tokens": config.budget_tokens}))

@@ -16,8 +16,8 @@ import socket
 import sys
 from typing import Any
 
-from .window_options import add_fidelity_target_arguments, add_window_arguments, named_settings
 from .model_spec import MODEL_HELP, add_threads_argument, image_processor, load_backend
+from .window_options import add_fidelity_target_arguments, add_window_arguments, named_settings
 
 log = logging.getLogger("contextdeque.serve")
 
