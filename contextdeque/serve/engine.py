@@ -31,8 +31,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..core.counters import Counters
 from ..core.errors import AgentInputError, WindowTypeError
 from ..core.cooperative import Interrupted, background, install_layer_checkpoints
+from ..stores import TierTraffic
 from ..window import decode
 from ..window.config import WindowConfig
 from ..session import MessageWindow, normalize_messages
@@ -87,16 +89,15 @@ class GenerationRequest:
 
 
 @dataclass
-class GenerationResult:
+class GenerationResult(Counters):
+    """One request's reply and what it cost: the window's work (:class:`Counters`: its sync's and
+    decode's receipts added, plus the generation prompt's tokens) and the store's fallbacks."""
+
     text: str
     token_ids: list[int]
     finish_reason: str
     session_id: str
     prompt_tokens: int
-    tokens_prefilled: int
-    encodes: int
-    patches_formed: int
-    patches_reused: int
     fallbacks: dict[str, int]
     ttft_s: float | None
     restored: bool
@@ -429,7 +430,7 @@ class Engine:
         text, finish = self._finish(streamer, new_ids, eos, req.max_new_tokens)
         result = GenerationResult(
             text=text, token_ids=new_ids, finish_reason=finish, session_id="plain", prompt_tokens=prompt.prompt_tokens,
-            tokens_prefilled=prompt.prompt_tokens, encodes=0, patches_formed=0, patches_reused=0, fallbacks={},
+            tokens_prefilled=prompt.prompt_tokens, fallbacks={},
             ttft_s=streamer.first_token_s, restored=False,
         )
         self.metrics.record(result, [], time.perf_counter() - t0)
@@ -455,16 +456,12 @@ class Engine:
             assert mw.window is not None
             text, finish = self._finish(streamer, ids, set(decode.eos_ids(mw.window.context)), req.max_new_tokens)
             receipts = [*(o.receipt for o in rec.ops), answer.receipt]
-            fallbacks: dict[str, int] = {}
-            for r in receipts:
-                for tier, n in r.traffic.fallbacks.items():
-                    fallbacks[tier] = fallbacks.get(tier, 0) + n
+            work = rec.counters
             result = GenerationResult(
                 text=text, token_ids=ids, finish_reason=finish, session_id=session.id,
                 prompt_tokens=prompt.prompt_tokens,
-                tokens_prefilled=rec.tokens_prefilled + len(prompt.cut.generation_ids),
-                encodes=rec.encodes, patches_formed=rec.patches_formed, patches_reused=rec.patches_reused,
-                fallbacks=fallbacks, ttft_s=streamer.first_token_s,
+                **{**work.counts(), "tokens_prefilled": work.tokens_prefilled + len(prompt.cut.generation_ids)},
+                fallbacks=TierTraffic.summed(r.traffic for r in receipts).fallbacks, ttft_s=streamer.first_token_s,
                 restored=new and rec.appended > 0 and rec.encodes == 0,
                 fidelity_misses=[m.as_dict() for r in receipts for m in r.fidelity_misses],
             )
