@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, ClassVar, Iterable, TypeVar
 
 T = TypeVar("T", bound="Tally")
 
@@ -68,19 +68,20 @@ def jsonable(value: Any) -> Any:
 
 @dataclass
 class Tally:
-    """Base of every cost record: generic ``+`` over its :func:`adds` fields, generic ``as_dict``."""
+    """Base of every cost record: generic ``+`` over its :func:`adds` fields, generic ``as_dict``.
+
+    ``json_omit``: inherited fields a record does not count (left out of its ``as_dict``)."""
+
+    json_omit: ClassVar[frozenset[str]] = frozenset()
 
     def __add__(self: T, other: T) -> T:
         """This record with ``other``'s added fields summed in (the other fields stay this one's)."""
         out = dataclasses.replace(self)
-        for f in dataclasses.fields(self):
-            if f.metadata.get("adds"):
-                a, b = getattr(self, f.name), getattr(other, f.name)
-                merge = f.metadata.get("merge")
-                setattr(out, f.name, merge(a, b) if merge is not None else _sum(a, b))
+        out += other  # (sums make new values: this record's dicts and sequences are not changed)
         return out
 
-    def __iadd__(self: T, other: T) -> T:
+    def __iadd__(self: T, other: Any) -> T:
+        """Sum ``other``'s added fields into this record (``other`` may be any record holding them)."""
         for f in dataclasses.fields(self):
             if f.metadata.get("adds"):
                 a, b = getattr(self, f.name), getattr(other, f.name)
@@ -101,7 +102,7 @@ class Tally:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             conv = f.metadata.get("json")
-            if conv == OMIT:
+            if conv == OMIT or f.name in self.json_omit:
                 continue
             value = getattr(self, f.name)
             out[f.metadata.get("json_name") or f.name] = conv(value) if conv is not None else jsonable(value)

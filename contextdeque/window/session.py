@@ -38,9 +38,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import networkx as nx
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from ..core.chunk import Chunk
+from ..core.counters import Counters
 from ..core.errors import CorruptEntryError, SessionError
 from ..patch import Patch
 from ..stores import StoreEntry
@@ -171,17 +172,12 @@ class ConfigModel(_Model):
     anticipate: bool = False  # (the same)
 
 
-class ReceiptSummary(_Model):
-    """What the saved window's recorded receipts add up to (the last 1000 operations)."""
-
-    operations: int = 0
-    by_op: dict[str, int] = {}
-    forwards: int = 0
-    tokens_prefilled: int = 0
-    encodes: int = 0
-    patches_formed: int = 0
-    patches_reused: int = 0
-    wall_ms: float = 0.0
+ReceiptSummary = create_model(
+    "ReceiptSummary", __base__=_Model, __doc__="What the saved window's recorded receipts add up to (the last 1000 "
+    "operations): how many, by operation, their :class:`~contextdeque.core.counters.Counters` and wall time.",
+    operations=(int, 0), by_op=(dict[str, int], {}), **{name: (int, 0) for name in Counters().counts()},
+    wall_ms=(float, 0.0),
+)
 
 
 class SessionManifest(_Model):
@@ -206,7 +202,7 @@ class SessionManifest(_Model):
     graph_edges: list[GraphEdgeModel]
     chunks: list[BlobModel]
     patches: list[BlobModel]
-    receipts: ReceiptSummary
+    receipts: ReceiptSummary  # type: ignore[valid-type]
     counters: dict[str, int] = {}
 
 
@@ -280,16 +276,12 @@ def _tags(tags: Any) -> list[TagModel]:
     return [TagModel(ref=r.key, version=v) for r, v in tags]
 
 
-def _summary(receipts: Any) -> ReceiptSummary:
-    by_op: Counter[str] = Counter()
-    tot = Counter()
-    wall = 0.0
-    for r in receipts:
-        by_op[r.op] += 1
-        for f in ("forwards", "tokens_prefilled", "encodes", "patches_formed", "patches_reused"):
-            tot[f] += int(getattr(r, f))
-        wall += float(r.wall_ms)
-    return ReceiptSummary(operations=sum(by_op.values()), by_op=dict(by_op), wall_ms=round(wall, 3), **tot)
+def _summary(receipts: Any) -> Any:
+    """The :data:`ReceiptSummary` of ``receipts``."""
+    receipts = list(receipts)
+    by_op = Counter(r.op for r in receipts)
+    return ReceiptSummary(operations=len(receipts), by_op=dict(by_op), **Counters.summed(receipts).counts(),
+                          wall_ms=round(sum(float(r.wall_ms) for r in receipts), 3))
 
 
 # ====================================================================== save
