@@ -52,8 +52,11 @@ def test_the_stored_prefix_hint_is_bounded(backend):
         ctx.note_stored_prefix(f"c{c}", ("p",))
     for p in range(PATCH_INDEX_PREFIXES + 5):
         ctx.note_stored_prefix("c-last", (f"p{p}",))
-    assert len(ctx.patch_index) == PATCH_INDEX_CHUNKS and "c0" not in ctx.patch_index
-    assert len(ctx.patch_index["c-last"]) == PATCH_INDEX_PREFIXES and ("p0",) not in ctx.patch_index["c-last"]
+    index = ctx.patch_index
+    assert index.contents() == PATCH_INDEX_CHUNKS and not index.may_hit("c10") and index.may_hit("c11")
+    last = index.stored_prefixes("c-last")
+    assert len(last) == PATCH_INDEX_PREFIXES and ("p0",) not in last and last[-1] == (f"p{PATCH_INDEX_PREFIXES + 4}",)
+    assert index.g.number_of_edges() == len(index)  # the scheduler's edges shrink with what the bound forgets
 
 
 @pytest.mark.parametrize("policy", ["default", "latency"])

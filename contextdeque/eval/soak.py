@@ -143,7 +143,7 @@ def run_soak(
                 "op": done, "s": round(time.perf_counter() - t0, 1), "rss": rss_bytes(),
                 "store": tiers, "evicted_refs": len(win.evicted_refs), "in_window": len(win),
                 "tokens": win.tokens_used, "forwards": backend.forwards_run - forwards0,
-                "graph_nodes": len(win.graph), "patch_index": len(win.context.patch_index), "receipts": len(win.receipts),
+                "graph_nodes": len(win.graph), "patch_index": win.context.patch_index.contents(), "receipts": len(win.receipts),
             }
             if count_tensors:
                 row["tensor_bytes"] = live_tensor_bytes()

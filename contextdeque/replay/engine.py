@@ -19,7 +19,7 @@ from typing import Any, Hashable, Sequence
 
 from ..core.errors import BudgetError
 from ..scheduler.eviction import PoolEvictionPolicy, make_eviction
-from ..scheduler.graph import PatchGraph
+from ..window.graph import PatchGraph
 from ..traces.io import Trace
 from ..window.policy_default import ORBIT_MAX_ANTECEDENTS, ORBIT_MAX_ORDERINGS
 from ..window.placement import ArrivalPlacement, PlacementPolicy, PlacementView, make_placement

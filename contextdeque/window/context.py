@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -19,6 +19,7 @@ from ..core.cooperative import in_background
 from ..model.envelope import load_envelope
 from ..patch.alloc import FidelityRule
 from ..patch.rank import FULL, resolve_rank
+from .graph import PatchGraph
 from .config import DEFAULT_MAX_EVICTED, OVERFLOW_POLICIES, WindowConfig  # noqa: F401  (re-exported)
 from .policy import PatchPolicy
 from .store import WindowStore
@@ -53,7 +54,8 @@ class WindowContext:
     expected_reuse: Callable[..., float] | None = None
     placement: Any = None  # a window.placement.PlacementPolicy (None: arrival order)
     # chunk id -> antecedent id tuples whose patch was stored (a placement hint): bounded, see note_stored_prefix
-    patch_index: "OrderedDict[str, dict[tuple[str, ...], None]]" = field(default_factory=OrderedDict, repr=False)
+    patch_index: PatchGraph = field(
+        default_factory=lambda: PatchGraph(max_contents=PATCH_INDEX_CHUNKS, max_prefixes=PATCH_INDEX_PREFIXES), repr=False)
     # store keys of the patches anticipation formed (window.anticipation): receipts say "anticipated"
     anticipated_keys: set = field(default_factory=set, repr=False)
     op_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
@@ -67,14 +69,7 @@ class WindowContext:
         """Record that ``chunk_id``'s patch on ``prefix`` is stored (the placement scheduler's
         hint). A hint only, so bounded: the ``PATCH_INDEX_CHUNKS`` most recently noted chunks,
         ``PATCH_INDEX_PREFIXES`` prefixes each (least recent forgotten)."""
-        known = self.patch_index.pop(chunk_id, None) or {}
-        known.pop(prefix, None)
-        known[prefix] = None
-        while len(known) > PATCH_INDEX_PREFIXES:
-            del known[next(iter(known))]
-        self.patch_index[chunk_id] = known
-        while len(self.patch_index) > PATCH_INDEX_CHUNKS:
-            self.patch_index.popitem(last=False)
+        self.patch_index.add(chunk_id, prefix)
 
     @contextmanager
     def foreground(self) -> Iterator[None]:
