@@ -12,15 +12,12 @@ import torch
 
 from ..eval.window_bench import run_window_bench
 from .model_spec import MODEL_HELP, add_threads_argument, load_backend
-from .window_options import add_window_arguments
+from .window_options import add_bench_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--runs", type=int, default=7, help="timed runs per measurement (median reported)")
-    parser.add_argument("--chunks", type=int, default=4, help="chunks in the window")
-    parser.add_argument("--chunk-tokens", type=int, default=512, help="tokens per chunk")
-    add_window_arguments(parser)
+    add_bench_arguments(parser, runs=7, runs_help="timed runs per measurement (median reported)", chunks=4,
+                        chunks_help="chunks in the window", chunk_tokens=512)
     parser.add_argument(
         "--model", default=None,
         help=MODEL_HELP,

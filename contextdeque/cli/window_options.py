@@ -50,6 +50,17 @@ def add_window_arguments(parser: argparse.ArgumentParser, *, policy: str | None 
     parser.add_argument("--rank", type=int, default=rank, help=rank_help if rank is None else f"{rank_help} (default: {rank})")
 
 
+def add_bench_arguments(parser: argparse.ArgumentParser, *, runs: int, runs_help: str, chunks: int, chunks_help: str,
+                        chunk_tokens: int) -> None:
+    """The window benches' shared options: ``--json``, ``--runs``, ``--chunks``, ``--chunk-tokens``
+    and the window options (:func:`add_window_arguments`)."""
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--runs", type=int, default=runs, help=runs_help)
+    parser.add_argument("--chunks", type=int, default=chunks, help=chunks_help)
+    parser.add_argument("--chunk-tokens", type=int, default=chunk_tokens, help="tokens per chunk")
+    add_window_arguments(parser)
+
+
 def add_fidelity_target_arguments(parser: argparse.ArgumentParser, target_help: str, *, several: bool = False) -> None:
     """``--fidelity-target`` (one η, or with ``several`` a comma-separated list), ``--max-patch-fraction``
     and ``--on-miss``."""

@@ -99,18 +99,9 @@ class MessageWindow:
         max_evicted: messages kept recallable after they leave the list (oldest forgotten first).
     """
 
-    def __init__(
-        self,
-        backend: Any,
-        config: WindowConfig | None = None,
-        *,
-        store: Any = None,
-        processor: Any = None,
-        image_tokens: int = DEFAULT_IMAGE_TOKENS,
-        tokenizer: Any = None,
-        max_evicted: int = 256,
-        **settings: Any,
-    ) -> None:
+    def __init__(self, backend: Any, config: WindowConfig | None = None, *, store: Any = None, processor: Any = None,
+                 image_tokens: int = DEFAULT_IMAGE_TOKENS, tokenizer: Any = None, max_evicted: int = 256,
+                 **settings: Any) -> None:
         self.backend = backend
         self.images = ImagePath(backend, processor=processor, max_tokens=image_tokens)
         wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from contextdeque.core.counters import Counters, Tally, shown
+from contextdeque.core.counters import Counters, Tally, adds
 from contextdeque.window import Receipt
 
 COUNTS = frozenset(f.name for f in dataclasses.fields(Counters))
@@ -47,18 +47,18 @@ class SyncReceipt(Tally):
     ``patches_reused``) is :attr:`counters`, the ops' receipts added.
     """
 
-    ops: list[MessageOp] = shown(factory=list)
-    messages: int = 0
-    kept: int = 0
-    appended: int = 0
-    evicted: int = 0
-    returned: int = 0
-    moved: int = 0
+    ops: list[MessageOp] = adds(list)
+    messages: int = adds()
+    kept: int = adds()
+    appended: int = adds()
+    evicted: int = adds()
+    returned: int = adds()
+    moved: int = adds()
     reordered: bool = False
     rebuilt: bool = False
-    reprefill_tokens: int = 0
-    prefix_cache_tokens: int = 0
-    wall_ms: float = shown(lambda v: round(v, 3), default=0.0)
+    reprefill_tokens: int = adds()
+    prefix_cache_tokens: int = adds()
+    wall_ms: float = adds(0.0, json=lambda v: round(v, 3))
 
     @property
     def counters(self) -> Counters:

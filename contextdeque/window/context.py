@@ -7,6 +7,7 @@ canonicals, same store, same policy); what differs between them is their ``Windo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -27,6 +28,7 @@ from .store import WindowStore
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.hf import HFBackend
 
+SETTINGS = frozenset(f.name for f in dataclasses.fields(WindowConfig))  # what a context reads off its config
 PATCH_INDEX_CHUNKS = 4096  # chunks the stored-prefix hint remembers (WindowContext.note_stored_prefix)
 PATCH_INDEX_PREFIXES = 32  # prefixes it remembers per chunk
 
@@ -96,19 +98,12 @@ class WindowContext:
         """A foreground operation is waiting for the model."""
         return self._waiting[0] > 0
 
-    # the settings, read through the config (one source: a fork shares its parent's)
-    rank = property(lambda self: self.config.rank, doc="the patch rank m")
-    budget_tokens = property(lambda self: self.config.budget_tokens, doc="most chunk tokens the window holds (None: no budget)")
-    cascade_policy = property(lambda self: self.config.cascade_policy)
-    overflow = property(lambda self: self.config.overflow)
-    storage = property(lambda self: self.config.storage, doc="the dtype canonicals are stored in")
-    kv_selection = property(lambda self: self.config.kv_selection, doc="a kvselect.SelectionPolicy, or None")
-    fidelity_target = property(lambda self: self.config.fidelity_target, doc="η target: per-layer ranks allocated to meet it; None: fixed rank")
-    max_patch_fraction = property(lambda self: self.config.max_patch_fraction, doc="the target's byte cap: patch bytes / page bytes")
-    on_miss = property(lambda self: self.config.on_miss, doc="what a patch the cap cannot fit the target into does (patch.alloc.ON_MISS)")
-    beyond_trained = property(lambda self: self.config.beyond_trained, doc="allow positions past the model's trained context length")
-    chunk_template = property(lambda self: self.config.chunk_template, doc="how text appends are rendered (see ContextWindow)")
-    max_evicted = property(lambda self: self.config.max_evicted, doc="evicted refs remembered (oldest forgotten past it); None: all")
+    def __getattr__(self, name: str) -> Any:
+        """The settings (``ctx.rank``, ``ctx.budget_tokens``, ``ctx.on_miss``...), read through the
+        config: one source (a fork shares its parent's); see :class:`~.config.WindowConfig`."""
+        if name in SETTINGS:
+            return getattr(self.config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def layout(self):
