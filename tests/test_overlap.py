@@ -22,8 +22,8 @@ N = 6
 
 
 @pytest.fixture(scope="module")
-def be(tiny_backend_factory):
-    return tiny_backend_factory("llama")
+def be(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..model.hf import HFBackend
 
 SETTINGS = frozenset(f.name for f in dataclasses.fields(WindowConfig))  # what a context reads off its config
+BACKEND_FACTS = frozenset({"layout", "fingerprint", "root_len"})  # what a context reads off its backend
 PATCH_INDEX_CHUNKS = 4096  # chunks the stored-prefix hint remembers (WindowContext.note_stored_prefix)
 PATCH_INDEX_PREFIXES = 32  # prefixes it remembers per chunk
 
@@ -100,22 +101,13 @@ class WindowContext:
 
     def __getattr__(self, name: str) -> Any:
         """The settings (``ctx.rank``, ``ctx.budget_tokens``, ``ctx.on_miss``...), read through the
-        config: one source (a fork shares its parent's); see :class:`~.config.WindowConfig`."""
+        config: one source (a fork shares its parent's); see :class:`~.config.WindowConfig`. And
+        the backend's ``layout``, ``fingerprint`` and ``root_len``."""
         if name in SETTINGS:
             return getattr(self.config, name)
+        if name in BACKEND_FACTS:
+            return getattr(self.backend, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    @property
-    def layout(self):
-        return self.backend.layout
-
-    @property
-    def fingerprint(self) -> str:
-        return self.backend.fingerprint
-
-    @property
-    def root_len(self) -> int:
-        return self.backend.root_len
 
     def total_forwards(self) -> int:
         return int(self.backend.forwards_run) + self.counters["decode_forwards"]
