@@ -70,9 +70,11 @@ def jsonable(value: Any) -> Any:
 class Tally:
     """Base of every cost record: generic ``+`` over its :func:`adds` fields, generic ``as_dict``.
 
-    ``json_omit``: inherited fields a record does not count (left out of its ``as_dict``)."""
+    ``json_omit``: inherited fields a record does not count (left out of its ``as_dict``);
+    ``json_names``: inherited fields it writes under its own key."""
 
     json_omit: ClassVar[frozenset[str]] = frozenset()
+    json_names: ClassVar[dict[str, str]] = {}  # inherited fields a record writes under another key
 
     def __add__(self: T, other: T) -> T:
         """This record with ``other``'s added fields summed in (the other fields stay this one's)."""
@@ -105,7 +107,8 @@ class Tally:
             if conv == OMIT or f.name in self.json_omit:
                 continue
             value = getattr(self, f.name)
-            out[f.metadata.get("json_name") or f.name] = conv(value) if conv is not None else jsonable(value)
+            key = self.json_names.get(f.name) or f.metadata.get("json_name") or f.name
+            out[key] = conv(value) if conv is not None else jsonable(value)
         out.update(self._derived())
         return out
 

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from ..core.counters import Tally, adds, shown
+from contextdeque.core.counters import Tally, adds, shown
 
 
 def _add(d: dict[str, int], tier: str, n: int) -> None:
