@@ -43,8 +43,8 @@ def tiny_backend_factory():
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tiny_backend_factory):
-    """The tiny random-weight llama backend (seed 0), shared by the tests of one module."""
+def be(tiny_backend_factory):
+    """The tiny random-weight llama backend (seed 0); a module may define its own ``be``."""
     return tiny_backend_factory("llama")
 
 
