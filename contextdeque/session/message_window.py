@@ -102,6 +102,12 @@ class MessageWindow:
     def __init__(self, backend: Any, config: WindowConfig | None = None, *, store: Any = None, processor: Any = None,
                  image_tokens: int = DEFAULT_IMAGE_TOKENS, tokenizer: Any = None, max_evicted: int = 256,
                  **settings: Any) -> None:
+        if config is not None and not isinstance(config, WindowConfig):
+            raise WindowTypeError(f"config must be a WindowConfig, got {type(config).__name__}")
+        config = WindowConfig(**{"overflow": "error", **settings}) if config is None else config.replace(**settings)
+        if config.overflow != "error":
+            raise WindowError("MessageWindow keeps the whole list: overflow must be 'error'")
+        self.config = config
         self.backend = backend
         self.images = ImagePath(backend, processor=processor, max_tokens=image_tokens)
         wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
@@ -109,12 +115,6 @@ class MessageWindow:
             cfg = backend.model.config
             wrap = ((int(cfg.vision_start_token_id),), (int(cfg.vision_end_token_id),))
         self.template = ChatTemplate(tokenizer if tokenizer is not None else backend.tokenizer, image_wrap=wrap)
-        if config is not None and not isinstance(config, WindowConfig):
-            raise WindowTypeError(f"config must be a WindowConfig, got {type(config).__name__}")
-        config = WindowConfig(**{"overflow": "error", **settings}) if config is None else config.replace(**settings)
-        if config.overflow != "error":
-            raise WindowError("MessageWindow keeps the whole list: overflow must be 'error'")
-        self.config = config
         self.store = store
         self.max_evicted = int(max_evicted)
         self.window: ContextWindow | None = None
