@@ -23,7 +23,7 @@ from ..patch.rank import DEFAULT_RANK  # (re-exported: the one default rank, wri
 from .graph import CASCADE_POLICIES
 from .kvselect import SelectionPolicy
 from .placement import PlacementPolicy
-from .policy import PatchPolicy, make_policy
+from .policy import PatchPolicy
 
 DEFAULT_MAX_EVICTED = 10_000  # evicted refs a window remembers unless told otherwise
 OVERFLOW_POLICIES = ("slide", "error")
@@ -57,7 +57,6 @@ class WindowConfig:
             raise WindowTypeError(f"kv_selection must be a SelectionPolicy, got {type(self.kv_selection).__name__}")
         if not isinstance(self.patch_policy, (str, PatchPolicy)):
             raise WindowTypeError(f"patch_policy must be a policy name or a PatchPolicy, got {type(self.patch_policy).__name__}")
-        make_policy(self.patch_policy)  # an unknown name is refused here, once (WindowError), not at first use
         if not isinstance(self.placement, (str, PlacementPolicy)):
             raise WindowTypeError(f"placement must be a policy name or a PlacementPolicy, got {type(self.placement).__name__}")
         check_str("cascade_policy", self.cascade_policy, error=WindowError)
@@ -73,8 +72,10 @@ class WindowConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise WindowTypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
         from .ingest import check_template  # (ingest stands on the context, which stands on this)
+        from .policy import make_policy
 
         check_template(self.chunk_template)
+        make_policy(self.patch_policy)  # an unknown name is refused here, once (WindowError), not at first use
         checked = dict(
             rank=check_int("rank", self.rank, minimum=0, error=WindowError),
             budget_tokens=check_int("budget_tokens", self.budget_tokens, minimum=1, none_ok=True, error=BudgetError),
