@@ -11,6 +11,7 @@ from ..core.args import check_float, check_int
 from ..core.errors import WindowError
 from ..patch import form_patch
 from . import ingest
+from .plan import Difference
 from .policy import PatchPolicy
 from .policy_latency import HealPolicy
 from .receipt import Meter, Receipt
@@ -90,8 +91,7 @@ class WindowHealing:
                         source = ingest.source_of(entry.provisional)  # so a lost canonical can be rebuilt
                     else:
                         source = entry.source
-                        if ctx.store.get_chunk(entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature,
-                                               traffic=meter.traffic) is None:
+                        if ingest.load_canonical(ctx, entry.chunk_key, meter) is None:
                             ingest.encode_and_store(ctx, meter, **entry.source)
                     state.evicted[ref] = dataclasses.replace(entry, provisional=None, unhealed=False, source=source)
                     return {"refs": (ref,)}, None
@@ -150,6 +150,8 @@ class WindowHealing:
                     failed = ctx.store.put_patch(key, patch, traffic=meter.traffic)
                     if failed:
                         meter.notes.append(failed)
+                    meter.plan.add(Difference(canonical.id, canonical.n_tokens, antecedents=tuple(p.chunk.id for p in prefix),
+                                              tier=ctx.store.tier_of(key) or "none", nbytes=patch.nbytes))
         return blind
 
     def start_healing(self, idle_ms: float = 20.0) -> "Healer":

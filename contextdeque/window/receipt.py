@@ -7,9 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..core.counters import Counters, adds, shown
+from ..core.counters import OMIT, Counters, adds, shown
 from ..patch.alloc import fidelity_report
 from ..stores import TierTraffic
+from .plan import Op, Plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from .context import WindowContext
@@ -114,6 +115,9 @@ class Receipt(Counters):
             ``"blind"`` / ``"conditioned"`` (deferred: as in ``deferred``).
         fidelity_misses: chunks (re)conditioned by this operation whose patch the byte cap could
             not fit ``fidelity_target`` into, and what ``on_miss`` did (:class:`FidelityMiss`).
+        plan: the operations the window executed, key-only (``window.plan``: encodes, forwards,
+            patches formed or reused, keeps and clears, with their inputs and stored bytes), the
+            same record the offline replay prices.
     """
 
     op: str
@@ -132,6 +136,7 @@ class Receipt(Counters):
     repairs: tuple[str, ...] = adds(())
     served: tuple[tuple["ChunkRef", str], ...] = adds((), json=lambda s: [[r.key, what] for r, what in s])
     fidelity_misses: tuple[FidelityMiss, ...] = adds(())
+    plan: tuple[Op, ...] = adds((), json=OMIT, repr=False)  # (window.plan: the replay prices it; not written)
 
     @classmethod
     def merged(cls, op: str, receipts: "list[Receipt]", wall_ms: float | None = None) -> "Receipt":
@@ -196,6 +201,7 @@ class Meter:
         self.served: dict["ChunkRef", str] = {}
         self.repairs: list[str] = []  # rebuilt from source (quarantines come from the traffic)
         self.fidelity_misses: list[FidelityMiss] = []
+        self.plan = Plan()  # what this operation executed (window.plan)
         self._fw0 = ctx.total_forwards()
         self._tok0 = ctx.total_tokens()
         self._enc0 = ctx.counters["encodes"]
@@ -244,5 +250,6 @@ class Meter:
                  for q in self.traffic.quarantined] + self.repairs
             ),
             fidelity_misses=tuple(self.fidelity_misses),
+            plan=tuple(self.plan),
             **fields,
         )

@@ -486,9 +486,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             if entry.provisional is not None:  # left before it was healed: its canonical, now
                 chunk = ingest.canonical_of(self._ctx, entry.provisional, meter)
             else:
-                chunk = ctx.store.get_chunk(
-                    entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic
-                )
+                chunk = ingest.load_canonical(ctx, entry.chunk_key, meter)
             # left before anything needed its canonical: under a latency-first policy, one
             # conditioned forward where it re-enters (what a prefix cache re-reading it runs; the
             # canonical still waits), else the one encode it owes
