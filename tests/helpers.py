@@ -43,3 +43,12 @@ def replay_agent_trace(path, capsys) -> dict:
     out = json.loads(capsys.readouterr().out)
     assert out["results"] and all(r["queries"] == queries and r["events"] == len(trace.events) for r in out["results"])
     return out
+
+
+# token ids of five small chunks and a query (the window and session tests build windows of them)
+A = [5, 6, 7, 8]
+B = [9, 10, 11]
+C = [12, 13, 14, 15, 16, 17]
+D = [20, 21, 22, 23, 24]
+E = [30, 31, 32, 33, 34, 35, 36]
+QUERY = [40, 41, 42]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import networkx as nx
 import pytest
 import torch
-from helpers import micro_llama
+from helpers import A, B, C, D, E, QUERY, micro_llama
 
 from contextdeque.core import compat
 from contextdeque.model.hf import HFBackend
@@ -24,16 +24,6 @@ from contextdeque.window import (
     Receipt,
     WindowStore,
 )
-
-A = [5, 6, 7, 8]
-B = [9, 10, 11]
-C = [12, 13, 14, 15, 16, 17]
-D = [20, 21, 22, 23, 24]
-E = [30, 31, 32, 33, 34, 35, 36]
-QUERY = [40, 41, 42]
-
-
-
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,7 @@ from ..window import ContextWindow
 from ..window.policy import make_policy
 from ..window.store import WindowStore, default_store
 from .paged import PagedLayout, PromptCut, PromptCutter, paged_layout_for
+from ..patch.rank import DEFAULT_RANK
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -89,7 +90,7 @@ ROOT_KV_TOLERANCE = 1e-3
 
 
 def kv_transfer_config(
-    store: str | None = None, *, patch_policy: str = "latency", rank: int = 32, model: str | None = None,
+    store: str | None = None, *, patch_policy: str = "latency", rank: int = DEFAULT_RANK, model: str | None = None,
     encode_on_finish: bool = True,
 ) -> KVTransferConfig:
     """vLLM's ``kv_transfer_config`` for this connector.
@@ -376,7 +377,7 @@ class ContextDequeConnector(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         self.rt = Runtime.get(
             extra.get("model") or model_cfg.model, extra.get("store"), str(extra.get("patch_policy") or "latency"),
-            int(extra.get("rank", 32)), bool(extra.get("encode_on_finish", True)),
+            int(extra.get("rank", DEFAULT_RANK)), bool(extra.get("encode_on_finish", True)),
         )
         layout = self.rt.backend.layout
         check_vllm_rotary(layout, model_cfg.hf_config, int(model_cfg.max_model_len), vllm_config)

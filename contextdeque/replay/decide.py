@@ -12,7 +12,7 @@ from ..window.policy import Decision
 from ..window.ref import ChunkRef
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..scheduler.graph import PatchGraph
+    from ..window.graph import PatchGraph
     from ..window.policy import PatchPolicy
 
 

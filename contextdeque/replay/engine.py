@@ -20,7 +20,7 @@ from typing import Any, Hashable, Sequence
 
 from ..core.errors import BudgetError
 from ..scheduler.eviction import PoolEvictionPolicy, make_eviction
-from ..scheduler.graph import PatchGraph
+from ..window.graph import PatchGraph
 from ..traces.io import Trace
 from ..patch import PATCH_KINDS
 from ..window.plan import KeySlot

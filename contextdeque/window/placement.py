@@ -159,7 +159,7 @@ def window_index(ctx: Any, graph: Any, slots: Sequence[Any], entering: Any, at: 
         formed_on={**{s.ref: tuple(a for a, _ in s.conditioned_on) for s in slots},
                    entering.ref: tuple(a for a, _ in formed_on)},
         has_patch=has_patch,
-        stored_prefixes=lambda c: tuple(ctx.patch_index.get(c, ())),
+        stored_prefixes=ctx.patch_index.stored_prefixes,
         dependents=lambda k: [d for d in graph.dependents(k) if d in resident],
         budget_tokens=ctx.budget_tokens,
     )
