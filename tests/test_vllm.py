@@ -132,3 +132,31 @@ def test_a_load_that_fails_on_the_worker_is_recomputed_by_vllm(runs):
     pair = runs["reader"]["load_failure"]
     assert pair["stats"].get("load_failures", 0) == 1 and pair["stats"].get("loads", 0) == 0
     _same_answer(pair)
+
+
+def test_layerwise_load_overlaps_vllms_forward(runs):
+    """The connector loads layer by layer on its own thread: vLLM's forward was given layer 0 while
+    the last layer was not loaded yet (the loading thread was held before it until then; the order
+    of events, not timing), every layer was loaded before vLLM was given it, and the answer is
+    vLLM's own."""
+    o = runs["writer"]["overlap"]
+    L = o["layers"]
+    trace = [tuple(e) for e in o["trace"]]
+    assert o["background"] is True and o["gate_opened"] == [True]
+    assert trace.index(("waited", 0)) < trace.index(("loaded", L - 1))
+    for layer in range(L):
+        assert trace.index(("loaded", layer)) < trace.index(("waited", layer))
+    assert o["pair"]["got"]["cached_tokens"] == o["pair"]["prefix_lens"][4]
+    _same_answer(o["pair"])
+
+
+def test_layerwise_and_serial_loads_give_the_same_tokens_bit_for_bit(runs):
+    """Exact policy, the same stored patches: loading layer-wise (overlapped) and loading every
+    layer before the forward write the same KV, so vLLM's first-token logprobs are equal exactly
+    and the greedy tokens identical."""
+    w = runs["writer"]
+    lw, serial = w["overlap"]["pair"]["got"], w["reread_serial"]["got"]
+    assert w["reread_serial"]["stats"].get("loads", 0) == 1 and serial["cached_tokens"] == lw["cached_tokens"]
+    assert serial["answer_ids"] == lw["answer_ids"]
+    assert serial["top_logprobs"] == lw["top_logprobs"]
+    _same_answer(w["reread_serial"])
