@@ -559,6 +559,8 @@ class ContextDequeConnector(KVConnectorBase_V1):
         """The pipeline's task for ``spec``: build its window (whole-model work), then per layer
         relocate + patch that layer and write positions ``[start, end)`` into vLLM's cache."""
         def prepare() -> Callable[[int], None]:
+            if self.rt.refused is not None:  # this process's run-time check refused (the scheduler may be another's)
+                raise ContextDequeError(self.rt.refused)
             read = self.rt.window_reader(spec)
 
             def load_layer(layer: int) -> None:
