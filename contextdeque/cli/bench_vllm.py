@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a local HF checkpoint directory vLLM can load (default: the embedded SmolLM2)")
     p.add_argument("--store", default=None, help="the connector's store: valkey://host:port/db or a directory (default: a fresh temporary directory)")
     p.add_argument("--max-tokens", type=int, default=16, help="greedy answer length compared across arms")
-    p.add_argument("--repeats", type=int, default=1, help="measured turns per arm (median TTFT)")
+    p.add_argument("--repeats", type=int, default=1, help="measured rounds, each running every arm once, after one warm-up round (median TTFT per arm)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_threads_argument(p)
 

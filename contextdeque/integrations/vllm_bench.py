@@ -173,9 +173,9 @@ ARMS: dict[str, tuple[str, str | None, bool | None]] = {
 
 
 def run_bench(model: str, *, store: str | None = None, max_tokens: int = 16, repeats: int = 1) -> dict[str, Any]:
-    """The arms (:data:`ARMS`) on one engine (see the module docstring); ``repeats`` rounds, each
-    running every arm once in turn (so a change in the machine's load falls on all arms alike);
-    the median TTFT per arm is reported. ``*-serial``: the same load with every layer loaded
+    """The arms (:data:`ARMS`) on one engine (see the module docstring); ``repeats`` measured rounds
+    after one warm-up round, each running every arm once in turn (so a change in the machine's
+    load falls on all arms alike); the median TTFT per arm is reported. ``*-serial``: the same load with every layer loaded
     before vLLM's forward starts (``layerwise=False``), beside the layer-wise load that overlaps it."""
     import statistics
 
@@ -188,13 +188,14 @@ def run_bench(model: str, *, store: str | None = None, max_tokens: int = 16, rep
     out: dict[str, Any] = {"turn_tokens": [len(t) for t in turns], "layers": runtimes()[0].backend.layout.num_layers,
                            "arms": {}}
     results: dict[str, list[TurnResult]] = {name: [] for name in ARMS}
-    for _ in range(repeats):
+    for round_ in range(repeats + 1):  # round 0 warms up (and forms the exact patches every later round reuses)
         for name, (mode, policy, layerwise) in ARMS.items():
             llm.reset_prefix_cache()
             for ids in turns[:-1]:
                 run_turn(llm, ids, mode=mode, policy=policy, layerwise=layerwise, max_tokens=1)
-            results[name].append(run_turn(llm, turns[-1], mode=mode, policy=policy, layerwise=layerwise,
-                                          max_tokens=max_tokens))
+            got = run_turn(llm, turns[-1], mode=mode, policy=policy, layerwise=layerwise, max_tokens=max_tokens)
+            if round_:
+                results[name].append(got)
     for name, got in results.items():
         arm = got[-1].as_dict()
         arm["ttft_ms"] = round(statistics.median(r.ttft_ms for r in got), 1)
