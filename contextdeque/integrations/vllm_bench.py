@@ -16,7 +16,9 @@ float rounding), each loaded layer-wise (overlapping vLLM's forward) and, as ``*
 every layer loaded before the forward. Reported per arm: time to first token of the measured
 turn (vLLM's own first-token latency of the request), tokens vLLM prefilled (prompt - cached),
 tokens contextdeque's forwards prefilled while loading, the greedy answer, and where the load's
-time went (:data:`LOAD_TIMES`).
+time went (:data:`LOAD_TIMES`). One warm-up round runs every arm first (the exact arms' patches
+are formed there and reused by the measured rounds); the measured turn's question is new to every
+arm (its canonical, stored when a turn finishes, is forgotten after each turn).
 """
 
 from __future__ import annotations
@@ -187,6 +189,9 @@ def run_bench(model: str, *, store: str | None = None, max_tokens: int = 16, rep
 
     out: dict[str, Any] = {"turn_tokens": [len(t) for t in turns], "layers": runtimes()[0].backend.layout.num_layers,
                            "arms": {}}
+    rt = runtimes()[0]
+    cut = rt.cutter.cut(turns[-1])
+    question_key = rt.chunk_key(cut.root, cut.chunks[-1])
     results: dict[str, list[TurnResult]] = {name: [] for name in ARMS}
     for round_ in range(repeats + 1):  # round 0 warms up (and forms the exact patches every later round reuses)
         for name, (mode, policy, layerwise) in ARMS.items():
@@ -194,6 +199,8 @@ def run_bench(model: str, *, store: str | None = None, max_tokens: int = 16, rep
             for ids in turns[:-1]:
                 run_turn(llm, ids, mode=mode, policy=policy, layerwise=layerwise, max_tokens=1)
             got = run_turn(llm, turns[-1], mode=mode, policy=policy, layerwise=layerwise, max_tokens=max_tokens)
+            # the measured turn's question is new in every arm: forget the canonical stored after it
+            rt.store.delete(question_key)
             if round_:
                 results[name].append(got)
     for name, got in results.items():
