@@ -50,7 +50,8 @@ def runs(tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1", CONTEXTDEQUE_STORE_DIR=str(tmp / "store"))
     out = {}
     try:
-        for mode in ("writer", "reader"):
+        # the split-process engine runs before the reader, whose fault cases leave bad entries behind
+        for mode in ("writer", "multiprocess", "reader"):
             path = tmp / f"{mode}.json"
             proc = subprocess.run([py, str(CASES), mode, srv.url, str(path)], env=env, cwd=ROOT, capture_output=True,
                                   text=True, timeout=1500)
@@ -162,3 +163,14 @@ def test_layerwise_and_serial_loads_give_the_same_tokens_bit_for_bit(runs):
     assert serial["answer_ids"] == lw["answer_ids"]
     assert serial["top_logprobs"] == lw["top_logprobs"]
     _same_answer(w["reread_serial"])
+
+
+def test_scheduler_and_worker_in_other_processes_serve_the_reread(runs):
+    """vLLM split over processes (engine core apart from the caller, the worker apart from the
+    scheduler: ``VLLM_ENABLE_V1_MULTIPROCESSING=1``, ``distributed_executor_backend="mp"``): the
+    connector's metadata reaches the worker, which loads the pages the earlier engines stored in
+    the shared Valkey; the answer is vLLM's own prefill's."""
+    m = runs["multiprocess"]["multiprocess"]
+    assert m["frontend_runtimes"] == 0  # the connector runs in vLLM's processes, not the caller's
+    assert m["got"]["cached_tokens"] >= m["prefix_lens"][4]  # root + the four pages, after reset_prefix_cache
+    _same_answer(m)

@@ -1,7 +1,7 @@
 """The vLLM connector's cases, run inside a Python that has vLLM (``tests/test_vllm.py`` runs this
 file in that interpreter, one engine per process, and checks the JSON it writes).
 
-``python tests/vllm_cases.py writer|reader STORE_URL OUT.json``
+``python tests/vllm_cases.py writer|reader|multiprocess STORE_URL OUT.json``
 
 - writer: first the load-time rotary check (vLLM's rotary for the model's own parameters passes,
   for another RoPE base it is refused); then a fresh engine with the connector (exact policy) on a shared store. Turn 1 reads four
@@ -14,6 +14,8 @@ file in that interpreter, one engine per process, and checks the JSON it writes)
   replaced by another model's entry, one evicted — each in a prompt where it sits second: the
   connector serves only the page before it and vLLM prefills the rest; answers against vLLM's own
   prefill each time.
+- multiprocess: a third engine with vLLM split over processes (scheduler and worker apart) on the
+  same store serves a re-read (:func:`multiprocess`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,37 @@ def refusal() -> dict[str, Any]:
     return out
 
 
+def multiprocess(store: str) -> dict[str, Any]:
+    """vLLM split over processes (``VLLM_ENABLE_V1_MULTIPROCESSING=1``: the engine core with the
+    scheduler in its own process; ``distributed_executor_backend="mp"``: the worker in another):
+    the connector's scheduler side matches in one process, its metadata travels in vLLM's
+    scheduler output, the worker side loads in another — both on the shared store. A re-read the
+    earlier engines stored is served and answers as vLLM's own prefill."""
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    from contextdeque.integrations.paged import PromptCutter
+    from contextdeque.integrations.vllm import runtimes
+    from contextdeque.integrations.vllm_bench import conversation, make_engine, pages, prompt_ids, run_turn
+    from contextdeque.model.default_model import ensure_default_model
+
+    llm = make_engine(str(ensure_default_model(progress=False)), store=store, patch_policy="exact",
+                      distributed_executor_backend="mp")
+    tok = llm.get_tokenizer()
+    ids = prompt_ids(tok, conversation((3, 1, 0, 2), 1, pages()))
+    cut = PromptCutter(tok).cut(ids)
+    llm.reset_prefix_cache()
+    got = run_turn(llm, ids, max_tokens=8)
+    ref = run_turn(llm, ids, mode="off", fresh_prefill=True, max_tokens=8)
+    return {"got": dataclasses.asdict(got), "ref": dataclasses.asdict(ref), "frontend_runtimes": len(runtimes()),
+            "prefix_lens": [cut.prefix_len(n) for n in range(len(cut.chunks) + 1)]}
+
+
 def main(mode: str, store: str, out_path: str) -> None:
+    if mode == "multiprocess":
+        with open(out_path, "w") as f:
+            json.dump({"multiprocess": multiprocess(store)}, f)
+        return
     out: dict[str, Any] = {"refusal": refusal()} if mode == "writer" else {}
     from contextdeque.integrations.vllm import runtimes
     from contextdeque.integrations.vllm_bench import conversation, make_engine, pages, prompt_ids, run_turn

@@ -69,9 +69,10 @@ def engine_env() -> None:
 
 
 def make_engine(model: str, *, store: str | None, patch_policy: str = "latency", connector: bool = True,
-                max_model_len: int = 2048) -> Any:
+                max_model_len: int = 2048, **engine_kw: Any) -> Any:
     """An offline vLLM engine on ``model`` (fp32, eager, stats on: requests carry their
-    first-token latency), with contextdeque's connector unless ``connector=False``."""
+    first-token latency), with contextdeque's connector unless ``connector=False``; ``engine_kw``
+    go to vLLM's ``LLM`` (e.g. ``distributed_executor_backend="mp"``)."""
     engine_env()
     from vllm import LLM
 
@@ -81,7 +82,7 @@ def make_engine(model: str, *, store: str | None, patch_policy: str = "latency",
 
         kw["kv_transfer_config"] = kv_transfer_config(store=store, patch_policy=patch_policy)
     return LLM(model=model, dtype="float32", max_model_len=max_model_len, enforce_eager=True, disable_log_stats=False,
-               **kw)
+               **kw, **engine_kw)
 
 
 #: the connector's load pipeline, in ms (``Runtime.stats``): the window's whole-model part, the
