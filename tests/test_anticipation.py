@@ -36,7 +36,8 @@ def build(backend, policy, *, anticipate=False, provisional=False, budget=22):
     """Five pages through a budget of four (the first slides out), healed after each append:
     known content (canonicals exist) unless ``provisional`` (new content: latency-first appends
     it with one conditioned forward and no canonical)."""
-    win = ContextWindow(backend, budget_tokens=budget, rank=2, patch_policy=policy, anticipate=anticipate)
+    settings = {} if anticipate is None else {"anticipate": anticipate}  # None: the default
+    win = ContextWindow(backend, budget_tokens=budget, rank=2, patch_policy=policy, **settings)
     refs = []
     for p in POOL[:5]:
         refs.append(win.append(token_ids=p) if provisional else win.append(chunk=backend.encode(token_ids=p)))
@@ -69,17 +70,22 @@ def test_anticipated_step_runs_no_forward_and_equals_eager(backend, step):
 
 
 def test_anticipation_off_heals_as_before(backend):
-    """anticipate=False (the default): heal does only the queued work, the recall of the page
-    that left is served blind and deferred, as the latency policy serves it without anticipation."""
-    plain, refs_p = build(backend, "latency")
+    """anticipate=False: heal does only the queued work (no anticipation step, nothing formed
+    ahead), and the recall of the page that left is served blind and deferred, as the latency
+    policy serves it without anticipation; the window equals one built with heal's queued work
+    only (``max_steps`` bounded to it). On is the default: the same recall is served prepared."""
     off, refs_o = build(backend, "latency", anticipate=False)
+    queued, refs_q = build(backend, "latency", anticipate=False)
     assert not off._ctx.anticipated_keys and not any(r.op == "anticipate" for r in off.receipts)
-    r_plain, r_off = plain.recall(refs_p[0]), off.recall(refs_o[0])
-    assert r_off.forwards == r_plain.forwards == 0
-    assert r_off.deferred and [d[1:] for d in r_off.deferred] == [d[1:] for d in r_plain.deferred]
-    assert "anticipated" not in {what for _, what in r_off.served}
-    assert torch.equal(answer_logits(backend, plain), answer_logits(backend, off))
-    assert WindowConfig().anticipate is False
+    r_off, r_q = off.recall(refs_o[0]), queued.recall(refs_q[0])
+    assert r_off.forwards == r_q.forwards == 0
+    assert r_off.deferred and [d[1:] for d in r_off.deferred] == [d[1:] for d in r_q.deferred]
+    assert {what for _, what in r_off.served} <= {"blind", "stale"}
+    assert torch.equal(answer_logits(backend, queued), answer_logits(backend, off))
+    assert WindowConfig().anticipate is True
+    on, refs_on = build(backend, "latency", anticipate=None)  # the default
+    r_on = on.recall(refs_on[0])
+    assert r_on.forwards == 0 and not r_on.deferred and all(what == "anticipated" for _, what in r_on.served)
     with pytest.raises(WindowTypeError):
         WindowConfig(anticipate=1)
 
