@@ -68,10 +68,10 @@ def test_an_anticipation_is_not_served_behind_antecedents_in_another_state(backe
     sibling.evict(refs[3])
     sibling.recall(refs[3], at=2)  # same place, but blind until healed
     assert refs[3] in sibling.pending_refs
-    r = sibling.recall(refs[0])
+    r = sibling.recall(refs[0], at="end")
     assert "anticipated" not in {what for _, what in r.served}
     served_patches_are_exact(backend, sibling)
-    r = win.recall(refs[0])  # where the anticipation was formed it is served
+    r = win.recall(refs[0], at="end")  # where the anticipation was formed it is served
     assert r.forwards == 0 and r.served and all(what == "anticipated" for _, what in r.served)
     served_patches_are_exact(backend, win)
 
@@ -148,7 +148,7 @@ def test_the_idle_healer_anticipates(backend):
     with win.start_healing(idle_ms=0) as healer:
         assert healer.wait_idle(timeout=120)
     assert healer.anticipations >= 1 and not healer.errors and not win.anticipation_due
-    r = win.recall(refs[0])
+    r = win.recall(refs[0], at="end")
     assert r.forwards == 0 and not r.deferred and all(what == "anticipated" for _, what in r.served)
 
 

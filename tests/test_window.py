@@ -221,7 +221,7 @@ def test_evict_demotes_and_recall_rehydrates_with_a_fresh_patch(backend):
     assert win.store.tier_of(key) == "host"
     assert ev.bytes_moved.get("host", 0) > 0
     win.slide()  # turn the window over: b's old antecedent a is gone
-    rc = win.recall(b)
+    rc = win.recall(b, at="end")
     assert rc.encodes == 0 and rc.forwards == 1 and rc.patches_formed == 1
     assert win.refs == (c, b)
     fresh = win.patches(b)
@@ -251,7 +251,7 @@ def test_recall_from_a_disk_tier(backend, tmp_path):
     a, b = win.append(token_ids=A), win.append(token_ids=B)
     win.evict(a)
     assert win.store.tier_of(WindowStore.chunk_key(a.chunk_id, backend.fingerprint)) == "disk"
-    rc = win.recall(a)
+    rc = win.recall(a, at="end")
     assert rc.encodes == 0 and rc.bytes_moved.get("disk", 0) > 0
     assert cache_err(win.materialize(), reprefill(backend, window_ids(win))) < 2e-5
 
@@ -278,7 +278,7 @@ def test_recall_reports_and_reforms_the_cascade(backend):
     win, x, r, b = cascade_window(backend, "reform")
     win.evict(r)  # b survives, keeping what it absorbed from r
     assert [p.antecedents for p in win.patches(b)] == [(x.chunk_id, r.chunk_id)]
-    rc = win.recall(r)  # r comes back behind b: b was conditioned on a state of r that is gone
+    rc = win.recall(r, at="end")  # r comes back behind b: b was conditioned on a state of r that is gone
     assert rc.cascade.direct == (b,) and rc.cascade.implied == (b,) and rc.cascade.reformed == (b,)
     assert [p.antecedents for p in win.patches(b)] == [(x.chunk_id,)]
     assert win.refs == (x, b, r) and win.stale_refs == ()
@@ -289,12 +289,12 @@ def test_recall_cascade_keep_and_flag(backend):
     win, x, r, b = cascade_window(backend, "keep")
     win.evict(r)
     held = win.patches(b)
-    rc = win.recall(r)
+    rc = win.recall(r, at="end")
     assert rc.cascade.implied == (b,) and rc.cascade.reformed == () and win.patches(b) == held
 
     win, x, r, b = cascade_window(backend, "flag")
     win.evict(r)
-    rc = win.recall(r)
+    rc = win.recall(r, at="end")
     assert rc.cascade.flagged == (b,) and win.stale_refs == (b,)
     fixed = win.refresh()
     assert fixed.patches_formed == 1 and win.stale_refs == ()
@@ -313,7 +313,7 @@ def test_transitive_cascade(backend):
     x, r, b = (win.append(token_ids=t) for t in (A, B, C))
     win.evict(r)
     c = win.append(token_ids=D)  # conditioned on b (which carries r's influence), not on r
-    rc = win.recall(r)
+    rc = win.recall(r, at="end")
     assert win.refs == (x, b, c, r)
     assert rc.cascade.direct == (b,)
     assert rc.cascade.implied == (b, c) and rc.cascade.reformed == (b, c)
@@ -536,7 +536,7 @@ def test_real_model_slide_recall_generate(default_backend):
     assert cache_err(win.materialize(), ref_kv) < 2e-6 * scale * 64
     s = win.slide()
     assert s.encodes == 0 and s.left == (refs[0],)
-    rc = win.recall(refs[0])
+    rc = win.recall(refs[0], at="end")
     assert rc.encodes == 0 and rc.forwards == 1
     assert cache_err(win.materialize(), reprefill(default_backend, window_ids(win))) < 2e-6 * scale * 64
     answer = win.generate("Which statement does nothing?", max_new_tokens=6)

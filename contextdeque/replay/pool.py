@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 from ..scheduler.eviction import PoolEvictionPolicy
+from ..window.plan import Load, Op
 from .cost import CostModel
 
 GiB = 1 << 30
@@ -53,6 +54,9 @@ class ReplayResult:
     device_misses: int = 0
     window_evictions: int = 0
     bytes: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    # bytes of KV computed and stored per tier (canonicals encoded, patches formed): the plan's
+    # ``stored`` (``window.plan``), what the live window's receipts count the same way
+    stored: dict[str, int] = field(default_factory=dict)
     patch_bytes: int = 0
     est_seconds: float = 0.0
     heal_tokens: int = 0  # latency-first: tokens prefilled while healing (idle time; inside tokens_prefilled)
@@ -65,6 +69,7 @@ class ReplayResult:
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["bytes"] = dict(self.bytes)
+        d["stored"] = dict(self.stored)
         d["est_seconds"] = round(self.est_seconds, 6)
         d["heal_seconds"] = round(self.heal_seconds, 6)
         d["load_seconds"] = round(self.load_seconds, 6)
@@ -76,9 +81,11 @@ class ReplayResult:
 class Pool:
     """The device KV pool (eviction policy, byte budget) over a host tier (LRU) and disk."""
 
-    def __init__(self, device_bytes: int, host_bytes: int, policy: PoolEvictionPolicy, cost: CostModel, r: ReplayResult) -> None:
+    def __init__(self, device_bytes: int, host_bytes: int, policy: PoolEvictionPolicy, cost: CostModel, r: ReplayResult,
+                 do: Callable[[Op], None]) -> None:
         self.budget, self.host_budget = int(device_bytes), int(host_bytes)
         self.policy, self.cost, self.r = policy, cost, r
+        self.do = do  # charges a planned operation (the engine's ``do``: a load from a slower tier)
         self.device: dict[Hashable, int] = {}
         self.used = 0
         self.host: OrderedDict[Hashable, int] = OrderedDict()
@@ -106,15 +113,13 @@ class Pool:
             size = self.host.pop(key)
             self.host_used -= size
             r.bytes["host"] += size
-            r.est_seconds += size / self.cost.host_bytes_per_s
-            r.load_seconds += size / self.cost.host_bytes_per_s
             where = "host"
         elif key in self.disk:
             size = self.disk.pop(key)
             r.bytes["disk"] += size
-            r.est_seconds += size / self.cost.disk_bytes_per_s
-            r.load_seconds += size / self.cost.disk_bytes_per_s
             where = "disk"
+        if where is not None:
+            self.do(Load(str(key[-1]) if isinstance(key, tuple) else str(key), 0, tier=where, nbytes=size))
         self._make_room(size)
         self.device[key] = size
         self.used += size

@@ -14,10 +14,11 @@ from .eviction_lru import LRUEviction
 from .eviction_reuse import ReuseDistanceEviction
 from .graph import PatchGraph
 from .placement import OfflineSchedulerPlacement, SchedulerPlacement
+from .placement_valid import ValidPlacement
 from .search import EXACT_MAX_CHUNKS, brute_force, exact, heuristic, schedule
 
 __all__ = [
-    "SchedulerPlacement", "OfflineSchedulerPlacement", "PatchGraph", "Weights", "DEFAULT_WEIGHTS", "OrderCost",
+    "SchedulerPlacement", "OfflineSchedulerPlacement", "ValidPlacement", "PatchGraph", "Weights", "DEFAULT_WEIGHTS", "OrderCost",
     "order_cost", "exact", "heuristic", "brute_force", "schedule", "EXACT_MAX_CHUNKS", "EVICTION_POLICIES",
     "PoolEvictionPolicy", "make_eviction", "PolicyError", "LRUEviction", "ReuseDistanceEviction", "BeladyEviction",
 ]

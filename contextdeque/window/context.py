@@ -52,6 +52,8 @@ class WindowContext:
     counters: dict[str, int] = field(default_factory=lambda: {"encodes": 0, "decode_forwards": 0, "decode_tokens": 0})
     expected_reuse: Callable[..., float] | None = None
     placement: Any = None  # a window.placement.PlacementPolicy (None: arrival order)
+    # where a recall the agent does not pin goes (config.recall_placement; None: as ``placement``)
+    recall_placement: Any = None
     # chunk id -> antecedent id tuples whose patch was stored (a placement hint): bounded, see note_stored_prefix
     patch_index: "OrderedDict[str, dict[tuple[str, ...], None]]" = field(default_factory=OrderedDict, repr=False)
     # store keys of the patches anticipation formed (window.anticipation): receipts say "anticipated"

@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..patch.alloc import fidelity_report
 from ..stores import TierTraffic
+from .plan import Op, Plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from .context import WindowContext
+    from .budget import BudgetReport
     from .graph import Cascade
     from .ref import ChunkRef
 
@@ -108,11 +110,21 @@ class Receipt:
         repairs: what the operation repaired: store copies that failed verification and were
             quarantined, and the canonicals / patches rebuilt from their source in their place.
         served: per chunk given conditioning (or deferred), ``(ref, what)``: ``"fresh"`` (a
-            patch formed now), ``"stored"`` (a valid stored patch), ``"anticipated"`` (a valid
+            patch formed now), ``"recurring"`` / ``"orbit"`` (a valid stored exact / orbit patch,
+            ``reconcile.served_label``), ``"anticipated"`` (a valid
             patch anticipation formed in idle time, ``window.anticipation``), ``"stale"`` /
             ``"blind"`` / ``"conditioned"`` (deferred: as in ``deferred``).
         fidelity_misses: chunks (re)conditioned by this operation whose patch the byte cap could
             not fit ``fidelity_target`` into, and what ``on_miss`` did (:class:`FidelityMiss`).
+        placed: for ``recall``, ``(ref, index, why)``: where the chunk went and why (``"asked"``:
+            the agent pinned it; else what the window's choice found there, e.g. ``"front:
+            canonical exact"``, ``"behind its stored patch's antecedents"``, ``"end"``).
+        budget: under ``answer_kl_budget``, what the fidelity floor estimated per chunk (served,
+            deficit, estimated KL), for the arrangement, and what it formed
+            (:class:`~.budget.BudgetReport`); None without a budget.
+        plan: the operations the window executed, key-only (``window.plan``: encodes, forwards,
+            patches formed or reused, keeps and clears, with their inputs and stored bytes), the
+            same record the offline replay prices.
     """
 
     op: str
@@ -135,6 +147,9 @@ class Receipt:
     repairs: tuple[str, ...] = field(default=(), metadata=ADDS)
     served: tuple[tuple["ChunkRef", str], ...] = field(default=(), metadata=ADDS)
     fidelity_misses: tuple[FidelityMiss, ...] = field(default=(), metadata=ADDS)
+    placed: tuple[tuple["ChunkRef", int, str], ...] = field(default=(), metadata=ADDS)
+    budget: "BudgetReport | None" = None
+    plan: tuple[Op, ...] = field(default=(), metadata=ADDS, repr=False)
 
     def __add__(self, other: "Receipt") -> "Receipt":
         """The sum of two receipts' added fields (counts, bytes per tier, wall time, refs, notes,
@@ -191,6 +206,8 @@ class Receipt:
             "repairs": list(self.repairs),
             "served": [[r.key, what] for r, what in self.served],
             "fidelity_misses": [m.as_dict() for m in self.fidelity_misses],
+            "placed": [[r.key, i, why] for r, i, why in self.placed],
+            "budget": None if self.budget is None else self.budget.as_dict(),
         }
 
     def summary(self) -> str:
@@ -236,11 +253,12 @@ class Meter:
         # deferred ref -> the antecedents its conditioning carried before the deferral
         self.carried: dict["ChunkRef", tuple] = {}
         # ref -> the conditioning a chunk given new conditioning (or a deferred one) was served:
-        # "fresh" (formed now), "stored" / "anticipated" (a valid stored patch; anticipated: formed
+        # "fresh" (formed now), "recurring" / "orbit" / "anticipated" (a valid stored patch; anticipated: formed
         # ahead in idle time, window.anticipation), "stale" / "blind" / "conditioned" (deferred)
         self.served: dict["ChunkRef", str] = {}
         self.repairs: list[str] = []  # rebuilt from source (quarantines come from the traffic)
         self.fidelity_misses: list[FidelityMiss] = []
+        self.plan = Plan()  # what this operation executed (window.plan)
         self._fw0 = ctx.total_forwards()
         self._tok0 = ctx.total_tokens()
         self._enc0 = ctx.counters["encodes"]
@@ -289,5 +307,6 @@ class Meter:
                  for q in self.traffic.quarantined] + self.repairs
             ),
             fidelity_misses=tuple(self.fidelity_misses),
+            plan=tuple(self.plan),
             **fields,
         )

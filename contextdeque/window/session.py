@@ -46,6 +46,8 @@ from ..patch import Patch
 from ..stores import StoreEntry
 from ..stores.format import decode_entry, encode_entry
 from ..patch.alloc import DEFAULT_ON_MISS
+from .budget import DEFAULT_BLIND_KL
+from .config import DEFAULT_KL_BUDGET_MS, DEFAULT_RECALL_PLACEMENT
 from .context import DEFAULT_MAX_EVICTED
 from .graph import ConditioningGraph
 from .receipt import Meter, Receipt
@@ -154,6 +156,11 @@ class BlobModel(_Model):
     basis_id: str | None = None  # patches on a shared basis are saved with their w factors
 
 
+def _placement_name(spec: Any) -> str | None:
+    """A placement setting as a manifest records it: its registered name (None stays None)."""
+    return spec if spec is None or isinstance(spec, str) else (getattr(spec, "name", "") or "arrival")
+
+
 class ConfigModel(_Model):
     budget_tokens: int | None
     rank: int
@@ -167,6 +174,12 @@ class ConfigModel(_Model):
     max_evicted: int | None = DEFAULT_MAX_EVICTED  # absent in sessions saved before it was recorded
     on_miss: str = DEFAULT_ON_MISS  # absent in sessions saved before it was recorded
     anticipate: bool = False  # (the same)
+    # (the same; sessions saved before issue 21 part C recalled at the end: None there would be the
+    # old rule, but a reopened window takes today's default like a new one)
+    recall_placement: str | None = DEFAULT_RECALL_PLACEMENT
+    answer_kl_budget: float | None = None
+    kl_budget_ms: float | None = DEFAULT_KL_BUDGET_MS
+    blind_kl: float = DEFAULT_BLIND_KL
 
 
 class ReceiptSummary(_Model):
@@ -369,7 +382,9 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
             cascade_policy=ctx.cascade_policy, overflow=ctx.overflow, storage=str(ctx.storage).removeprefix("torch."),
             placement=getattr(placement, "name", "arrival") or "arrival", fidelity_target=ctx.fidelity_target,
             max_patch_fraction=ctx.max_patch_fraction, max_evicted=ctx.max_evicted, on_miss=ctx.on_miss,
-            anticipate=ctx.config.anticipate,
+            anticipate=ctx.config.anticipate, recall_placement=_placement_name(ctx.config.recall_placement),
+            answer_kl_budget=ctx.config.answer_kl_budget, kl_budget_ms=ctx.config.kl_budget_ms,
+            blind_kl=ctx.config.blind_kl,
         ),
         generation=state.generation,
         refs=list(refs.values()),
@@ -448,7 +463,8 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
         budget_tokens=c.budget_tokens, rank=c.rank, patch_policy=c.patch_policy, cascade_policy=c.cascade_policy,
         overflow=c.overflow, storage=storage_dtype(c.storage), placement=c.placement,
         fidelity_target=c.fidelity_target, max_patch_fraction=c.max_patch_fraction, max_evicted=c.max_evicted,
-        on_miss=c.on_miss, anticipate=c.anticipate,
+        on_miss=c.on_miss, anticipate=c.anticipate, recall_placement=c.recall_placement,
+        answer_kl_budget=c.answer_kl_budget, kl_budget_ms=c.kl_budget_ms, blind_kl=c.blind_kl,
     )
     kwargs.update(overrides)
     win = cls(backend, **kwargs)
