@@ -59,7 +59,7 @@ class WindowConfig:
     beyond_trained: bool = False
     chunk_template: str = "{text}"
     max_evicted: int | None = DEFAULT_MAX_EVICTED
-    anticipate: bool = False
+    anticipate: bool = True
     answer_kl_budget: float | None = None
     kl_budget_ms: float | None = DEFAULT_KL_BUDGET_MS
     blind_kl: float = DEFAULT_BLIND_KL
