@@ -189,7 +189,7 @@ def test_reread_with_anticipation_heals_to_eager(backend, op):
     """Anticipation on (the default): the re-read still runs no forward on the critical path
     (served what idle time prepared, else stale / blind and queued), and after heal the window
     equals the eager policy's."""
-    eager, e_refs = build(backend, "eager")
+    eager, e_refs = build(backend, "eager", anticipate=True)  # the same settings, the eager policy
     lat, l_refs = build(backend, "latency", anticipate=True)
     e_win, _ = op(eager, e_refs)
     l_win, l_rc = op(lat, l_refs)
