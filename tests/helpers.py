@@ -43,3 +43,22 @@ def replay_agent_trace(path, capsys) -> dict:
     out = json.loads(capsys.readouterr().out)
     assert out["results"] and all(r["queries"] == queries and r["events"] == len(trace.events) for r in out["results"])
     return out
+
+
+# token ids of five small chunks and a query (the window and session tests build windows of them)
+A = [5, 6, 7, 8]
+B = [9, 10, 11]
+C = [12, 13, 14, 15, 16, 17]
+D = [20, 21, 22, 23, 24]
+E = [30, 31, 32, 33, 34, 35, 36]
+QUERY = [40, 41, 42]
+
+
+def window_answer_logits(backend, win, query) -> torch.Tensor:
+    """The first answer token's logits for ``query`` (token ids) from the window's own KV."""
+    from contextdeque.core import compat
+
+    cache = win.materialize()
+    past = [tuple(t[0] for t in compat.cache_layer(cache, l)) for l in range(compat.cache_num_layers(cache))]
+    start = win.next_position()
+    return backend.forward(input_ids=query, positions=backend.text_positions(start, len(query)), past=past).logits[-1]

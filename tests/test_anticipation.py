@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import micro_llama
+from helpers import micro_llama, window_answer_logits
 
-from contextdeque.core import compat
 from contextdeque.core.errors import WindowTypeError
 from contextdeque.core.metrics import kl_divergence
 from contextdeque.model.hf import HFBackend
@@ -26,17 +25,15 @@ def backend(one_thread):
 
 
 def answer_logits(backend: HFBackend, win: ContextWindow) -> torch.Tensor:
-    cache = win.materialize()
-    past = [tuple(t[0] for t in compat.cache_layer(cache, l)) for l in range(compat.cache_num_layers(cache))]
-    start = win.next_position()
-    return backend.forward(input_ids=QUERY, positions=backend.text_positions(start, len(QUERY)), past=past).logits[-1]
+    return window_answer_logits(backend, win, QUERY)
 
 
 def build(backend, policy, *, anticipate=False, provisional=False, budget=22):
     """Five pages through a budget of four (the first slides out), healed after each append:
     known content (canonicals exist) unless ``provisional`` (new content: latency-first appends
     it with one conditioned forward and no canonical)."""
-    win = ContextWindow(backend, budget_tokens=budget, rank=2, patch_policy=policy, anticipate=anticipate)
+    settings = {} if anticipate is None else {"anticipate": anticipate}  # None: the default
+    win = ContextWindow(backend, budget_tokens=budget, rank=2, patch_policy=policy, **settings)
     refs = []
     for p in POOL[:5]:
         refs.append(win.append(token_ids=p) if provisional else win.append(chunk=backend.encode(token_ids=p)))
@@ -54,32 +51,41 @@ STEPS = {
 
 @pytest.mark.parametrize("step", sorted(STEPS))
 def test_anticipated_step_runs_no_forward_and_equals_eager(backend, step):
-    eager, refs_e = build(backend, "eager")
+    plain, refs_p = build(backend, "eager")  # no anticipation: what the step costs without it
+    eager, refs_e = build(backend, "eager", anticipate=True)  # the same settings, the eager policy
     fast, refs_f = build(backend, "latency", anticipate=True)
-    r_eager = STEPS[step](eager, refs_e)
+    r_plain = STEPS[step](plain, refs_p)
+    STEPS[step](eager, refs_e)
     r_fast = STEPS[step](fast, refs_f)
     assert r_fast.forwards == 0
     assert not r_fast.deferred and not fast.pending_refs  # nothing served stale or blind
     if step == "recall":  # the eager policy forms patches there: anticipation had them ready
-        assert r_eager.forwards > 0 and r_eager.patches_formed > 0
+        assert r_plain.forwards > 0 and r_plain.patches_formed > 0
         assert r_fast.served and all(what == "anticipated" for _, what in r_fast.served)
     else:  # at the front the canonical is exact: the eager policy forms nothing either
-        assert r_eager.forwards == 0
+        assert r_plain.forwards == 0
+    # (a look-back lands in front of survivors: anticipation had their exact patches on the new
+    # prefix ready, where the eager policy without it keeps their patches as they are)
     assert kl_divergence(answer_logits(backend, eager), answer_logits(backend, fast)) <= 1e-6
 
 
 def test_anticipation_off_heals_as_before(backend):
-    """anticipate=False (the default): heal does only the queued work, the recall of the page
-    that left is served blind and deferred, as the latency policy serves it without anticipation."""
-    plain, refs_p = build(backend, "latency")
+    """anticipate=False: heal does only the queued work (no anticipation step, nothing formed
+    ahead), and the recall of the page that left is served blind and deferred, as the latency
+    policy serves it without anticipation; the window equals one built with heal's queued work
+    only (``max_steps`` bounded to it). On is the default: the same recall is served prepared."""
     off, refs_o = build(backend, "latency", anticipate=False)
+    queued, refs_q = build(backend, "latency", anticipate=False)
     assert not off._ctx.anticipated_keys and not any(r.op == "anticipate" for r in off.receipts)
-    r_plain, r_off = plain.recall(refs_p[0], at="end"), off.recall(refs_o[0], at="end")
-    assert r_off.forwards == r_plain.forwards == 0
-    assert r_off.deferred and [d[1:] for d in r_off.deferred] == [d[1:] for d in r_plain.deferred]
-    assert "anticipated" not in {what for _, what in r_off.served}
-    assert torch.equal(answer_logits(backend, plain), answer_logits(backend, off))
-    assert WindowConfig().anticipate is False
+    r_off, r_q = off.recall(refs_o[0], at="end"), queued.recall(refs_q[0], at="end")
+    assert r_off.forwards == r_q.forwards == 0
+    assert r_off.deferred and [d[1:] for d in r_off.deferred] == [d[1:] for d in r_q.deferred]
+    assert {what for _, what in r_off.served} <= {"blind", "stale"}
+    assert torch.equal(answer_logits(backend, queued), answer_logits(backend, off))
+    assert WindowConfig().anticipate is True
+    on, refs_on = build(backend, "latency", anticipate=None)  # the default
+    r_on = on.recall(refs_on[0], at="end")
+    assert r_on.forwards == 0 and not r_on.deferred and all(what == "anticipated" for _, what in r_on.served)
     with pytest.raises(WindowTypeError):
         WindowConfig(anticipate=1)
 
@@ -129,7 +135,7 @@ def test_anticipation_skips_a_recall_the_budget_would_refuse(backend):
     win.evict(refs[0])
     win.append(chunk=backend.encode(token_ids=POOL[4]))  # 6 + 4 + 3 = 13 of 15: refs[0] (5) no longer fits
     win.heal()
-    assert not win._ctx.anticipated_keys
+    assert not any(refs[0] in r.refs for r in win.receipts if r.op == "anticipate")  # (reorders may be prepared)
     win.evict(refs[2])
     win.heal()
     r = win.recall(refs[0], at="end")

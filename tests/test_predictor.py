@@ -188,7 +188,7 @@ def old_recall_trace(hint: bool):
     b.evict("c")
     if hint:
         b.expect("a")
-    b.step(idle=10.0)  # a costs 8 tokens (its canonical and its patch), c 6: one of them fits
+    b.step(idle=18.0)  # after the queued heal and the slide's canonical: a (8 tokens) or c (6), not both
     b.recall("a")
     return b.build(name=f"old-recall-{hint}")
 

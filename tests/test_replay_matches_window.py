@@ -51,8 +51,9 @@ BUDGET = 94  # tokens of the scaled traces (about 6,000 of the generated ones)
 
 
 def _window_receipt(backend, trace, placement: str, policy: str, budget: int | None = None):
+    # anticipate=False: the cost model prices the heal's queued work, not idle-time anticipation
     win = ContextWindow(backend, rank=RANK, placement=placement, patch_policy=policy, beyond_trained=True,
-                        budget_tokens=budget, store=[MemoryTier("cpu", None, name="device")])
+                        budget_tokens=budget, store=[MemoryTier("cpu", None, name="device")], anticipate=False)
     return drive_window(win, trace, lambda ev: chunk_ids(backend, ev.hash, ev.tokens))
 
 

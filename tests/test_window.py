@@ -9,7 +9,7 @@ from __future__ import annotations
 import networkx as nx
 import pytest
 import torch
-from helpers import micro_llama
+from helpers import A, B, C, D, E, QUERY, micro_llama
 
 from contextdeque.core import compat
 from contextdeque.model.hf import HFBackend
@@ -24,16 +24,6 @@ from contextdeque.window import (
     Receipt,
     WindowStore,
 )
-
-A = [5, 6, 7, 8]
-B = [9, 10, 11]
-C = [12, 13, 14, 15, 16, 17]
-D = [20, 21, 22, 23, 24]
-E = [30, 31, 32, 33, 34, 35, 36]
-QUERY = [40, 41, 42]
-
-
-
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +129,25 @@ def test_materialize_feeds_transformers_generate(backend):
     answer = win.generate(QUERY, max_new_tokens=8)
     assert answer.token_ids == out[0, ids.shape[1]:].tolist()
     assert answer.receipt.op == "generate" and answer.receipt.forwards >= 1
+
+
+@pytest.mark.parametrize("policy", ["exact", "latency", "default"])
+def test_kv_layer_reader_reads_kv_layers_one_layer_at_a_time(backend, policy):
+    """``kv_layer_reader()(l)`` is ``kv_layers()[l]`` bit for bit (pages computed per layer, or
+    taken from a page already computed), and it keeps reading the window as it was when later
+    operations change it."""
+    win = ContextWindow(backend, patch_policy=policy, rank=2)
+    a, b, c = (win.append(token_ids=x) for x in (A, B, C))
+    win.reorder([c, a, b])  # re-placed slots: their pages are not computed yet
+    read = win.kv_layer_reader()
+    whole = win.kv_layers()
+    assert len(whole) == backend.layout.num_layers >= 2
+    for layer in reversed(range(len(whole))):
+        k, v = read(layer)
+        assert torch.equal(k, whole[layer][0]) and torch.equal(v, whole[layer][1]), layer
+    win.evict(a)
+    assert win.kv_layers()[0][0].shape[1] < whole[0][0].shape[1]
+    assert torch.equal(read(0)[0], whole[0][0])  # the snapshot, not the window now
 
 
 def test_window_decoder_agrees_with_generate(backend):

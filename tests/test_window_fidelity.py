@@ -171,13 +171,13 @@ def test_replay_fidelity_mode_lists_the_misses(tiny_backend_factory, one_thread,
 
 def test_serve_engine_counts_and_lists_misses(one_thread):
     from contextdeque.cli.model_spec import load_backend
-    from contextdeque.serve.engine import Engine, GenerationRequest
+    from contextdeque.serve.engine import Engine, GenerationRequest, serve_config
     from contextdeque.serve.metrics import parse_text
     from contextdeque.window import default_store
 
     b = load_backend("tiny:llama", chat=True)
-    e = Engine(b, default_store(b.device), model_name="t", patch_policy="eager", heal_idle_ms=None,
-               window_options=dict(fidelity_target=0.99, max_patch_fraction=0.02))
+    config = serve_config(patch_policy="eager", fidelity_target=0.99, max_patch_fraction=0.02)
+    e = Engine(b, default_store(b.device), model_name="t", config=config, heal_idle_ms=None)
     try:
         msgs = [{"role": "system", "content": "You are brief."},
                 {"role": "user", "content": "first page: " + "alpha beta gamma " * 12}]

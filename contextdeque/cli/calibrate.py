@@ -13,12 +13,13 @@ from typing import Any
 from ..replay.calibrate import calibrate
 from ..replay.cost import save_calibration
 from .model_spec import MODEL_HELP, add_threads_argument, load_backend
+from .window_options import add_window_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help=MODEL_HELP)
     add_threads_argument(parser)
-    parser.add_argument("--rank", type=int, default=32)
+    add_window_arguments(parser, with_policy=False)
     parser.add_argument("--cache-dir", type=Path, default=None, help="the cost model's cache root (default: $CONTEXTDEQUE_CACHE or ~/.cache/contextdeque; "
                         "the envelope is cached under $CONTEXTDEQUE_CACHE)")
     parser.add_argument("--repeats", type=int, default=2)

@@ -12,15 +12,12 @@ import torch
 
 from ..eval.window_bench import run_window_bench
 from .model_spec import MODEL_HELP, add_threads_argument, load_backend
+from .window_options import add_bench_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--runs", type=int, default=7, help="timed runs per measurement (median reported)")
-    parser.add_argument("--chunks", type=int, default=4, help="chunks in the window")
-    parser.add_argument("--chunk-tokens", type=int, default=512, help="tokens per chunk")
-    parser.add_argument("--policy", default="default", help="patch policy (default = latency, eager, exact, none)")
-    parser.add_argument("--rank", type=int, default=32, help="patch rank m")
+    add_bench_arguments(parser, runs=7, runs_help="timed runs per measurement (median reported)", chunks=4,
+                        chunks_help="chunks in the window", chunk_tokens=512)
     parser.add_argument(
         "--model", default=None,
         help=MODEL_HELP,
@@ -54,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         return _miss(args, backend)
     result = run_window_bench(
         backend, n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
-        policy=args.policy, rank=args.rank, step_policies=policies, step_idle=not args.no_idle,
+        policy=args.patch_policy, rank=args.rank, step_policies=policies, step_idle=not args.no_idle,
         healer=not args.no_healer,
         step_names=None if args.steps is None else tuple(s.strip() for s in args.steps.split(",") if s.strip()),
     )
@@ -73,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                          sort_keys=True))
         return 0
     print(f"window-bench: {result['model']} on {result['device']} ({result['threads']} threads), "
-          f"{result['window']} tokens, policy={args.policy}, rank={args.rank}, median of {result['runs']}")
+          f"{result['window']} tokens, policy={args.patch_policy}, rank={args.rank}, median of {result['runs']}")
     rows = [
         ("build (4 appends)", f"{result['build_s'] * 1000:.1f} ms", f"{result['build_forwards']} forwards"),
         ("slide(1)", f"{result['slide_ms']:.3f} ms",

@@ -45,6 +45,7 @@ from ..core.metrics import kl_divergence
 from ..kernels.bench_util import copy_bandwidth
 from ..window.placement import END
 from ..window.window import ContextWindow
+from ..patch.rank import DEFAULT_RANK
 
 STEP_KL_BUDGET = 3e-3  # the "+budget" policies' answer_kl_budget: issue 21's acceptance KL per step
 STEPS = ("slide", "recall", "recall-valid", "look-back", "reorder", "fork+reorder", "append")
@@ -149,7 +150,7 @@ def run_steps(
     *,
     policies: tuple[str, ...] = ("eager", "latency"),
     steps: tuple[str, ...] = STEPS,
-    rank: int = 32,
+    rank: int = DEFAULT_RANK,
     n_pages: int = 4,
     progress: Callable[[str], None] | None = None,
     idle: bool = True,
@@ -261,7 +262,7 @@ def window_step_ttft(
     question: list[int],
     *,
     policies: tuple[str, ...] = ("latency", "eager"),
-    rank: int = 32,
+    rank: int = DEFAULT_RANK,
     repeats: int = 5,
 ) -> list[dict[str, Any]]:
     """Time to first token of one window step -- ``slide(1)``, ``recall`` of a page read before,
@@ -314,7 +315,7 @@ def window_step_ttft(
 
 
 def healer_interference(
-    backend: Any, pages: list[list[int]], *, rank: int = 32, probes: int = 8, seed: int = 0
+    backend: Any, pages: list[list[int]], *, rank: int = DEFAULT_RANK, probes: int = 8, seed: int = 0
 ) -> dict[str, Any]:
     """How long foreground operations wait for the idle healer.
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..model.text import text_chunks as _chunks  # the one text source of the benches (its home is below eval)
+from ..patch.rank import DEFAULT_RANK
 
 
 def _question(backend: Any, n: int = 10) -> list[int]:
@@ -67,7 +68,7 @@ def run_window_bench(
     chunk_tokens: int = 512,
     runs: int = 7,
     policy: str = "default",
-    rank: int = 32,
+    rank: int = DEFAULT_RANK,
     step_policies: tuple[str, ...] = ("eager", "latency"),
     step_idle: bool = True,
     healer: bool = True,

@@ -12,7 +12,7 @@ from ..window.policy import Decision
 from ..window.ref import ChunkRef
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..scheduler.graph import PatchGraph
+    from ..window.graph import PatchGraph
     from ..window.policy import PatchPolicy
 
 
@@ -68,11 +68,11 @@ class PolicyDecisions:
         return "keep"
 
     def _stored(self, key: str, prefix: Sequence[str], kind: str | None) -> bool:
-        """Whether the store holds a valid ``kind`` patch of ``key``'s content on ``prefix``."""
-        c, pc = self.content[key], tuple(map(self.content.__getitem__, prefix))
-        if kind == "orbit":
-            return self.graph.has_orbit(c, frozenset(pc))
-        return PATCH_KINDS[kind].exact_on_prefix and self.graph.has_patch(c, pc)
+        """Whether the store holds a valid ``kind`` patch of ``key``'s content on ``prefix``: keyed
+        as the window keys it, by the antecedents' KV states (``Replayer._is_stored``)."""
+        if kind != "orbit" and not PATCH_KINDS[kind].exact_on_prefix:
+            return False
+        return self._is_stored(key, prefix, kind)
 
 
 class Refs(dict):

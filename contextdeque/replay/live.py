@@ -107,7 +107,7 @@ def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
             win, logical = stack.pop()
         elif op == "expect":
             if hints and ev.id in refs and refs[ev.id] in win.evicted_refs:
-                win.expect(refs[ev.id], at=ev.at)
+                win.expect(refs[ev.id], at=_asked(ev.at))  # where the recall will insist on
             continue
         elif op == "step":
             if idle_tokens is not None:  # the idle gap the trace records: heal and anticipate within it

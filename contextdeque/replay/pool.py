@@ -8,6 +8,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
+from ..core.counters import Counters, shown
 from ..scheduler.eviction import PoolEvictionPolicy
 from ..window.plan import Load, Op
 from .cost import CostModel
@@ -31,9 +32,17 @@ class ReplayConfig:
     overlap_loads: bool = False
 
 
+def _seconds(v: float) -> float:
+    return round(v, 6)
+
+
 @dataclass
-class ReplayResult:
-    """What one run cost. ``bytes`` per tier = bytes read + written there."""
+class ReplayResult(Counters):
+    """What one run cost: the window's :class:`~contextdeque.core.counters.Counters` it predicts
+    (forwards, tokens prefilled, encodes; patches as ``patch_forms`` / ``patch_hits``) and the
+    replay's own counts. ``bytes`` per tier = bytes read + written there."""
+
+    json_omit = frozenset({"patches_formed", "patches_reused"})  # (counted as patch_forms / patch_hits)
 
     trace: str
     placement: str
@@ -42,9 +51,6 @@ class ReplayResult:
     events: int = 0
     steps: int = 0
     queries: int = 0
-    tokens_prefilled: int = 0
-    forwards: int = 0
-    encodes: int = 0
     patch_forms: int = 0
     patch_hits: int = 0
     stale_keeps: int = 0
@@ -58,24 +64,13 @@ class ReplayResult:
     # ``stored`` (``window.plan``), what the live window's receipts count the same way
     stored: dict[str, int] = field(default_factory=dict)
     patch_bytes: int = 0
-    est_seconds: float = 0.0
+    est_seconds: float = shown(_seconds, default=0.0)
     heal_tokens: int = 0  # latency-first: tokens prefilled while healing (idle time; inside tokens_prefilled)
     heal_forwards: int = 0
-    heal_seconds: float = 0.0  # latency-first: idle-time work, not in est_seconds (the critical path)
-    load_seconds: float = 0.0  # tier transfers (host/disk reads of canonicals) inside est_seconds
-    overlap_saved_seconds: float = 0.0  # taken off est_seconds by overlapping loads with compute
+    heal_seconds: float = shown(_seconds, default=0.0)  # latency-first: idle-time work, not in est_seconds (the critical path)
+    load_seconds: float = shown(_seconds, default=0.0)  # tier transfers (host/disk reads of canonicals) inside est_seconds
+    overlap_saved_seconds: float = shown(_seconds, default=0.0)  # taken off est_seconds by overlapping loads with compute
     scheduler: dict[str, int] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["bytes"] = dict(self.bytes)
-        d["stored"] = dict(self.stored)
-        d["est_seconds"] = round(self.est_seconds, 6)
-        d["heal_seconds"] = round(self.heal_seconds, 6)
-        d["load_seconds"] = round(self.load_seconds, 6)
-        d["overlap_saved_seconds"] = round(self.overlap_saved_seconds, 6)
-        d["scheduler"] = dict(self.scheduler)
-        return d
 
 
 class Pool:

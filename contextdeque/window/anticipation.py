@@ -17,9 +17,17 @@ work is done, prepares, one transaction each (idle forwards only; the critical p
    the cascade the recall implies), is simulated on a copy of the state, and the patches the
    eager policy forms there are formed and stored under their usual keys. A recall that lands in
    exactly that arrangement finds it (the patch key's antecedent signature, ``patch/keys.py``:
-   the antecedent chunk ids in order and the policy regime) and runs no forward; in any other
+   the antecedents' KV states in order and the policy regime) and runs no forward; in any other
    arrangement the key differs and nothing anticipated is served. A chunk that left before its
    canonical was computed gets it (a look-back at the front needs only the canonical).
+3. **reorders**: the orders ``expect_order()`` named, then the likeliest reorders of the current
+   set, priced by probability x tokens saved per token formed (``window.anticipate_reorder``),
+   simulated the same way (the eager policy's exact and orbit patches, formed and stored).
+
+Patch keys name the antecedents' KV states (``window.kvstate``), so an anticipation is served
+exactly where the KV in front of the chunk is the KV it was formed on. A pass that completes
+marks the window anticipated until it changes (:attr:`WindowAnticipation.anticipation_due`); the
+idle healer (``window.healer``) runs the same passes in the background.
 
 The keys of anticipated patches are remembered per window family, so receipts can say a chunk
 was served ``"anticipated"`` (see ``reconcile.obtain``).
@@ -28,10 +36,12 @@ was served ``"anticipated"`` (see ``reconcile.obtain``).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
+from ..core.errors import WindowError
 from . import ingest
 from .placement import END, recall_chooser, window_index
+from .anticipate_reorder import ANTICIPATED_REORDERS, anticipate_reorder, reorder_candidates
 from .policy_latency import HealPolicy
 from .predictor import Prediction, RecallPredictor, make_predictor, rank_predictions
 from .receipt import Meter, Receipt
@@ -183,48 +193,88 @@ class WindowAnticipation:
                 self.expected.pop(ref, None)
         self.recall_predictor.observe(receipt, self._state)
 
-    def _anticipate(self, max_steps: int | None, max_tokens: int | None = None,
-                    deadline: float | None = None) -> list[Receipt]:
-        """The anticipation steps ``heal()`` runs once nothing is queued (see the module doc):
-        recall predictions in ranked order, each formed only if its estimated cost fits what is
-        left of ``max_tokens`` (a dearer one is skipped for a cheaper one further down); stops
-        after ``max_steps`` steps or at ``deadline`` (``time.perf_counter()``)."""
-        steps: list[Receipt] = []
-        if not self._ctx.config.anticipate or (max_steps is not None and max_steps <= 0):
-            return steps
+    @property
+    def expected_orders(self) -> list[tuple[ChunkRef, ...]]:
+        """Orders an agent said it may reorder the window to next (:meth:`expect_order`)."""
+        return self.__dict__.setdefault("_expected_orders", [])
 
-        def spent() -> int:
-            return sum(r.tokens_prefilled for r in steps)
+    def expect_order(self, order: Sequence[ChunkRef]) -> None:
+        """Say that the window may next be reordered to ``order`` (a permutation of its refs):
+        with anticipation on, idle time prepares that reorder first (``window.anticipate_reorder``).
+        A hint: nothing is formed now; a reorder to another order is served as usual.
+
+        Raises:
+            WindowError: ``order`` is not a permutation of the window's refs."""
+        self._check_open()
+        order = tuple(order)
+        for ref in order:
+            self._state.check_known(ref)
+        if sorted(order, key=lambda r: r.key) != sorted(self._state.refs, key=lambda r: r.key):
+            raise WindowError(f"expect_order needs each of the window's {len(self._state.refs)} refs exactly once")
+        hints = self.expected_orders
+        if order in hints:
+            hints.remove(order)
+        hints.append(order)
+        del hints[:-ANTICIPATED_REORDERS]  # the latest hints count
+
+    @property
+    def anticipation_due(self) -> bool:
+        """Anticipation is on and has not run to completion on the window as it stands now (its
+        state, the agent's hints)."""
+        return bool(self._ctx.config.anticipate) and self.__dict__.get("_anticipated_for") != self._anticipation_token()
+
+    def _anticipation_token(self) -> tuple:
+        return (id(self._state), self._state.generation, tuple(self.expected.items()), tuple(self.expected_orders))
+
+    def _anticipation_tasks(self, budgeted: bool = False) -> Iterator[tuple[Callable[[WindowState, Meter], tuple[dict[str, Any], None]], bool, int | None]]:
+        """The anticipation transactions, most valuable first: ``(body, mutates, cost_tokens)``
+        for ``_run`` (cost: the recall prediction's estimate; None: not priced): the next slide's
+        canonical, the recall predictions in ranked order (what the agent said first; the best
+        :data:`ANTICIPATED_RECALLS`, or :data:`MAX_PREDICTIONS` under a budget), reorders."""
 
         def slide_body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
             ref = anticipate_slide(self, state, meter)
             return {"refs": () if ref is None else (ref,)}, None
 
-        budgeted = max_tokens is not None or deadline is not None
-        predictions: list[Prediction | None] = list(
-            recall_candidates(self, self._state)[: MAX_PREDICTIONS if budgeted else ANTICIPATED_RECALLS])
-        # what the agent said comes first, then the next slide's canonical, then the other predictions
-        hinted = sum(1 for p in predictions if p is not None and p.source == "expected")
-        predictions.insert(hinted, None)
-        for prediction in predictions:
-            if prediction is None:
-                if max_tokens is None or spent() < max_tokens:
-                    receipt = self._run("anticipate", slide_body)[0]
-                    if receipt.refs:
-                        steps.append(receipt)
-                continue
-            if max_steps is not None and len(steps) >= max_steps:
-                break
-            if deadline is not None and time.perf_counter() >= deadline:
-                break
-            if max_tokens is not None and spent() + prediction.cost_tokens > max_tokens:
-                continue  # too dear for what is left: a cheaper one further down may fit
+        # the slide first: it changes the window (a canonical), which the other patches' keys name
+        yield slide_body, True, None
+        for prediction in recall_candidates(self, self._state)[: MAX_PREDICTIONS if budgeted else ANTICIPATED_RECALLS]:
 
             def recall_body(state: WindowState, meter: Meter, recalls=prediction.recalls) -> tuple[dict[str, Any], None]:
                 formed = anticipate_recalls(self, state, recalls, meter)
                 return {"refs": tuple(r for r, _ in recalls) if formed else ()}, None
 
-            receipt = self._run("anticipate", recall_body, mutates=False)[0]
+            yield recall_body, False, prediction.cost_tokens
+        for order in reorder_candidates(self, self._state):
+
+            def reorder_body(state: WindowState, meter: Meter, order: list[ChunkRef] = order) -> tuple[dict[str, Any], None]:
+                formed = anticipate_reorder(self, state, order, meter)
+                return {"refs": tuple(order) if formed else ()}, None
+
+            yield reorder_body, False, None
+
+    def _anticipate(self, max_steps: int | None, max_tokens: int | None = None,
+                    deadline: float | None = None) -> list[Receipt]:
+        """The anticipation steps ``heal()`` (or the idle healer) runs once nothing is queued (see
+        the module doc), until ``max_steps`` formed something or ``deadline`` (``time.perf_counter``)
+        passed, checked between steps; under ``max_tokens`` a recall prediction whose estimated
+        cost does not fit what is left is skipped (a cheaper one further down may fit). A run that
+        completes marks the window as anticipated (:attr:`anticipation_due` turns False until it
+        changes); an interruption leaves the steps done so far (each a whole transaction)."""
+        steps: list[Receipt] = []
+        if not self.anticipation_due or (max_steps is not None and max_steps <= 0):
+            return steps
+        complete = True
+        for body, mutates, cost in self._anticipation_tasks(max_tokens is not None or deadline is not None):
+            if (max_steps is not None and len(steps) >= max_steps) or (deadline is not None and time.perf_counter() >= deadline):
+                return steps
+            spent = sum(r.tokens_prefilled for r in steps)
+            if max_tokens is not None and (spent + (cost or 0) > max_tokens or spent >= max_tokens):
+                complete = False
+                continue  # too dear for what is left
+            receipt = self._run("anticipate", body, mutates=mutates)[0]
             if receipt.refs:
                 steps.append(receipt)
+        if complete:
+            self.__dict__["_anticipated_for"] = self._anticipation_token()
         return steps

@@ -1,5 +1,6 @@
 """WindowConfig: a window's settings in one frozen object, validated once, with the defaults in one
-place (``DEFAULT_RANK``: the patch rank m every entry point defaults to).
+place (``DEFAULT_RANK``, the patch rank m every entry point defaults to, is written in
+``patch/rank.py``, below every layer that needs it).
 
 ``ContextWindow(backend, **settings)`` builds one from its keywords; ``ContextWindow.from_config``
 takes one as it is. Policies and placements are kept as given (a name or an instance): the window
@@ -19,13 +20,13 @@ from ..core.chunk import storage_dtype
 from ..core.errors import BudgetError, WindowError, WindowTypeError
 from ..patch.alloc import DEFAULT_ON_MISS, ON_MISS
 from .budget import DEFAULT_BLIND_KL
+from ..patch.rank import DEFAULT_RANK  # (re-exported: the one default rank, written in patch/rank.py)
 from .graph import CASCADE_POLICIES
 from .kvselect import SelectionPolicy
 from .placement import PlacementPolicy
 from .policy import PatchPolicy
 from .predictor import RECALL_PREDICTORS, RecallPredictor
 
-DEFAULT_RANK = 32  # the patch rank m: the window's, the server's and the commands' default
 DEFAULT_RECALL_PLACEMENT = "valid"
 """Where ``recall(ref)`` (no ``at``) goes: ``"valid"`` (``contextdeque.scheduler``: where a stored
 patch stays valid — behind the chunks its patch was formed on, or the front where its canonical is
@@ -59,7 +60,7 @@ class WindowConfig:
     beyond_trained: bool = False
     chunk_template: str = "{text}"
     max_evicted: int | None = DEFAULT_MAX_EVICTED
-    anticipate: bool = False
+    anticipate: bool = True
     answer_kl_budget: float | None = None
     kl_budget_ms: float | None = DEFAULT_KL_BUDGET_MS
     blind_kl: float = DEFAULT_BLIND_KL
@@ -93,8 +94,10 @@ class WindowConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise WindowTypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
         from .ingest import check_template  # (ingest stands on the context, which stands on this)
+        from .policy import make_policy
 
         check_template(self.chunk_template)
+        make_policy(self.patch_policy)  # an unknown name is refused here, once (WindowError), not at first use
         checked = dict(
             rank=check_int("rank", self.rank, minimum=0, error=WindowError),
             budget_tokens=check_int("budget_tokens", self.budget_tokens, minimum=1, none_ok=True, error=BudgetError),

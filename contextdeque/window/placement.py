@@ -138,18 +138,21 @@ def window_index(ctx: Any, graph: Any, slots: Sequence[Any], entering: Any, at: 
         return len(slots)
     if policy is None or type(policy) is ArrivalPlacement or getattr(entering, "provisional", False):
         return at  # (a provisional slot's KV was computed behind the whole window: it stays last)
+    from .kvstate import antecedent_states
     from .reconcile import patch_key_for
 
     by_key = {s.ref: s for s in slots}
     by_key[entering.ref] = entering
     ids_by_content: dict[str, Any] = {s.chunk.id: s.chunk for s in by_key.values()}
+    # residents keep their relative order, hence their KV: a prefix of them is named by their states now
+    state_by_content = {s.chunk.id: st for s, st in zip(slots, antecedent_states(slots))}
 
     def has_patch(content: str, prefix: tuple[str, ...]) -> bool:
         chunk = ids_by_content.get(content)
-        if chunk is None:
+        if chunk is None or any(c not in state_by_content for c in prefix):
             return False
         ranks = ctx.formation_ranks(ctx.rank, chunk.n_tokens)
-        return ctx.store.has(patch_key_for(ctx, chunk, prefix, "exact", ranks))
+        return ctx.store.has(patch_key_for(ctx, chunk, [state_by_content[c] for c in prefix], "exact", ranks))
 
     resident = {s.ref for s in slots}
     view = PlacementView(
@@ -159,7 +162,7 @@ def window_index(ctx: Any, graph: Any, slots: Sequence[Any], entering: Any, at: 
         formed_on={**{s.ref: tuple(a for a, _ in s.conditioned_on) for s in slots},
                    entering.ref: tuple(a for a, _ in formed_on)},
         has_patch=has_patch,
-        stored_prefixes=lambda c: tuple(ctx.patch_index.get(c, ())),
+        stored_prefixes=ctx.patch_index.stored_prefixes,
         dependents=lambda k: [d for d in graph.dependents(k) if d in resident],
         budget_tokens=ctx.budget_tokens,
     )
@@ -208,10 +211,11 @@ def placement_reason(ctx: Any, slots: Sequence[Any], entering: Any, index: int, 
         return "asked"
     if index == 0:
         return "front: canonical exact"
+    from .kvstate import antecedent_states
     from .reconcile import patch_key_for
 
     ranks = ctx.formation_ranks(ctx.rank, entering.chunk.n_tokens)
-    prefix = [s.chunk.id for s in slots[:index]]
+    prefix = antecedent_states(slots[:index])  # (patch keys name the antecedents' states)
     if ctx.store.has(patch_key_for(ctx, entering.chunk, prefix, "exact", ranks)):
         return "behind its stored patch's antecedents"
     return "end" if index == len(slots) else "scheduler: fewest forms"

@@ -22,6 +22,7 @@ from ..core.layout import KVLayout
 from ..core.kv import LayerKV
 from ..core.operator import relocate
 from ..patch import PATCH_KINDS, Patch
+from ..patch.keys import kv_state
 from .ref import ChunkRef
 
 # (antecedent ref, that antecedent's version when the patch was formed)
@@ -107,9 +108,21 @@ class Slot:
         if self.layout is None:
             return None
         checkpoint()
-        patches = self.patches
+        return tuple(self._relocated(None))
+
+    def page_layer(self, layer: int) -> LayerKV | None:
+        """Layer ``layer`` of :attr:`page` (the same values): from the page when it is computed,
+        else that layer alone, relocated and patched now and not kept (a layer-wise reader)."""
+        if self.layout is None:
+            return None
+        if "page" in self.__dict__:
+            return self.__dict__["page"][layer]
+        return self._relocated([layer])[0]
+
+    def _relocated(self, layers: list[int] | None) -> list[LayerKV]:
         # the window checked its positions against the trained length (or was told to go beyond)
-        return tuple(relocate(self.chunk, self.start, layout=self.layout, patch=list(patches) or None, beyond_trained=True))
+        return relocate(self.chunk, self.start, layout=self.layout, patch=list(self.patches) or None,
+                        beyond_trained=True, layers=layers)
 
     @property
     def patches(self) -> tuple[Patch, ...]:
@@ -133,6 +146,13 @@ class Slot:
         """Identity of the slot's content KV (canonical + stack), independent of position."""
         inline = [("inline", tuple((r.key, v) for r, v in self.inline_on))] if self.inline_on else []
         return digest(self.chunk.id, [c.describe() for c in self.stack] + inline)[:16]
+
+    @cached_property
+    def state(self) -> str:
+        """Content-addressed name of the slot's KV state (``patch.keys.kv_state``): its chunk and
+        the store keys of its stack, independent of refs and windows. A provisional slot's state
+        depends on what is in front of it: ``window.kvstate.slot_state``."""
+        return kv_state(self.chunk.id, [c.key or c.patch.id for c in self.stack])
 
     @cached_property
     def conditioned_on(self) -> tuple[Tag, ...]:

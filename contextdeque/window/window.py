@@ -44,6 +44,7 @@ from .budget import DEFAULT_BLIND_KL
 from .config import DEFAULT_KL_BUDGET_MS, DEFAULT_MAX_EVICTED, DEFAULT_RANK, DEFAULT_RECALL_PLACEMENT, WindowConfig
 from .context import WindowContext
 from .anticipation import WindowAnticipation
+from .anticipate_reorder import note_reorder
 from .healing import WindowHealing
 from .introspection import WindowIntrospection
 from .lifecycle import WindowLifecycle
@@ -148,11 +149,14 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             few hundred bytes). Past it the oldest evicted refs are forgotten, as ``purge`` would
             (the receipt's notes say so; their store entries stay). None: remember every one
             (memory then grows with the history).
-        anticipate: in :meth:`heal`, once the queued work is done, also prepare what the next
-            likely re-reads need (``window.anticipation``: the canonical of the chunk the next
-            slide brings to the front; the recall patches of the chunks :meth:`expect` names and
-            of the most recently evicted ones, for the arrangement their recall would produce),
-            so those steps run no forward. Idle forwards only; False: heal as before.
+        anticipate: in :meth:`heal` and the idle healer, once the queued work is done, also
+            prepare what the next likely re-reads need (``window.anticipation``: the canonical of
+            the chunk the next slide brings to the front; the recall patches of the chunks
+            :meth:`expect` names and of the most recently evicted ones, for the arrangement their
+            recall would produce; the patches of the orders :meth:`expect_order` names and of the
+            likeliest reorders), so those steps run no forward. Idle forwards only, never on the
+            critical path (on by default); False: heal does only the queued work, as the
+            latency-first policy did before anticipation.
         recall_placement: where ``recall(ref)`` without ``at`` goes: ``"valid"`` (the default: the
             placement scheduler's choice of where a stored patch stays valid — behind the chunks its
             patch was formed on, or the front where its canonical is exact — else the end), another
@@ -192,7 +196,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
         beyond_trained: bool = False,
         chunk_template: str = "{text}",
         max_evicted: int | None = DEFAULT_MAX_EVICTED,
-        anticipate: bool = False,
+        anticipate: bool = True,
         recall_placement: "str | PlacementPolicy | None" = DEFAULT_RECALL_PLACEMENT,
         answer_kl_budget: float | None = None,
         kl_budget_ms: float | None = DEFAULT_KL_BUDGET_MS,
@@ -606,6 +610,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             slots = [by_ref[r] for r in refs]
             reasons = {r: "reorder" for r in refs}
             state.slots, _ = reconcile(self._ctx, slots, reasons, meter)
+            note_reorder(self._ctx, current, refs)  # (reorder anticipation learns from these)
             return {"refs": tuple(refs)}, None
 
         return self._run("reorder", body)[0]
