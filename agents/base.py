@@ -30,6 +30,9 @@ from contextdeque.core.errors import WindowError
 from contextdeque.core.metrics import kl_divergence
 from contextdeque.traces import TraceBuilder, TraceHeader, content_hash, write_trace
 from contextdeque.window import ChunkRef, ContextWindow, Receipt
+from contextdeque.window.policy import PATCH_POLICIES
+from contextdeque.window.policy_default import SURVIVOR_STALENESS, DefaultPolicy
+from contextdeque.window.policy_latency import LatencyPolicy
 
 from .measure import common_prefix, reprefill_first_token, window_first_token, window_stream
 
@@ -70,7 +73,13 @@ class AgentConfig:
     ``heal_between_steps``: before each step, ``window.heal()`` what a latency-first window (the
     default policy) deferred: the agent's idle time (waiting on pages, tools, users), timed in
     no step, its work counted in the run totals; each step then starts from the window the eager
-    policy builds, whatever the timing.
+    policy builds, whatever the timing. ``anticipate``: that idle time also prepares what the
+    agent says it will re-read next (``window.expect``) and the window's likeliest re-reads
+    (``ContextWindow(anticipate=True)``), so those re-reads run no forward on the critical path.
+    ``survivor_staleness``: a chunk that stays in the window while much of what it was
+    conditioned on leaves (staleness above this) is re-conditioned on what now precedes it — in
+    idle time under the latency-first default, in the step under ``eager`` (the eager policy's
+    ``survivor_staleness``; None: survivors are kept as they are).
     """
 
     budget_tokens: int = 640
@@ -84,12 +93,27 @@ class AgentConfig:
     seed: int = 0
     store: Any = None
     heal_between_steps: bool = True
+    anticipate: bool = True
+    survivor_staleness: float | None = SURVIVOR_STALENESS
+
+    def policy(self) -> Any:
+        """The window's patch policy: ``patch_policy``, with ``survivor_staleness`` given to the
+        eager policy it is or wraps (a name without an argument; an instance is used as is)."""
+        spec = "latency" if self.patch_policy == "default" else self.patch_policy
+        if self.survivor_staleness is None or not isinstance(spec, str) or spec not in PATCH_POLICIES:
+            return self.patch_policy
+        cls = PATCH_POLICIES[spec]
+        if issubclass(cls, DefaultPolicy):
+            return cls(survivor_staleness=self.survivor_staleness)
+        if issubclass(cls, LatencyPolicy):
+            return cls("eager", survivor_staleness=self.survivor_staleness)
+        return self.patch_policy
 
     def window_kwargs(self) -> dict[str, Any]:
         return dict(
-            budget_tokens=self.budget_tokens, rank=self.rank, patch_policy=self.patch_policy,
+            budget_tokens=self.budget_tokens, rank=self.rank, patch_policy=self.policy(),
             cascade_policy=self.cascade_policy, store=self.store, placement=self.placement,
-            fidelity_target=self.fidelity_target,
+            fidelity_target=self.fidelity_target, anticipate=self.anticipate,
         )
 
 
@@ -184,15 +208,44 @@ class AgentRun:
     def begin(self, op: str, detail: str = "") -> Step:
         if self._step is not None:
             raise WindowError("a step is already open")
-        healed = self.window.heal() if self.config.heal_between_steps else None
-        if healed is not None and healed.refs:
-            self.idle_heals.append(healed)
+        healed = self._heal()
         self._step = Step(index=len(self.steps) + 1, op=op, detail=detail)
-        if healed is not None and healed.refs:
+        if healed is not None:
             self._step.idle_forwards, self._step.idle_tokens = healed.forwards, healed.tokens_prefilled
         self.trace.step(t=round((time.perf_counter() - self._run_t0) * 1000.0, 3), label=f"{op} {detail}".strip())
         self._t0 = time.perf_counter()
         return self._step
+
+    def _heal(self) -> Receipt | None:
+        """Heal (and, with ``anticipate``, prepare what comes next) in idle time: recorded in
+        ``idle_heals`` when it did anything."""
+        healed = self.window.heal() if self.config.heal_between_steps else None
+        if healed is None or not healed.refs:
+            return None
+        self.idle_heals.append(healed)
+        return healed
+
+    def idle(self, why: str) -> Receipt | None:
+        """An idle moment inside the open step (``why``: what the agent waits on, e.g. a page
+        load): the window heals as between steps, off the step's clock (its time is not the
+        step's; its work is the step's ``idle_forwards`` / ``idle_tokens`` and in the totals)."""
+        st = self._need_step()
+        t0 = time.perf_counter()
+        healed = self._heal()
+        self._t0 += time.perf_counter() - t0  # the wait is not the step's time
+        if healed is not None:
+            st.idle_forwards += healed.forwards
+            st.idle_tokens += healed.tokens_prefilled
+            st.notes.append(f"{why}: healed {healed.forwards} forwards in the wait")
+        return healed
+
+    def expect(self, labels: Sequence[str], at: int | None = None) -> None:
+        """Say what the agent will re-read next: the chunks ``labels`` that left the window, in
+        the order it will recall them from index ``at`` (None: the end). The window prepares that
+        sequence in the next idle time (``window.expect``); nothing is formed now."""
+        refs = [self.ref_of[lab] for lab in labels if lab in self.ref_of and not self.in_window(lab)]
+        if refs and self.config.anticipate:
+            self.window.expect(refs, at=at)
 
     def end(self) -> Step:
         st = self._need_step()

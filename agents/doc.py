@@ -16,7 +16,9 @@ Coarse to fine:
    model's answer does not change (**the model decides**). If that frees too little, the least
    relevant pages are evicted anyway (said in the step's notes).
 4. **re-read** — the chosen pages that left are ``recall``-ed (canonical + a fresh patch on what
-   now precedes them; never re-encoded) and **the model answers** from the window.
+   now precedes them; never re-encoded) and **the model answers** from the window. The agent
+   says which pages it will re-read (``window.expect``) before the step, so the idle time before
+   it prepares those patches and the re-read runs no forward on the critical path.
 
 Input: plain text (paged by token count at paragraph boundaries), a list of page texts, or a
 PDF file (one page per PDF page, text extracted with pypdf). A page larger than the window is
@@ -261,6 +263,7 @@ class DocAgent:
             need_tokens = sum(by_label[lab].n_tokens for lab in need)
             if cfg.budget_tokens - run.window.tokens_used < need_tokens:
                 self._drop(run, q, chosen, scores, need_tokens, by_label, f"q{i + 1}")
+            run.expect(need)  # the pages it will re-read: prepared in the idle time before the step
             st = run.begin("query", f"q{i + 1}")
             for lab in need:
                 run.recall(lab)

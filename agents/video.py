@@ -27,7 +27,10 @@ makes the yes/no comparison):
 2. every ``lookback_every`` segments, once earlier segments have left: **look back** at one of
    them (chosen by the seed): its chunks are ``recall``-ed (canonical + a fresh patch on what now
    precedes them; neither re-encoded nor sent through the vision tower again — counted in
-   ``tower_calls``) and the model is asked about it;
+   ``tower_calls``) and the model is asked about it. The agent names the chunks it will recall
+   (``window.expect``) and the seek back is its idle time (``AgentRun.idle``): the window
+   prepares those recalls then, off the step's clock, so the look-back runs no forward on the
+   critical path;
 3. **compare**: the window is ``reorder``-ed so the looked-back segment sits right before the
    current one (chronological order), and the model says whether the two show the same scene.
 
@@ -278,6 +281,10 @@ class VideoAgent:
         before = self._tower()
         st = run.begin(op, detail)
         self._make_room(self.segment_tokens(seg), now, st, max_segments=self.segments_in_window)
+        back = [label for label, *_ in self.segment_pieces(seg) if label in run.ref_of]
+        if back:  # a look-back: the seek is the agent's wait, in which the window prepares the recalls
+            run.expect(back)
+            run.idle("seek back")
         self._show(seg)
         run.ask(question)
         self._end(run, st, before)

@@ -43,3 +43,31 @@ def replay_agent_trace(path, capsys) -> dict:
     out = json.loads(capsys.readouterr().out)
     assert out["results"] and all(r["queries"] == queries and r["events"] == len(trace.events) for r in out["results"])
     return out
+
+
+def spy_expect(monkeypatch) -> list:
+    """Record every ``ContextWindow.expect(ref, at)`` call (the window still gets it)."""
+    from contextdeque.window import ContextWindow
+
+    calls: list = []
+    real = ContextWindow.expect
+
+    def expect(self, ref, at=None):
+        calls.append((ref, at))
+        return real(self, ref, at)
+
+    monkeypatch.setattr(ContextWindow, "expect", expect)
+    return calls
+
+
+def assert_rereads_anticipated(steps, op: str) -> list:
+    """Every recall in the ``op`` steps ran no forward on the critical path and served each chunk
+    it conditioned from what idle time prepared (``Receipt.served``: anticipated or stored),
+    deferring nothing; returns those recall receipts (at least one)."""
+    recalls = [r for s in steps if s.op == op for r in s.receipts if r.op == "recall"]
+    assert recalls
+    for r in recalls:
+        assert r.forwards == 0 and r.encodes == 0 and not r.deferred, r
+        assert {what for _, what in r.served} <= {"anticipated", "stored"}, r.served
+    assert any(what == "anticipated" for r in recalls for _, what in r.served)
+    return recalls

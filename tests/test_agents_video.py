@@ -20,7 +20,7 @@ from contextdeque.core.errors import BudgetError, MediaError, MediaTypeError, Un
 from contextdeque.model.hf import HFBackend
 from contextdeque.model.testing import build_tiny_model, build_tiny_vl_processor
 from contextdeque.traces import read_trace
-from helpers import replay_agent_trace
+from helpers import assert_rereads_anticipated, replay_agent_trace, spy_expect
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +69,18 @@ def test_load_frames_decodes_a_real_clip(clip):
     assert len(stacked) == 4 and np.array_equal(stacked[1], frames[3])
 
 
-def test_video_agent_on_a_tiny_model(chat_backend, clip, tmp_path, capsys, one_thread):
+def test_video_agent_on_a_tiny_model(chat_backend, clip, tmp_path, capsys, one_thread, monkeypatch):
+    expected = spy_expect(monkeypatch)
     cfg = AgentConfig(budget_tokens=360, rank=8, max_new_tokens=3)
     agent = VideoAgent(chat_backend, cfg, image_tokens=16)
     agent.watch(clip, every=2)
     summary = check_run(agent, cfg.budget_tokens)
+    # a look-back names the segment's chunks (header and frames, in order) before the seek: the
+    # recalls find them prepared and the step's only forward is the query's own
+    backs = [s for s in agent.run.steps if s.op == "look-back"]
+    assert [len(group) for group, _ in expected] == [1 + agent.frames_per_segment] * len(backs)
+    assert_rereads_anticipated(backs, "look-back")
+    assert all(s.forwards == 1 for s in backs)
     assert summary["image_path"] == "emulated" and summary["segments"] == 4
     assert summary["tower_calls"] == summary["frames"]  # one projection per frame, none on recall
     trace = read_trace(agent.run.write_trace(tmp_path / "video.jsonl"))

@@ -60,7 +60,7 @@ import torch
 from contextdeque.core.errors import WindowError
 from contextdeque.core.metrics import kl_divergence
 from contextdeque.model.images import DEFAULT_IMAGE_TOKENS, ImagePath, pixel_digest
-from contextdeque.window import Answer, ChunkRef, ContextWindow
+from contextdeque.window import Answer, ChunkRef, ContextWindow, Receipt
 
 from .measure import FirstToken, common_prefix, reprefill_first_token, window_first_token
 from .messages import ROLES, ChatMessage, normalize_messages
@@ -99,6 +99,10 @@ class MessageWindow:
         image_tokens: most tokens an emulated image span takes.
         tokenizer: the tokenizer with the chat template (default: the backend's).
         max_evicted: messages kept recallable after they leave the list (oldest forgotten first).
+        anticipate: the idle time between requests (:meth:`idle`; ``serve`` runs it) also
+            prepares what the next request likely brings back: the messages the last sync
+            dropped, back where they stood (``ContextWindow.expect``), and the window's likeliest
+            re-reads, so such a request runs no forward on the critical path.
         window_kwargs: anything else for ``ContextWindow`` (e.g. ``storage=``).
     """
 
@@ -115,6 +119,7 @@ class MessageWindow:
         image_tokens: int = DEFAULT_IMAGE_TOKENS,
         tokenizer: Any = None,
         max_evicted: int = 256,
+        anticipate: bool = True,
         **window_kwargs: Any,
     ) -> None:
         self.backend = backend
@@ -128,7 +133,7 @@ class MessageWindow:
             raise WindowError("MessageWindow keeps the whole list: overflow must be 'error'")
         self._window_args = dict(
             budget_tokens=budget_tokens, rank=rank, patch_policy=patch_policy, cascade_policy=cascade_policy,
-            overflow="error", **window_kwargs,
+            overflow="error", anticipate=anticipate, **window_kwargs,
         )
         self.store = store
         self.max_evicted = int(max_evicted)
@@ -142,6 +147,7 @@ class MessageWindow:
         self._gone_order: deque[_Entry] = deque()
         self._stream: list[Hashable] = []
         self._image_tokens: dict[str, int] = {}
+        self._idle_done_at: int | None = None  # window generation at which idle() last found nothing to do
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -220,6 +226,7 @@ class MessageWindow:
         self.window = window
         for e in left:
             gone.setdefault(e.key, []).append(e)
+        self._expect_back(window, left, live)
         self._live, self._gone = new_live, gone
         if fresh:
             self._gone_order.clear()
@@ -243,6 +250,41 @@ class MessageWindow:
         self.stats["tokens_prefilled"] += rec.tokens_prefilled
         self.stats["reprefill_tokens"] += rec.reprefill_tokens
         self.stats["prefix_cache_tokens"] += rec.prefix_cache_tokens
+        return rec
+
+    @staticmethod
+    def _expect_back(window: ContextWindow, left: Sequence[_Entry], before: Sequence[_Entry]) -> None:
+        """Say that the messages this sync dropped may come back where they stood (a trimmed
+        message restored, an edit undone): the next idle time prepares those recalls."""
+        if not window.context.config.anticipate:
+            return
+        index = 0
+        for e in before:
+            if any(e is x for x in left) and all(r in window.evicted_refs for r in e.refs):
+                window.expect(e.refs, at=index)
+            else:
+                index += len(e.refs)
+
+    # ------------------------------------------------------------------ idle time
+    @property
+    def idle_work(self) -> bool:
+        """Whether :meth:`idle` has work: conditioning a latency-first policy deferred, or, with
+        ``anticipate``, a window changed since the last idle time found nothing to prepare."""
+        w = self.window
+        if w is None or w.closed:
+            return False
+        return bool(w.pending_refs) or (w.context.config.anticipate and w.generation != self._idle_done_at)
+
+    def idle(self, max_ms: float | None = None, *, max_steps: int | None = None) -> Receipt | None:
+        """Use idle time between requests (``ContextWindow.heal``): carry out the deferred
+        conditioning, then (``anticipate``) prepare what the next request likely needs. Each step
+        is one window transaction. Returns the heal's receipt (None before the first sync)."""
+        w = self.window
+        if w is None or w.closed:
+            return None
+        rec = w.heal(max_ms, max_steps=max_steps)
+        if not rec.refs and not w.pending_refs:
+            self._idle_done_at = w.generation  # nothing more until the window changes
         return rec
 
     def _shared_store(self) -> Any:
