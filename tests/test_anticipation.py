@@ -129,7 +129,7 @@ def test_anticipation_skips_a_recall_the_budget_would_refuse(backend):
     win.evict(refs[0])
     win.append(chunk=backend.encode(token_ids=POOL[4]))  # 6 + 4 + 3 = 13 of 15: refs[0] (5) no longer fits
     win.heal()
-    assert not win._ctx.anticipated_keys
+    assert not any(refs[0] in r.refs for r in win.receipts if r.op == "anticipate")  # (reorders may be prepared)
     win.evict(refs[2])
     win.heal()
     r = win.recall(refs[0])

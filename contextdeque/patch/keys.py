@@ -14,10 +14,12 @@ from typing import Iterable, Sequence
 
 from ..core.errors import PatchError
 
-PATCH_KEY_VERSION = 2
+PATCH_KEY_VERSION = 3
 """Scheme of patch signatures and patch store keys. Part of every patch key: an entry written
 under another scheme is never looked up (a miss, re-formed), never served under the new meaning.
-Version 1 (before this module) had two signature functions and no version part in the key."""
+Version 1 (before this module) had two signature functions and no version part in the key;
+version 2 named the antecedents by chunk id only, so a patch formed on healed antecedents was
+valid by key behind the same chunks unhealed; version 3 names their KV states (:func:`kv_state`)."""
 
 
 def antecedent_signature(ids: Iterable[str], *, ordered: bool = True, extra: Iterable[str] = ()) -> str:
@@ -35,6 +37,15 @@ def antecedent_signature(ids: Iterable[str], *, ordered: bool = True, extra: Ite
             b = s.encode("utf-8", "surrogatepass")
             h.update(len(b).to_bytes(8, "little") + b)
     return h.hexdigest()
+
+
+def kv_state(chunk_id: str, conditioning: Iterable[str] = ()) -> str:
+    """A content-addressed name of one chunk's KV *state*: its chunk id and what conditions it, in
+    order (the store keys of the patches it carries, which name their own antecedents' states,
+    so the name is recursive; or, for KV from a conditioned forward, the states it ran after).
+    The canonical's state is ``kv_state(chunk_id)``. Window-independent: two windows that built
+    the same content the same way name it alike (they share patches)."""
+    return antecedent_signature([chunk_id], extra=["kv-state", *conditioning])[:32]
 
 
 def patch_signature(kind: str, antecedent_ids: Sequence[str], base_ids: Sequence[str] = (),

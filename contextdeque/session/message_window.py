@@ -147,7 +147,6 @@ class MessageWindow:
         self._gone_order: deque[_Entry] = deque()
         self._stream: list[Hashable] = []
         self._image_tokens: dict[str, int] = {}
-        self._idle_done_at: int | None = None  # window generation at which idle() last found nothing to do
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -269,11 +268,9 @@ class MessageWindow:
     @property
     def idle_work(self) -> bool:
         """Whether :meth:`idle` has work: conditioning a latency-first policy deferred, or, with
-        ``anticipate``, a window changed since the last idle time found nothing to prepare."""
+        ``anticipate``, a window that changed since anticipation last ran to completion."""
         w = self.window
-        if w is None or w.closed:
-            return False
-        return bool(w.pending_refs) or (w.context.config.anticipate and w.generation != self._idle_done_at)
+        return w is not None and not w.closed and (bool(w.pending_refs) or w.anticipation_due)
 
     def idle(self, max_ms: float | None = None, *, max_steps: int | None = None) -> Receipt | None:
         """Use idle time between requests (``ContextWindow.heal``): carry out the deferred
@@ -282,10 +279,7 @@ class MessageWindow:
         w = self.window
         if w is None or w.closed:
             return None
-        rec = w.heal(max_ms, max_steps=max_steps)
-        if not rec.refs and not w.pending_refs:
-            self._idle_done_at = w.generation  # nothing more until the window changes
-        return rec
+        return w.heal(max_ms, max_steps=max_steps)
 
     def _shared_store(self) -> Any:
         """The store every window of this MessageWindow uses (made once, so a rebuilt window still

@@ -17,10 +17,18 @@ work is done, prepares, one transaction each (idle forwards only; the critical p
    frames) are simulated as one sequence, each recall on the arrangement the ones before it
    leave, as the agent will run them. A
    recall that lands in exactly that arrangement finds it (the patch key's antecedent signature,
-   ``patch/keys.py``: the antecedent chunk ids in order and the policy regime) and runs no
+   ``patch/keys.py``: the antecedents' KV states in order and the policy regime) and runs no
    forward; in any other arrangement the key differs and nothing anticipated is served.
    A chunk that left before its canonical was computed gets it (a look-back at the front needs
    only the canonical).
+3. **reorders**: the orders ``expect_order()`` named, then the likeliest reorders of the current
+   set, priced by probability x tokens saved per token formed (``window.anticipate_reorder``),
+   simulated the same way (the eager policy's exact and orbit patches, formed and stored).
+
+Patch keys name the antecedents' KV states (``window.kvstate``), so an anticipation is served
+exactly where the KV in front of the chunk is the KV it was formed on. A pass that completes
+marks the window anticipated until it changes (:attr:`WindowAnticipation.anticipation_due`); the
+idle healer (``window.healer``) runs the same passes in the background.
 
 The keys of anticipated patches are remembered per window family, so receipts can say a chunk
 was served ``"anticipated"`` (see ``reconcile.obtain``).
@@ -28,10 +36,12 @@ was served ``"anticipated"`` (see ``reconcile.obtain``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..core.errors import ArgumentTypeError, WindowError
 from . import ingest
+from .anticipate_reorder import ANTICIPATED_REORDERS, anticipate_reorder, reorder_candidates
 from .policy_latency import HealPolicy
 from .receipt import Meter, Receipt
 from .reconcile import reconcile
@@ -166,30 +176,78 @@ class WindowAnticipation:
         while len(self.expected) > ANTICIPATED_RECALLS:  # the latest hints count
             del self.expected[next(iter(self.expected))]
 
-    def _anticipate(self, max_steps: int | None) -> list[Receipt]:
-        """The anticipation steps ``heal()`` runs once nothing is queued (see the module doc)."""
-        steps: list[Receipt] = []
-        if not self._ctx.config.anticipate or (max_steps is not None and max_steps <= 0):
-            return steps
+    @property
+    def expected_orders(self) -> list[tuple[ChunkRef, ...]]:
+        """Orders an agent said it may reorder the window to next (:meth:`expect_order`)."""
+        return self.__dict__.setdefault("_expected_orders", [])
+
+    def expect_order(self, order: Sequence[ChunkRef]) -> None:
+        """Say that the window may next be reordered to ``order`` (a permutation of its refs):
+        with anticipation on, idle time prepares that reorder first (``window.anticipate_reorder``).
+        A hint: nothing is formed now; a reorder to another order is served as usual.
+
+        Raises:
+            WindowError: ``order`` is not a permutation of the window's refs."""
+        self._check_open()
+        order = tuple(order)
+        for ref in order:
+            self._state.check_known(ref)
+        if sorted(order, key=lambda r: r.key) != sorted(self._state.refs, key=lambda r: r.key):
+            raise WindowError(f"expect_order needs each of the window's {len(self._state.refs)} refs exactly once")
+        hints = self.expected_orders
+        if order in hints:
+            hints.remove(order)
+        hints.append(order)
+        del hints[:-ANTICIPATED_REORDERS]  # the latest hints count
+
+    @property
+    def anticipation_due(self) -> bool:
+        """Anticipation is on and has not run to completion on the window as it stands now (its
+        state, the agent's hints)."""
+        return bool(self._ctx.config.anticipate) and self.__dict__.get("_anticipated_for") != self._anticipation_token()
+
+    def _anticipation_token(self) -> tuple:
+        return (id(self._state), self._state.generation, tuple(self.expected.items()), tuple(self.expected_orders))
+
+    def _anticipation_tasks(self) -> Iterator[tuple[Callable[[WindowState, Meter], tuple[dict[str, Any], None]], bool]]:
+        """The anticipation transactions, most valuable first, each planned on the window as it
+        stands when its turn comes: ``(body, mutates)`` for ``_run``."""
 
         def slide_body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
             ref = anticipate_slide(self, state, meter)
             return {"refs": () if ref is None else (ref,)}, None
 
-        receipt = self._run("anticipate", slide_body)[0]
-        if receipt.refs:
-            steps.append(receipt)
+        yield slide_body, True
         for refs, at in recall_candidates(self, self._state):
-            if max_steps is not None and len(steps) >= max_steps:
-                break
 
             def recall_body(state: WindowState, meter: Meter, refs: tuple[ChunkRef, ...] = refs,
                             at: int | None = at) -> tuple[dict[str, Any], None]:
                 formed = anticipate_recall(self, state, refs, at, meter)
                 return {"refs": refs if formed else ()}, None
 
-            receipt = self._run("anticipate", recall_body, mutates=False)[0]
+            yield recall_body, False
+        for order in reorder_candidates(self, self._state):
+
+            def reorder_body(state: WindowState, meter: Meter, order: list[ChunkRef] = order) -> tuple[dict[str, Any], None]:
+                formed = anticipate_reorder(self, state, order, meter)
+                return {"refs": tuple(order) if formed else ()}, None
+
+            yield reorder_body, False
+
+    def _anticipate(self, max_steps: int | None, deadline: float | None = None) -> list[Receipt]:
+        """The anticipation steps ``heal()`` (or the idle healer) runs once nothing is queued (see
+        the module doc), until ``max_steps`` formed something or ``deadline`` (``time.perf_counter``)
+        passed, checked between steps. A run that completes marks the window as anticipated
+        (:attr:`anticipation_due` turns False until it changes); an interruption leaves the steps
+        done so far (each a whole transaction: their patches are stored whole, under exact keys)."""
+        steps: list[Receipt] = []
+        if not self.anticipation_due or (max_steps is not None and max_steps <= 0):
+            return steps
+        for body, mutates in self._anticipation_tasks():
+            if (max_steps is not None and len(steps) >= max_steps) or (deadline is not None and time.perf_counter() >= deadline):
+                return steps
+            receipt = self._run("anticipate", body, mutates=mutates)[0]
             if receipt.refs:
                 steps.append(receipt)
+        self.__dict__["_anticipated_for"] = self._anticipation_token()
         return steps
-

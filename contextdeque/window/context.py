@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -56,6 +56,9 @@ class WindowContext:
     patch_index: "OrderedDict[str, dict[tuple[str, ...], None]]" = field(default_factory=OrderedDict, repr=False)
     # store keys of the patches anticipation formed (window.anticipation): receipts say "anticipated"
     anticipated_keys: set = field(default_factory=set, repr=False)
+    # the family's reorders so far, as index permutations (``perm[i]``: the old index of the chunk
+    # now at i) with counts: what reorder anticipation learns its probabilities from
+    reorders_seen: "Counter[tuple[int, ...]]" = field(default_factory=Counter, repr=False)
     op_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _waiting: list[int] = field(default_factory=lambda: [0], repr=False)
     _waiting_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -1,7 +1,9 @@
 """The idle healer: heals a latency-first window in the background while the agent is busy
-elsewhere (waiting on pages, tools or users).
+elsewhere (waiting on pages, tools or users), then, with anticipation on, prepares the next likely
+re-reads (``window.anticipation``: the same steps ``heal()`` runs once nothing is queued).
 
-One daemon thread per healer. It runs a heal step only when the window has pending chunks and
+One daemon thread per healer. It runs a heal step only when the window has pending chunks (an
+anticipation pass when it has none and the window changed since the last complete pass) and
 no foreground operation ran for ``idle_ms``; during the step it polls, at every decoder layer
 and every per-layer loop (``contextdeque.core.cooperative`` checkpoints), whether a foreground
 operation is waiting or the healer was stopped, and if so abandons the step (the step is one
@@ -25,7 +27,8 @@ class Healer:
     """Background healing of one window. Use :meth:`ContextWindow.start_healing`.
 
     Attributes (read while it runs or after ``stop()``): ``steps`` heal steps completed,
-    ``yielded`` steps abandoned for a foreground operation, ``errors`` exceptions a step raised
+    ``yielded`` steps abandoned for a foreground operation, ``anticipations`` anticipation passes
+    run to completion, ``errors`` exceptions a step raised
     (the window is unchanged by them; the healer keeps going unless ``stop_on_error``).
     """
 
@@ -35,6 +38,7 @@ class Healer:
         self.poll_ms = float(poll_ms)
         self.stop_on_error = bool(stop_on_error)
         self.steps = 0
+        self.anticipations = 0
         self.yielded = 0
         self.errors: list[BaseException] = []
         self._stop = threading.Event()
@@ -63,10 +67,11 @@ class Healer:
         return self._thread is not None and self._thread.is_alive()
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
-        """Block until nothing is pending (True) or ``timeout`` seconds pass (False)."""
+        """Block until nothing is pending and nothing is left to anticipate (True) or ``timeout``
+        seconds pass (False)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not self.window.pending_refs or self.window.closed:
+            if self.window.closed or not (self.window.pending_refs or self.window.anticipation_due):
                 return True
             if not self.running:
                 return False
@@ -86,13 +91,19 @@ class Healer:
         ctx = self.window.context
         while not self._stop.is_set():
             idle_s = time.monotonic() - ctx.last_foreground
-            if self.window.closed or not self.window.pending_refs or idle_s * 1000.0 < self.idle_ms or ctx.foreground_waiting():
+            win = self.window
+            work = not win.closed and (win.pending_refs or win.anticipation_due)
+            if not work or idle_s * 1000.0 < self.idle_ms or ctx.foreground_waiting():
                 self._stop.wait(self.poll_ms / 1000.0)
                 continue
             try:
                 with background(self._should_stop):
-                    self.window._heal_step()
-                self.steps += 1
+                    if win.pending_refs:
+                        win._heal_step()
+                        self.steps += 1
+                    else:  # each step one transaction: an interruption discards only the step in flight
+                        win._anticipate(None)
+                        self.anticipations += 1
             except Interrupted:
                 self.yielded += 1
             except Exception as exc:  # the step was one transaction: the window is unchanged

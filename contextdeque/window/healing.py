@@ -67,7 +67,8 @@ class WindowHealing:
             steps.append(self._heal_step())
         if not self._state.pending and (max_ms is None or (time.perf_counter() - t0) * 1000.0 < float(max_ms)):
             left = None if max_steps is None else int(max_steps) - len(steps)
-            steps.extend(self._anticipate(left))  # (window.anticipation; nothing unless anticipate=True)
+            deadline = None if max_ms is None else t0 + float(max_ms) / 1000.0
+            steps.extend(self._anticipate(left, deadline))  # (window.anticipation; nothing unless anticipate=True)
         return Receipt.merged("heal", steps, wall_ms=(time.perf_counter() - t0) * 1000.0)
 
     def _unhealed_evicted(self) -> list[ChunkRef]:

@@ -131,18 +131,21 @@ def window_index(ctx: Any, graph: Any, slots: Sequence[Any], entering: Any, at: 
     policy = ctx.placement
     if policy is None or type(policy) is ArrivalPlacement or getattr(entering, "provisional", False):
         return at  # (a provisional slot's KV was computed behind the whole window: it stays last)
+    from .kvstate import antecedent_states
     from .reconcile import patch_key_for
 
     by_key = {s.ref: s for s in slots}
     by_key[entering.ref] = entering
     ids_by_content: dict[str, Any] = {s.chunk.id: s.chunk for s in by_key.values()}
+    # residents keep their relative order, hence their KV: a prefix of them is named by their states now
+    state_by_content = {s.chunk.id: st for s, st in zip(slots, antecedent_states(slots))}
 
     def has_patch(content: str, prefix: tuple[str, ...]) -> bool:
         chunk = ids_by_content.get(content)
-        if chunk is None:
+        if chunk is None or any(c not in state_by_content for c in prefix):
             return False
         ranks = ctx.formation_ranks(ctx.rank, chunk.n_tokens)
-        return ctx.store.has(patch_key_for(ctx, chunk, prefix, "exact", ranks))
+        return ctx.store.has(patch_key_for(ctx, chunk, [state_by_content[c] for c in prefix], "exact", ranks))
 
     resident = {s.ref for s in slots}
     view = PlacementView(

@@ -18,6 +18,7 @@ from ..patch.rank import FULL, is_full
 from ..core.cooperative import checkpoint
 from .context import WindowContext
 from .graph import Cascade
+from .kvstate import antecedent_states
 from .policy import CLEAR, KEEP, Decision, PatchPolicy
 from .receipt import Meter
 from .ref import ChunkRef
@@ -40,15 +41,19 @@ def place(ctx: WindowContext, slot: Slot, start: int, stack: tuple[Conditioning,
 
 
 def patch_store_key(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], kind: str, ranks: tuple[int, int]) -> str:
-    """Store key of the ``kind`` patch for ``slot`` on ``prefix`` (see :func:`patch_key_for`)."""
-    return patch_key_for(ctx, slot.chunk, [s.chunk.id for s in prefix], kind, ranks, [p.id for p in slot.patches])
+    """Store key of the ``kind`` patch for ``slot`` on ``prefix``: named by the prefix's KV states
+    (``window.kvstate``), so it is valid exactly behind the KV it was formed on (see
+    :func:`patch_key_for`)."""
+    states = antecedent_states(prefix, ordered=PATCH_KINDS[kind].ordered)
+    return patch_key_for(ctx, slot.chunk, states, kind, ranks, [p.id for p in slot.patches])
 
 
-def patch_key_for(ctx: WindowContext, chunk, prefix_ids: Sequence[str], kind: str, ranks: tuple[int, int],
+def patch_key_for(ctx: WindowContext, chunk, prefix_states: Sequence[str], kind: str, ranks: tuple[int, int],
                   base_ids: Sequence[str] = ()) -> str:
-    """Store key of the ``kind`` patch of ``chunk`` on the antecedents ``prefix_ids``.
+    """Store key of the ``kind`` patch of ``chunk`` on the antecedent states ``prefix_states``
+    (``window.kvstate.antecedent_states``).
 
-    The signature (``patch.keys.patch_signature``) covers the antecedent chunk ids as the kind
+    The signature (``patch.keys.patch_signature``) covers the antecedent states as the kind
     orders them, what the kind adds for the patches it is stacked on (``base_ids``), and the
     window's formation context: the policy's regime and, under a fidelity target, the rule's
     parts (energy, byte cap, ``on_miss``). Exact and recall patches measure the same thing (one
@@ -58,7 +63,7 @@ def patch_key_for(ctx: WindowContext, chunk, prefix_ids: Sequence[str], kind: st
     rule = ctx.fidelity_rule
     if rule is not None:
         context += rule.key_parts()
-    sig = patch_signature(kind, prefix_ids, base_ids=base_ids, context=context)
+    sig = patch_signature(kind, prefix_states, base_ids=base_ids, context=context)
     return WindowStore.patch_key(chunk, sig, PATCH_KINDS[kind].store_kind(), ranks)
 
 

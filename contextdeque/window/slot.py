@@ -22,6 +22,7 @@ from ..core.layout import KVLayout
 from ..core.kv import LayerKV
 from ..core.operator import relocate
 from ..patch import PATCH_KINDS, Patch
+from ..patch.keys import kv_state
 from .ref import ChunkRef
 
 # (antecedent ref, that antecedent's version when the patch was formed)
@@ -133,6 +134,13 @@ class Slot:
         """Identity of the slot's content KV (canonical + stack), independent of position."""
         inline = [("inline", tuple((r.key, v) for r, v in self.inline_on))] if self.inline_on else []
         return digest(self.chunk.id, [c.describe() for c in self.stack] + inline)[:16]
+
+    @cached_property
+    def state(self) -> str:
+        """Content-addressed name of the slot's KV state (``patch.keys.kv_state``): its chunk and
+        the store keys of its stack, independent of refs and windows. A provisional slot's state
+        depends on what is in front of it: ``window.kvstate.slot_state``."""
+        return kv_state(self.chunk.id, [c.key or c.patch.id for c in self.stack])
 
     @cached_property
     def conditioned_on(self) -> tuple[Tag, ...]:

@@ -43,6 +43,7 @@ from ..patch.alloc import DEFAULT_ON_MISS
 from .config import DEFAULT_MAX_EVICTED, DEFAULT_RANK, WindowConfig
 from .context import WindowContext
 from .anticipation import WindowAnticipation
+from .anticipate_reorder import note_reorder
 from .healing import WindowHealing
 from .introspection import WindowIntrospection
 from .lifecycle import WindowLifecycle
@@ -555,6 +556,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             slots = [by_ref[r] for r in refs]
             reasons = {r: "reorder" for r in refs}
             state.slots, _ = reconcile(self._ctx, slots, reasons, meter)
+            note_reorder(self._ctx, current, refs)  # (reorder anticipation learns from these)
             return {"refs": tuple(refs)}, None
 
         return self._run("reorder", body)[0]

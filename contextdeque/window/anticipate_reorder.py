@@ -1,0 +1,162 @@
+"""Reorder anticipation: in idle time, form the patches the likely next reorders of the current set
+need (the seed paper's orbit lane: a reorder of a cached set served by stored patches), so that
+such a reorder runs no forward on the critical path and equals the eager policy's window.
+
+Which orderings to prepare is priced per candidate:
+
+- **probability** ``p``: an order the agent named (:meth:`~.anticipation.WindowAnticipation.expect_order`)
+  is certain; otherwise the prior of its shape (:data:`REORDER_PRIORS`: the reverse, a swap of
+  neighbours, one chunk moved to the end — a relevant page next to the question —, or to the front)
+  mixed with this window family's own reorders so far (``WindowContext.reorders_seen``, index
+  permutations with counts; :data:`PRIOR_WEIGHT` pseudo-counts of prior);
+- **cost**: the conditioned forwards the eager policy would form for it (:func:`estimated_cost`:
+  a fresh exact patch is one forward; an orbit patch, for a slot whose antecedent *set* is
+  unchanged, one per ordering averaged) and their tokens;
+- **benefit**: ``p`` x the tokens that would otherwise be served blind or stale (every slot whose
+  conditioning the reorder invalidates, but the front one: its canonical is exact and free).
+
+Candidates run in order of benefit per token formed, at most :data:`ANTICIPATED_REORDERS` per idle
+period, each one transaction that only reads the window: the reorder is simulated on a copy of
+the state with the eager policy's decisions (``reconcile``), and what it forms goes to the store
+under the usual keys (which name the antecedents' states, ``window.kvstate``). A reorder that
+lands in exactly that arrangement finds every patch; another finds what it shares with it (an
+orbit patch serves every ordering of its set of settled antecedents).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Sequence
+
+from .policy_latency import HealPolicy
+from .receipt import Meter
+from .reconcile import reconcile
+from .ref import ChunkRef
+from .slot import Slot
+from .state import WindowState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .context import WindowContext
+    from .window import ContextWindow
+
+ANTICIPATED_REORDERS = 4
+"""Reorder arrangements prepared per idle period (the most valuable first)."""
+
+MAX_PRIOR_SLOTS = 12
+"""Windows of more slots get no prior candidates (hints and the family's own reorders only)."""
+
+REORDER_PRIORS = {"reverse": 0.25, "swap": 0.25, "to-end": 0.3, "to-front": 0.2}
+"""Prior probability mass of each reorder shape (spread evenly over its members): the reverse
+(newest first), a swap of two neighbours (a re-rank), one chunk moved to the end (next to the
+question: the doc trace's relevant page) or to the front."""
+
+PRIOR_WEIGHT = 4.0
+"""Pseudo-counts of the prior against the family's observed reorders."""
+
+Perm = tuple[int, ...]
+
+
+def note_reorder(ctx: "WindowContext", before: Sequence[ChunkRef], after: Sequence[ChunkRef]) -> None:
+    """Count the reorder ``before`` -> ``after`` (an index permutation) in the family's statistics."""
+    index = {r: i for i, r in enumerate(before)}
+    perm = tuple(index[r] for r in after)
+    if perm != tuple(range(len(perm))):
+        ctx.reorders_seen[perm] += 1
+
+
+def prior_orders(n: int) -> dict[Perm, float]:
+    """The prior over index permutations of ``n`` slots (see :data:`REORDER_PRIORS`); the
+    identity is left out (it costs nothing)."""
+    if n < 2 or n > MAX_PRIOR_SLOTS:
+        return {}
+    ident = list(range(n))
+    shapes: dict[str, list[Perm]] = {
+        "reverse": [tuple(reversed(ident))],
+        "swap": [tuple(ident[:i] + [i + 1, i] + ident[i + 2:]) for i in range(n - 1)],
+        "to-end": [tuple(ident[:i] + ident[i + 1:] + [i]) for i in range(n - 1)],
+        "to-front": [tuple([i] + ident[:i] + ident[i + 1:]) for i in range(1, n)],
+    }
+    out: dict[Perm, float] = {}
+    for shape, perms in shapes.items():
+        for p in perms:
+            if p != tuple(ident):
+                out[p] = out.get(p, 0.0) + REORDER_PRIORS[shape] / len(perms)
+    return out
+
+
+def order_probabilities(ctx: "WindowContext", n: int) -> dict[Perm, float]:
+    """``perm -> p``: the prior mixed with the family's observed reorders of ``n`` slots."""
+    prior = prior_orders(n)
+    seen = {p: c for p, c in ctx.reorders_seen.items() if len(p) == n}
+    total = sum(seen.values())
+    out = {p: PRIOR_WEIGHT * q / (total + PRIOR_WEIGHT) for p, q in prior.items()}
+    for p, c in seen.items():
+        out[p] = out.get(p, 0.0) + c / (total + PRIOR_WEIGHT)
+    return out
+
+
+def estimated_cost(slots: Sequence[Slot], eager: object) -> tuple[int, int, int] | None:
+    """``(forwards, tokens formed, tokens fixed)`` the eager policy would spend on ``slots`` (the
+    window in its new order), without running anything: a slot whose antecedents (by id, in
+    order) are unchanged and all in front of it unchanged keeps its KV; the front slot takes its
+    canonical; any other takes an orbit patch (its antecedent set unchanged, within the policy's
+    orbit limits) or an exact one. None when a provisional slot would move (latency-first new
+    content with no canonical: a reorder re-forwards it on heal, nothing can be prepared)."""
+    orbit_max = int(getattr(eager, "orbit_max_antecedents", 0)) if getattr(eager, "reorder", "orbit") == "orbit" else 0
+    max_orderings = int(getattr(eager, "max_orderings", 1))
+    forwards = formed = fixed = 0
+    changed_in_front = False
+    for i, slot in enumerate(slots):
+        before = tuple(s.ref for s in slots[:i])
+        carried = tuple(r for r, _ in slot.conditioned_on)
+        if carried == before and not changed_in_front:
+            continue
+        if slot.provisional:
+            return None
+        changed_in_front = True
+        if not before:
+            continue  # the canonical: exact at the front, free
+        same_set = sorted(r.chunk_id for r in carried) == sorted(r.chunk_id for r in before)
+        n = min(math.factorial(len(before)), max_orderings) if same_set and len(before) <= orbit_max else 1
+        forwards += n
+        formed += n * slot.n_tokens
+        fixed += slot.n_tokens
+    return forwards, formed, fixed
+
+
+def reorder_candidates(win: "ContextWindow", state: WindowState) -> list[list[ChunkRef]]:
+    """The orders worth preparing, most valuable first (see the module doc), at most
+    :data:`ANTICIPATED_REORDERS`."""
+    ctx = win._ctx
+    eager = getattr(ctx.policy, "eager", ctx.policy)
+    refs = list(state.refs)
+    probs = order_probabilities(ctx, len(refs))
+    for order in win.expected_orders:
+        if sorted(order, key=lambda r: r.key) == sorted(refs, key=lambda r: r.key):
+            probs[tuple(refs.index(r) for r in order)] = 1.0
+    scored: list[tuple[float, int, Perm]] = []
+    for i, (perm, p) in enumerate(probs.items()):
+        cost = estimated_cost([state.slots[j] for j in perm], eager)
+        if cost is None or not cost[0]:
+            continue  # nothing to form (or nothing can be)
+        _, formed, fixed = cost
+        scored.append((p * fixed / max(formed, 1), -i, perm))
+    scored.sort(reverse=True)
+    return [[refs[j] for j in perm] for _, _, perm in scored[:ANTICIPATED_REORDERS]]
+
+
+def anticipate_reorder(win: "ContextWindow", state: WindowState, order: Sequence[ChunkRef], meter: Meter) -> bool:
+    """Form and store the patches ``reorder(order)`` would need now (the eager policy's decisions
+    on a simulated copy; the state is only read). Returns whether anything was formed."""
+    ctx = win._ctx
+    if list(state.refs) == list(order) or sorted(state.refs, key=lambda r: r.key) != sorted(order, key=lambda r: r.key):
+        return False  # the window moved on since the order was planned
+    by_ref = {s.ref: s for s in state.slots}
+    slots = [by_ref[r] for r in order]
+    eager = getattr(ctx.policy, "eager", ctx.policy)
+    before = meter.patches_formed
+    placed, _ = reconcile(ctx, slots, {r: "reorder" for r in order}, meter, policy=HealPolicy(eager))
+    for new, old in zip(placed, slots):
+        if new.stack is not old.stack:
+            ctx.anticipated_keys.update(cond.key for cond in new.stack if cond.key)
+    return meter.patches_formed > before

@@ -1,0 +1,177 @@
+"""Reorder anticipation (window.anticipate_reorder), the idle healer's anticipation, and patch keys
+that name the antecedents' KV states (window.kvstate): what idle time prepares is served exactly
+where the KV in front of a chunk is the KV it was formed on, runs no forward on the critical
+path and equals the eager policy's window."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from helpers import micro_llama
+
+from contextdeque.core import compat
+from contextdeque.core.errors import WindowError
+from contextdeque.core.metrics import kl_divergence
+from contextdeque.model.hf import HFBackend
+from contextdeque.patch import form_patch
+from contextdeque.window import ContextWindow
+from contextdeque.window.anticipate_reorder import estimated_cost, order_probabilities, prior_orders
+
+POOL = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15], [20, 21, 22, 23], [30, 31, 32, 33, 34, 35, 36], [40, 41, 42]]
+QUERY = [50, 51, 52]
+
+
+@pytest.fixture(scope="module")
+def backend(one_thread):
+    return HFBackend(micro_llama(11), None, root_ids=[1, 3], name="tiny-reorder-llama")
+
+
+def answer_logits(backend: HFBackend, win: ContextWindow) -> torch.Tensor:
+    cache = win.materialize()
+    past = [tuple(t[0] for t in compat.cache_layer(cache, l)) for l in range(compat.cache_num_layers(cache))]
+    start = win.next_position()
+    return backend.forward(input_ids=QUERY, positions=backend.text_positions(start, len(QUERY)), past=past).logits[-1]
+
+
+def build(backend, policy, *, anticipate, budget=22):
+    """Five known pages through a budget of four (the first slides out), healed after each."""
+    win = ContextWindow(backend, budget_tokens=budget, rank=2, patch_policy=policy, anticipate=anticipate)
+    refs = []
+    for p in POOL:
+        refs.append(win.append(chunk=backend.encode(token_ids=p)))
+        win.heal()
+    return win, refs
+
+
+def served_patches_are_exact(backend, win) -> None:
+    """Every patch a slot carries equals the one formed now on the KV in front of it (what a
+    state-exact key guarantees for a store hit)."""
+    slots = [win.slot(r) for r in win.refs]
+    for i, slot in enumerate(slots):
+        for cond in slot.stack:
+            if cond.formed_on != tuple((s.ref, s.version) for s in slots[:i]):
+                continue  # a survivor's kept conditioning (formed on a context that changed): not a hit
+            p = cond.patch
+            fresh = form_patch(backend, win.chunk(slot.ref), antecedents=[(s.chunk, list(s.patches)) for s in slots[:i]],
+                               rank=p.rank_k, rank_v=p.rank_v, kind=p.kind)
+            for layer in p.layers:
+                for got, want in zip(p.layer_delta(layer), fresh.layer_delta(layer)):
+                    assert torch.allclose(got, want, atol=1e-5, rtol=0), f"#{slot.ref.key}: a patch formed on other antecedent states"
+
+
+def test_an_anticipation_is_not_served_behind_antecedents_in_another_state(backend):
+    """A fork anticipated the recall of the page that slid out on its healed pages; a sibling holds
+    the same pages (same chunk ids, same order) but one of them in another state (evicted and
+    recalled, served blind while unhealed). The recall there must not get the anticipated patch:
+    its key names the antecedents' states (keyed by chunk ids it was served, formed on KV the
+    sibling does not hold)."""
+    win, refs = build(backend, "latency", anticipate=True)
+    sibling = win.fork()
+    sibling.evict(refs[3])
+    sibling.recall(refs[3], at=2)  # same place, but blind until healed
+    assert refs[3] in sibling.pending_refs
+    r = sibling.recall(refs[0])
+    assert "anticipated" not in {what for _, what in r.served}
+    served_patches_are_exact(backend, sibling)
+    r = win.recall(refs[0])  # where the anticipation was formed it is served
+    assert r.forwards == 0 and r.served and all(what == "anticipated" for _, what in r.served)
+    served_patches_are_exact(backend, win)
+
+
+ORDERS = {
+    "reverse": lambda refs: list(reversed(refs)),
+    "swap-front": lambda refs: [refs[1], refs[0], *refs[2:]],
+    "to-end": lambda refs: [*refs[1:], refs[0]],
+    "middle-swap": lambda refs: [refs[0], refs[2], refs[1], refs[3]],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ORDERS))
+def test_an_expected_reorder_runs_no_forward_and_equals_eager(backend, name):
+    eager, _ = build(backend, "eager", anticipate=False)
+    fast, _ = build(backend, "latency", anticipate=True)
+    fast.expect_order(ORDERS[name](list(fast.refs)))
+    fast.heal()
+    r_eager = eager.reorder(ORDERS[name](list(eager.refs)))
+    r_fast = fast.fork().reorder(ORDERS[name](list(fast.refs)))  # (a fork: the store is shared)
+    assert r_eager.forwards > 0
+    assert r_fast.forwards == 0 and not r_fast.deferred
+    assert r_fast.served and all(what == "anticipated" for _, what in r_fast.served)
+
+
+def test_reorder_anticipation_heals_to_the_eager_window(backend):
+    """The reorder the prior ranks first (the reverse) is prepared with no hint; served from the
+    store, the window equals the eager policy's (KL <= 1e-6)."""
+    eager, _ = build(backend, "eager", anticipate=False)
+    fast, _ = build(backend, "latency", anticipate=True)
+    r_eager = eager.reorder(list(reversed(eager.refs)))
+    r_fast = fast.reorder(list(reversed(fast.refs)))
+    assert r_eager.forwards > 0 and r_fast.forwards == 0 and not r_fast.deferred
+    assert kl_divergence(answer_logits(backend, eager), answer_logits(backend, fast)) <= 1e-6
+    assert fast.heal().forwards == 0 or kl_divergence(answer_logits(backend, eager), answer_logits(backend, fast)) <= 1e-6
+
+
+def test_without_anticipation_a_reorder_is_served_as_before(backend):
+    win, _ = build(backend, "latency", anticipate=False)
+    r = win.reorder(list(reversed(win.refs)))
+    assert r.forwards == 0 and r.deferred and "anticipated" not in {what for _, what in r.served}
+
+
+def test_probabilities_learn_from_the_family_and_hints_come_first(backend):
+    win, _ = build(backend, "latency", anticipate=False)
+    refs = list(win.refs)
+    swap_middle = (0, 2, 1, 3)
+    before = order_probabilities(win._ctx, 4)[swap_middle]
+    assert set(prior_orders(4)) >= {(3, 2, 1, 0), (1, 0, 2, 3), (1, 2, 3, 0)} and (0, 1, 2, 3) not in prior_orders(4)
+    assert abs(sum(prior_orders(4).values()) - 1.0) < 1e-9
+    child = win.fork()
+    child.reorder([refs[0], refs[2], refs[1], refs[3]])  # the family reorders so once
+    after = order_probabilities(win._ctx, 4)[swap_middle]
+    assert after > before and after == max(order_probabilities(win._ctx, 4).values())
+    with pytest.raises(WindowError):
+        win.expect_order(refs[:3])
+
+
+def test_cost_estimate_counts_the_eager_policys_forwards(backend):
+    for name, make in ORDERS.items():
+        eager, _ = build(backend, "eager", anticipate=False)  # (a store of its own: the estimate looks nothing up)
+        slots = [eager.slot(r) for r in make(list(eager.refs))]
+        forwards, formed, fixed = estimated_cost(slots, eager._ctx.policy)
+        r = eager.fork().reorder(make(list(eager.refs)))
+        assert forwards == r.forwards, name
+        assert fixed <= formed
+
+
+def test_the_idle_healer_anticipates(backend):
+    """Nothing queued: the healer runs the anticipation pass heal() would, in the background; the
+    recall of the page that left then runs no forward and is served what anticipation stored."""
+    win = ContextWindow(backend, budget_tokens=22, rank=2, patch_policy="latency", anticipate=True)
+    refs = [win.append(chunk=backend.encode(token_ids=p)) for p in POOL]
+    with win.start_healing(idle_ms=0) as healer:
+        assert healer.wait_idle(timeout=120)
+    assert healer.anticipations >= 1 and not healer.errors and not win.anticipation_due
+    r = win.recall(refs[0])
+    assert r.forwards == 0 and not r.deferred and all(what == "anticipated" for _, what in r.served)
+
+
+def test_a_foreground_step_interrupts_the_healers_anticipation_cleanly(backend):
+    """Foreground steps arrive while the healer anticipates: each runs on a whole window (the
+    healer's step in flight is abandoned, never half-installed) and the window ends equal to the
+    eager one's after heal."""
+    eager, e_refs = build(backend, "eager", anticipate=False)
+    win = ContextWindow(backend, budget_tokens=22, rank=2, patch_policy="latency", anticipate=True)
+    refs = [win.append(chunk=backend.encode(token_ids=p)) for p in POOL]
+    with win.start_healing(idle_ms=0) as healer:
+        for i in range(6):
+            time.sleep(0.01 * i)
+            win.materialize()
+        win.reorder(list(reversed(win.refs)))
+        eager.reorder(list(reversed(eager.refs)))
+        assert healer.wait_idle(timeout=120)
+    assert not healer.errors
+    win.heal()
+    eager.heal()
+    assert kl_divergence(answer_logits(backend, eager), answer_logits(backend, win)) <= 1e-6
+    served_patches_are_exact(backend, win)
