@@ -205,10 +205,16 @@ class AgentRun:
         self.idle_heals: list[Receipt] = []  # heal() receipts of the idle time between steps
 
     # ------------------------------------------------------------------ steps
-    def begin(self, op: str, detail: str = "") -> Step:
+    def begin(self, op: str, detail: str = "", *, ahead: Sequence[Sequence[int]] = ()) -> Step:
+        """Open a step. Before it, in the idle time between steps, the window heals
+        (``heal_between_steps``) and, for ``ahead`` (token ids of new content the step will
+        append, e.g. the next page of a document being read), reads it ahead (:meth:`read_ahead`)."""
         if self._step is not None:
             raise WindowError("a step is already open")
         healed = self._heal()
+        if ahead and self.config.anticipate:
+            ready = self.read_ahead(ahead)
+            healed = ready if healed is None else Receipt.merged("heal", [healed, ready])
         self._step = Step(index=len(self.steps) + 1, op=op, detail=detail)
         if healed is not None:
             self._step.idle_forwards, self._step.idle_tokens = healed.forwards, healed.tokens_prefilled
@@ -224,6 +230,34 @@ class AgentRun:
             return None
         self.idle_heals.append(healed)
         return healed
+
+    def read_ahead(self, contents: Sequence[Sequence[int]]) -> Receipt:
+        """New content the next step appends, known before it (a document's next page): in idle
+        time, encode its canonical and rehearse the appends on a fork of the window, healed
+        there, so the patches the eager policy gives the content where it will land (and to the
+        chunks the budget's slide leaves behind) are in the shared store; the fork is discarded.
+        The step's ``append(token_ids=...)`` of the same content in the same window then finds
+        the canonical and those patches and runs no forward (each key names the exact KV states
+        in front of it: a different window misses and runs as usual). Recorded in
+        ``idle_heals``; returns the work as one receipt (``op="read-ahead"``)."""
+        t0 = time.perf_counter()
+        work: list[Receipt] = []
+        fork = self.window.fork()
+        try:
+            for ids in contents:
+                chunk = self.backend.encode(token_ids=list(ids))
+                work.append(Receipt("encode", forwards=1, tokens_prefilled=len(ids), encodes=1))
+                work.append(fork.append(chunk=chunk).receipt)  # type: ignore[arg-type]
+            while fork.pending_refs:  # the eager policy's patches, one heal step at a time (no anticipation)
+                healed = fork.heal(max_steps=1)
+                work.append(healed)
+                if not healed.refs:
+                    break
+        finally:
+            fork.discard()
+        ready = Receipt.merged("read-ahead", work, wall_ms=(time.perf_counter() - t0) * 1000.0)
+        self.idle_heals.append(ready)
+        return ready
 
     def idle(self, why: str) -> Receipt | None:
         """An idle moment inside the open step (``why``: what the agent waits on, e.g. a page
@@ -409,6 +443,7 @@ class AgentRun:
             # chunks read once vs re-read (a recall): a first read costs the same in every scheme
             "appended": sum(1 for s in self.steps for r in s.receipts if r.op == "append"),
             "recalled": sum(len(r.refs) for s in self.steps for r in s.receipts if r.op == "recall"),
+            "rereads": self.rereads(),
             "answers": [{"question": s.question, "answer": s.answer, "kl": s.kl} for s in queries if not s.choice],
             "question_kl": [s.kl for s in queries if not s.choice and s.kl is not None],
             "window_budget_tokens": self.config.budget_tokens,
@@ -416,6 +451,21 @@ class AgentRun:
             "rank": self.config.rank,
         }
         return out
+
+    def rereads(self) -> dict[str, Any]:
+        """How the run's re-reads (recalls) were served: ``recalls`` (chunks), ``forwards`` run
+        on the critical path by the recall operations, and ``served``: per chunk the recall
+        re-instated, what it got (``Receipt.served``: ``anticipated`` / ``stored`` — prepared
+        before the step —, ``fresh`` — formed in the step —, ``stale``, ``blind``, ...)."""
+        recalls = [r for s in self.steps for r in s.receipts if r.op == "recall"]
+        served: dict[str, int] = {}
+        for r in recalls:
+            what = dict(r.served)
+            for ref in r.refs:
+                key = what.get(ref, "canonical")  # nothing in front: its canonical, exact
+                served[key] = served.get(key, 0) + 1
+        return {"recalls": sum(len(r.refs) for r in recalls), "forwards": sum(r.forwards for r in recalls),
+                "served": served}
 
     def write_trace(self, path: str | Path) -> Path:
         """Write the recorded trace (validated whole first, as replay reads it)."""

@@ -6,7 +6,9 @@ Coarse to fine:
    is asked** whether it helps with the questions (yes / no from its next-token logits: a model
    call per page, as an agent reading a document makes). The window is smaller than the
    document, so the oldest pages slide out as it fills (survivors only re-rotate); every page
-   stays recallable.
+   stays recallable. The next page is known before its step: it is read ahead in the idle time
+   before it (``AgentRun.read_ahead``: its canonical and the patches it gets where it will land),
+   so the step itself runs only the question's forward.
 2. **filter** — for each question the pages are ranked (the scripted part: an idf-weighted
    word-overlap score, weighted up where the model said yes, ties broken by the seed) and the
    top ``pages_per_question`` are chosen.
@@ -250,7 +252,7 @@ class DocAgent:
         judge = "Does this page help answer any of these questions? " + " ".join(questions) + " Answer yes or no."
         votes: dict[str, bool] = {}
         for p in pages:  # skim: the model reads every page once and says whether it matters
-            run.begin("read", p.label)
+            run.begin("read", p.label, ahead=[p.token_ids])  # read ahead in the idle time before the step
             run.append(p.label, token_ids=list(p.token_ids), content_key=chunk_hash(p.text))
             if self.judge_pages:
                 votes[p.label] = run.ask(judge, choices=("yes", "no")).answer == "yes"

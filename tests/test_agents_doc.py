@@ -59,6 +59,10 @@ def test_doc_agent_on_a_tiny_model(chat_backend, tmp_path, capsys, one_thread, m
     assert recalled and set(recalled) <= {ref for group, _ in expected for ref in group}
     assert_rereads_anticipated(run.steps, "query")
     assert all(s.forwards == 1 for s in run.steps if s.op == "query")
+    # each page was read ahead in the idle time before its step: the step's append ran no forward
+    reads = [s for s in run.steps if s.op == "read"]
+    assert all(s.forwards == 1 and s.idle_forwards >= 1 for s in reads)
+    assert all(r.forwards == 0 and not r.deferred for s in reads for r in s.receipts if r.op == "append")
     drops = [s for s in run.steps if s.op == "drop"]
     assert drops and all(any(r.op == "is_disposable" for r in s.receipts) for s in drops)  # the model decided
     path = run.write_trace(tmp_path / "doc.jsonl")
