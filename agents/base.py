@@ -205,15 +205,17 @@ class AgentRun:
         self.idle_heals: list[Receipt] = []  # heal() receipts of the idle time between steps
 
     # ------------------------------------------------------------------ steps
-    def begin(self, op: str, detail: str = "", *, ahead: Sequence[Sequence[int]] = ()) -> Step:
+    def begin(self, op: str, detail: str = "", *, ahead: Sequence[dict[str, Any]] = (),
+              leaving: Sequence[str] = ()) -> Step:
         """Open a step. Before it, in the idle time between steps, the window heals
-        (``heal_between_steps``) and, for ``ahead`` (token ids of new content the step will
-        append, e.g. the next page of a document being read), reads it ahead (:meth:`read_ahead`)."""
+        (``heal_between_steps``) and, for ``ahead`` (``append`` arguments of new content the step
+        will append after evicting ``leaving``: a document's next page, a video's next segment),
+        reads it ahead (:meth:`read_ahead`)."""
         if self._step is not None:
             raise WindowError("a step is already open")
         healed = self._heal()
         if ahead and self.config.anticipate:
-            ready = self.read_ahead(ahead)
+            ready = self.read_ahead(ahead, leaving)
             healed = ready if healed is None else Receipt.merged("heal", [healed, ready])
         self._step = Step(index=len(self.steps) + 1, op=op, detail=detail)
         if healed is not None:
@@ -231,22 +233,25 @@ class AgentRun:
         self.idle_heals.append(healed)
         return healed
 
-    def read_ahead(self, contents: Sequence[Sequence[int]]) -> Receipt:
-        """New content the next step appends, known before it (a document's next page): in idle
-        time, encode its canonical and rehearse the appends on a fork of the window, healed
-        there, so the patches the eager policy gives the content where it will land (and to the
-        chunks the budget's slide leaves behind) are in the shared store; the fork is discarded.
-        The step's ``append(token_ids=...)`` of the same content in the same window then finds
-        the canonical and those patches and runs no forward (each key names the exact KV states
-        in front of it: a different window misses and runs as usual). Recorded in
+    def read_ahead(self, contents: Sequence[dict[str, Any]], leaving: Sequence[str] = ()) -> Receipt:
+        """New content the next step appends, known before it (a document's next page, a video's
+        next segment): in idle time, encode its canonicals and rehearse the step on a fork of the
+        window (evict ``leaving``, append ``contents``: ``append`` arguments with ``token_ids`` or
+        ``embeds``), healed there, so the patches the eager policy gives the content where it
+        will land (and to the chunks left behind by the evictions and the budget's slide) are in
+        the shared store; the fork is discarded. The step's same operations on the same window
+        then find the canonicals and those patches and run no forward (each key names the exact
+        KV states in front of it: a different arrangement misses and runs as usual). Recorded in
         ``idle_heals``; returns the work as one receipt (``op="read-ahead"``)."""
         t0 = time.perf_counter()
         work: list[Receipt] = []
         fork = self.window.fork()
         try:
-            for ids in contents:
-                chunk = self.backend.encode(token_ids=list(ids))
-                work.append(Receipt("encode", forwards=1, tokens_prefilled=len(ids), encodes=1))
+            for label in leaving:
+                work.append(fork.evict(self.ref_of[label]))
+            for content in contents:
+                chunk = self.backend.encode(**content)
+                work.append(Receipt("encode", forwards=1, tokens_prefilled=chunk.n_tokens, encodes=1))
                 work.append(fork.append(chunk=chunk).receipt)  # type: ignore[arg-type]
             while fork.pending_refs:  # the eager policy's patches, one heal step at a time (no anticipation)
                 healed = fork.heal(max_steps=1)

@@ -252,7 +252,7 @@ class DocAgent:
         judge = "Does this page help answer any of these questions? " + " ".join(questions) + " Answer yes or no."
         votes: dict[str, bool] = {}
         for p in pages:  # skim: the model reads every page once and says whether it matters
-            run.begin("read", p.label, ahead=[p.token_ids])  # read ahead in the idle time before the step
+            run.begin("read", p.label, ahead=[{"token_ids": list(p.token_ids)}])  # read ahead in the idle time before it
             run.append(p.label, token_ids=list(p.token_ids), content_key=chunk_hash(p.text))
             if self.judge_pages:
                 votes[p.label] = run.ask(judge, choices=("yes", "no")).answer == "yes"

@@ -81,6 +81,14 @@ def test_video_agent_on_a_tiny_model(chat_backend, clip, tmp_path, capsys, one_t
     assert [len(group) for group, _ in expected] == [1 + agent.frames_per_segment] * len(backs)
     assert_rereads_anticipated(backs, "look-back")
     assert all(s.forwards == 1 for s in backs)
+    # a new segment's frames arrive before its step and are read ahead then: its appends (and the
+    # evictions that make room) run no forward in the step; each appended chunk is served what
+    # the read-ahead prepared (its canonical at the front, else a stored patch), none deferred
+    watches = [s for s in agent.run.steps if s.op == "watch"]
+    assert all(s.forwards == 1 and s.idle_forwards > 0 for s in watches)
+    for r in (r for s in watches for r in s.receipts if r.op == "append"):
+        assert r.forwards == 0 and r.encodes == 0
+        assert r.refs[0] not in {ref for ref, _, _ in r.deferred}
     assert summary["image_path"] == "emulated" and summary["segments"] == 4
     assert summary["tower_calls"] == summary["frames"]  # one projection per frame, none on recall
     trace = read_trace(agent.run.write_trace(tmp_path / "video.jsonl"))
