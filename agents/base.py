@@ -286,6 +286,12 @@ class AgentRun:
         if refs and self.config.anticipate:
             self.window.expect(refs, at=at)
 
+    def expect_order(self, labels: Sequence[str]) -> None:
+        """Say that the next step reorders the window to ``labels`` (all of its chunks): the
+        window prepares that reorder in the next idle time (``window.expect_order``)."""
+        if self.config.anticipate:
+            self.window.expect_order([self.ref_of[lab] for lab in labels])
+
     def end(self) -> Step:
         st = self._need_step()
         if st.question is None:

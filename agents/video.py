@@ -36,6 +36,8 @@ makes the yes/no comparison):
    critical path;
 3. **compare**: the window is ``reorder``-ed so the looked-back segment sits right before the
    current one (chronological order), and the model says whether the two show the same scene.
+   The agent names that order before the step (``window.expect_order``): the idle time before
+   it prepares the reorder's patches.
 
 Bad input — a missing or unreadable video (``MediaError``), an unreadable frame
 (``MediaError`` / ``MediaTypeError``), a frame in an unsupported mode (``UnsupportedMediaError``),
@@ -321,13 +323,16 @@ class VideoAgent:
         self._show_and_ask("look-back", f"segment {old.index} (recalled)", old, cur.index,
                            f"Looking back at segment {old.index}: what was shown there? Answer in one sentence.")
         # compare: the looked-back segment right before the current one, in chronological order
+        # (said before the step, so the idle time before it prepares that reorder)
         before = self._tower()
-        st = run.begin("compare", f"segments {old.index} and {cur.index} side by side")
         by_index = {s.index: s for s in self.segments}
         pair = {old.index, cur.index}
         rest = [lab for i in self._resident if i not in pair for lab, *_ in self.segment_pieces(by_index[i])]
         side = [lab for i in sorted(pair) for lab, *_ in self.segment_pieces(by_index[i])]
         order = [lab for lab in run.labels if lab not in set(rest) | set(side)] + rest + side
+        if order != run.labels:
+            run.expect_order(order)
+        st = run.begin("compare", f"segments {old.index} and {cur.index} side by side")
         if order != run.labels:
             run.reorder(order)
             st.notes.append(f"reordered: segment {old.index} right before segment {cur.index}")

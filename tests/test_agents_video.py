@@ -86,6 +86,10 @@ def test_video_agent_on_a_tiny_model(chat_backend, clip, tmp_path, capsys, one_t
     # the read-ahead prepared (its canonical at the front, else a stored patch), none deferred
     watches = [s for s in agent.run.steps if s.op == "watch"]
     assert all(s.forwards == 1 and s.idle_forwards > 0 for s in watches)
+    compares = [r for s in agent.run.steps if s.op == "compare" for r in s.receipts if r.op == "reorder"]
+    # the compare's order was named before its step (expect_order): the reorder finds it prepared
+    assert compares and all(r.forwards == 0 and not r.deferred for r in compares)
+    assert all(r.served and {what for _, what in r.served} <= {"anticipated", "stored"} for r in compares)
     for r in (r for s in watches for r in s.receipts if r.op == "append"):
         assert r.forwards == 0 and r.encodes == 0
         assert r.refs[0] not in {ref for ref, _, _ in r.deferred}
