@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from contextdeque.cli.demo import render_report
+from contextdeque.cli.demo import QUESTION_KL, render_report
 
 DATA = Path(__file__).resolve().parent / "data"
 SNAPSHOT = DATA / "demo_doc_80.txt"
@@ -73,7 +73,11 @@ def test_one_verdict_line_and_no_raw_ttft_lists(monkeypatch) -> None:
     flat = " ".join(text.split())
     assert text.count("verdict:") == 1 and "[" not in text.split("summary")[-1]
     verdict = flat.split("verdict: ")[1]
-    assert verdict.startswith(f"{rec['ttft_speedup_median']:.2f}x faster to first token")
+    qkl = [r["kl"] for r in rec["rows"] if r["question"] is not None and not r["choice"]]
+    fresh = max(qkl) <= QUESTION_KL
+    assert verdict.startswith(("fresh and fast" if fresh else "fast but not fresh") + " (")
+    assert f"worst {max(qkl):.1e})" in verdict
+    assert f"{rec['ttft_speedup_median']:.2f}x faster to first token" in verdict
     assert f"{100 * rec['prefill_avoided_vs_reprefill']:.0f}% of its prefill tokens avoided" in verdict
     assert f"worst next-token KL {rec['kl_max']:.1e} nats" in verdict
     differ = rec["same_next_token"]["calls"] - rec["same_next_token"]["same"]
@@ -91,3 +95,22 @@ def test_why_lines_say_why_a_run_is_slower_or_saves_little(monkeypatch) -> None:
     between = sum(r["tokens"] for r in little["rows"] if r["question"] is None)
     assert (f"why little is saved: {little['queries']} model calls over {little['appended']} chunks read and only "
             f"{little['recalled']} re-read" in text and f"also paid {between:,} tokens in steps without one" in text)
+
+
+@pytest.mark.parametrize("agent", ["doc", "video", "web"])
+def test_fidelity_and_speed_side_by_side(agent: str, monkeypatch) -> None:
+    """The summary's side-by-side block: per question and over every call, worst / median KL
+    beside the median / slowest speed-up, from the rows; and how the re-reads were served."""
+    import statistics
+
+    rec = record(agent)
+    flat = " ".join(render(rec, monkeypatch).split("summary")[-1].split())
+    assert "fidelity and speed at answer time" in flat
+    calls = [r for r in rec["rows"] if r["question"] is not None]
+    kls = [r["kl"] for r in calls]
+    ups = [r["reprefill_ms"] / r["ms"] for r in calls]
+    assert (f"all calls ({len(calls)}) worst {max(kls):.1e}, median {statistics.median(kls):.1e} "
+            f"median {statistics.median(ups):.2f}x, slowest {min(ups):.2f}x") in flat
+    re = rec["rereads"]
+    if re["recalls"]:
+        assert f"re-reads ({re['recalls']})" in flat and f"{re['forwards']} forwards on the critical path" in flat
