@@ -71,3 +71,13 @@ def assert_rereads_anticipated(steps, op: str) -> list:
         assert {what for _, what in r.served} <= {"anticipated", "stored"}, r.served
     assert any(what == "anticipated" for r in recalls for _, what in r.served)
     return recalls
+
+
+def window_answer_logits(backend, win, query) -> torch.Tensor:
+    """The first answer token's logits for ``query`` (token ids) from the window's own KV."""
+    from contextdeque.core import compat
+
+    cache = win.materialize()
+    past = [tuple(t[0] for t in compat.cache_layer(cache, l)) for l in range(compat.cache_num_layers(cache))]
+    start = win.next_position()
+    return backend.forward(input_ids=query, positions=backend.text_positions(start, len(query)), past=past).logits[-1]

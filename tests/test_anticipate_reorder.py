@@ -9,9 +9,8 @@ import time
 
 import pytest
 import torch
-from helpers import micro_llama
+from helpers import micro_llama, window_answer_logits
 
-from contextdeque.core import compat
 from contextdeque.core.errors import WindowError
 from contextdeque.core.metrics import kl_divergence
 from contextdeque.model.hf import HFBackend
@@ -29,10 +28,7 @@ def backend(one_thread):
 
 
 def answer_logits(backend: HFBackend, win: ContextWindow) -> torch.Tensor:
-    cache = win.materialize()
-    past = [tuple(t[0] for t in compat.cache_layer(cache, l)) for l in range(compat.cache_num_layers(cache))]
-    start = win.next_position()
-    return backend.forward(input_ids=QUERY, positions=backend.text_positions(start, len(QUERY)), past=past).logits[-1]
+    return window_answer_logits(backend, win, QUERY)
 
 
 def build(backend, policy, *, anticipate, budget=22):

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import micro_llama
+from helpers import micro_llama, window_answer_logits
 
-from contextdeque.core import compat
 from contextdeque.core.errors import WindowError, WindowTypeError
 from contextdeque.core.metrics import kl_divergence
 from contextdeque.model.hf import HFBackend
@@ -26,17 +25,15 @@ def backend(one_thread):
 
 
 def answer_logits(backend: HFBackend, win: ContextWindow) -> torch.Tensor:
-    cache = win.materialize()
-    past = [tuple(t[0] for t in compat.cache_layer(cache, l)) for l in range(compat.cache_num_layers(cache))]
-    start = win.next_position()
-    return backend.forward(input_ids=QUERY, positions=backend.text_positions(start, len(QUERY)), past=past).logits[-1]
+    return window_answer_logits(backend, win, QUERY)
 
 
 def build(backend, policy, *, anticipate=False, provisional=False, budget=22):
     """Five pages through a budget of four (the first slides out), healed after each append:
     known content (canonicals exist) unless ``provisional`` (new content: latency-first appends
     it with one conditioned forward and no canonical)."""
-    win = ContextWindow(backend, budget_tokens=budget, rank=2, patch_policy=policy, anticipate=anticipate)
+    settings = {} if anticipate is None else {"anticipate": anticipate}  # None: the default
+    win = ContextWindow(backend, budget_tokens=budget, rank=2, patch_policy=policy, **settings)
     refs = []
     for p in POOL[:5]:
         refs.append(win.append(token_ids=p) if provisional else win.append(chunk=backend.encode(token_ids=p)))
@@ -69,17 +66,22 @@ def test_anticipated_step_runs_no_forward_and_equals_eager(backend, step):
 
 
 def test_anticipation_off_heals_as_before(backend):
-    """anticipate=False (the default): heal does only the queued work, the recall of the page
-    that left is served blind and deferred, as the latency policy serves it without anticipation."""
-    plain, refs_p = build(backend, "latency")
+    """anticipate=False: heal does only the queued work (no anticipation step, nothing formed
+    ahead), and the recall of the page that left is served blind and deferred, as the latency
+    policy serves it without anticipation; the window equals one built with heal's queued work
+    only (``max_steps`` bounded to it). On is the default: the same recall is served prepared."""
     off, refs_o = build(backend, "latency", anticipate=False)
+    queued, refs_q = build(backend, "latency", anticipate=False)
     assert not off._ctx.anticipated_keys and not any(r.op == "anticipate" for r in off.receipts)
-    r_plain, r_off = plain.recall(refs_p[0]), off.recall(refs_o[0])
-    assert r_off.forwards == r_plain.forwards == 0
-    assert r_off.deferred and [d[1:] for d in r_off.deferred] == [d[1:] for d in r_plain.deferred]
-    assert "anticipated" not in {what for _, what in r_off.served}
-    assert torch.equal(answer_logits(backend, plain), answer_logits(backend, off))
-    assert WindowConfig().anticipate is False
+    r_off, r_q = off.recall(refs_o[0]), queued.recall(refs_q[0])
+    assert r_off.forwards == r_q.forwards == 0
+    assert r_off.deferred and [d[1:] for d in r_off.deferred] == [d[1:] for d in r_q.deferred]
+    assert {what for _, what in r_off.served} <= {"blind", "stale"}
+    assert torch.equal(answer_logits(backend, queued), answer_logits(backend, off))
+    assert WindowConfig().anticipate is True
+    on, refs_on = build(backend, "latency", anticipate=None)  # the default
+    r_on = on.recall(refs_on[0])
+    assert r_on.forwards == 0 and not r_on.deferred and all(what == "anticipated" for _, what in r_on.served)
     with pytest.raises(WindowTypeError):
         WindowConfig(anticipate=1)
 

@@ -85,8 +85,9 @@ def test_one_verdict_line_and_no_raw_ttft_lists(monkeypatch) -> None:
 
 
 def test_why_lines_say_why_a_run_is_slower_or_saves_little(monkeypatch) -> None:
-    video = render(record("video"), monkeypatch)
-    assert record("video")["ttft_speedup_median"] < 1 and "why slower:" in video and "slower to first token" in video
+    slow = dict(record("video"), ttft_speedup_median=0.9)  # a run slower than a re-prefill says why
+    video = render(slow, monkeypatch)
+    assert "why slower:" in video and "slower to first token" in video
     doc = render(record("doc"), monkeypatch)
     assert "why slower:" not in doc and "why little is saved:" not in doc
     little = record("web")

@@ -48,11 +48,13 @@ def reprefill_logits(backend: HFBackend, win: ContextWindow) -> torch.Tensor:
     return backend.forward(input_ids=ids, positions=backend.text_positions(0, len(ids))).logits[-1]
 
 
-def build(backend, policy, rank=2, budget=17):
+def build(backend, policy, rank=2, budget=17, anticipate=False):
     """A window over content whose canonicals exist (appended as chunks): the latency-first
     policy then heals to exactly what the eager policy builds. (New content with no canonical
-    stays provisional: see the tests further down.)"""
-    win = ContextWindow(backend, budget_tokens=budget, rank=rank, patch_policy=policy)
+    stays provisional: see the tests further down.) ``anticipate=False``: the latency-first
+    policy as it is without anticipation (what these tests pin down; with it, see
+    test_anticipation*.py and ``test_reread_with_anticipation_heals_to_eager``)."""
+    win = ContextWindow(backend, budget_tokens=budget, rank=rank, patch_policy=policy, anticipate=anticipate)
     refs = []
     for p in POOL[:4]:  # the budget slides the first one out
         refs.append(win.append(chunk=backend.encode(token_ids=p)))
@@ -61,7 +63,7 @@ def build(backend, policy, rank=2, budget=17):
 
 
 def provisional_window(backend, n=4, rank=2):
-    win = ContextWindow(backend, rank=rank, patch_policy="latency")
+    win = ContextWindow(backend, rank=rank, patch_policy="latency", anticipate=False)
     refs = [win.append(token_ids=p) for p in POOL[:n]]
     win.heal()
     return win, refs
@@ -70,7 +72,7 @@ def provisional_window(backend, n=4, rank=2):
 def test_content_read_where_it_was_forwarded_never_needs_a_canonical(backend):
     """Appended content keeps the KV of its one conditioned forward: heal computes no canonical
     for it (only the front's, which is exact there), and the window equals a re-prefill."""
-    win = ContextWindow(backend, rank=2, patch_policy="latency")
+    win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=False)
     refs = [win.append(token_ids=p) for p in POOL[:4]]
     assert refs[0].receipt.encodes == 1  # nothing in front: its canonical
     assert all(r.receipt.forwards == 1 and r.receipt.encodes == 0 for r in refs[1:])  # a prefix cache's append
@@ -182,10 +184,28 @@ def test_reread_runs_no_forward_and_heals_to_eager(backend, op):
     assert kl_divergence(next_token_logits(backend, e_win), next_token_logits(backend, l_win)) <= 1e-6
 
 
+@pytest.mark.parametrize("op", REREADS, ids=lambda f: f.__name__[3:])
+def test_reread_with_anticipation_heals_to_eager(backend, op):
+    """Anticipation on (the default): the re-read still runs no forward on the critical path
+    (served what idle time prepared, else stale / blind and queued), and after heal the window
+    equals the eager policy's."""
+    eager, e_refs = build(backend, "eager")
+    lat, l_refs = build(backend, "latency", anticipate=True)
+    e_win, _ = op(eager, e_refs)
+    l_win, l_rc = op(lat, l_refs)
+    assert l_rc.forwards == 0 and l_rc.encodes == 0
+    assert {r for r, _, _ in l_rc.deferred} == set(l_win.pending_refs)
+    l_win.heal()
+    assert not l_win.pending_refs
+    for (k1, v1), (k2, v2) in zip(kv_of(e_win), kv_of(l_win)):
+        assert torch.allclose(k1, k2, atol=1e-6, rtol=0) and torch.allclose(v1, v2, atol=1e-6, rtol=0)
+    assert kl_divergence(next_token_logits(backend, e_win), next_token_logits(backend, l_win)) <= 1e-6
+
+
 def test_append_costs_one_forward_like_a_prefix_cache(backend):
     """New content: one conditioned forward (the window then equals a re-prefill), and healing
     leaves it so: no canonical, no patch, nothing to do."""
-    win = ContextWindow(backend, rank=2, patch_policy="latency")
+    win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=False)
     first = win.append(token_ids=POOL[0])
     assert first.receipt.encodes == 1  # nothing in front: the canonical (+ the root's forward, if first)
     ref = win.append(token_ids=POOL[1])
@@ -316,7 +336,7 @@ def test_latency_shared_heals_new_content_to_eager(backend, op):
     """``latency-shared`` computes every canonical while healing (the patch from the difference,
     no second forward): healed, a window of new content is the eager policy's, bit for bit."""
     def fresh(policy):
-        win = ContextWindow(backend, budget_tokens=17, rank=2, patch_policy=policy)
+        win = ContextWindow(backend, budget_tokens=17, rank=2, patch_policy=policy, anticipate=False)
         refs = []
         for p in POOL[:4]:
             refs.append(win.append(token_ids=p))

@@ -148,12 +148,15 @@ def make_machine(backend: HFBackend, pool: list[list[int]], policies: list[str],
             budget=st.integers(*budgets),
             rank=st.sampled_from([1, 2, 4]),
             initial=st.lists(st.integers(0, len(pool) - 1), min_size=1, max_size=4),
+            anticipate=st.booleans(),
         )
-        def start(self, policy, cascade, budget, rank, initial) -> None:
+        def start(self, policy, cascade, budget, rank, initial, anticipate) -> None:
             self.policy = policy
             self.budget = budget
+            self.anticipate = anticipate
             self.root = self.win = ContextWindow(
-                backend, budget_tokens=budget, rank=rank, patch_policy=policy, cascade_policy=cascade
+                backend, budget_tokens=budget, rank=rank, patch_policy=policy, cascade_policy=cascade,
+                anticipate=anticipate,
             )
             self.known[id(self.win)] = set()
             self.purged[id(self.win)] = set()
@@ -271,12 +274,17 @@ def make_machine(backend: HFBackend, pool: list[list[int]], policies: list[str],
         def heal(self, steps) -> None:
             pending = set(self.win.pending_refs)
             rc = self.win.heal(max_steps=steps)
-            assert set(rc.refs) <= pending | set(self.win.evicted_refs)
-            assert rc.encodes == 0 or self.latency()  # latency-first: canonicals of new content
+            if not self.anticipate:  # heal does the queued work only
+                assert set(rc.refs) <= pending | set(self.win.evicted_refs)
+                assert rc.encodes == 0 or self.latency()  # latency-first: canonicals of new content
+                if not self.latency():
+                    assert rc.forwards == 0 and not pending
+            else:  # and prepares re-reads of what it holds and held (idle forwards only)
+                assert set(rc.refs) <= pending | set(self.win.evicted_refs) | set(self.win.refs)
+                if not self.latency():
+                    assert not pending
             if steps is None:
                 assert not self.win.pending_refs
-            if not self.latency():
-                assert rc.forwards == 0 and not pending
 
         @precondition(lambda self: self.win is not None and len(self.win.evicted_refs) > 0)
         @rule(data=st.data())

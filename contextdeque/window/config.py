@@ -49,7 +49,7 @@ class WindowConfig:
     beyond_trained: bool = False
     chunk_template: str = "{text}"
     max_evicted: int | None = DEFAULT_MAX_EVICTED
-    anticipate: bool = False
+    anticipate: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_selection is not None and not isinstance(self.kv_selection, SelectionPolicy):

@@ -144,11 +144,14 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             few hundred bytes). Past it the oldest evicted refs are forgotten, as ``purge`` would
             (the receipt's notes say so; their store entries stay). None: remember every one
             (memory then grows with the history).
-        anticipate: in :meth:`heal`, once the queued work is done, also prepare what the next
-            likely re-reads need (``window.anticipation``: the canonical of the chunk the next
-            slide brings to the front; the recall patches of the chunks :meth:`expect` names and
-            of the most recently evicted ones, for the arrangement their recall would produce),
-            so those steps run no forward. Idle forwards only; False: heal as before.
+        anticipate: in :meth:`heal` and the idle healer, once the queued work is done, also
+            prepare what the next likely re-reads need (``window.anticipation``: the canonical of
+            the chunk the next slide brings to the front; the recall patches of the chunks
+            :meth:`expect` names and of the most recently evicted ones, for the arrangement their
+            recall would produce; the patches of the orders :meth:`expect_order` names and of the
+            likeliest reorders), so those steps run no forward. Idle forwards only, never on the
+            critical path (on by default); False: heal does only the queued work, as the
+            latency-first policy did before anticipation.
     """
 
     def __init__(
@@ -171,7 +174,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
         beyond_trained: bool = False,
         chunk_template: str = "{text}",
         max_evicted: int | None = DEFAULT_MAX_EVICTED,
-        anticipate: bool = False,
+        anticipate: bool = True,
     ) -> None:
         root = self._checked_root(backend, root)
         config = WindowConfig(
