@@ -78,7 +78,9 @@ def test_one_verdict_line_and_no_raw_ttft_lists(monkeypatch) -> None:
     assert verdict.startswith(("fresh and fast" if fresh else "fast but not fresh") + " (")
     assert f"worst {max(qkl):.1e})" in verdict
     assert f"{rec['ttft_speedup_median']:.2f}x faster to first token" in verdict
-    assert f"{100 * rec['prefill_avoided_vs_reprefill']:.0f}% of its prefill tokens avoided" in verdict
+    avoided = rec["prefill_avoided_vs_reprefill"]
+    assert (f"{100 * avoided:.0f}% of its prefill tokens avoided" if avoided >= 0
+            else "more prefill tokens than a re-prefill") in verdict
     assert f"worst next-token KL {rec['kl_max']:.1e} nats" in verdict
     differ = rec["same_next_token"]["calls"] - rec["same_next_token"]["same"]
     assert f"differs from a full re-prefill's at {differ} of {rec['same_next_token']['calls']} calls" in verdict
@@ -89,7 +91,8 @@ def test_why_lines_say_why_a_run_is_slower_or_saves_little(monkeypatch) -> None:
     video = render(slow, monkeypatch)
     assert "why slower:" in video and "slower to first token" in video
     doc = render(record("doc"), monkeypatch)
-    assert "why slower:" not in doc and "why little is saved:" not in doc
+    assert "why slower:" not in doc  # faster than a re-prefill: nothing to explain there
+    assert ("why little is saved:" in doc) == (record("doc")["prefill_avoided_vs_reprefill"] < 0.25)
     little = record("web")
     assert little["prefill_avoided_vs_reprefill"] < 0.25
     text = " ".join(render(little, monkeypatch).split())
@@ -110,8 +113,8 @@ def test_fidelity_and_speed_side_by_side(agent: str, monkeypatch) -> None:
     calls = [r for r in rec["rows"] if r["question"] is not None]
     kls = [r["kl"] for r in calls]
     ups = [r["reprefill_ms"] / r["ms"] for r in calls]
-    assert (f"all calls ({len(calls)}) worst {max(kls):.1e}, median {statistics.median(kls):.1e} "
-            f"median {statistics.median(ups):.2f}x, slowest {min(ups):.2f}x") in flat
+    assert (f"all calls ({len(calls)}) {max(kls):.1e} / {statistics.median(kls):.1e} "
+            f"{statistics.median(ups):.2f}x / {min(ups):.2f}x") in flat
     re = rec["rereads"]
     if re["recalls"]:
-        assert f"re-reads ({re['recalls']})" in flat and f"{re['forwards']} forwards on the critical path" in flat
+        assert f"re-reads ({re['recalls']})" in flat and f"{re['forwards']} forwards in the step" in flat

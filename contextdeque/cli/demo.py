@@ -187,8 +187,8 @@ def fidelity_speed_table(summary: dict[str, Any]) -> Any:
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, expand=False,
               title="fidelity and speed at answer time, against a full re-prefill", title_justify="left")
     t.add_column("", no_wrap=True)
-    t.add_column("next-token KL (nats)", overflow="fold")
-    t.add_column("time to first token", overflow="fold")
+    t.add_column("next-token KL: worst / median", no_wrap=True)
+    t.add_column("speed-up: median / slowest", no_wrap=True)
     calls = [r for r in summary.get("rows") or [] if r.get("question") is not None]
     for label, rows in ((f"questions ({len(_question_rows(summary))})", _question_rows(summary)),
                         (f"all calls ({len(calls)})", calls)):
@@ -196,16 +196,16 @@ def fidelity_speed_table(summary: dict[str, Any]) -> Any:
         ups = [r["reprefill_ms"] / r["ms"] for r in rows if r.get("reprefill_ms") and r["ms"] > 0]
         if not rows:
             continue
-        fid = "not measured" if not kls else f"worst {max(kls):.1e}, median {_median(kls):.1e}"
-        spd = "not measured" if not ups else f"median {_median(ups):.2f}x, slowest {min(ups):.2f}x"
+        fid = "not measured" if not kls else f"{max(kls):.1e} / {_median(kls):.1e}"
+        spd = "not measured" if not ups else f"{_median(ups):.2f}x / {min(ups):.2f}x"
         t.add_row(label, fid, spd)
     re = summary.get("rereads")
     if re and re["recalls"]:
         served = re["served"]
         ahead = served.get("anticipated", 0) + served.get("stored", 0) + served.get("canonical", 0)
         others = ", ".join(f"{n} {k}" for k, n in sorted(served.items()) if k not in ("anticipated", "stored", "canonical"))
-        t.add_row(f"re-reads ({re['recalls']})", f"{ahead} prepared before the step" + (f", {others}" if others else ""),
-                  f"{re['forwards']} forwards on the critical path")
+        t.add_row(f"re-reads ({re['recalls']})", f"{ahead} prepared ahead" + (f", {others}" if others else ""),
+                  f"{re['forwards']} forwards in the step")
     return t
 
 
