@@ -82,8 +82,9 @@ def test_one_verdict_line_and_no_raw_ttft_lists(monkeypatch) -> None:
     assert (f"{100 * avoided:.0f}% of its prefill tokens avoided" if avoided >= 0
             else "more prefill tokens than a re-prefill") in verdict
     assert f"worst next-token KL {rec['kl_max']:.1e} nats" in verdict
-    differ = rec["same_next_token"]["calls"] - rec["same_next_token"]["same"]
-    assert f"differs from a full re-prefill's at {differ} of {rec['same_next_token']['calls']} calls" in verdict
+    calls, differ = rec["same_next_token"]["calls"], rec["same_next_token"]["calls"] - rec["same_next_token"]["same"]
+    assert (f"differs from a full re-prefill's at {differ} of {calls} calls" if differ
+            else f"the same next token as a full re-prefill at all {calls} calls") in verdict
 
 
 def test_why_lines_say_why_a_run_is_slower_or_saves_little(monkeypatch) -> None:
