@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any, Callable, Hashable, Iterator, Sequence
 
 from contextdeque.scheduler import SchedulerPlacement  # noqa: F401  (registers AgentConfig's placement="scheduler")
+from contextdeque.core.counters import OMIT, Counters, shown
 from contextdeque.core.errors import WindowError
 from contextdeque.core.metrics import kl_divergence
 from contextdeque.traces import TraceBuilder, TraceHeader, content_hash, write_trace
-from contextdeque.window import ChunkRef, ContextWindow, Receipt
+from contextdeque.window import DEFAULT_RANK, ChunkRef, ContextWindow, Receipt, WindowConfig
 from contextdeque.window.policy import PATCH_POLICIES
 from contextdeque.window.policy_default import SURVIVOR_STALENESS, DefaultPolicy
 from contextdeque.window.policy_latency import LatencyPolicy
@@ -83,7 +84,7 @@ class AgentConfig:
     """
 
     budget_tokens: int = 640
-    rank: int = 32
+    rank: int = DEFAULT_RANK
     fidelity_target: float | None = None
     patch_policy: Any = "default"
     cascade_policy: str = "reform"
@@ -109,22 +110,28 @@ class AgentConfig:
             return cls("eager", survivor_staleness=self.survivor_staleness)
         return self.patch_policy
 
-    def window_kwargs(self) -> dict[str, Any]:
-        return dict(
+    def window_config(self) -> WindowConfig:
+        """The agent window's settings, validated once (the store is handed to the window beside them)."""
+        return WindowConfig(
             budget_tokens=self.budget_tokens, rank=self.rank, patch_policy=self.policy(),
-            cascade_policy=self.cascade_policy, store=self.store, placement=self.placement,
-            fidelity_target=self.fidelity_target, anticipate=self.anticipate,
+            cascade_policy=self.cascade_policy, placement=self.placement, fidelity_target=self.fidelity_target,
+            anticipate=self.anticipate,
         )
 
 
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
+
+
 @dataclass
-class Step:
+class Step(Counters):
     """One row of an agent's report.
 
     ``op``: what the agent did (``read``, ``visit``, ``watch``, ``query``...); ``detail``: on what,
     and what the window did (recalls, drops, reorders, slides). ``forwards`` / ``tokens``:
     contextdeque's model forwards and tokens prefilled for the step (window operations, plus the
-    query's prefill at a query step); ``encodes``: chunks encoded. At a query step also
+    query's prefill at a query step; the step's :class:`Counters`, its receipts added, with
+    ``tokens`` = ``tokens_prefilled``); ``encodes``: chunks encoded. At a query step also
     ``reprefill_tokens`` / ``prefix_cache_tokens`` (what those would prefill for this request),
     ``ms`` (the step's window operations + time to the first answer token) against
     ``reprefill_ms`` (a full re-prefill of the same window + the query, measured right after),
@@ -136,37 +143,31 @@ class Step:
     contextdeque's work all the same, so a run's token total is ``tokens`` + ``idle_tokens`` summed.
     """
 
+    json_omit = frozenset({"patches_formed", "patches_reused"})  # (the receipts hold them)
+    json_names = {"tokens_prefilled": "tokens"}
+
     index: int
     op: str
     detail: str = ""
-    forwards: int = 0
-    encodes: int = 0
-    tokens: int = 0
-    ms: float = 0.0
+    ms: float = shown(_ms, default=0.0)
     reprefill_tokens: int | None = None
     prefix_cache_tokens: int | None = None
-    reprefill_ms: float | None = None
+    reprefill_ms: float | None = shown(_ms)
     question: str | None = None
     answer: str | None = None
     kl: float | None = None
     same_next_token: bool | None = None
     choice: bool = False
     window: tuple[str, ...] = ()
-    receipts: list[Receipt] = field(default_factory=list, repr=False)
+    receipts: list[Receipt] = shown(OMIT, factory=list, repr=False)
     notes: list[str] = field(default_factory=list)
     idle_forwards: int = 0
     idle_tokens: int = 0
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index, "op": self.op, "detail": self.detail, "forwards": self.forwards,
-            "encodes": self.encodes, "tokens": self.tokens, "ms": round(self.ms, 3),
-            "reprefill_tokens": self.reprefill_tokens, "prefix_cache_tokens": self.prefix_cache_tokens,
-            "reprefill_ms": None if self.reprefill_ms is None else round(self.reprefill_ms, 3),
-            "question": self.question, "answer": self.answer, "kl": self.kl, "same_next_token": self.same_next_token,
-            "choice": self.choice, "window": list(self.window), "notes": list(self.notes),
-            "idle_forwards": self.idle_forwards, "idle_tokens": self.idle_tokens,
-        }
+    @property
+    def tokens(self) -> int:
+        """Tokens prefilled for the step (``tokens_prefilled``)."""
+        return self.tokens_prefilled
 
 
 def query_ids(backend: Any, question: str) -> list[int]:
@@ -190,7 +191,7 @@ class AgentRun:
                  on_step: Callable[[Step], None] | None = None) -> None:
         self.backend = backend
         self.config = config
-        self.window = ContextWindow(backend, **config.window_kwargs())
+        self.window = ContextWindow.from_config(backend, config.window_config(), store=config.store)
         self.trace = TraceBuilder(TraceHeader(generator=generator, agent=agent, seed=config.seed,
                                               meta={"model": str(getattr(backend, "name", "")),
                                                     "budget_tokens": config.budget_tokens}))
@@ -311,9 +312,7 @@ class AgentRun:
     def _account(self, receipt: Receipt) -> Receipt:
         st = self._need_step()
         st.receipts.append(receipt)
-        st.forwards += receipt.forwards
-        st.tokens += receipt.tokens_prefilled
-        st.encodes += receipt.encodes
+        st += receipt  # (its Counters)
         return receipt
 
     def _left(self, receipt: Receipt) -> None:
@@ -345,7 +344,7 @@ class AgentRun:
 
     def recall(self, label: str, at: int | None = None) -> Receipt:
         ref = self.ref_of[label]
-        rc = self._account(self.window.recall(ref, at=at))
+        rc = self._account(self.window.recall(ref, at="end" if at is None else at))  # where the agent says (expect's)
         self._left(rc)
         self.trace.recall(label, at=self._placed_at(ref))
         return rc
@@ -396,7 +395,7 @@ class AgentRun:
         st.reprefill_tokens = len(stream)
         st.prefix_cache_tokens = len(stream) - common_prefix(self._last_query_stream, stream)
         self._last_query_stream = stream
-        st.tokens += len(q)
+        st.tokens_prefilled += len(q)
         st.forwards += 1
         _phase("window")
         mine = window_first_token(self.window, q)
@@ -424,8 +423,9 @@ class AgentRun:
     def summary(self) -> dict[str, Any]:
         """Totals over the run (see the module docstring for what each side counts)."""
         queries = [s for s in self.steps if s.question is not None]
-        heal_tokens = sum(r.tokens_prefilled for r in self.idle_heals)
-        cd_tokens = sum(s.tokens for s in self.steps) + heal_tokens  # idle-time work counts too
+        healed = Counters.summed(self.idle_heals)
+        work = Counters.summed([*self.steps, *self.idle_heals])  # idle-time work counts too
+        cd_tokens = work.tokens_prefilled
         rp_tokens = sum(s.reprefill_tokens or 0 for s in queries)
         pc_tokens = sum(s.prefix_cache_tokens or 0 for s in queries)
         kls = [s.kl for s in queries if s.kl is not None]
@@ -434,11 +434,11 @@ class AgentRun:
         out: dict[str, Any] = {
             "steps": len(self.steps),
             "queries": len(queries),
-            "forwards": sum(s.forwards for s in self.steps) + sum(r.forwards for r in self.idle_heals),
-            "encodes": sum(s.encodes for s in self.steps) + sum(r.encodes for r in self.idle_heals),
+            "forwards": work.forwards,
+            "encodes": work.encodes,
             "tokens_prefilled": cd_tokens,
-            "idle_heal": {"heals": len(self.idle_heals), "forwards": sum(r.forwards for r in self.idle_heals),
-                          "tokens": heal_tokens, "ms": round(sum(r.wall_ms for r in self.idle_heals), 2)},
+            "idle_heal": {"heals": len(self.idle_heals), "forwards": healed.forwards,
+                          "tokens": healed.tokens_prefilled, "ms": round(sum(r.wall_ms for r in self.idle_heals), 2)},
             "reprefill_tokens": rp_tokens,
             "prefix_cache_tokens": pc_tokens,
             "prefill_avoided_vs_reprefill": None if not rp_tokens else 1.0 - cd_tokens / rp_tokens,

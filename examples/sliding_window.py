@@ -51,6 +51,7 @@ def main(backend=None, max_new_tokens: int = 40) -> ContextWindow:
     print(f"\nrecall 'assert' to answer: {question!r}")
     receipt = window.recall(refs["assert"])
     print(f"recall(assert)      {receipt.summary()}")
+    print("                    placed: " + "; ".join(f"at {i} ({why})" for _, i, why in receipt.placed))
     print(f"                    patch kind(s): {[p.kind for p in window.patches(refs['assert'])]}, "
           f"cascade: {len(receipt.cascade.implied)} dependent(s) {receipt.cascade.action}ed")
     print("in the window:", [n for n, r in refs.items() if r in window])

@@ -43,6 +43,12 @@ def tiny_backend_factory():
 
 
 @pytest.fixture(scope="module")
+def be(tiny_backend_factory):
+    """The tiny random-weight llama backend (seed 0); a module may define its own ``be``."""
+    return tiny_backend_factory("llama")
+
+
+@pytest.fixture(scope="module")
 def one_thread():
     """Tiny-model work is dominated by per-op overhead: one thread avoids oversubscribing a shared
     2-core runner (several times faster there); restored afterwards."""

@@ -44,7 +44,7 @@ def build(backend, policy, *, anticipate=False, provisional=False, budget=22):
 
 STEPS = {
     "slide": lambda w, refs: w.slide(1),
-    "recall": lambda w, refs: w.recall(refs[0]),
+    "recall": lambda w, refs: w.recall(refs[0], at="end"),
     "look-back": lambda w, refs: w.recall(refs[0], at=0),
 }
 
@@ -73,14 +73,14 @@ def test_anticipation_off_heals_as_before(backend):
     off, refs_o = build(backend, "latency", anticipate=False)
     queued, refs_q = build(backend, "latency", anticipate=False)
     assert not off._ctx.anticipated_keys and not any(r.op == "anticipate" for r in off.receipts)
-    r_off, r_q = off.recall(refs_o[0]), queued.recall(refs_q[0])
+    r_off, r_q = off.recall(refs_o[0], at="end"), queued.recall(refs_q[0], at="end")
     assert r_off.forwards == r_q.forwards == 0
     assert r_off.deferred and [d[1:] for d in r_off.deferred] == [d[1:] for d in r_q.deferred]
     assert {what for _, what in r_off.served} <= {"blind", "stale"}
     assert torch.equal(answer_logits(backend, queued), answer_logits(backend, off))
     assert WindowConfig().anticipate is True
     on, refs_on = build(backend, "latency", anticipate=None)  # the default
-    r_on = on.recall(refs_on[0])
+    r_on = on.recall(refs_on[0], at="end")
     assert r_on.forwards == 0 and not r_on.deferred and all(what == "anticipated" for _, what in r_on.served)
     with pytest.raises(WindowTypeError):
         WindowConfig(anticipate=1)
@@ -93,7 +93,7 @@ def test_stale_anticipation_is_not_served(backend):
     win, refs = build(backend, "latency", anticipate=True)
     assert win._ctx.anticipated_keys  # heal formed some
     win.append(chunk=backend.encode(token_ids=POOL[5]))  # no heal: nothing anticipated for this arrangement
-    r = win.recall(refs[0])
+    r = win.recall(refs[0], at="end")
     assert r.forwards == 0 and r.patches_reused == 0
     assert "anticipated" not in {what for _, what in r.served}
     assert refs[0] in {ref for ref, _, _ in r.deferred}
@@ -134,7 +134,7 @@ def test_anticipation_skips_a_recall_the_budget_would_refuse(backend):
     assert not any(refs[0] in r.refs for r in win.receipts if r.op == "anticipate")  # (reorders may be prepared)
     win.evict(refs[2])
     win.heal()
-    r = win.recall(refs[0])
+    r = win.recall(refs[0], at="end")
     assert r.forwards == 0 and not r.deferred and r.served and all(w == "anticipated" for _, w in r.served)
 
 
@@ -148,7 +148,7 @@ def test_expected_group_is_prepared_as_one_sequence(backend):
         if anticipate:
             win.expect([refs[0], refs[2]])
         win.heal()
-        return win, [win.recall(refs[0]), win.recall(refs[2])]
+        return win, [win.recall(refs[0], at="end"), win.recall(refs[2], at="end")]
 
     eager, r_eager = run("eager", False)
     fast, r_fast = run("latency", True)
@@ -162,8 +162,8 @@ def test_expected_group_is_prepared_as_one_sequence(backend):
     plain, refs = build(backend, "latency", anticipate=True)
     plain.evict(refs[2])
     plain.heal()
-    plain.recall(refs[0])
-    assert plain.recall(refs[2]).deferred
+    plain.recall(refs[0], at="end")
+    assert plain.recall(refs[2], at="end").deferred
 
 
 def test_expect_refuses_what_is_not_a_ref(backend):

@@ -9,6 +9,7 @@ from helpers import micro_llama, seeded_ids
 from contextdeque.eval.append_flow import run_append_flow
 from contextdeque.eval.soak import run_soak
 from contextdeque.model.hf import HFBackend
+from contextdeque.window import WindowConfig
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def test_append_only_forwards_per_policy(backend, one_thread):
 
 def test_short_soak_stays_within_the_memory_budget(backend, tmp_path, one_thread):
     budget = 64 * 1024
-    r = run_soak(backend, ops=120, budget_tokens=40, section_tokens=8, memory_budget=budget,
+    r = run_soak(backend, ops=120, config=WindowConfig(budget_tokens=40), section_tokens=8, memory_budget=budget,
                  store_dir=str(tmp_path / "d"), sample_every=20, seed=3)
     assert r["ops"] == 120 and r["errors"] == {}, r["errors"]
     assert set(r["op_counts"]) >= {"append", "recall", "evict"}

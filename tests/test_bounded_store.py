@@ -82,9 +82,9 @@ def test_a_dropped_canonical_is_re_encoded_from_its_source(backend, tmp_path):
         w.evict(a)
     key = win._state.evicted[win.evicted_refs[0]].chunk_key
     assert win.store.store.delete(key), "as a budget would drop it"
-    receipt = win.recall(win.evicted_refs[0])
+    receipt = win.recall(win.evicted_refs[0], at="end")
     assert receipt.encodes == 1 and any("re-encoded" in n and "from its source" in n for n in receipt.repairs), receipt.repairs
-    twin.recall(twin.evicted_refs[0])
+    twin.recall(twin.evicted_refs[0], at="end")
     assert same_cache(win.materialize(), twin.materialize()), "the re-encoded canonical is the one it had"
 
     # a session saved while the canonical is gone keeps the source: the reopened window re-encodes

@@ -33,11 +33,6 @@ T = 40
 
 
 @pytest.fixture(scope="module")
-def be(tiny_backend_factory):
-    return tiny_backend_factory("llama")
-
-
-@pytest.fixture(scope="module")
 def cal(be):
     return [be.encode(token_ids=seeded_ids(T, 100 + i)) for i in range(6)]
 

@@ -211,6 +211,7 @@ def test_cli_fidelity_target_reports_eta_ranks_bytes_and_misses(capsys, tmp_path
                  "--image-grid", "2x2"]) == 0
     printed = capsys.readouterr().out
     assert "fidelity envelope of tiny-llama" in printed and str(tmp_path) in printed
+    assert "map η (q0.25)" in printed and "sensitivity per layer" not in printed  # opt-in, not measured here
 
 
 def test_a_failing_arm_is_reported_and_the_run_completes(capsys, monkeypatch):

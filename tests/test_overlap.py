@@ -22,11 +22,6 @@ N = 6
 
 
 @pytest.fixture(scope="module")
-def be(tiny_backend_factory):
-    return tiny_backend_factory("llama")
-
-
-@pytest.fixture(scope="module")
 def ids():
     return [seeded_ids(30, 200 + i) for i in range(N)]
 

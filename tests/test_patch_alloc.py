@@ -251,3 +251,72 @@ def test_rule_records_its_decision_and_honours_on_miss(full_patch):
     assert rep["energy"] == pytest.approx(energy_of(s2k, s2v, rk, rv), abs=1e-6)
     with pytest.raises(PatchError):
         FidelityRule(energy=0.9, on_miss="ignore")
+
+
+def test_weighted_water_filling_favours_the_more_sensitive_layer():
+    """Two layers with the same spectra: equal weights split the bytes evenly; a measured
+    sensitivity 4x higher on layer 1 sends every contested direction there first (its weighted
+    energy per byte is higher), and the allocation's pooled fraction is the sensitivity-weighted
+    one."""
+    from contextdeque.patch.alloc import LayerSensitivity
+
+    row = torch.tensor([8.0, 4.0, 2.0, 1.0, 0.5], dtype=torch.float64)
+    s2 = torch.stack([row, row])
+    even = allocate_ranks(s2, s2, bytes_k=5, bytes_v=5, budget=40)
+    assert even.ranks_k == even.ranks_v == (2, 2)
+    sens = LayerSensitivity(k=(0.4, 1.6), v=(0.4, 1.6))
+    wk, wv = sens.for_layers((0, 1))
+    got = allocate_ranks(s2, s2, bytes_k=5, bytes_v=5, budget=40, weight_k=wk, weight_v=wv, kv_share=None)
+    # layer 1's directions weigh 4x layer 0's: it takes its top two before layer 0's first
+    assert got.ranks_k == got.ranks_v == (1, 3)
+    assert sum(got.ranks_k) + sum(got.ranks_v) == 8
+    weighted_total = float((s2 * wk[:, None]).sum() + (s2 * wv[:, None]).sum())
+
+    def kept(a):
+        return (sum(float(s2[l, :m].sum() * wk[l]) for l, m in enumerate(a.ranks_k))
+                + sum(float(s2[l, :m].sum() * wv[l]) for l, m in enumerate(a.ranks_v))) / weighted_total
+
+    assert got.energy == pytest.approx(kept(got), abs=1e-12)
+    assert kept(got) > kept(even)  # under the measured weights, the same bytes close more
+
+
+def test_rule_with_sensitivity_moves_rank_to_the_sensitive_layer(tiny_backend_factory):
+    """Through :class:`FidelityRule.shape`: the same cap, one layer's K and V sensitivity raised
+    tenfold — that layer's ranks grow, the others' do not, and the record says which weights
+    were used; a sensitivity that does not cover the patch's layers, or is negative, is refused."""
+    from contextdeque.patch.alloc import LayerSensitivity
+
+    be = tiny_backend_factory("llama", num_hidden_layers=4)  # three layers with a deficit (layer 0 has none)
+    a = be.encode(token_ids=list(range(3, 27)))
+    b = be.encode(token_ids=list(range(40, 70)))
+    full = form_patch(be, b, [a], rank="full")
+    L = be.layout.num_layers
+    flat = LayerSensitivity(k=(1.0,) * L, v=(1.0,) * L)
+    cap = 0.1
+
+    def ranks(sens):
+        p = FidelityRule(energy=0.999, max_patch_fraction=cap, sensitivity=sens).shape(full, b)
+        got = {l: (p.layer_ranks[0][i], p.layer_ranks[1][i]) for i, l in enumerate(p.layers)}
+        return p, [got.get(l, (0, 0)) for l in full.layers]
+
+    p_flat, r_flat = ranks(flat)
+    s2k, s2v = layer_spectra(full)
+    e = s2k.sum(1) + s2v.sum(1)
+    live = [j for j in range(len(full.layers)) if float(e[j]) > 1e-6 * float(e.max())]  # layer 0: no Δ
+    i = min(live, key=lambda j: sum(r_flat[j]))  # the live layer flat weights give least
+    hot = full.layers[i]
+    assert sum(r_flat[i]) < full.layer_ranks[0][i] + full.layer_ranks[1][i]
+    sharp = LayerSensitivity(k=tuple(10.0 if l == hot else 1.0 for l in range(L)),
+                             v=tuple(10.0 if l == hot else 1.0 for l in range(L)))
+    p_sharp, r_sharp = ranks(sharp)
+    assert sum(r_sharp[i]) > sum(r_flat[i])
+    assert all(sum(r_sharp[j]) <= sum(r_flat[j]) for j in range(len(full.layers)) if j != i)
+    assert fidelity_report(p_sharp)["weights"] == "sensitivity" and fidelity_report(p_flat)["weights"] == "sensitivity"
+    assert FidelityRule(energy=0.9).key_parts() != FidelityRule(energy=0.9, sensitivity=sharp).key_parts()
+    assert fidelity_report(FidelityRule(energy=0.9).shape(full, b))["weights"] == "equal"
+    with pytest.raises(PatchError):
+        FidelityRule(energy=0.9, sensitivity=LayerSensitivity(k=(1.0,), v=(1.0,))).shape(full, b)
+    with pytest.raises(PatchError):
+        LayerSensitivity(k=(1.0, -1.0), v=(1.0, 1.0))
+    with pytest.raises(PatchError):
+        LayerSensitivity(k=(1.0, float("nan")), v=(1.0, 1.0))

@@ -8,6 +8,7 @@ import torch
 import contextdeque as cd
 from contextdeque.model.testing import TINY_ARCHS, build_tiny_vl_processor
 from contextdeque.core.errors import (
+    ArgumentError,
     EmptyChunkError,
     FingerprintMismatchError,
     PositionError,
@@ -51,6 +52,23 @@ def test_relocated_kv_is_the_per_layer_list_and_prints_as_one_line(tiny_backend_
         assert needle in text, (needle, text)
     patched = cd.apply(b, be.root_len + a.span, cd.form_patch(be, b, antecedents=[a], rank=4))
     assert "1 patch," in repr(patched) and all(torch.equal(x[0], y[0]) for x, y in zip(kv, cd.relocate(b, 100)))
+
+
+def test_relocate_reads_any_layers_alone(tiny_backend_factory):
+    """``relocate(..., layers=[...])`` returns those layers, in that order, equal to the full
+    result's (pure relocation and patched); an index outside the model is a typed error."""
+    be = tiny_backend_factory("llama")
+    a, b = be.encode(token_ids=list(range(5, 25))), be.encode(token_ids=list(range(30, 48)))
+    patch = cd.form_patch(be, b, antecedents=[a], rank=4)
+    last = b.num_layers - 1
+    for p in (None, patch):
+        whole = relocate(b, 100, patch=p)
+        some = relocate(b, 100, patch=p, layers=[last, 0])
+        assert len(some) == 2 and some.n_patches == whole.n_patches
+        for got, want in zip(some, (whole[last], whole[0])):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ArgumentError, match="layers"):
+        relocate(b, 100, layers=[b.num_layers])
 
 
 def test_layout_detection_facts(tiny_backend_factory):

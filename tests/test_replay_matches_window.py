@@ -6,12 +6,19 @@ The three agents' generated traces, scaled to a tiny random-weight model (the wi
 depend on keys, prefixes and the store, not on the weights); the live window is driven by the one
 trace executor (``replay/live.py``) and heals at every step, as the cost model assumes. Queries
 are the replay's own charges (one forward of the query's tokens each): the window does not run
-them, so they are taken off the replay's totals.
+them, so they are not part of the replay's plan.
+
+Both sides record their decisions as one key-only plan (``window.plan``): the window on its
+receipts (what it executed), the replay as it prices them. The plans' totals are computed by the
+same code, and bytes per tier are the KV each stores (canonicals encoded, patches formed) in the
+tier it writes them to (docs/replay.md).
 """
 
 from __future__ import annotations
 
 import pytest
+
+from collections import Counter
 
 from contextdeque.replay import ReplayConfig, Replayer
 from contextdeque.replay.cost import CostModel
@@ -19,44 +26,118 @@ from contextdeque.replay.fidelity import chunk_ids
 from contextdeque.replay.live import drive_window
 from contextdeque.replay.reuse import REUSE_COSTS
 from contextdeque.traces import generate, scaled_trace
+from contextdeque.traces.builder import TraceBuilder, content_hash
+from contextdeque.traces.events import TraceHeader
+from contextdeque.traces.io import Trace
+from contextdeque.stores import MemoryTier
 from contextdeque.window import ContextWindow
+from contextdeque.window.plan import Plan, plan_totals, stored_bytes
 import contextdeque.scheduler  # noqa: F401  (registers the scheduler's placements)
 from contextdeque.window.placement import PLACEMENT_POLICIES, make_placement
 
 WINDOW_RULES = sorted(name for name, rule in REUSE_COSTS.items() if rule.window_policy is not None)
 # an offline placement reads the trace's future: the replay has it, a live window does not
-ONLINE_PLACEMENTS = sorted(name for name in PLACEMENT_POLICIES if not getattr(make_placement(name), "offline", False))
+# "valid" is where a window puts recalls the agent did not pin (recall_placement); the trace
+# executor pins every recall a trace names, so a window's own placement is arrival or scheduler
+# here. (As a window's placement for appends too, "valid" takes orders with new chunks in front;
+# the replay then prices the residents' upkeep by staleness where the live eager policy keeps an
+# inserted chunk's patch: 120 priced vs 111 live forwards on the doc trace; not reconciled yet.)
+RECALL_ONLY = {"valid"}
+ONLINE_PLACEMENTS = sorted(name for name in PLACEMENT_POLICIES
+                           if not getattr(make_placement(name), "offline", False) and name not in RECALL_ONLY)
 RANK = 8
 SCALE = 1 / 64
+BUDGET = 94  # tokens of the scaled traces (about 6,000 of the generated ones)
 
 
-def _window_totals(backend, trace, placement: str, policy: str):
-    win = ContextWindow(backend, rank=RANK, placement=placement, patch_policy=policy, beyond_trained=True)
+def _window_receipt(backend, trace, placement: str, policy: str, budget: int | None = None):
+    win = ContextWindow(backend, rank=RANK, placement=placement, patch_policy=policy, beyond_trained=True,
+                        budget_tokens=budget, store=[MemoryTier("cpu", None, name="device")])
     return drive_window(win, trace, lambda ev: chunk_ids(backend, ev.hash, ev.tokens))
 
 
-def _replay_totals(backend, trace, placement: str, rule: str) -> dict[str, int]:
+def _replay_plan(backend, trace, placement: str, rule: str, budget: int | None = None) -> tuple[Plan, dict]:
     cost = CostModel.geometry_of(backend, storage_bytes=4, rank=RANK)
-    r = Replayer(trace, placement, "lru", rule, cost, ReplayConfig(rank=RANK)).run()
+    plan = Plan()
+    r = Replayer(trace, placement, "lru", rule, cost, ReplayConfig(rank=RANK, budget_tokens=budget), plan=plan).run()
     queries = [e for e in trace.events if e.op == "query"]
-    return {"forwards": r.forwards - len(queries), "tokens_prefilled": r.tokens_prefilled - sum(q.tokens for q in queries),
-            "encodes": r.encodes}
+    totals = {"forwards": r.forwards - len(queries), "tokens_prefilled": r.tokens_prefilled - sum(q.tokens for q in queries),
+              "encodes": r.encodes}
+    return plan, {**totals, "stored": dict(r.stored)}
+
+
+def _costly(plan) -> Counter:
+    """The plan's operations that cost a forward or store bytes, by type, size and forwards."""
+    return Counter((type(op).__name__, op.tokens, op.counts().get("forwards", 0)) for op in plan
+                   if op.counts().get("forwards") or op.stored())
 
 
 def test_the_rules_and_placements_cover_the_window():
-    """Guards the parametrization: the four window policies and both online placements."""
+    """Guards the parametrization: the four window policies and both online placements (``valid``,
+    recall_placement's default, is registered and left out on purpose: see RECALL_ONLY)."""
     assert WINDOW_RULES == ["blind", "patch", "patch-latency", "patch-latency-shared"]
-    assert ONLINE_PLACEMENTS == ["arrival", "scheduler"]
+    assert ONLINE_PLACEMENTS == ["arrival", "scheduler"] and RECALL_ONLY <= set(PLACEMENT_POLICIES)
+
+
+def _check(backend, kind: str, rule: str, placement: str, budget: int | None = None) -> None:
+    backend.root_kv()  # the root's one prefill is the backend's, not the trace's
+    trace = scaled_trace(generate(kind, seed=0), SCALE, minimum=2)
+    live = _window_receipt(backend, trace, placement, REUSE_COSTS[rule].window_policy, budget)
+    plan, predicted = _replay_plan(backend, trace, placement, rule, budget)
+    executed = plan_totals(live.plan)
+    # the window's plan is what it ran: its totals are the backend's own counters
+    assert {k: executed[k] for k in ("forwards", "tokens_prefilled", "encodes")} == {
+        "forwards": live.forwards, "tokens_prefilled": live.tokens_prefilled, "encodes": live.encodes}
+    assert predicted == {"forwards": live.forwards, "tokens_prefilled": live.tokens_prefilled, "encodes": live.encodes,
+                         "stored": stored_bytes(live.plan)}
+    assert plan_totals(plan)["forwards"] == live.forwards
+    assert _costly(plan) == _costly(live.plan)  # the same operations on chunks of the same sizes
+    assert live.forwards > 0 and stored_bytes(live.plan).get("device", 0) > 0
 
 
 @pytest.mark.parametrize("placement", ONLINE_PLACEMENTS)
 @pytest.mark.parametrize("rule", WINDOW_RULES)
 @pytest.mark.parametrize("kind", ["doc", "web", "video"])
 def test_replay_predicts_the_live_windows_forwards_and_tokens(tiny_backend_factory, one_thread, kind, rule, placement):
+    _check(tiny_backend_factory("llama"), kind, rule, placement)
+
+
+@pytest.mark.parametrize("kind", ["doc", "web", "video"])
+def test_replay_predicts_the_live_eager_window_under_a_token_budget(tiny_backend_factory, one_thread, kind):
+    """A budget slides the oldest chunks out (survivors left at the front drop their patches, and a
+    recall's cascade spares them): the replay's window does what the live one does. (Latency-first
+    windows under a budget are not priced exactly yet: docs/replay.md.)"""
+    _check(tiny_backend_factory("llama"), kind, "patch", "arrival", BUDGET)
+
+
+def _built(steps) -> "Trace":
+    tb = TraceBuilder(TraceHeader(generator="test", agent="doc", seed=0))
+    for op, *args in steps:
+        getattr(tb, op)(*args)
+    return tb.build("built")
+
+
+def _chunks(*spec):
+    return [("arrive", cid, n, content_hash(cid)) for cid, n in spec]
+
+
+# the heal decides as the window's eager policy would have on the slot as it was deferred: a pure
+# permutation of what a slot carried heals with an orbit patch (one forward per ordering)
+HEAL_CASES = {
+    "reorder-a-permutation": [*_chunks(("a", 5), ("b", 4), ("c", 6)), ("step",), ("slide", 1), ("recall", "a"), ("step",),
+                              ("reorder", ["b", "a", "c"]), ("step",), ("reorder", ["a", "b", "c"]), ("step",)],
+    "recall-to-the-front": [*_chunks(("a", 5), ("b", 4), ("c", 6)), ("step",), ("evict", "a"), ("step",), ("recall", "a", 0),
+                            ("step",), ("reorder", ["c", "b", "a"]), ("step",), ("reorder", ["b", "c", "a"]), ("step",)],
+}
+
+
+@pytest.mark.parametrize("rule", WINDOW_RULES)
+@pytest.mark.parametrize("case", sorted(HEAL_CASES))
+def test_replay_heals_as_the_window_does(tiny_backend_factory, one_thread, case, rule):
     backend = tiny_backend_factory("llama")
-    backend.root_kv()  # the root's one prefill is the backend's, not the trace's
-    trace = scaled_trace(generate(kind, seed=0), SCALE, minimum=2)
-    live = _window_totals(backend, trace, placement, REUSE_COSTS[rule].window_policy)
-    predicted = _replay_totals(backend, trace, placement, rule)
-    assert predicted == {"forwards": live.forwards, "tokens_prefilled": live.tokens_prefilled, "encodes": live.encodes}
-    assert live.forwards > 0
+    backend.root_kv()
+    trace = _built(HEAL_CASES[case])
+    live = _window_receipt(backend, trace, "arrival", REUSE_COSTS[rule].window_policy)
+    plan, predicted = _replay_plan(backend, trace, "arrival", rule)
+    assert (predicted["forwards"], predicted["tokens_prefilled"]) == (live.forwards, live.tokens_prefilled)
+    assert _costly(plan) == _costly(live.plan)

@@ -193,7 +193,7 @@ def test_idle_healing_gives_way_to_a_request_and_resumes() -> None:
 
     from contextdeque.cli.model_spec import load_backend
     from contextdeque.core.cooperative import in_background
-    from contextdeque.serve.engine import Engine, GenerationRequest
+    from contextdeque.serve.engine import Engine, GenerationRequest, serve_config
     from contextdeque.serve.metrics import parse_text
     from contextdeque.window import default_store
 
@@ -208,7 +208,8 @@ def test_idle_healing_gives_way_to_a_request_and_resumes() -> None:
     def run(engine: Engine, messages: list, session: str | None = None) -> object:
         return engine.submit(GenerationRequest(messages=messages, max_new_tokens=6, session_id=session)).result(600)
 
-    ref = Engine(b, default_store(b.device), model_name="t", patch_policy="latency-shared", heal_idle_ms=None)
+    ref = Engine(b, default_store(b.device), model_name="t", config=serve_config(patch_policy="latency-shared"),
+                 heal_idle_ms=None)
     r1 = run(ref, msgs1)
     msgs2 = msgs1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "second page: " + "epsilon zeta " * 12}]
     run(ref, msgs2)
@@ -217,7 +218,7 @@ def test_idle_healing_gives_way_to_a_request_and_resumes() -> None:
     ref.close()
 
     store = default_store(b.device)
-    e = Engine(b, store, model_name="t", patch_policy="latency-shared", heal_idle_ms=0)
+    e = Engine(b, store, model_name="t", config=serve_config(patch_policy="latency-shared"), heal_idle_ms=0)
     layer0 = next(m for n, m in b.model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList))[0]
     box: dict = {}
 
@@ -240,7 +241,7 @@ def test_idle_healing_gives_way_to_a_request_and_resumes() -> None:
     healed = run(e, msgs2, "s1")  # the healed window itself (nothing to sync)
     e.close()
     assert healed.encodes == 0 and healed.patches_formed == 0 and not healed.restored
-    fresh = Engine(b, store, model_name="t", patch_policy="latency-shared", heal_idle_ms=None)
+    fresh = Engine(b, store, model_name="t", config=serve_config(patch_policy="latency-shared"), heal_idle_ms=None)
     again = run(fresh, msgs2)  # rebuilt from what healing stored
     fresh.close()
     assert again.encodes == 0 and again.patches_formed == 0 and again.text == healed.text

@@ -18,19 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import micro_llama
+from helpers import A, B, C, D, E, QUERY, micro_llama
 
 from contextdeque.core.errors import SessionError
 from contextdeque.model.hf import HFBackend
 from contextdeque.window import ContextWindow
 from contextdeque.window.session import SESSION_VERSION, read_manifest
-
-A = [5, 6, 7, 8]
-B = [9, 10, 11]
-C = [12, 13, 14, 15, 16, 17]
-D = [20, 21, 22, 23, 24]
-E = [30, 31, 32, 33, 34, 35, 36]
-QUERY = [40, 41, 42]
 
 
 def make_backend(seed: int = 0) -> HFBackend:
@@ -187,7 +180,7 @@ _SAVER = textwrap.dedent(
     import os, signal, sys, hashlib, json
     sys.path.insert(0, {tests!r})
     import torch
-    from helpers import micro_llama
+    from helpers import A, B, C, D, E, QUERY, micro_llama
     from contextdeque.model.hf import HFBackend
     from contextdeque.window import ContextWindow
     torch.set_num_threads(1)
@@ -214,7 +207,7 @@ _OPENER = textwrap.dedent(
     import sys, hashlib, json
     sys.path.insert(0, {tests!r})
     import torch
-    from helpers import micro_llama
+    from helpers import A, B, C, D, E, QUERY, micro_llama
     from contextdeque.model.hf import HFBackend
     from contextdeque.window import ContextWindow
     from contextdeque.core import compat
@@ -257,7 +250,7 @@ _SOURCE_OPENER = textwrap.dedent(
     import sys, hashlib, json
     sys.path.insert(0, {tests!r})
     import torch
-    from helpers import micro_llama
+    from helpers import A, B, C, D, E, QUERY, micro_llama
     from contextdeque.model.hf import HFBackend
     from contextdeque.stores import MemoryTier, TieredStore
     from contextdeque.window import ContextWindow

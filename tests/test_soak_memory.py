@@ -11,7 +11,7 @@ from helpers import micro_llama, seeded_ids
 from contextdeque.core.errors import UnknownRefError
 from contextdeque.eval.soak import run_soak
 from contextdeque.model.hf import HFBackend
-from contextdeque.window import ContextWindow
+from contextdeque.window import ContextWindow, WindowConfig
 from contextdeque.window.context import PATCH_INDEX_CHUNKS, PATCH_INDEX_PREFIXES
 
 
@@ -52,8 +52,11 @@ def test_the_stored_prefix_hint_is_bounded(backend):
         ctx.note_stored_prefix(f"c{c}", ("p",))
     for p in range(PATCH_INDEX_PREFIXES + 5):
         ctx.note_stored_prefix("c-last", (f"p{p}",))
-    assert len(ctx.patch_index) == PATCH_INDEX_CHUNKS and "c0" not in ctx.patch_index
-    assert len(ctx.patch_index["c-last"]) == PATCH_INDEX_PREFIXES and ("p0",) not in ctx.patch_index["c-last"]
+    index = ctx.patch_index
+    assert index.contents() == PATCH_INDEX_CHUNKS and not index.may_hit("c10") and index.may_hit("c11")
+    last = index.stored_prefixes("c-last")
+    assert len(last) == PATCH_INDEX_PREFIXES and ("p0",) not in last and last[-1] == (f"p{PATCH_INDEX_PREFIXES + 4}",)
+    assert index.g.number_of_edges() == len(index)  # the scheduler's edges shrink with what the bound forgets
 
 
 @pytest.mark.parametrize("policy", ["default", "latency"])
@@ -65,9 +68,9 @@ def test_soak_memory_is_bounded_by_the_configuration(backend, tmp_path, one_thre
     where an unbounded history (every evicted ref, its graph edges, an unhealed chunk's page)
     would keep growing with the operations."""
     memory_budget, budget_tokens, section, cap, ops = 96 * 1024, 40, 8, 6, 300
-    r = run_soak(backend, ops=ops, budget_tokens=budget_tokens, section_tokens=section, memory_budget=memory_budget,
-                 store_dir=str(tmp_path / "d"), sample_every=30, seed=5, warmup_ops=60, max_evicted=cap,
-                 patch_policy=policy, count_tensors=True)
+    config = WindowConfig(budget_tokens=budget_tokens, max_evicted=cap, patch_policy=policy)
+    r = run_soak(backend, ops=ops, config=config, section_tokens=section, memory_budget=memory_budget,
+                 store_dir=str(tmp_path / "d"), sample_every=30, seed=5, warmup_ops=60, count_tensors=True)
     assert r["ops"] == ops and r["errors"] == {}, r["errors"]
     lay = backend.layout
     page = 4 * lay.num_layers * (lay.k_heads * lay.k_dim + lay.v_heads * lay.v_dim)  # fp32 K+V bytes per token

@@ -50,7 +50,8 @@ def runs(tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1", CONTEXTDEQUE_STORE_DIR=str(tmp / "store"))
     out = {}
     try:
-        for mode in ("writer", "reader"):
+        # the split-process engine runs before the reader, whose fault cases leave bad entries behind
+        for mode in ("writer", "multiprocess", "reader"):
             path = tmp / f"{mode}.json"
             proc = subprocess.run([py, str(CASES), mode, srv.url, str(path)], env=env, cwd=ROOT, capture_output=True,
                                   text=True, timeout=1500)
@@ -132,3 +133,44 @@ def test_a_load_that_fails_on_the_worker_is_recomputed_by_vllm(runs):
     pair = runs["reader"]["load_failure"]
     assert pair["stats"].get("load_failures", 0) == 1 and pair["stats"].get("loads", 0) == 0
     _same_answer(pair)
+
+
+def test_layerwise_load_overlaps_vllms_forward(runs):
+    """The connector loads layer by layer on its own thread: vLLM's forward was given layer 0 while
+    the last layer was not loaded yet (the loading thread was held before it until then; the order
+    of events, not timing), every layer was loaded before vLLM was given it, and the answer is
+    vLLM's own."""
+    o = runs["writer"]["overlap"]
+    L = o["layers"]
+    trace = [tuple(e) for e in o["trace"]]
+    assert o["background"] is True and o["gate_opened"] == [True]
+    assert trace.index(("waited", 0)) < trace.index(("loaded", L - 1))
+    for layer in range(L):
+        assert trace.index(("loaded", layer)) < trace.index(("waited", layer))
+    # the four pages, and the question too (stored when the first re-read finished)
+    assert o["pair"]["got"]["cached_tokens"] == o["pair"]["prefix_lens"][-1]
+    assert o["pair"]["stats"].get("loads", 0) == 1 and o["pair"]["stats"].get("load_failures", 0) == 0
+    _same_answer(o["pair"])
+
+
+def test_layerwise_and_serial_loads_give_the_same_tokens_bit_for_bit(runs):
+    """Exact policy, the same stored patches: loading layer-wise (overlapped) and loading every
+    layer before the forward write the same KV, so vLLM's first-token logprobs are equal exactly
+    and the greedy tokens identical."""
+    w = runs["writer"]
+    lw, serial = w["overlap"]["pair"]["got"], w["reread_serial"]["got"]
+    assert w["reread_serial"]["stats"].get("loads", 0) == 1 and serial["cached_tokens"] == lw["cached_tokens"]
+    assert serial["answer_ids"] == lw["answer_ids"]
+    assert serial["top_logprobs"] == lw["top_logprobs"]
+    _same_answer(w["reread_serial"])
+
+
+def test_scheduler_and_worker_in_other_processes_serve_the_reread(runs):
+    """vLLM split over processes (engine core apart from the caller, the worker apart from the
+    scheduler: ``VLLM_ENABLE_V1_MULTIPROCESSING=1``, ``distributed_executor_backend="mp"``): the
+    connector's metadata reaches the worker, which loads the pages the earlier engines stored in
+    the shared Valkey; the answer is vLLM's own prefill's."""
+    m = runs["multiprocess"]["multiprocess"]
+    assert m["frontend_runtimes"] == 0  # the connector runs in vLLM's processes, not the caller's
+    assert m["got"]["cached_tokens"] >= m["prefix_lens"][4]  # root + the four pages, after reset_prefix_cache
+    _same_answer(m)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import networkx as nx
 import pytest
 import torch
-from helpers import micro_llama
+from helpers import A, B, C, D, E, QUERY, micro_llama
 
 from contextdeque.core import compat
 from contextdeque.model.hf import HFBackend
@@ -24,16 +24,6 @@ from contextdeque.window import (
     Receipt,
     WindowStore,
 )
-
-A = [5, 6, 7, 8]
-B = [9, 10, 11]
-C = [12, 13, 14, 15, 16, 17]
-D = [20, 21, 22, 23, 24]
-E = [30, 31, 32, 33, 34, 35, 36]
-QUERY = [40, 41, 42]
-
-
-
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +131,25 @@ def test_materialize_feeds_transformers_generate(backend):
     assert answer.receipt.op == "generate" and answer.receipt.forwards >= 1
 
 
+@pytest.mark.parametrize("policy", ["exact", "latency", "default"])
+def test_kv_layer_reader_reads_kv_layers_one_layer_at_a_time(backend, policy):
+    """``kv_layer_reader()(l)`` is ``kv_layers()[l]`` bit for bit (pages computed per layer, or
+    taken from a page already computed), and it keeps reading the window as it was when later
+    operations change it."""
+    win = ContextWindow(backend, patch_policy=policy, rank=2)
+    a, b, c = (win.append(token_ids=x) for x in (A, B, C))
+    win.reorder([c, a, b])  # re-placed slots: their pages are not computed yet
+    read = win.kv_layer_reader()
+    whole = win.kv_layers()
+    assert len(whole) == backend.layout.num_layers >= 2
+    for layer in reversed(range(len(whole))):
+        k, v = read(layer)
+        assert torch.equal(k, whole[layer][0]) and torch.equal(v, whole[layer][1]), layer
+    win.evict(a)
+    assert win.kv_layers()[0][0].shape[1] < whole[0][0].shape[1]
+    assert torch.equal(read(0)[0], whole[0][0])  # the snapshot, not the window now
+
+
 def test_window_decoder_agrees_with_generate(backend):
     win = ContextWindow(backend, patch_policy="default", rank=2)
     for x in (A, B, C):
@@ -221,7 +230,7 @@ def test_evict_demotes_and_recall_rehydrates_with_a_fresh_patch(backend):
     assert win.store.tier_of(key) == "host"
     assert ev.bytes_moved.get("host", 0) > 0
     win.slide()  # turn the window over: b's old antecedent a is gone
-    rc = win.recall(b)
+    rc = win.recall(b, at="end")
     assert rc.encodes == 0 and rc.forwards == 1 and rc.patches_formed == 1
     assert win.refs == (c, b)
     fresh = win.patches(b)
@@ -251,7 +260,7 @@ def test_recall_from_a_disk_tier(backend, tmp_path):
     a, b = win.append(token_ids=A), win.append(token_ids=B)
     win.evict(a)
     assert win.store.tier_of(WindowStore.chunk_key(a.chunk_id, backend.fingerprint)) == "disk"
-    rc = win.recall(a)
+    rc = win.recall(a, at="end")
     assert rc.encodes == 0 and rc.bytes_moved.get("disk", 0) > 0
     assert cache_err(win.materialize(), reprefill(backend, window_ids(win))) < 2e-5
 
@@ -278,7 +287,7 @@ def test_recall_reports_and_reforms_the_cascade(backend):
     win, x, r, b = cascade_window(backend, "reform")
     win.evict(r)  # b survives, keeping what it absorbed from r
     assert [p.antecedents for p in win.patches(b)] == [(x.chunk_id, r.chunk_id)]
-    rc = win.recall(r)  # r comes back behind b: b was conditioned on a state of r that is gone
+    rc = win.recall(r, at="end")  # r comes back behind b: b was conditioned on a state of r that is gone
     assert rc.cascade.direct == (b,) and rc.cascade.implied == (b,) and rc.cascade.reformed == (b,)
     assert [p.antecedents for p in win.patches(b)] == [(x.chunk_id,)]
     assert win.refs == (x, b, r) and win.stale_refs == ()
@@ -289,12 +298,12 @@ def test_recall_cascade_keep_and_flag(backend):
     win, x, r, b = cascade_window(backend, "keep")
     win.evict(r)
     held = win.patches(b)
-    rc = win.recall(r)
+    rc = win.recall(r, at="end")
     assert rc.cascade.implied == (b,) and rc.cascade.reformed == () and win.patches(b) == held
 
     win, x, r, b = cascade_window(backend, "flag")
     win.evict(r)
-    rc = win.recall(r)
+    rc = win.recall(r, at="end")
     assert rc.cascade.flagged == (b,) and win.stale_refs == (b,)
     fixed = win.refresh()
     assert fixed.patches_formed == 1 and win.stale_refs == ()
@@ -313,7 +322,7 @@ def test_transitive_cascade(backend):
     x, r, b = (win.append(token_ids=t) for t in (A, B, C))
     win.evict(r)
     c = win.append(token_ids=D)  # conditioned on b (which carries r's influence), not on r
-    rc = win.recall(r)
+    rc = win.recall(r, at="end")
     assert win.refs == (x, b, c, r)
     assert rc.cascade.direct == (b,)
     assert rc.cascade.implied == (b, c) and rc.cascade.reformed == (b, c)
@@ -536,7 +545,7 @@ def test_real_model_slide_recall_generate(default_backend):
     assert cache_err(win.materialize(), ref_kv) < 2e-6 * scale * 64
     s = win.slide()
     assert s.encodes == 0 and s.left == (refs[0],)
-    rc = win.recall(refs[0])
+    rc = win.recall(refs[0], at="end")
     assert rc.encodes == 0 and rc.forwards == 1
     assert cache_err(win.materialize(), reprefill(default_backend, window_ids(win))) < 2e-6 * scale * 64
     answer = win.generate("Which statement does nothing?", max_new_tokens=6)

@@ -64,6 +64,34 @@ def test_binding_cap_reports_every_miss(tiny_backend_factory, one_thread, arch):
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
+def test_a_calibrated_sensitivity_weighs_the_windows_allocation(tiny_backend_factory, one_thread, arch):
+    """With the model's envelope calibrated (per-layer K/V sensitivities included: one per model
+    layer, zero where no layer holds a deficit, e.g. layer 0), the window's patches are allocated
+    under those weights (recorded in each patch and in its store key), and a binding cap still
+    reports every miss."""
+    from contextdeque.eval.fidelity.envelope import calibrate_envelope
+    from contextdeque.eval.fidelity.probes import probe_set
+    from contextdeque.model.detect import memory_only
+    from contextdeque.model.envelope import save_envelope
+
+    be = tiny_backend_factory(arch)
+    with memory_only():
+        env = calibrate_envelope(be, items=probe_set(2), energies=(0.5, 0.9), max_chunk_tokens=48, image_grid=(3, 3),
+                                 sensitivity=True)
+        save_envelope(env)
+    sens = env.sensitivity_k + env.sensitivity_v
+    assert len(env.sensitivity_k) == len(env.sensitivity_v) == be.layout.num_layers
+    assert all(x >= 0 for x in sens) and max(sens) > 0
+    w, receipts = _window(be, max_patch_fraction=0.02)
+    patched = [p for r in w.refs for p in w.patches(r)]
+    assert len(patched) == 2 and all(fidelity_report(p)["weights"] == "sensitivity" for p in patched)
+    assert all(fidelity_report(p)["calibrated"] for p in patched)
+    missed = [m for rc in receipts for m in rc.fidelity_misses]
+    assert len(missed) == 2 and all(m.action == "reported" for m in missed)
+    assert w.context.fidelity_rule.sensitivity is not None
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_roomy_cap_meets_the_target_with_per_layer_ranks(tiny_backend_factory, one_thread, arch):
     be = tiny_backend_factory(arch)
     w, receipts = _window(be, max_patch_fraction=1.0)
@@ -143,13 +171,13 @@ def test_replay_fidelity_mode_lists_the_misses(tiny_backend_factory, one_thread,
 
 def test_serve_engine_counts_and_lists_misses(one_thread):
     from contextdeque.cli.model_spec import load_backend
-    from contextdeque.serve.engine import Engine, GenerationRequest
+    from contextdeque.serve.engine import Engine, GenerationRequest, serve_config
     from contextdeque.serve.metrics import parse_text
     from contextdeque.window import default_store
 
     b = load_backend("tiny:llama", chat=True)
-    e = Engine(b, default_store(b.device), model_name="t", patch_policy="eager", heal_idle_ms=None,
-               window_options=dict(fidelity_target=0.99, max_patch_fraction=0.02))
+    config = serve_config(patch_policy="eager", fidelity_target=0.99, max_patch_fraction=0.02)
+    e = Engine(b, default_store(b.device), model_name="t", config=config, heal_idle_ms=None)
     try:
         msgs = [{"role": "system", "content": "You are brief."},
                 {"role": "user", "content": "first page: " + "alpha beta gamma " * 12}]

@@ -24,7 +24,8 @@ def _kv_close(a, b, tol=1e-4):
 def test_scheduler_recall_lands_where_its_patch_is_valid(micro, one_thread):
     runs = {}
     for placement in ("arrival", "scheduler"):
-        w = cd.ContextWindow(micro, rank=4, placement=placement, patch_policy="eager")
+        # recall_placement=None: an unpinned recall goes where the window's placement puts it
+        w = cd.ContextWindow(micro, rank=4, placement=placement, patch_policy="eager", recall_placement=None)
         a = w.append(token_ids=seeded_ids(12, 1, 60))
         b = w.append(token_ids=seeded_ids(10, 2, 60))
         c = w.append(token_ids=seeded_ids(14, 3, 60))

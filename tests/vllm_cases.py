@@ -1,17 +1,21 @@
 """The vLLM connector's cases, run inside a Python that has vLLM (``tests/test_vllm.py`` runs this
 file in that interpreter, one engine per process, and checks the JSON it writes).
 
-``python tests/vllm_cases.py writer|reader STORE_URL OUT.json``
+``python tests/vllm_cases.py writer|reader|multiprocess STORE_URL OUT.json``
 
 - writer: first the load-time rotary check (vLLM's rotary for the model's own parameters passes,
   for another RoPE base it is refused); then a fresh engine with the connector (exact policy) on a shared store. Turn 1 reads four
   pages; turn 2 re-reads them in another order: served by the connector, and again by vLLM's own
-  full prefill (prefix cache skipped) as the reference.
+  full prefill (prefix cache skipped) as the reference. Then turn 2 twice more: loaded layer-wise
+  with the loading thread gated (the overlap, by the order of events), and with every layer
+  loaded before the forward (``layerwise=False``).
 - reader: a second engine (another process) on the same store: turn 2 again (every chunk was
   stored by the writer: 0 encodes), then bad entries — one page's stored copy corrupted, one
   replaced by another model's entry, one evicted — each in a prompt where it sits second: the
   connector serves only the page before it and vLLM prefills the rest; answers against vLLM's own
   prefill each time.
+- multiprocess: a third engine with vLLM split over processes (scheduler and worker apart) on the
+  same store serves a re-read (:func:`multiprocess`).
 """
 
 from __future__ import annotations
@@ -46,7 +50,37 @@ def refusal() -> dict[str, Any]:
     return out
 
 
+def multiprocess(store: str) -> dict[str, Any]:
+    """vLLM split over processes (``VLLM_ENABLE_V1_MULTIPROCESSING=1``: the engine core with the
+    scheduler in its own process; ``distributed_executor_backend="mp"``: the worker in another):
+    the connector's scheduler side matches in one process, its metadata travels in vLLM's
+    scheduler output, the worker side loads in another — both on the shared store. A re-read the
+    earlier engines stored is served and answers as vLLM's own prefill."""
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    from contextdeque.integrations.paged import PromptCutter
+    from contextdeque.integrations.vllm import runtimes
+    from contextdeque.integrations.vllm_bench import conversation, make_engine, pages, prompt_ids, run_turn
+    from contextdeque.model.default_model import ensure_default_model
+
+    llm = make_engine(str(ensure_default_model(progress=False)), store=store, patch_policy="exact",
+                      distributed_executor_backend="mp")
+    tok = llm.get_tokenizer()
+    ids = prompt_ids(tok, conversation((3, 1, 0, 2), 1, pages()))
+    cut = PromptCutter(tok).cut(ids)
+    llm.reset_prefix_cache()
+    got = run_turn(llm, ids, max_tokens=8)
+    ref = run_turn(llm, ids, mode="off", fresh_prefill=True, max_tokens=8)
+    return {"got": dataclasses.asdict(got), "ref": dataclasses.asdict(ref), "frontend_runtimes": len(runtimes()),
+            "prefix_lens": [cut.prefix_len(n) for n in range(len(cut.chunks) + 1)]}
+
+
 def main(mode: str, store: str, out_path: str) -> None:
+    if mode == "multiprocess":
+        with open(out_path, "w") as f:
+            json.dump({"multiprocess": multiprocess(store)}, f)
+        return
     out: dict[str, Any] = {"refusal": refusal()} if mode == "writer" else {}
     from contextdeque.integrations.vllm import runtimes
     from contextdeque.integrations.vllm_bench import conversation, make_engine, pages, prompt_ids, run_turn
@@ -57,12 +91,12 @@ def main(mode: str, store: str, out_path: str) -> None:
     text = pages()
     rt = runtimes()[0]
 
-    def pair(order: tuple[int, ...], question: int) -> dict[str, Any]:
+    def pair(order: tuple[int, ...], question: int, layerwise: bool | None = None) -> dict[str, Any]:
         """The connector's answer and vLLM's own full prefill of the same prompt."""
         ids = prompt_ids(tok, conversation(order, question, text))
         before = dict(rt.stats)
         llm.reset_prefix_cache()
-        got = run_turn(llm, ids, max_tokens=8)
+        got = run_turn(llm, ids, max_tokens=8, layerwise=layerwise)
         delta = {k: rt.stats[k] - before.get(k, 0.0) for k in rt.stats}
         ref = run_turn(llm, ids, mode="off", fresh_prefill=True, max_tokens=8)
         cut = rt.cutter.cut(ids)
@@ -74,6 +108,10 @@ def main(mode: str, store: str, out_path: str) -> None:
         run_turn(llm, first, max_tokens=1)
         out["turn1_stats"] = dict(rt.stats)
         out["reread"] = pair((2, 0, 3, 1), 2)
+        # the same re-read again (its patches now come from the store), layer-wise with the loading
+        # thread gated, then with every layer loaded before the forward
+        out["overlap"] = overlap(rt, lambda: pair((2, 0, 3, 1), 2, layerwise=True))
+        out["reread_serial"] = pair((2, 0, 3, 1), 2, layerwise=False)
     else:
         out["reread"] = pair((2, 0, 3, 1), 2)
         out["prefix_cache"] = prefix_cache(llm, tok, text)
@@ -83,6 +121,38 @@ def main(mode: str, store: str, out_path: str) -> None:
     out["refused"] = rt.refused
     with open(out_path, "w") as f:
         json.dump(out, f)
+
+
+def overlap(rt: Any, run: Any) -> dict[str, Any]:
+    """``run()`` with the connector's loading thread held before the last layer until vLLM's
+    forward has been given layer 0 (bounded: a load that does not overlap times out there): the
+    pipeline's trace then shows vLLM waited for layer 0 before the last layer was loaded."""
+    import threading
+
+    from contextdeque.integrations.vllm import ContextDequeConnector as Connector
+
+    last = rt.backend.layout.num_layers - 1
+    given_0, opened, workers = threading.Event(), [], []
+    real_wait = Connector.wait_for_layer_load
+
+    def wait(self: Any, layer_name: str) -> None:
+        real_wait(self, layer_name)
+        workers.append(self)
+        if self._layer_index(layer_name) == 0:
+            given_0.set()
+
+    def gate(layer: int) -> None:
+        if layer == last:
+            opened.append(given_0.wait(120.0))
+
+    Connector.wait_for_layer_load, Connector.before_layer = wait, staticmethod(gate)
+    try:
+        got = run()
+    finally:
+        Connector.wait_for_layer_load, Connector.before_layer = real_wait, None
+    pipe = workers[-1].last_pipeline
+    return {"pair": got, "gate_opened": opened, "trace": pipe.trace if pipe is not None else [],
+            "layers": last + 1, "background": pipe.background if pipe is not None else None}
 
 
 def prefix_cache(llm: Any, tok: Any, text: list[str]) -> dict[str, Any]:
@@ -107,17 +177,17 @@ def load_failure(rt: Any, pair: Any) -> dict[str, Any]:
     load): the connector reports the blocks and vLLM recomputes them."""
     from contextdeque.core.errors import StoreError
 
-    real = rt.window_kv
+    real = rt.window_reader
 
     def lost(spec: Any) -> Any:
-        rt.window_kv = real
+        rt.window_reader = real
         raise StoreError("injected: the store lost the entry between match and load")
 
-    rt.window_kv = lost
+    rt.window_reader = lost
     try:
         return pair((0, 2, 1, 3), 0)
     finally:
-        rt.window_kv = real
+        rt.window_reader = real
 
 
 def faults(llm: Any, rt: Any, tok: Any, text: list[str], pair: Any) -> dict[str, Any]:

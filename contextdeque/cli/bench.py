@@ -9,12 +9,13 @@ import json
 
 from ..eval.bench import DEFAULT_TOKENS, run_bench
 from .model_spec import MODEL_HELP, add_threads_argument, load_backend
+from .window_options import add_window_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="chunk sizes, comma-separated")
-    p.add_argument("--rank", type=int, default=32)
+    add_window_arguments(p, with_policy=False)
     p.add_argument("--rounds", type=int, default=20, help="interleaved timing rounds for the kernel measurements")
     add_threads_argument(p)
     p.add_argument("--device", default="cpu", help="where the model and the kernels run: cpu or cuda (default cpu)")

@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a local HF checkpoint directory vLLM can load (default: the embedded SmolLM2)")
     p.add_argument("--store", default=None, help="the connector's store: valkey://host:port/db or a directory (default: a fresh temporary directory)")
     p.add_argument("--max-tokens", type=int, default=16, help="greedy answer length compared across arms")
-    p.add_argument("--repeats", type=int, default=1, help="measured turns per arm (median TTFT)")
+    p.add_argument("--repeats", type=int, default=1, help="measured rounds, each running every arm once, after one warm-up round (median TTFT per arm)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_threads_argument(p)
 
@@ -44,9 +44,21 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"re-read turn of {res['turn_tokens'][-1]} prompt tokens (earlier turns {res['turn_tokens'][:-1]}), model {model}")
     for name, a in res["arms"].items():
-        print(f"  {name:16s} TTFT {a['ttft_ms']:8.1f} ms   prefilled {a['prefilled']:5d} tokens "
+        print(f"  {name:24s} TTFT {a['ttft_ms']:8.1f} ms   prefilled {a['prefilled']:5d} tokens "
               f"(vLLM {a['vllm_prefilled']}, contextdeque: loading {a['window_tokens']}, new messages' canonicals "
               f"{a['encode_tokens']}; cached {a['cached_tokens']})")
     print(f"  connector vs prefix caching: {res['prefill_ratio']:.1f}x fewer tokens prefilled, TTFT {res['ttft_ratio']:.2f}x lower")
-    print(f"  answers identical to vLLM's: exact policy {res['exact_identical']}, latency policy {res['latency_identical']}")
+    lw = res["layerwise_ttft_ratio"]
+    print(f"  layer-wise load vs every layer before the forward: TTFT {lw['latency']:.2f}x lower (latency policy), "
+          f"{lw['exact']:.2f}x (exact)")
+    print(f"  the load per layer ({res['layers']} layers; ms: window's whole-model part once / relocate+patch+write "
+          "per layer / vLLM waiting per layer / vLLM's compute per layer):")
+    for name, a in res["arms"].items():
+        t = a["load_ms"]
+        if t.get("load_layers_ms"):
+            n = res["layers"]
+            print(f"  {name:24s} {t['load_prepare_ms']:8.1f} / {t['load_layers_ms'] / n:6.2f} / "
+                  f"{t['load_wait_ms'] / n:6.2f} / {t['load_compute_ms'] / max(1, n - 1):6.2f}")
+    print(f"  answers identical to vLLM's: exact policy {res['exact_identical']} (serial {res['exact_serial_identical']}), "
+          f"latency policy {res['latency_identical']}")
     return 0

@@ -13,12 +13,13 @@ from typing import Any
 from ..replay.calibrate import calibrate
 from ..replay.cost import save_calibration
 from .model_spec import MODEL_HELP, add_threads_argument, load_backend
+from .window_options import add_window_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help=MODEL_HELP)
     add_threads_argument(parser)
-    parser.add_argument("--rank", type=int, default=32)
+    add_window_arguments(parser, with_policy=False)
     parser.add_argument("--cache-dir", type=Path, default=None, help="the cost model's cache root (default: $CONTEXTDEQUE_CACHE or ~/.cache/contextdeque; "
                         "the envelope is cached under $CONTEXTDEQUE_CACHE)")
     parser.add_argument("--repeats", type=int, default=2)
@@ -35,10 +36,17 @@ def print_envelope(env: Any, out: Any = print) -> None:
     from ..model.envelope import envelope_path
 
     out(f"fidelity envelope of {env.model or env.fingerprint[:12]}: {env.summary()}")
-    out(f"  cached at {envelope_path(env.fingerprint)}")
-    out("  energy    median η   p10 η   bytes/page")
-    for e, m, p, b in zip(env.energies, env.median_eta, env.p10_eta, env.mean_bytes_fraction):
-        out(f"  {e:<8g}  {m:>8.4f}  {p:>6.4f}  {b:>10.3f}")
+    out(f"  cached at {envelope_path(env.fingerprint)}; measured in {env.seconds:.0f} s "
+        f"({env.sensitivity_seconds:.0f} s of it the per-layer sensitivities)")
+    out(f"  energy    median η   p10 η   map η (q{env.quantile:g})   bytes/page")
+    for e, m, p, q, b in zip(env.energies, env.median_eta, env.p10_eta, env.map_eta(), env.mean_bytes_fraction):
+        out(f"  {e:<8g}  {m:>8.4f}  {p:>6.4f}  {q:>13.4f}  {b:>10.3f}")
+    if env.sensitivity_k:
+        def row(xs: Any) -> str:
+            return " ".join(f"{x:.2g}" for x in xs)
+
+        out(f"  sensitivity per layer, K: {row(env.sensitivity_k)}")
+        out(f"  sensitivity per layer, V: {row(env.sensitivity_v)}")
 
 
 def run(args: argparse.Namespace) -> int:

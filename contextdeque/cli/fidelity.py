@@ -21,8 +21,8 @@ from ..core.chunk import storage_dtype
 from ..eval.fidelity.harness import FAMILIES, HarnessConfig, run_fidelity
 from ..eval.fidelity.metrics import DEFAULT_MIN_GAP
 from ..eval.fidelity.probes import probe_set
-from .fidelity_target import add_fidelity_target_arguments, fraction
 from .model_spec import MODEL_HELP, add_threads_argument, load_backend
+from .window_options import add_fidelity_target_arguments, fraction
 
 
 def _int_list(text: str) -> tuple[int, ...]:

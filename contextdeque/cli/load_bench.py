@@ -11,17 +11,13 @@ import sys
 import torch
 
 from ..eval.load_bench import run_load_bench
-from .fidelity_target import fraction
 from .model_spec import MODEL_HELP, add_threads_argument, load_backend
+from .window_options import add_bench_arguments, fraction
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--runs", type=int, default=3, help="timed runs per mode (median reported)")
-    parser.add_argument("--chunks", type=int, default=8, help="chunks in the window (half on disk, half missing)")
-    parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk")
-    parser.add_argument("--policy", default="default", help="patch policy (default, exact, none)")
-    parser.add_argument("--rank", type=int, default=32, help="patch rank m")
+    add_bench_arguments(parser, runs=3, runs_help="timed runs per mode (median reported)", chunks=8,
+                        chunks_help="chunks in the window (half on disk, half missing)", chunk_tokens=256)
     parser.add_argument("--workers", type=int, default=1, help="background reader threads")
     parser.add_argument("--storage", default="float32", help="chunk storage dtype (float32, bfloat16)")
     parser.add_argument("--dir", default=None, help="disk tier directory (default: a temporary one)")
@@ -39,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         print("error: --chunks must be >= 2 (half on disk, half missing)", file=sys.stderr)
         return 2
     res = run_load_bench(load_backend(args.model, threads=args.threads), n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
-                         policy=args.policy, rank=args.rank, workers=args.workers, storage=args.storage,
+                         policy=args.patch_policy, rank=args.rank, workers=args.workers, storage=args.storage,
                          disk_dir=args.dir, capsule=args.capsule)
     if args.json:
         sys.stdout.write(json.dumps(res, indent=1, default=str) + "\n")

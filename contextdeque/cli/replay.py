@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from ..core.errors import ContextDequeError
-from .fidelity_target import add_fidelity_target_arguments, window_options
 from .model_spec import add_threads_argument, apply_threads_argument
+from .window_options import add_fidelity_target_arguments, add_window_arguments, window_options
 
 GiB = 1 << 30
 
@@ -26,7 +26,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-tokens", type=int, default=None, help="window token budget (default: the trace's own)")
     parser.add_argument("--device-gb", type=float, default=16.0, help="device KV pool budget, GiB")
     parser.add_argument("--host-gb", type=float, default=64.0, help="host tier budget, GiB")
-    parser.add_argument("--rank", type=int, default=None, help="patch rank m (default: the calibration's)")
     parser.add_argument("--overlap-loads", action="store_true",
                         help="host/disk loads of canonicals overlap the model's work of the same admission (MPIC; ContextWindow.extend)")
     parser.add_argument("--jobs", type=int, default=0, help="worker processes (0: all cores)")
@@ -35,11 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also drive a real ContextWindow on the default model and measure KL / η / TTFT ratio at N sampled queries per policy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fidelity mode's query sample")
     add_threads_argument(parser)
-    parser.add_argument("--patch-policy", default="eager",
-                        help="the fidelity mode's patch policy for the patch arm (default eager, as the cost model "
-                             "prices it; latency, exact, ...); "
-                             "latency-first windows are also measured after heal(). 'latency' / 'latency-shared' also "
-                             "price the patch arm so in cost-model mode (arms patch-latency / patch-latency-shared)")
+    add_window_arguments(parser, policy="eager", rank=None, rank_help="patch rank m (default: the calibration's)",
+                         policy_help="the fidelity mode's patch policy for the patch arm (eager, as the cost model "
+                                     "prices it; latency, exact, ...); latency-first windows are also measured after "
+                                     "heal(). 'latency' / 'latency-shared' also price the patch arm so in cost-model "
+                                     "mode (arms patch-latency / patch-latency-shared)")
     add_fidelity_target_arguments(parser, "the fidelity mode's patch window gets this η target (docs/fidelity.md); the "
                                           "patches its byte cap could not fit it into are counted and listed with --json")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG figure here")

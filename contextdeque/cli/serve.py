@@ -16,8 +16,8 @@ import socket
 import sys
 from typing import Any
 
-from .fidelity_target import add_fidelity_target_arguments, window_options
 from .model_spec import MODEL_HELP, add_threads_argument, image_processor, load_backend
+from .window_options import add_fidelity_target_arguments, add_window_arguments, named_settings
 
 log = logging.getLogger("contextdeque.serve")
 
@@ -71,14 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-store-mb", type=float, default=4096, help="budget of the host-RAM store tier (MB)")
     p.add_argument("--disk-store-mb", type=float, default=None,
                    help="budget of the --store-dir disk tier (MB; default unbounded)")
-    p.add_argument("--rank", type=int, default=32, help="patch rank")
+    add_window_arguments(p, policy=None, policy_help=(
+        "window patch policy: latency-shared (the default: no forward a request can avoid; the skipped conditioning and "
+        "every canonical are computed in idle time, for the replicas sharing the store), latency (canonicals only when "
+        "a re-read needs them), eager (every patch formed on the request path), exact, none, or another registered name"))
     add_fidelity_target_arguments(p, "an η target for every session's patches (per-layer ranks through the model's "
                                      "calibrated envelope, docs/fidelity.md); misses in /metrics and each response's usage")
-    p.add_argument("--patch-policy", default=None,
-                   help="window patch policy: latency-shared (the default: no forward a request can avoid; the "
-                        "skipped conditioning and every canonical are computed in idle time, for the replicas "
-                        "sharing the store), latency (canonicals only when a re-read needs them), eager (every "
-                        "patch formed on the request path), exact, none, or another registered name")
     p.add_argument("--heal-idle-ms", type=float, default=20.0,
                    help="heal latency-first windows once no request came for this long (ms)")
     p.add_argument("--no-heal", action="store_true", help="never heal in idle time (a latency-first window stays as served)")
@@ -101,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..core.errors import ContextDequeError
     from ..serve.app import create_app
-    from ..serve.engine import SERVE_POLICY, Engine
+    from ..serve.engine import Engine, serve_config
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("CONTEXTDEQUE_API_KEY") or None
@@ -119,11 +117,10 @@ def run(args: argparse.Namespace) -> int:
         backend = load_backend(args.model, chat=True, threads=args.threads)
         store = build_store(args, backend)
         engine = Engine(
-            backend, store, model_name=args.model_name or backend.name, rank=args.rank, patch_policy=args.patch_policy or SERVE_POLICY,
+            backend, store, model_name=args.model_name or backend.name, config=serve_config(**named_settings(args)),
             context_tokens=args.context_tokens, max_tokens=args.max_tokens, queue_size=args.queue,
             session_memory_bytes=int(args.session_memory_mb * 1024 * 1024), plain=args.plain,
             heal_idle_ms=None if args.no_heal else args.heal_idle_ms, processor=image_processor(backend, args.model),
-            window_options=window_options(args),
         )
     except ContextDequeError as e:
         if valkey_server is not None:

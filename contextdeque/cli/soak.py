@@ -12,6 +12,7 @@ import torch
 from ..eval.soak import run_soak
 from ..window.context import DEFAULT_MAX_EVICTED
 from .model_spec import MODEL_HELP, add_threads_argument, load_backend
+from .window_options import add_window_arguments, window_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-every", type=int, default=100, help="record memory every N operations")
     parser.add_argument("--max-evicted", type=int, default=10_000,
                         help="evicted refs the window remembers (ContextWindow(max_evicted=); default %(default)s)")
-    parser.add_argument("--patch-policy", default="default", help="the window's patch policy (default: 'default')")
+    add_window_arguments(parser)
     parser.add_argument("--count-tensors", action="store_true",
                         help="also record the bytes of live tensors at each sample (a walk over Python's objects)")
     parser.add_argument("--seed", type=int, default=0)
@@ -47,11 +48,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(row), file=sys.stderr, flush=True)
 
     r = run_soak(
-        backend, ops=args.ops, budget_tokens=args.budget_tokens, section_tokens=args.section_tokens,
-        memory_budget=args.memory_budget, disk_budget=args.disk_budget, store_dir=args.store_dir, seed=args.seed,
-        sample_every=args.sample_every, max_seconds=None if args.max_minutes is None else 60.0 * args.max_minutes,
-        progress=progress if args.progress else None, max_evicted=args.max_evicted, patch_policy=args.patch_policy,
-        count_tensors=args.count_tensors,
+        backend, ops=args.ops, config=window_config(args, budget_tokens=args.budget_tokens, max_evicted=args.max_evicted),
+        section_tokens=args.section_tokens, memory_budget=args.memory_budget, disk_budget=args.disk_budget,
+        store_dir=args.store_dir, seed=args.seed, sample_every=args.sample_every,
+        max_seconds=None if args.max_minutes is None else 60.0 * args.max_minutes,
+        progress=progress if args.progress else None, count_tensors=args.count_tensors,
     )
     if args.json:
         print(json.dumps(r, sort_keys=True))

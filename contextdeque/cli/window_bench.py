@@ -12,15 +12,12 @@ import torch
 
 from ..eval.window_bench import run_window_bench
 from .model_spec import MODEL_HELP, add_threads_argument, load_backend
+from .window_options import add_bench_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--runs", type=int, default=7, help="timed runs per measurement (median reported)")
-    parser.add_argument("--chunks", type=int, default=4, help="chunks in the window")
-    parser.add_argument("--chunk-tokens", type=int, default=512, help="tokens per chunk")
-    parser.add_argument("--policy", default="default", help="patch policy (default = latency, eager, exact, none)")
-    parser.add_argument("--rank", type=int, default=32, help="patch rank m")
+    add_bench_arguments(parser, runs=7, runs_help="timed runs per measurement (median reported)", chunks=4,
+                        chunks_help="chunks in the window", chunk_tokens=512)
     parser.add_argument(
         "--model", default=None,
         help=MODEL_HELP,
@@ -29,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-steps", action="store_true", help="skip the per-step re-read table")
     parser.add_argument("--step-policies", default="eager,latency,latency+anticipate",
                         help="policies for the per-step table (name+anticipate: with anticipate=True)")
+    parser.add_argument("--steps", default=None,
+                        help="per-step table: which steps, comma-separated (default: all of slide, recall, "
+                             "recall-valid, look-back, reorder, fork+reorder, append)")
     parser.add_argument("--no-idle", action="store_true",
                         help="per-step table: no heal() while its window is built (what a miss costs)")
     parser.add_argument("--no-healer", action="store_true", help="skip the idle healer's interference probe")
@@ -36,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="append-only flow vs a prefix cache: chunks appended (0 skips it)")
     parser.add_argument("--append-policies", default="eager,latency", help="policies for the append-only flow")
     parser.add_argument("--append-only", action="store_true", help="run only the append-only flow")
+    parser.add_argument("--miss", action="store_true",
+                        help="run only the miss table: what a recall miss costs per miss path (blind, rank-m patch, "
+                             "layer-sparse patch, shallow recompute) and the dependent tail of a look-back "
+                             "(contextdeque.eval.miss_bench)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,10 +47,13 @@ def run(args: argparse.Namespace) -> int:
     backend = load_backend(args.model, threads=args.threads)
     if args.append_only:
         return _append_only(args, backend)
+    if args.miss:
+        return _miss(args, backend)
     result = run_window_bench(
         backend, n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
-        policy=args.policy, rank=args.rank, step_policies=policies, step_idle=not args.no_idle,
+        policy=args.patch_policy, rank=args.rank, step_policies=policies, step_idle=not args.no_idle,
         healer=not args.no_healer,
+        step_names=None if args.steps is None else tuple(s.strip() for s in args.steps.split(",") if s.strip()),
     )
     steps, healer = result["steps"], result["healer"]
     flow = []
@@ -63,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                          sort_keys=True))
         return 0
     print(f"window-bench: {result['model']} on {result['device']} ({result['threads']} threads), "
-          f"{result['window']} tokens, policy={args.policy}, rank={args.rank}, median of {result['runs']}")
+          f"{result['window']} tokens, policy={args.patch_policy}, rank={args.rank}, median of {result['runs']}")
     rows = [
         ("build (4 appends)", f"{result['build_s'] * 1000:.1f} ms", f"{result['build_forwards']} forwards"),
         ("slide(1)", f"{result['slide_ms']:.3f} ms",
@@ -106,6 +113,30 @@ def _append_only(args: argparse.Namespace, backend: Any) -> int:
     return 0
 
 
+def _miss(args: argparse.Namespace, backend: Any) -> int:
+    from ..eval.miss_bench import run_miss_bench
+    from ..eval.window_bench import _chunks, _question
+
+    rows = run_miss_bench(backend, _chunks(backend, args.chunks + 1, args.chunk_tokens), _question(backend),
+                          rank=args.rank, runs=args.runs)
+    if args.json:
+        print(json.dumps({"model": backend.name, "device": str(backend.device), "threads": torch.get_num_threads(),
+                          "miss": [r.as_dict() for r in rows]}, sort_keys=True))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"recall misses: {backend.name} on {backend.device} ({torch.get_num_threads()} threads), "
+                        f"{args.chunks}x{args.chunk_tokens} tokens, median of {args.runs}")
+    for col in ("scenario", "arm", "forwards", "critical ms", "patch KiB", "KL answer", "η"):
+        table.add_column(col, justify="left" if col in ("scenario", "arm") else "right")
+    for r in rows:
+        table.add_row(r.scenario, r.arm, f"{r.forwards:.2f}", f"{r.critical_ms:.0f}", f"{r.patch_kib:.0f}",
+                      f"{r.kl_answer:.2e}", "-" if r.eta is None else f"{r.eta:.3f}")
+    Console(width=160).print(table)
+    return 0
+
+
 def _print_flow(args: argparse.Namespace, flow: list[Any]) -> None:
     for r in flow:
         print(f"  append-only flow, {r.appends} x {args.chunk_tokens} tokens, policy={r.policy}: "
@@ -120,13 +151,13 @@ def _print_steps(steps: list[Any]) -> None:
 
     table = Table(title="re-read steps: step + first answer token vs re-prefill and prefix cache of the same window")
     for col in ("policy", "step", "fwd", "step ms", "floor ms", "TTFT ms", "re-prefill ms", "x re-prefill",
-                "prefix-cache ms", "x prefix", "KL answer", "KL healed", "KL vs eager", "heal ms", "served"):
+                "prefix-cache ms", "x prefix", "KL answer", "KL healed", "KL vs eager", "heal ms", "served", "placed"):
         table.add_column(col, justify="right" if col not in ("policy", "step") else "left")
     for r in steps:
         table.add_row(
             r.policy, r.step, str(r.forwards), f"{r.step_ms:.2f}", f"{r.floor_ms:.2f}", f"{r.ttft_ms:.0f}",
             f"{r.reprefill_ms:.0f}", f"{r.vs_reprefill:.1f}", f"{r.prefix_cache_ms:.0f}", f"{r.vs_prefix_cache:.1f}",
             f"{r.kl_answer:.2e}", f"{r.kl_healed:.2e}", "-" if r.kl_vs_eager is None else f"{r.kl_vs_eager:.1e}",
-            f"{r.heal_ms:.0f}", r.served or "-",
+            f"{r.heal_ms:.0f}", r.served or "-", r.placed or "-",
         )
-    Console(width=200).print(table)
+    Console(width=240).print(table)

@@ -1,7 +1,10 @@
 """Numerical comparisons every layer may use: next-token KL between two logit vectors, and
-errors in units in the last place (ULP) of a storage dtype."""
+errors in units in the last place (ULP) of a storage dtype, and quantiles of measured values."""
 
 from __future__ import annotations
+
+import math
+from typing import Sequence
 
 import torch
 
@@ -11,11 +14,16 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
     P is the reference (re-prefill), Q the arm. Zero iff the distributions are equal.
     """
+    return max(0.0, float(kl_divergence_tensor(p_logits, q_logits)))
+
+
+def kl_divergence_tensor(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """:func:`kl_divergence` as a 0-d fp64 tensor that carries gradients (not clamped at 0)."""
     lp = torch.log_softmax(p_logits.to(torch.float64).reshape(-1), dim=-1)
     lq = torch.log_softmax(q_logits.to(torch.float64).reshape(-1), dim=-1)
     if lp.shape != lq.shape:
         raise ValueError(f"logit shapes differ: {tuple(lp.shape)} vs {tuple(lq.shape)}")
-    return max(0.0, float((lp.exp() * (lp - lq)).sum()))
+    return (lp.exp() * (lp - lq)).sum()
 
 
 _MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10, torch.float64: 52}
@@ -56,3 +64,15 @@ def ulp_error_at_scale(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -
     d = float((x.detach().to(torch.float64) - ref.detach().to(torch.float64)).abs().max())
     scale = ref.detach().to(torch.float64).abs().max().reshape(1)
     return d / float(ulp(scale, dtype)[0])
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-quantile (``q`` in [0, 1]) of ``values``, linearly interpolated between order
+    statistics (numpy's default); None for no values. ``percentile(x, 0.1)``: the 10th percentile."""
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * float(q)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

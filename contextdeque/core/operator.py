@@ -15,7 +15,7 @@ import torch
 
 from .chunk import Chunk, check_finite
 from .args import check_instance, check_int
-from .errors import ArgumentTypeError, FingerprintMismatchError, PositionError
+from .errors import ArgumentError, ArgumentTypeError, FingerprintMismatchError, PositionError
 from .kv import LayerKV, RelocatedKV
 from ..kernels import MAX_RANK, RopeSpec, fused_apply, fused_apply_layers
 from .layout import KVLayout, layout_for
@@ -107,12 +107,15 @@ def relocate(
     out_dtype: torch.dtype | None = None,
     fingerprint: str | None = None,
     beyond_trained: bool = False,
+    layers: Sequence[int] | None = None,
 ) -> RelocatedKV:
     """The chunk's KV as the model would cache it at the given positions (+ an optional patch).
 
     Returns per layer ``(k [H_k, T, d_k], v [H_v, T, d_v])`` in ``out_dtype`` (default: the model's
     compute dtype), as a :class:`~contextdeque.core.kv.RelocatedKV` (a list that prints as one line). ``layout`` defaults to the one a loaded backend registered for the chunk's
-    layout signature (:func:`.layout.layout_for`).
+    layout signature (:func:`.layout.layout_for`). ``layers``: only these layers, in this order
+    (entry ``i`` of the result is layer ``layers[i]``; the same values as the full result's): a
+    consumer that reads one layer at a time (a serving engine's layer-wise load) computes no more.
 
     Raises:
         PositionError: a position is negative, past the exact RoPE regime, or (unless
@@ -136,14 +139,21 @@ def relocate(
     tables = TableCache(layout, pos, device=chunk.keys.device)
     spec = rope_spec(layout)
     L = chunk.num_layers
-    tables = [tables.for_layer(layer) for layer in range(L)]
+    if layers is None:
+        chosen = list(range(L))
+    else:
+        chosen = [int(layer) for layer in layers]
+        if any(not 0 <= layer < L for layer in chosen):
+            raise ArgumentError(f"layers: indices must lie in [0, {L}), got {chosen}")
+    tables = [tables.for_layer(layer) for layer in chosen]
     cos = [c for c, _ in tables]
     sin = [t for _, t in tables]
     where = None if positions is not None else (int(start) if start is not None else None)
     if not patches:  # pure relocation: the stacked content in one kernel call
-        return RelocatedKV(fused_apply_layers(chunk.keys, chunk.values, spec, cos, sin, out_dtype=dtype), start=where)
+        keys, values = (chunk.keys, chunk.values) if layers is None else (chunk.keys[chosen], chunk.values[chosen])
+        return RelocatedKV(fused_apply_layers(keys, values, spec, cos, sin, out_dtype=dtype), start=where)
     ks, vs, kfs, vfs = [], [], [], []
-    for layer in range(L):
+    for layer in chosen:
         k, v = chunk.layer(layer)
         fk, fv = [], []
         for p in patches:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from ..patch.rank import DEFAULT_RANK
 
 
 @dataclass
@@ -35,7 +36,7 @@ class AppendFlowRow:
 
 
 def run_append_flow(backend: Any, chunks: list[list[int]], *, policies: tuple[str, ...] = ("eager", "latency"),
-                    rank: int = 32) -> list[AppendFlowRow]:
+                    rank: int = DEFAULT_RANK) -> list[AppendFlowRow]:
     """One row per policy (see the module docstring)."""
     from ..core.kv import concat_kv
     from ..window import ContextWindow

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..model.text import text_ids
+from ..patch.rank import DEFAULT_RANK
 
 DEFAULT_TOKENS = (256, 512, 1024, 2048)
 
@@ -46,7 +47,7 @@ def _best_of(fn, repeats: int, device: "torch.device | str" = "cpu") -> float:
 def run_bench(
     backend: Any,
     tokens: tuple[int, ...] = DEFAULT_TOKENS,
-    rank: int = 32,
+    rank: int = DEFAULT_RANK,
     dtypes: tuple[str, ...] = ("float32", "bfloat16"),
     rounds: int = 20,
     progress: bool = True,

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from ..patch.rank import DEFAULT_RANK
 
 #: SmolLM2-135M-Instruct's published architecture (its config.json).
 SMOLLM2_135M_CONFIG: dict[str, Any] = dict(
@@ -156,7 +157,7 @@ def sweep(tokens: int = 8192) -> list[dict[str, Any]]:
     rows = []
     for shape_name, shape in shapes.items():
         for dtype in (torch.bfloat16, torch.float32):
-            case = make_case(tokens, rank=32, dtype=dtype, device="cuda", **shape)
+            case = make_case(tokens, rank=DEFAULT_RANK, dtype=dtype, device="cuda", **shape)
             floor = ceilings.floor_s(case)
             fns: dict[str, Callable[[], None]] = {}
             for name, over in SWEEP_VARIANTS.items():
@@ -176,7 +177,7 @@ def sweep(tokens: int = 8192) -> list[dict[str, Any]]:
                 dev = device_time(fns[name], "cuda", rounds=10)
                 assert dev is not None
                 rows.append({
-                    "shape": shape_name, "dtype": str(dtype).replace("torch.", ""), "rank": 32, "tokens": tokens,
+                    "shape": shape_name, "dtype": str(dtype).replace("torch.", ""), "rank": DEFAULT_RANK, "tokens": tokens,
                     "variant": name, "apply_s": tm.min_s, "median_s": tm.median_s, "true_floor_s": floor,
                     "vs_true_floor": tm.min_s / floor, "device_s": dev.min_s, "device_vs_true_floor": dev.min_s / floor,
                 })
@@ -201,7 +202,7 @@ def bench_large(tokenizer_dir: Path) -> dict[str, Any]:
         model, tok, name="Meta-Llama-3-8B architecture, random bf16 weights", fingerprint="random-llama3-8b-seed0-bf16",
         verify_at_load=False,
     )
-    res = run_bench(backend, BENCH_TOKENS, rank=32, dtypes=("bfloat16",), rounds=20, progress=False, window_step_tokens=2048)
+    res = run_bench(backend, BENCH_TOKENS, rank=DEFAULT_RANK, dtypes=("bfloat16",), rounds=20, progress=False, window_step_tokens=2048)
     res["weights"] = "random (torch.manual_seed(0)), bf16, built on the device"
     return res
 

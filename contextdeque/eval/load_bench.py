@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import torch
+from ..patch.rank import DEFAULT_RANK
 
 
 def _disk(disk_dir: str, bank: Any) -> Any:
@@ -103,7 +104,7 @@ CALIBRATION_CHUNKS = 16
 
 
 def run_load_bench(backend: Any, *, n_chunks: int = 8, chunk_tokens: int = 256, runs: int = 3, policy: str = "default",
-                   rank: int = 32, workers: int = 1, storage: str = "float32", disk_dir: str | None = None,
+                   rank: int = DEFAULT_RANK, workers: int = 1, storage: str = "float32", disk_dir: str | None = None,
                    capsule: float | None = None) -> dict[str, Any]:
     """Store every other chunk on disk (compressed with mean retention ``capsule`` when given),
     then :func:`measure`; returns the measured record."""

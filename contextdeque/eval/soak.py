@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..window.context import DEFAULT_MAX_EVICTED
+from ..window.config import WindowConfig
 
 
 def rss_bytes() -> int:
@@ -97,7 +97,7 @@ def run_soak(
     backend: Any,
     *,
     ops: int = 10_000,
-    budget_tokens: int = 1024,
+    config: WindowConfig | None = None,
     section_tokens: int = 100,
     memory_budget: int | str | None = None,
     disk_budget: int | str | None = None,
@@ -107,12 +107,14 @@ def run_soak(
     max_seconds: float | None = None,
     warmup_ops: int | None = None,
     progress: Callable[[dict], None] | None = None,
-    max_evicted: int | None = DEFAULT_MAX_EVICTED,
-    patch_policy: str = "default",
     count_tensors: bool = False,
 ) -> dict[str, Any]:
-    """Run the soak (see the module docstring); returns the record."""
+    """Run the soak (see the module docstring) on a window of ``config`` (default: a budget of 1024
+    tokens); returns the record."""
     from ..window import ContextWindow
+
+    config = WindowConfig(budget_tokens=1024) if config is None else config
+    budget_tokens = config.budget_tokens
     from ..window.store import default_store, parse_bytes, machine_memory, default_memory_budget
 
     tmp = None
@@ -122,8 +124,7 @@ def run_soak(
     try:
         store = default_store(backend.device, memory_budget=memory_budget, disk_budget=disk_budget, disk_dir=store_dir)
         budget = default_memory_budget() if memory_budget is None else parse_bytes(memory_budget, machine_memory())
-        win = ContextWindow(backend, budget_tokens=budget_tokens, store=store, max_evicted=max_evicted,
-                            patch_policy=patch_policy)
+        win = ContextWindow.from_config(backend, config, store=store)
         sections = _sections(backend, section_tokens)
         rng = random.Random(seed)
         errors: dict[str, int] = {}
@@ -142,7 +143,7 @@ def run_soak(
                 "op": done, "s": round(time.perf_counter() - t0, 1), "rss": rss_bytes(),
                 "store": tiers, "evicted_refs": len(win.evicted_refs), "in_window": len(win),
                 "tokens": win.tokens_used, "forwards": backend.forwards_run - forwards0,
-                "graph_nodes": len(win.graph), "patch_index": len(win.context.patch_index), "receipts": len(win.receipts),
+                "graph_nodes": len(win.graph), "patch_index": win.context.patch_index.contents(), "receipts": len(win.receipts),
             }
             if count_tensors:
                 row["tensor_bytes"] = live_tensor_bytes()
@@ -190,7 +191,7 @@ def run_soak(
             "model": getattr(backend, "name", "?"), "device": str(backend.device), "threads": torch.get_num_threads(),
             "ops": done, "ops_asked": ops, "op_counts": op_counts, "errors": errors, "seconds": round(time.perf_counter() - t0, 1),
             "budget_tokens": budget_tokens, "section_tokens": section_tokens, "memory_budget": budget,
-            "max_evicted": max_evicted, "patch_policy": patch_policy,
+            "max_evicted": config.max_evicted, "patch_policy": config.patch_policy,
             "store_budgets": store.budget_bytes(), "model_bytes": model_bytes(backend),
             "rss_start": rss0, "rss_baseline": baseline, "rss_at_warmup": at_warm, "rss_max_after_warmup": max(after),
             "rss_end": curve[-1]["rss"], "rss_max": max(r["rss"] for r in curve),

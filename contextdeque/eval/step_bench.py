@@ -6,7 +6,9 @@ The window holds ``n_pages`` pages of real text (``pydoc_data.topics``) that the
 page was seen earlier and slid out (it is in the store). For each patch policy and step type:
 
 - ``slide``: ``slide(1)``;
-- ``recall``: ``recall(old page)`` at the end (the budget slides the oldest page out);
+- ``recall``: ``recall(old page, at="end")`` (the budget slides the oldest page out);
+- ``recall-valid``: ``recall(old page)``: the window chooses where (``recall_placement``, default
+  ``"valid"``: where a stored patch stays valid, or the front; the receipt's ``placed`` says);
 - ``look-back``: ``recall(old page, at=0)``: the old page goes back in front;
 - ``reorder``: the window reversed;
 - ``fork+reorder``: ``fork()`` then the child's first two pages swapped (an order no earlier
@@ -38,11 +40,15 @@ from typing import Any, Callable
 
 import torch
 
+from ..scheduler import ValidPlacement  # noqa: F401  (registers recall_placement="valid")
 from ..core.metrics import kl_divergence
 from ..kernels.bench_util import copy_bandwidth
+from ..window.placement import END
 from ..window.window import ContextWindow
+from ..patch.rank import DEFAULT_RANK
 
-STEPS = ("slide", "recall", "look-back", "reorder", "fork+reorder", "append")
+STEP_KL_BUDGET = 3e-3  # the "+budget" policies' answer_kl_budget: issue 21's acceptance KL per step
+STEPS = ("slide", "recall", "recall-valid", "look-back", "reorder", "fork+reorder", "append")
 
 
 @dataclass
@@ -63,6 +69,7 @@ class StepRow:
     page_mb: float
     floor_ms: float
     served: str = ""  # what the step's receipt says each re-conditioned chunk was served (Receipt.served)
+    placed: str = ""  # for a recall: the index it went to and why (Receipt.placed)
 
     @property
     def vs_reprefill(self) -> float:
@@ -143,7 +150,7 @@ def run_steps(
     *,
     policies: tuple[str, ...] = ("eager", "latency"),
     steps: tuple[str, ...] = STEPS,
-    rank: int = 32,
+    rank: int = DEFAULT_RANK,
     n_pages: int = 4,
     progress: Callable[[str], None] | None = None,
     idle: bool = True,
@@ -152,9 +159,14 @@ def run_steps(
     ``n_pages + 2`` pages (an old one, the window, the page ``append`` adds).
 
     A policy named ``"<name>+anticipate"`` runs ``<name>`` with ``anticipate=True``
-    (``window.anticipation``: ``heal()`` also prepares the next likely re-reads).
+    (``window.anticipation``: ``heal()`` also prepares the next likely re-reads); ``"+budget"``
+    with ``answer_kl_budget=STEP_KL_BUDGET`` (``window.budget``: a step whose estimate is above it
+    forms the one patch that matters most); both may be given (``latency+anticipate+budget``).
     ``idle=False``: no ``heal()`` while the window is built (no idle time before the step: what
     a miss costs); the healed columns still heal after the step."""
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        raise ValueError(f"unknown step(s) {unknown}; known: {', '.join(STEPS)}")
     size = len(pages[0])
     need = n_pages + 2
     if len(pages) < need:
@@ -166,9 +178,13 @@ def run_steps(
     eager_healed: dict[str, torch.Tensor] = {}  # step -> the eager window's answer logits
     for policy in sorted(policies, key=lambda p: p != "eager"):  # eager first: the others compare to it
         # one store per policy: the eager window must not serve the latency one (or back)
-        name, _, extra = policy.partition("+")
+        name, *extras = policy.split("+")
+        unknown = set(extras) - {"anticipate", "budget"}
+        if unknown:
+            raise ValueError(f"unknown policy option(s) {sorted(unknown)} in {policy!r}: anticipate, budget")
         base = ContextWindow(backend, budget_tokens=n_pages * size, rank=rank, patch_policy=name,
-                             anticipate=extra == "anticipate")
+                             anticipate="anticipate" in extras,
+                             answer_kl_budget=STEP_KL_BUDGET if "budget" in extras else None)
         # pages the store has seen (their canonicals exist): what a re-read reads
         old_ref = base.append(chunk=backend.encode(token_ids=old))
         if idle:
@@ -190,6 +206,8 @@ def run_steps(
                 if step == "slide":
                     return target.slide(1)
                 if step == "recall":
+                    return target.recall(old_ref, at=END)
+                if step == "recall-valid":  # the window chooses (recall_placement)
                     return target.recall(old_ref)
                 if step == "look-back":
                     return target.recall(old_ref, at=0)
@@ -229,6 +247,7 @@ def run_steps(
                 deferred=len(receipt.deferred), page_mb=page_bytes / 1e6,
                 floor_ms=page_bytes / bandwidth * 1000.0,
                 served=",".join(sorted({what for _, what in receipt.served})),
+                placed=";".join(f"@{i}: {why}" for _, i, why in receipt.placed),
             ))
             if target is not win:
                 target.discard()
@@ -243,7 +262,7 @@ def window_step_ttft(
     question: list[int],
     *,
     policies: tuple[str, ...] = ("latency", "eager"),
-    rank: int = 32,
+    rank: int = DEFAULT_RANK,
     repeats: int = 5,
 ) -> list[dict[str, Any]]:
     """Time to first token of one window step -- ``slide(1)``, ``recall`` of a page read before,
@@ -271,7 +290,7 @@ def window_step_ttft(
             sync(backend.device)
             t0 = time.perf_counter()
             win.slide(1)
-            win.recall(old_ref)
+            win.recall(old_ref, at=END)
             sync(backend.device)
             t_step = time.perf_counter()
             logits = _answer_logits(win, question)
@@ -296,7 +315,7 @@ def window_step_ttft(
 
 
 def healer_interference(
-    backend: Any, pages: list[list[int]], *, rank: int = 32, probes: int = 8, seed: int = 0
+    backend: Any, pages: list[list[int]], *, rank: int = DEFAULT_RANK, probes: int = 8, seed: int = 0
 ) -> dict[str, Any]:
     """How long foreground operations wait for the idle healer.
 

@@ -27,10 +27,11 @@ from typing import Any
 import torch
 
 from .window_bench import _chunks
+from ..patch.rank import DEFAULT_RANK
 
 
 def run_window_ops(backend: Any, *, pages: int = 4, page_tokens: int = 256, new_tokens: int = 16,
-                   rank: int = 32) -> dict[str, Any]:
+                   rank: int = DEFAULT_RANK) -> dict[str, Any]:
     """Seconds of each window operation on ``backend`` at the current torch thread count:
     ``append_s`` (all ``pages`` appends), ``heal_s``, ``generate_s`` (``new_tokens`` tokens),
     with the forwards each ran."""

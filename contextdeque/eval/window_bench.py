@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..model.text import text_chunks as _chunks  # the one text source of the benches (its home is below eval)
+from ..patch.rank import DEFAULT_RANK
 
 
 def _question(backend: Any, n: int = 10) -> list[int]:
@@ -67,14 +68,16 @@ def run_window_bench(
     chunk_tokens: int = 512,
     runs: int = 7,
     policy: str = "default",
-    rank: int = 32,
+    rank: int = DEFAULT_RANK,
     step_policies: tuple[str, ...] = ("eager", "latency"),
     step_idle: bool = True,
     healer: bool = True,
+    step_names: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Measure everything the module docstring lists on a window of ``n_chunks`` chunks of
     ``chunk_tokens`` tokens (``step_policies=()`` skips the per-step table; ``step_idle``: heal
-    between the steps that build its window, see ``step_bench.run_steps``; ``healer=False`` skips
+    between the steps that build its window, see ``step_bench.run_steps``; ``step_names``: which step
+    types (default: every one of ``step_bench.STEPS``); ``healer=False`` skips
     the idle healer's interference probe). Returns one dict,
     JSON-able but for ``steps`` (the per-step rows; each row's ``as_dict()`` is)."""
     from ..window import ContextWindow
@@ -125,7 +128,7 @@ def run_window_bench(
 
         pages = _chunks(backend, n_chunks + 2, chunk_tokens)
         steps = run_steps(backend, pages, _question(backend), policies=step_policies, rank=rank, n_pages=n_chunks,
-                          idle=step_idle)
+                          idle=step_idle, **({} if step_names is None else {"steps": step_names}))
         healer = healer_interference(backend, pages[:n_chunks], rank=rank) if healer else None
 
     last = slide_receipts[-1]

@@ -15,13 +15,18 @@ How a request is served:
   of chunks whose canonical the store holds — fetched and verified (checksum, model fingerprint,
   layout) — is the matched prefix vLLM takes as computed. A corrupt, foreign or evicted entry ends
   the run there: vLLM prefills the rest itself.
-- **Worker side** (``start_load_kv`` / ``wait_for_layer_load``): a ``ContextWindow`` on that root
-  appends the matched chunks (0 encodes: the canonicals are stored) under the connector's patch
-  policy, which relocates them to vLLM's positions and applies the patches it chose (the fused
-  kernel); each layer's KV is written into vLLM's paged cache before that layer's attention runs
-  (:class:`~contextdeque.integrations.paged.PagedLayout`: vLLM's CPU layout, the flash-attention
-  layout). A load that fails there is reported (``get_block_ids_with_load_errors``) and vLLM
-  recomputes those blocks.
+- **Worker side** (``start_load_kv`` / ``wait_for_layer_load``): layer-wise, on a background
+  thread (:class:`~contextdeque.integrations.layerwise.LayerPipeline`) while vLLM's forward runs.
+  Per request, a ``ContextWindow`` on that root first appends the matched chunks (0 encodes: the
+  canonicals are stored) under the connector's patch policy — the whole-model part: canonicals
+  and patches fetched, and the conditioned forwards the policy may ask for (``exact``), which
+  run through every layer and are not split. Then, layer by layer, it relocates that layer to
+  vLLM's positions, applies the patches the policy chose (the fused kernel) and writes it into
+  vLLM's paged cache (:class:`~contextdeque.integrations.paged.PagedLayout`: vLLM's CPU layout,
+  the flash-attention layout); ``wait_for_layer_load(layer)`` waits for that layer only, so vLLM
+  computes layer ``l`` while ``l + 1`` loads. ``layerwise=False`` loads every layer in
+  ``start_load_kv`` instead (the same work, no overlap). A load that fails, in its window or on
+  any layer, is reported (``get_block_ids_with_load_errors``) and vLLM recomputes those blocks.
 - **Saving**: the first message after the root is conditioned on the root alone, so the KV vLLM
   computed for it *is* its canonical: it is read back from the paged cache after the forward,
   un-rotated into the content frame and stored (0 forwards). Later new messages were computed
@@ -48,7 +53,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from vllm.config import KVTransferConfig
@@ -59,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..core.chunk import Chunk
+from ..core.kv import LayerKV
 from ..core.errors import ContextDequeError, UnsupportedLayoutError
 from ..core.layout import REGIME_ROPE_TYPES, KVLayout
 from ..core.operator import rope_spec, to_content_frame
@@ -68,7 +74,9 @@ from ..stores.traffic import TierTraffic
 from ..window import ContextWindow
 from ..window.policy import make_policy
 from ..window.store import WindowStore, default_store
+from .layerwise import LayerPipeline
 from .paged import PagedLayout, PromptCut, PromptCutter, paged_layout_for
+from ..patch.rank import DEFAULT_RANK
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -89,8 +97,8 @@ ROOT_KV_TOLERANCE = 1e-3
 
 
 def kv_transfer_config(
-    store: str | None = None, *, patch_policy: str = "latency", rank: int = 32, model: str | None = None,
-    encode_on_finish: bool = True,
+    store: str | None = None, *, patch_policy: str = "latency", rank: int = DEFAULT_RANK, model: str | None = None,
+    encode_on_finish: bool = True, layerwise: bool = True,
 ) -> KVTransferConfig:
     """vLLM's ``kv_transfer_config`` for this connector.
 
@@ -104,9 +112,12 @@ def kv_transfer_config(
         rank: patch rank.
         model: the checkpoint contextdeque loads beside vLLM (default: vLLM's ``model``).
         encode_on_finish: encode the canonicals of a finished request's new messages.
+        layerwise: load layer by layer on a background thread while vLLM's forward runs (each
+            attention layer waits for its own layer only); False: every layer is loaded in
+            ``start_load_kv``, before the forward (no overlap: the benchmark's baseline).
     """
     extra = {"store": store, "patch_policy": patch_policy, "rank": int(rank), "model": model,
-             "encode_on_finish": bool(encode_on_finish)}
+             "encode_on_finish": bool(encode_on_finish), "layerwise": bool(layerwise)}
     # a load that fails on the worker side is recomputed by vLLM, never served wrong or failed
     return KVTransferConfig(kv_connector=CONNECTOR_NAME, kv_connector_module_path=__name__, kv_role="kv_both",
                             kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
@@ -181,7 +192,9 @@ def open_store(spec: str | None, backend: Any) -> Any:
 @dataclass(frozen=True)
 class LoadSpec:
     """What the worker loads for one request: the window's root and chunks (token ids), the
-    positions ``[start, end)`` vLLM takes from the connector, the request's block table."""
+    positions ``[start, end)`` vLLM takes from the connector, the request's block table, its
+    patch policy, and whether it may load layer-wise (a step loads in the background only when
+    all its requests may)."""
 
     req_id: str
     root: tuple[int, ...]
@@ -190,6 +203,7 @@ class LoadSpec:
     end: int
     block_ids: tuple[int, ...]
     policy: str
+    layerwise: bool = True
 
 
 @dataclass(frozen=True)
@@ -313,9 +327,12 @@ class Runtime:
             self.stats["encode_tokens"] += len(tokens)
 
     # ------------------------------------------------------------------ worker side
-    def window_kv(self, spec: LoadSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer ``(k [H, S, d], v [H, S, d])``: the root and the chunks placed by a window under
-        the connector's policy (positions ``0..S-1``, rotated as vLLM caches them)."""
+    def window_reader(self, spec: LoadSpec) -> Callable[[int], LayerKV]:
+        """``read(layer) -> (k [H, S, d], v [H, S, d])``: the root and the chunks placed by a window
+        under the connector's policy (positions ``0..S-1``, rotated as vLLM caches them), one
+        layer per call (``ContextWindow.kv_layer_reader``). The window's whole-model work — the
+        canonicals and patches fetched, any conditioned forward the policy asks for — is done
+        here; relocation and patch apply happen per layer, in ``read``."""
         with self._lock:
             win = ContextWindow(self.view(spec.root), store=self.store, patch_policy=spec.policy, rank=self.rank,
                                 overflow="error")
@@ -324,12 +341,13 @@ class Runtime:
                     rec = win.append(token_ids=list(tokens)).receipt
                     for k in ("forwards", "tokens_prefilled", "encodes", "patches_formed", "patches_reused"):
                         self.stats[f"window_{k}"] += float(getattr(rec, k))
-                layers = win.kv_layers()
+                held = win.tokens_used + len(spec.root)
+                read = win.kv_layer_reader()
             finally:
                 win.close()
-        if layers[0][0].shape[1] < spec.end:
-            raise ContextDequeError(f"the window holds {layers[0][0].shape[1]} tokens, vLLM expects {spec.end}")
-        return layers
+        if held < spec.end:
+            raise ContextDequeError(f"the window holds {held} tokens, vLLM expects {spec.end}")
+        return read
 
     def save_canonical(self, spec: SaveSpec, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Store the canonical of ``spec``'s chunk from the KV vLLM cached for it (un-rotated)."""
@@ -369,6 +387,9 @@ class ContextDequeConnector(KVConnectorBase_V1):
     """vLLM's KV connector over contextdeque (see the module docstring). Configured through
     ``kv_connector_extra_config`` (:func:`kv_transfer_config` builds it)."""
 
+    #: called on the loading thread before each layer is loaded (tests gate the pipeline with it)
+    before_layer: Callable[[int], None] | None = None
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
@@ -376,7 +397,7 @@ class ContextDequeConnector(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         self.rt = Runtime.get(
             extra.get("model") or model_cfg.model, extra.get("store"), str(extra.get("patch_policy") or "latency"),
-            int(extra.get("rank", 32)), bool(extra.get("encode_on_finish", True)),
+            int(extra.get("rank", DEFAULT_RANK)), bool(extra.get("encode_on_finish", True)),
         )
         layout = self.rt.backend.layout
         check_vllm_rotary(layout, model_cfg.hf_config, int(model_cfg.max_model_len), vllm_config)
@@ -384,9 +405,13 @@ class ContextDequeConnector(KVConnectorBase_V1):
         # scheduler side
         self._matches: dict[str, tuple[Match, int, str]] = {}
         self._to_load: dict[str, LoadSpec] = {}
+        self.layerwise = bool(extra.get("layerwise", True))
         # worker side
         self._paged: PagedLayout | None = None
-        self._loads: list[tuple[LoadSpec, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        self._pipeline: LayerPipeline[str] | None = None
+        self._load_specs: dict[str, LoadSpec] = {}
+        #: the last step's finished pipeline (its ``times`` and ``trace``)
+        self.last_pipeline: LayerPipeline[str] | None = None
         self._saving: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = defaultdict(dict)
         self._failed_blocks: set[int] = set()
 
@@ -414,6 +439,12 @@ class ContextDequeConnector(KVConnectorBase_V1):
         else the connector's."""
         p = self._params(request)
         return str(p.get("patch_policy")) if isinstance(p, dict) and p.get("patch_policy") else self.rt.policy_name
+
+    def _layerwise(self, request: Any) -> bool:
+        """Whether the request loads layer-wise: ``{"contextdeque": {"layerwise": False}}`` turns it
+        off for one request (a benchmark's baseline on the same engine), else the connector's."""
+        p = self._params(request)
+        return bool(p["layerwise"]) if isinstance(p, dict) and "layerwise" in p else self.layerwise
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         if self._off(request):
@@ -451,7 +482,8 @@ class ContextDequeConnector(KVConnectorBase_V1):
         match, start, policy = got
         end = start + int(num_external_tokens)
         chunks = match.cut.chunks[: match.n_chunks]
-        self._to_load[request.request_id] = LoadSpec(request.request_id, match.cut.root, chunks, start, end, (), policy)
+        self._to_load[request.request_id] = LoadSpec(request.request_id, match.cut.root, chunks, start, end, (), policy,
+                                                     self._layerwise(request))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = ContextDequeConnectorMetadata()
@@ -501,10 +533,9 @@ class ContextDequeConnector(KVConnectorBase_V1):
         return False, None
 
     # ------------------------------------------------------------------ worker side
-    def _cache(self, layer_name: str) -> torch.Tensor:
-        from vllm.forward_context import get_forward_context
-
-        cache = get_forward_context().no_compile_layers[layer_name].kv_cache
+    @staticmethod
+    def _layer_cache(layer: Any) -> torch.Tensor:
+        cache = layer.kv_cache
         if isinstance(cache, (list, tuple)):
             cache = cache[0]
         return cache
@@ -520,35 +551,73 @@ class ContextDequeConnector(KVConnectorBase_V1):
 
         return int(extract_layer_index(layer_name))
 
+    def _caches(self, forward_context: "ForwardContext") -> dict[int, torch.Tensor]:
+        """Each attention layer's paged cache this step, by layer index."""
+        return {self._layer_index(name): self._layer_cache(layer)
+                for name, layer in forward_context.no_compile_layers.items() if hasattr(layer, "kv_cache")}
+
+    def _load_task(self, spec: LoadSpec, caches: dict[int, torch.Tensor]) -> Callable[[], Callable[[int], None]]:
+        """The pipeline's task for ``spec``: build its window (whole-model work), then per layer
+        relocate + patch that layer and write positions ``[start, end)`` into vLLM's cache."""
+        def prepare() -> Callable[[int], None]:
+            if self.rt.refused is not None:  # this process's run-time check refused (the scheduler may be another's)
+                raise ContextDequeError(self.rt.refused)
+            read = self.rt.window_reader(spec)
+
+            def load_layer(layer: int) -> None:
+                cache = caches.get(layer)
+                if cache is None:
+                    raise ContextDequeError(f"vLLM's forward context has no KV cache for layer {layer}")
+                k, v = read(layer)
+                self._paged_layout(cache).write(cache, spec.block_ids, spec.start, k[:, spec.start : spec.end],
+                                                v[:, spec.start : spec.end])
+
+            return load_layer
+
+        return prepare
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, ContextDequeConnectorMetadata)
-        self._loads = []
-        for spec in meta.loads:
-            t0 = time.perf_counter()
-            try:
-                layers = self.rt.window_kv(spec)
-            except ContextDequeError as exc:
-                # vLLM recomputes what a failed load leaves: report the blocks, never write guesses
-                log.warning("contextdeque: load of request %s failed (%s); vLLM recomputes it", spec.req_id, exc)
-                first, last = spec.start // self.block_size, (spec.end - 1) // self.block_size
-                self._failed_blocks.update(spec.block_ids[first : last + 1])
-                self.stats["load_failures"] += 1
-                continue
-            self.stats["load_ms"] += (time.perf_counter() - t0) * 1000.0
-            self.stats["loads"] += 1
-            self.stats["tokens_loaded"] += spec.end - spec.start
-            self._loads.append((spec, layers))
+        self._finish_load()  # a step whose wait_for_save never came (none should)
+        if not meta.loads:
+            return
+        caches = self._caches(forward_context)
+        self._load_specs = {spec.req_id: spec for spec in meta.loads}
+        tasks = [(spec.req_id, self._load_task(spec, caches)) for spec in meta.loads]
+        background = all(spec.layerwise for spec in meta.loads)
+        self._pipeline = LayerPipeline(self.layout.num_layers, tasks, background=background,
+                                       before_layer=self.before_layer).start()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if not self._loads:
+        if self._pipeline is not None:
+            self._pipeline.wait(self._layer_index(layer_name))
+
+    def _finish_load(self) -> None:
+        """After the step's forward: wait for the loading thread, count, and report the blocks of
+        the loads that failed (vLLM recomputes them: nothing half-loaded is served)."""
+        pipe, self._pipeline = self._pipeline, None
+        if pipe is None:
             return
-        cache = self._cache(layer_name)
-        paged = self._paged_layout(cache)
-        idx = self._layer_index(layer_name)
-        for spec, layers in self._loads:
-            k, v = layers[idx]
-            paged.write(cache, spec.block_ids, spec.start, k[:, spec.start : spec.end], v[:, spec.start : spec.end])
+        failed = pipe.join()
+        t = pipe.times
+        self.stats["load_prepare_ms"] += t.prepare
+        self.stats["load_layers_ms"] += sum(t.load)
+        self.stats["load_wait_ms"] += sum(t.wait)
+        self.stats["load_compute_ms"] += sum(t.compute)
+        self.stats["load_steps"] += 1
+        self.last_pipeline = pipe
+        for req_id, spec in self._load_specs.items():
+            exc = failed.get(req_id)
+            if exc is None:
+                self.stats["loads"] += 1
+                self.stats["tokens_loaded"] += spec.end - spec.start
+                continue
+            log.warning("contextdeque: load of request %s failed (%s); vLLM recomputes it", req_id, exc)
+            first, last = spec.start // self.block_size, (spec.end - 1) // self.block_size
+            self._failed_blocks.update(spec.block_ids[first : last + 1])
+            self.stats["load_failures"] += 1
+        self._load_specs = {}
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -562,6 +631,7 @@ class ContextDequeConnector(KVConnectorBase_V1):
             self._saving[spec.req_id][idx] = paged.read(cache, spec.block_ids, 0, spec.start + len(spec.tokens))
 
     def wait_for_save(self) -> None:
+        self._finish_load()
         meta = self._get_connector_metadata()
         if not isinstance(meta, ContextDequeConnectorMetadata):
             return
@@ -577,9 +647,9 @@ class ContextDequeConnector(KVConnectorBase_V1):
             except ContextDequeError as exc:
                 log.warning("contextdeque: could not save request %s's first message: %s", spec.req_id, exc)
         self._saving.clear()
-        self._loads = []
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_load()
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 

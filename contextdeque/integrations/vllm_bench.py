@@ -12,16 +12,20 @@ Arms, on one engine (the same weights, threads and warm state), each after
 ``reset_prefix_cache()`` and the same two earlier turns: ``apc`` (the connector off for the
 request: vLLM's automatic prefix caching alone), ``connector`` (the latency-first policy: no
 forward on a re-read) and ``connector-exact`` (full-rank patches: equal to vLLM's own prefill to
-float rounding). Reported per arm: time to first token of the measured turn (vLLM's own
-first-token latency of the request), tokens vLLM prefilled (prompt - cached), tokens
-contextdeque's forwards prefilled while loading, and the greedy answer.
+float rounding), each loaded layer-wise (overlapping vLLM's forward) and, as ``*-serial``, with
+every layer loaded before the forward. Reported per arm: time to first token of the measured
+turn (vLLM's own first-token latency of the request), tokens vLLM prefilled (prompt - cached),
+tokens contextdeque's forwards prefilled while loading, the greedy answer, and where the load's
+time went (:data:`LOAD_TIMES`). One warm-up round runs every arm first (the exact arms' patches
+are formed there and reused by the measured rounds); the measured turn's question is new to every
+arm (its canonical, stored when a turn finishes, is forgotten after each turn).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 PAGE_TOPICS = ("pass", "break", "global", "nonlocal")
@@ -65,9 +69,10 @@ def engine_env() -> None:
 
 
 def make_engine(model: str, *, store: str | None, patch_policy: str = "latency", connector: bool = True,
-                max_model_len: int = 2048) -> Any:
+                max_model_len: int = 2048, **engine_kw: Any) -> Any:
     """An offline vLLM engine on ``model`` (fp32, eager, stats on: requests carry their
-    first-token latency), with contextdeque's connector unless ``connector=False``."""
+    first-token latency), with contextdeque's connector unless ``connector=False``; ``engine_kw``
+    go to vLLM's ``LLM`` (e.g. ``distributed_executor_backend="mp"``)."""
     engine_env()
     from vllm import LLM
 
@@ -77,7 +82,13 @@ def make_engine(model: str, *, store: str | None, patch_policy: str = "latency",
 
         kw["kv_transfer_config"] = kv_transfer_config(store=store, patch_policy=patch_policy)
     return LLM(model=model, dtype="float32", max_model_len=max_model_len, enforce_eager=True, disable_log_stats=False,
-               **kw)
+               **kw, **engine_kw)
+
+
+#: the connector's load pipeline, in ms (``Runtime.stats``): the window's whole-model part, the
+#: layers' relocation + patch + paged write (loading thread), vLLM blocked waiting for a layer,
+#: and vLLM's compute between one layer's wait and the next
+LOAD_TIMES = ("load_prepare_ms", "load_layers_ms", "load_wait_ms", "load_compute_ms")
 
 
 @dataclass
@@ -85,7 +96,8 @@ class TurnResult:
     """One request's outcome: its prompt length, the tokens vLLM took as computed (its prefix cache
     plus the connector), the tokens contextdeque's own forwards prefilled while loading and after
     it (encoding the canonicals of the request's new messages when it finished), time to first
-    token (ms), the greedy answer ids and the first token's top logprobs."""
+    token (ms), the greedy answer ids and the first token's top logprobs; ``load_ms``: the
+    connector's load pipeline (:data:`LOAD_TIMES`, summed over the request's steps)."""
 
     prompt_tokens: int
     cached_tokens: int
@@ -94,6 +106,7 @@ class TurnResult:
     ttft_ms: float
     answer_ids: list[int]
     top_logprobs: dict[int, float]
+    load_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def vllm_prefilled(self) -> int:
@@ -108,25 +121,34 @@ class TurnResult:
         return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "vllm_prefilled": self.vllm_prefilled, "window_tokens": self.window_tokens,
                 "encode_tokens": self.encode_tokens,
-                "prefilled": self.prefilled, "ttft_ms": round(self.ttft_ms, 1), "answer_ids": self.answer_ids}
+                "prefilled": self.prefilled, "ttft_ms": round(self.ttft_ms, 1), "answer_ids": self.answer_ids,
+                "load_ms": self.load_ms}
 
 
 def run_turn(llm: Any, ids: list[int], *, mode: str = "on", policy: str | None = None, max_tokens: int = 16,
-             fresh_prefill: bool = False) -> TurnResult:
+             fresh_prefill: bool = False, layerwise: bool | None = None) -> TurnResult:
     """One greedy request. ``mode``: ``"on"`` (the connector serves what it can, under ``policy``
-    or the connector's), ``"off"`` (vLLM alone, its prefix cache included); ``fresh_prefill``:
-    vLLM ignores its prefix cache too (the reference: a full prefill)."""
+    or the connector's, layer-wise or not as ``layerwise`` says, else as the connector's
+    configuration), ``"off"`` (vLLM alone, its prefix cache included); ``fresh_prefill``: vLLM
+    ignores its prefix cache too (the reference: a full prefill)."""
     from vllm import SamplingParams
 
     from .vllm import PARAMS_KEY, runtimes
 
-    params: Any = "off" if mode == "off" else ({"patch_policy": policy} if policy else "on")
+    asked: dict[str, Any] = {"patch_policy": policy} if policy else {}
+    if layerwise is not None:
+        asked["layerwise"] = bool(layerwise)
+    params: Any = "off" if mode == "off" else (asked or "on")
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5, skip_reading_prefix_cache=fresh_prefill,
                         extra_args={"kv_transfer_params": {PARAMS_KEY: params}})
     def counted(name: str) -> int:
         return int(sum(rt.stats[name] for rt in runtimes()))
 
+    def summed(name: str) -> float:
+        return float(sum(rt.stats[name] for rt in runtimes()))
+
     before = {k: counted(k) for k in ("window_tokens_prefilled", "encode_tokens")}
+    before_ms = {k: summed(k) for k in LOAD_TIMES}
     t0 = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
     wall_ms = (time.perf_counter() - t0) * 1000.0
@@ -139,34 +161,62 @@ def run_turn(llm: Any, ids: list[int], *, mode: str = "on", policy: str | None =
         encode_tokens=counted("encode_tokens") - before["encode_tokens"],
         ttft_ms=first * 1000.0 if first else wall_ms, answer_ids=list(comp.token_ids),
         top_logprobs={int(t): float(lp.logprob) for t, lp in (comp.logprobs[0] if comp.logprobs else {}).items()},
+        load_ms={k: round(summed(k) - before_ms[k], 2) for k in LOAD_TIMES},
     )
 
 
+#: name -> (connector on/off, patch policy, layer-wise loading)
+ARMS: dict[str, tuple[str, str | None, bool | None]] = {
+    "apc": ("off", None, None),
+    "connector": ("on", "latency", True),
+    "connector-serial": ("on", "latency", False),
+    "connector-exact": ("on", "exact", True),
+    "connector-exact-serial": ("on", "exact", False),
+}
+
+
 def run_bench(model: str, *, store: str | None = None, max_tokens: int = 16, repeats: int = 1) -> dict[str, Any]:
-    """The three arms on one engine (see the module docstring); ``repeats`` measured turns per arm
-    (the median TTFT is reported)."""
+    """The arms (:data:`ARMS`) on one engine (see the module docstring); ``repeats`` measured rounds
+    after one warm-up round, each running every arm once in turn (so a change in the machine's
+    load falls on all arms alike); the median TTFT per arm is reported. ``*-serial``: the same load with every layer loaded
+    before vLLM's forward starts (``layerwise=False``), beside the layer-wise load that overlaps it."""
     import statistics
 
     llm = make_engine(model, store=store)
     tok = llm.get_tokenizer()
     text = pages()
     turns = [prompt_ids(tok, conversation(order, q, text)) for order, q in TURNS]
-    arms = {"apc": ("off", None), "connector": ("on", "latency"), "connector-exact": ("on", "exact")}
-    out: dict[str, Any] = {"turn_tokens": [len(t) for t in turns], "arms": {}}
-    for name, (mode, policy) in arms.items():
-        results = []
-        for _ in range(repeats):
+    from .vllm import runtimes
+
+    out: dict[str, Any] = {"turn_tokens": [len(t) for t in turns], "layers": runtimes()[0].backend.layout.num_layers,
+                           "arms": {}}
+    rt = runtimes()[0]
+    cut = rt.cutter.cut(turns[-1])
+    question_key = rt.chunk_key(cut.root, cut.chunks[-1])
+    results: dict[str, list[TurnResult]] = {name: [] for name in ARMS}
+    for round_ in range(repeats + 1):  # round 0 warms up (and forms the exact patches every later round reuses)
+        for name, (mode, policy, layerwise) in ARMS.items():
             llm.reset_prefix_cache()
             for ids in turns[:-1]:
-                run_turn(llm, ids, mode=mode, policy=policy, max_tokens=1)
-            results.append(run_turn(llm, turns[-1], mode=mode, policy=policy, max_tokens=max_tokens))
-        best = results[-1].as_dict()
-        best["ttft_ms"] = round(statistics.median(r.ttft_ms for r in results), 1)
-        best["ttft_ms_all"] = [round(r.ttft_ms, 1) for r in results]
-        out["arms"][name] = best
-    apc, conn, exact = (out["arms"][k] for k in ("apc", "connector", "connector-exact"))
+                run_turn(llm, ids, mode=mode, policy=policy, layerwise=layerwise, max_tokens=1)
+            got = run_turn(llm, turns[-1], mode=mode, policy=policy, layerwise=layerwise, max_tokens=max_tokens)
+            # the measured turn's question is new in every arm: forget the canonical stored after it
+            rt.store.delete(question_key)
+            if round_:
+                results[name].append(got)
+    for name, got in results.items():
+        arm = got[-1].as_dict()
+        arm["ttft_ms"] = round(statistics.median(r.ttft_ms for r in got), 1)
+        arm["ttft_ms_all"] = [round(r.ttft_ms, 1) for r in got]
+        arm["load_ms"] = {k: round(statistics.median(r.load_ms.get(k, 0.0) for r in got), 2) for k in LOAD_TIMES}
+        out["arms"][name] = arm
+    arms = out["arms"]
+    apc, conn, exact = arms["apc"], arms["connector"], arms["connector-exact"]
     out["prefill_ratio"] = apc["prefilled"] / max(1, conn["prefilled"])
     out["ttft_ratio"] = apc["ttft_ms"] / max(1e-9, conn["ttft_ms"])
+    out["layerwise_ttft_ratio"] = {p: arms[f"{a}-serial"]["ttft_ms"] / max(1e-9, arms[a]["ttft_ms"])
+                                   for p, a in (("latency", "connector"), ("exact", "connector-exact"))}
     out["exact_identical"] = exact["answer_ids"] == apc["answer_ids"]
+    out["exact_serial_identical"] = arms["connector-exact-serial"]["answer_ids"] == apc["answer_ids"]
     out["latency_identical"] = conn["answer_ids"] == apc["answer_ids"]
     return out

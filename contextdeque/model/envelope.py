@@ -16,13 +16,20 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from ..core.errors import EnvelopeError
+from ..core.metrics import percentile
 from .detect import _DISK, _proof_dir
 
-ENVELOPE_VERSION = 3
-"""Scheme of the calibration (probe items, energy grid, statistic): part of the cache file name."""
+ENVELOPE_VERSION = 4
+"""Scheme of the calibration (probe items, energy grid, statistic, per-layer sensitivities): part
+of the cache file name."""
+
+CURVE_QUANTILE = 0.25
+"""Which quantile of the calibration items' η the target map reads: the lower quartile, fixed a
+priori (the median of v3 landed 0.01-0.07 under its targets on the harder held-out items;
+docs/fidelity.md has what the quartile gives)."""
 
 
 @dataclass(frozen=True)
@@ -31,10 +38,14 @@ class FidelityEnvelope:
 
     ``energies``: the allocation's energy targets, ascending; ``median_eta`` / ``p10_eta``: the
     median and 10th-percentile η over the probe items with a measurable blind gap (``n_items``)
-    at each; ``mean_bytes_fraction``: patch bytes over page bytes at each. The map used for
-    targets is the median, made monotone conservatively (a point never exceeds any point at a
-    higher energy), anchored at (0, 0) (blind) and (1, 1) (every direction: the exact
-    conditioning)."""
+    at each; ``item_eta``: every such item's η at each energy; ``mean_bytes_fraction``: patch
+    bytes over page bytes at each. ``sensitivity_k`` / ``sensitivity_v``: per model layer, the KL
+    one unit of that layer's relative K / V deficit costs (mean 1; empty: not measured, K and V
+    and every layer weighed equally), which the allocation's energy is weighed by
+    (``contextdeque.patch.alloc.LayerSensitivity``). The map used for targets is the ``quantile``
+    of ``item_eta`` (the median where item η were not kept), made monotone conservatively (a
+    point never exceeds any point at a higher energy), anchored at (0, 0) (blind) and (1, 1)
+    (every direction: the exact conditioning)."""
 
     fingerprint: str
     model: str
@@ -45,8 +56,13 @@ class FidelityEnvelope:
     n_items: int
     items: tuple[str, ...]
     version: int = ENVELOPE_VERSION
-    seconds: float = 0.0
+    seconds: float = field(default=0.0, compare=False)  # wall time: not part of what was measured
     cached: bool = False
+    item_eta: tuple[tuple[float, ...], ...] = ()
+    quantile: float = CURVE_QUANTILE
+    sensitivity_k: tuple[float, ...] = ()
+    sensitivity_v: tuple[float, ...] = ()
+    sensitivity_seconds: float = field(default=0.0, compare=False)
 
     def __post_init__(self) -> None:
         if not self.energies or len(self.median_eta) != len(self.energies):
@@ -54,10 +70,25 @@ class FidelityEnvelope:
                                 f"and {len(self.median_eta)} medians")
         if list(self.energies) != sorted(self.energies) or not all(0.0 < e < 1.0 for e in self.energies):
             raise EnvelopeError(f"envelope energies must ascend inside (0, 1), got {list(self.energies)}")
+        if self.item_eta and len(self.item_eta) != len(self.energies):
+            raise EnvelopeError(f"item η per energy: {len(self.item_eta)} rows for {len(self.energies)} energies")
+        if len(self.sensitivity_k) != len(self.sensitivity_v):
+            raise EnvelopeError(f"sensitivities: {len(self.sensitivity_k)} K and {len(self.sensitivity_v)} V layers")
+
+    def map_eta(self) -> list[float]:
+        """η per energy the target map reads: the ``quantile`` of the items' η (the median
+        without them)."""
+        if not self.item_eta or not all(self.item_eta):
+            return list(self.median_eta)
+        return [float(percentile(row, self.quantile)) for row in self.item_eta]
+
+    def layer_sensitivity(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """``(K, V)`` per-layer sensitivities, or None when calibration did not measure them."""
+        return (self.sensitivity_k, self.sensitivity_v) if self.sensitivity_k else None
 
     def curve(self) -> list[tuple[float, float]]:
         """The monotone (energy, η) curve targets are read from, anchors included."""
-        etas = list(self.median_eta)
+        etas = self.map_eta()
         for i in range(len(etas) - 2, -1, -1):  # conservative: never above a higher energy's η
             etas[i] = min(etas[i], etas[i + 1])
         pts = [(0.0, 0.0)] + [(e, max(0.0, min(1.0, h))) for e, h in zip(self.energies, etas)] + [(1.0, 1.0)]
@@ -89,7 +120,9 @@ class FidelityEnvelope:
     def summary(self) -> str:
         """One line: items, and the energy each η target needs."""
         need = ", ".join(f"η {t:g} <- energy {self.energy_for(t):.4f}" for t in (0.9, 0.95, 0.99))
-        return f"calibrated on {self.n_items} probe items ({'cached' if self.cached else 'measured'}): {need}"
+        weights = "per-layer sensitivities" if self.sensitivity_k else "equal layer weights"
+        return (f"calibrated on {self.n_items} probe items ({'cached' if self.cached else 'measured'}; "
+                f"{weights}; η at the items' {self.quantile:g} quantile): {need}")
 
 
 def envelope_path(fingerprint: str) -> Path:
@@ -109,8 +142,9 @@ def load_envelope(fingerprint: str) -> FidelityEnvelope | None:
         return None
     try:
         data = json.loads(envelope_path(fingerprint).read_text())
-        for k in ("energies", "median_eta", "p10_eta", "mean_bytes_fraction", "items"):
-            data[k] = tuple(data[k])
+        for k in ("energies", "median_eta", "p10_eta", "mean_bytes_fraction", "items", "sensitivity_k", "sensitivity_v"):
+            data[k] = tuple(data.get(k, ()))
+        data["item_eta"] = tuple(tuple(row) for row in data.get("item_eta", ()))
         data["cached"] = True
         env = FidelityEnvelope(**data)
     except (OSError, ValueError, TypeError, KeyError, EnvelopeError):

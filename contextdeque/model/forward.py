@@ -139,3 +139,77 @@ def run_forward(
         if logits == "last":
             lg = lg[-1:]
     return kv, lg
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The model's decoder stack (the module holding ``layers``), or a clear refusal."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    if base is None or not isinstance(getattr(base, "layers", None), torch.nn.ModuleList):
+        raise UnsupportedLayoutError(
+            f"{type(model).__name__} exposes no decoder layer list: a partial (deep-only) forward needs one",
+            reason="no-layers",
+        )
+    return base
+
+
+@torch.no_grad()
+def run_hidden_at(
+    model: torch.nn.Module,
+    n_pos_axes: int,
+    *,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    past: list[LayerKV] | None,
+    layer: int,
+) -> torch.Tensor:
+    """The hidden state entering decoder layer ``layer`` for ``input_ids [T]`` at ``positions``
+    after ``past``: ``[T, hidden]`` (what a deep-only forward, :func:`run_deep_forward`, starts
+    from). One full forward (``layer`` 0: the embeddings)."""
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(1, -1)
+    past_len = 0 if not past else past[0][0].shape[-2]
+    cache = compat.cache_from_layers([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in past]) if past else compat.new_cache()
+    mask = torch.ones(1, past_len + ids.shape[1], dtype=torch.long, device=device)
+    out = _decoder(model)(input_ids=ids, position_ids=position_ids(positions, n_pos_axes, device), attention_mask=mask,
+                          past_key_values=cache, use_cache=True, output_hidden_states=True)
+    return out.hidden_states[int(layer)][0]
+
+
+@torch.no_grad()
+def run_deep_forward(
+    model: torch.nn.Module,
+    n_pos_axes: int,
+    *,
+    hidden: torch.Tensor,
+    first_layer: int,
+    positions: torch.Tensor,
+    past: list[LayerKV],
+) -> list[LayerKV]:
+    """Run only decoder layers ``first_layer..L-1`` over ``hidden [T, hidden]`` (the state entering
+    ``first_layer``) at ``positions`` after ``past`` (every layer's ``(k [H,S,d], v [H,S,d])`` as
+    cached). Returns the new tokens' KV of the layers run, ``(k [H,T,d], v [H,T,d])`` per layer
+    from ``first_layer`` on: a shallow-recompute miss path costs ``(L - first_layer) / L`` of a
+    forward. The layers keep their own indices (each reads and writes its own cache layer)."""
+    base = _decoder(model)
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    layers = base.layers
+    L = len(layers)
+    if not 0 <= int(first_layer) < L:
+        raise UnsupportedLayoutError(f"first_layer must be within 0..{L - 1}, got {first_layer}", reason="no-layers")
+    past_len = past[0][0].shape[-2]
+    cache = compat.cache_from_layers([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in past])
+    emb = hidden.to(device, dtype).reshape(1, -1, hidden.shape[-1])
+    n = emb.shape[1]
+    mask = torch.ones(1, past_len + n, dtype=torch.long, device=device)
+    base.layers = torch.nn.ModuleList(list(layers)[int(first_layer):])
+    try:
+        base(inputs_embeds=emb, position_ids=position_ids(positions, n_pos_axes, device), attention_mask=mask,
+             past_key_values=cache, use_cache=True)
+    finally:
+        base.layers = layers
+    out: list[LayerKV] = []
+    for l in range(int(first_layer), L):
+        k, v = compat.cache_layer(cache, l)
+        out.append((k[0, :, past_len:, :], v[0, :, past_len:, :]))
+    return out

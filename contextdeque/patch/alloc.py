@@ -10,9 +10,17 @@ middle and deep layers; a layer without deficit gets nothing), and weighs K and 
 
     E = ½ Σ_l w_l^K Σ_{j<m_l^K} s²_K[l,j] / Σ_l w_l^K ‖Δ_K,l‖²  +  ½ (the same for V)
 
-(measured on the default model, this weighting gives the 10th-percentile item a higher η per
-byte than uniform ranks, and the median the same; raw pooled energy starves the middle layers'
-V and does worse than uniform ranks — docs/fidelity.md).
+When the model's envelope carries measured per-layer sensitivities (:class:`LayerSensitivity`:
+the next-token KL one unit of a layer's relative K or V deficit costs, fitted in calibration —
+opt-in), each weight is multiplied by its layer's sensitivity and K and V are pooled in one
+fraction:
+
+    E = Σ_{l, K/V} a_l w_l Σ_{j<m_l} s²[l,j] / Σ_{l, K/V} a_l w_l ‖Δ_l‖²
+
+which, were the KL a sum of per-layer terms, would be the fraction of blind reuse's KL the patch
+closes. Measured, it is not (on the default model the sensitivities say K outweighs V ≈ 20x; the
+allocation then starves V and loses η against equal weights and uniform ranks; Gemma 3 likewise —
+docs/fidelity.md), so calibration leaves them out unless asked.
 
 :func:`allocate_ranks` water-fills bytes to where the energy is: directions are taken greedily by
 marginal energy per byte. Within a (layer, K/V) the singular values descend and the cost is
@@ -51,7 +59,7 @@ computes), whatever that costs."""
 
 DEFAULT_ON_MISS = "report"
 
-FIDELITY_RULE_VERSION = 2
+FIDELITY_RULE_VERSION = 3
 """Scheme of the allocation and its store-key parts (patches formed under another are misses)."""
 
 
@@ -179,6 +187,58 @@ def relative_weights(chunk: Any, layers: tuple[int, ...]) -> tuple[torch.Tensor,
     return out[0], out[1]
 
 
+def rule_weights(chunk: Any, layers: tuple[int, ...], sensitivity: "LayerSensitivity | None" = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+    """The allocation's per-layer weights ``(w_k [n], w_v [n], kv_share)`` for ``chunk``'s
+    patch on ``layers``: each layer's deficit relative to its canonical KV
+    (:func:`relative_weights`), times the model's measured sensitivity of η to that layer's K / V
+    when given (then K and V are pooled, ``kv_share=None``: the sensitivities already say how
+    much K weighs against V); without it K and V are weighed equally (``kv_share=0.5``)."""
+    w_k, w_v = relative_weights(chunk, layers)
+    if sensitivity is None:
+        return w_k, w_v, 0.5
+    a_k, a_v = sensitivity.for_layers(layers)
+    return w_k * a_k, w_v * a_v, None
+
+
+@dataclass(frozen=True)
+class LayerSensitivity:
+    """How much one unit of each layer's relative K / V deficit costs in next-token KL, per model
+    layer (``k[l]``, ``v[l]``; mean 1 over the layers with a deficit), measured in calibration
+    (:mod:`contextdeque.eval.fidelity.envelope`). Weighing the allocation's energy by it makes
+    the captured fraction a predictor of the KL a patch closes, so bytes go where η is lost."""
+
+    k: tuple[float, ...]
+    v: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.k) != len(self.v) or not self.k:
+            raise PatchError(f"a sensitivity needs one K and one V weight per layer, got {len(self.k)} and {len(self.v)}")
+        if any(not (x >= 0.0) for x in self.k + self.v):  # also refuses NaN
+            raise PatchError("layer sensitivities must be finite and non-negative")
+
+    @classmethod
+    def from_envelope(cls, envelope: Any) -> "LayerSensitivity | None":
+        """The sensitivities a model's envelope measured (None: no envelope, or none measured)."""
+        pair = None if envelope is None else envelope.layer_sensitivity()
+        return None if not pair else cls(tuple(pair[0]), tuple(pair[1]))
+
+    def for_layers(self, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([n], [n])`` weights of model layers ``layers``."""
+        if any(not 0 <= int(l) < len(self.k) for l in layers):
+            raise PatchError(f"layers {list(layers)} are outside the {len(self.k)} layers the sensitivity was measured on")
+        idx = [int(l) for l in layers]
+        return (torch.tensor([self.k[i] for i in idx], dtype=torch.float64),
+                torch.tensor([self.v[i] for i in idx], dtype=torch.float64))
+
+    def key(self) -> str:
+        """A short digest (a patch formed under other weights is another store entry)."""
+        import hashlib
+
+        text = ",".join(f"{x:.6g}" for x in self.k + self.v)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def layer_spectra(patch: Patch) -> tuple[torch.Tensor, torch.Tensor]:
     """Squared singular values per layer of a patch's Δ, ``([n, r_k], [n, r_v])`` (rows padded
     with zeros), read off its ``U S`` factors (column norms: ``U`` is orthonormal). Exact for a
@@ -209,6 +269,7 @@ class FidelityRule:
     on_miss: str = DEFAULT_ON_MISS
     eta_target: float | None = None
     envelope: Any = None  # a model.envelope.FidelityEnvelope (energy -> η), or None
+    sensitivity: LayerSensitivity | None = None  # the model's measured per-layer weights (None: equal)
 
     def __post_init__(self) -> None:
         if not 0.0 < float(self.energy) <= 1.0:
@@ -225,13 +286,15 @@ class FidelityRule:
         target itself, read as an energy, when there is no envelope)."""
         energy = float(eta_target) if envelope is None else envelope.energy_for(float(eta_target))
         return cls(energy=energy, max_patch_fraction=max_patch_fraction, on_miss=on_miss,
-                   eta_target=float(eta_target), envelope=envelope)
+                   eta_target=float(eta_target), envelope=envelope,
+                   sensitivity=LayerSensitivity.from_envelope(envelope))
 
     def key_parts(self) -> list[str]:
         """What this rule adds to a patch's store key (a patch formed under another rule differs)."""
         cap = "none" if self.max_patch_fraction is None else f"{float(self.max_patch_fraction):.6g}"
+        weights = "equal" if self.sensitivity is None else self.sensitivity.key()
         return [f"fidelity-v{FIDELITY_RULE_VERSION}", f"energy:{float(self.energy):.6g}", f"cap:{cap}",
-                f"on-miss:{self.on_miss}"]
+                f"on-miss:{self.on_miss}", f"weights:{weights}"]
 
     def estimate_eta(self, energy: float) -> float | None:
         """η the envelope expects at ``energy`` (None without an envelope)."""
@@ -242,10 +305,11 @@ class FidelityRule:
         allocation this rule asks for (the byte cap: ``max_patch_fraction`` of the chunk's page
         bytes), with the decision recorded in ``meta["fidelity"]``."""
         s2_k, s2_v = layer_spectra(full)
-        w_k, w_v = relative_weights(chunk, full.layers)
+        w_k, w_v, kv_share = rule_weights(chunk, full.layers, self.sensitivity)
         elem = full.k_u.element_size()
         costs = dict(bytes_k=direction_bytes(full.n_tokens, full._width("k"), elem),
-                     bytes_v=direction_bytes(full.n_tokens, full._width("v"), elem), weight_k=w_k, weight_v=w_v)
+                     bytes_v=direction_bytes(full.n_tokens, full._width("v"), elem), weight_k=w_k, weight_v=w_v,
+                     kv_share=kv_share)
         budget = None if self.max_patch_fraction is None else int(float(self.max_patch_fraction) * chunk.nbytes)
         alloc = allocate_ranks(s2_k, s2_v, target=self.energy, budget=budget, **costs)
         short = alloc.energy < self.energy - 1e-9
@@ -255,7 +319,7 @@ class FidelityRule:
         elif short and self.on_miss == "recompute":
             have_k, have_v = full.layer_ranks
             alloc = Allocation(tuple(have_k), tuple(have_v), 1.0, 1.0,
-                               sum(have_k) * int(costs["bytes_k"]) + sum(have_v) * int(costs["bytes_v"]))
+                               sum(have_k) * int(costs["bytes_k"]) + sum(have_v) * int(costs["bytes_v"]), alloc.k_share)
             action = "recomputed"
         elif short:
             action = "reported"
@@ -269,6 +333,7 @@ class FidelityRule:
                 "energy": round(alloc.energy, 6), "eta_est": None if eta_est is None else round(eta_est, 6),
                 "calibrated": self.envelope is not None, "bytes": alloc.nbytes, "budget_bytes": budget,
                 "miss": alloc.energy < self.energy - 1e-9, "shortfall": short, "action": action,
+                "weights": "equal" if self.sensitivity is None else "sensitivity",
             }, sort_keys=True),
         })
         return dataclasses.replace(cut_patch(full, alloc.ranks_k, alloc.ranks_v), meta=meta)

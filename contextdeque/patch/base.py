@@ -22,7 +22,7 @@ from ..core.kv import LayerKV, concat_kv, tensor_nbytes
 from ..core.operator import relocate, to_content_frame
 from ..core.registry import Registered, Registry
 from .keys import patch_signature
-from .rank import is_full, resolve_rank
+from .rank import DEFAULT_RANK, is_full, resolve_rank
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.hf import HFBackend
@@ -502,7 +502,7 @@ def form_patch(
     backend: "HFBackend",
     chunk: Chunk,
     antecedents: Sequence[Any] = (),
-    rank: int | str | None = 32,
+    rank: int | str | None = DEFAULT_RANK,
     kind: str = "exact",
     *,
     rank_v: int | str | None = None,

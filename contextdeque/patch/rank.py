@@ -1,4 +1,5 @@
-"""Patch ranks: the one sentinel for "every direction" and the one resolver every caller uses.
+"""Patch ranks: the one default rank m (``DEFAULT_RANK``), the one sentinel for "every direction"
+and the one resolver every caller uses.
 
 A patch of a chunk of T tokens whose K (or V) rows are F = H*d wide holds at most min(T, F)
 directions (its "cap"). ``FULL`` (``"full"``, or ``None``) asks for the cap: the patch then
@@ -10,6 +11,7 @@ from __future__ import annotations
 from ..core.errors import PatchError
 
 FULL = "full"
+DEFAULT_RANK = 32  # the patch rank m every entry point defaults to (the window, the server, the commands, the arms)
 
 
 def is_full(rank: int | str | None) -> bool:

@@ -15,6 +15,7 @@ import torch
 from ..core.chunk import digest
 from ..core.errors import PatchError
 from .base import FormContext, PatchKind, _normalize_antecedents, truncated_svd
+from .rank import DEFAULT_RANK
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.hf import HFBackend
@@ -42,7 +43,7 @@ class SharedBasis:
         cls,
         backend: "HFBackend",
         items: Sequence[tuple["Chunk", Sequence[Any]]],
-        rank: int = 32,
+        rank: int = DEFAULT_RANK,
         rank_v: int | None = None,
     ) -> "SharedBasis":
         """Pool Δ rows of every ``(chunk, antecedents)`` item per layer and keep the top directions."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..window.config import DEFAULT_RANK
+from ..window.plan import Difference, Encode, Form, Forward, Load, Op
 
 CALIBRATION_VERSION = 1
 
@@ -88,6 +89,21 @@ class CostModel:
     def form_s(self, tokens: int, context: int) -> float:
         """Seconds to form one patch: its conditioned forward plus the factorization."""
         return self.prefill_s(tokens, context) + tokens * self.svd_s_per_token
+
+    def seconds(self, op: Op) -> float:
+        """Modelled seconds of one planned operation (``window.plan``): the one price list the
+        replay charges a plan by."""
+        if isinstance(op, Encode):
+            return self.prefill_s(op.tokens, 0)
+        if isinstance(op, Forward):
+            return self.prefill_s(op.tokens, op.context)
+        if isinstance(op, Form):
+            return op.forwards * self.form_s(op.tokens, op.context)
+        if isinstance(op, Difference):
+            return op.tokens * self.svd_s_per_token
+        if isinstance(op, Load):
+            return op.nbytes / (self.host_bytes_per_s if op.tier == "host" else self.disk_bytes_per_s)
+        return 0.0  # a store hit, a keep or a clear: no model work
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -14,31 +14,37 @@ Everything is deterministic: no clock, no randomness, insertion-ordered containe
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any, Hashable, Sequence
 
 from ..core.errors import BudgetError
 from ..patch.keys import kv_state
 from ..scheduler.eviction import PoolEvictionPolicy, make_eviction
-from ..scheduler.graph import PatchGraph
+from ..window.graph import PatchGraph
 from ..traces.io import Trace
-from ..window.policy_default import ORBIT_MAX_ANTECEDENTS, ORBIT_MAX_ORDERINGS
-from ..window.policy_latency import DEFAULT_STALENESS_BUDGET
-from ..window.staleness import staleness_score
+from ..patch import PATCH_KINDS
+from ..window.plan import KeySlot
+from ..window.policy import make_policy
 from ..window.placement import ArrivalPlacement, PlacementPolicy, PlacementView, make_placement
+from ..window.plan import Difference, Encode, Form, Forward, Load, Op, Plan, Reuse
 from .cost import CostModel
+from .decide import PolicyDecisions, Refs
 from .pool import Pool, ReplayConfig, ReplayResult
 from .reuse import ReuseCost, make_reuse
 
 __all__ = ["Replayer", "ReplayConfig", "ReplayResult", "Pool"]
 
 
-class Replayer:
+class Replayer(PolicyDecisions):
     """Runs one trace under one policy combination (see the module doc)."""
 
     def __init__(self, trace: Trace, placement: "str | PlacementPolicy" = "arrival", eviction: "str | PoolEvictionPolicy" = "lru",
-                 arm: "str | ReuseCost" = "patch", cost: CostModel | None = None, config: ReplayConfig | None = None) -> None:
+                 arm: "str | ReuseCost" = "patch", cost: CostModel | None = None, config: ReplayConfig | None = None,
+                 plan: Plan | None = None) -> None:
         self.trace = trace
+        #: the window operations this replay decides (``window.plan``), recorded when given
+        self.plan = plan
         self.placement = make_placement(placement)
         self.eviction = make_eviction(eviction)
         self.arm = make_reuse(arm)
@@ -57,12 +63,18 @@ class Replayer:
             if self.cfg.device_bytes < biggest * self.kv_bpt:
                 raise BudgetError(f"device budget of {self.cfg.device_bytes} bytes is below one chunk "
                                   f"({where} has {biggest} tokens = {biggest * self.kv_bpt} bytes)")
-        self.pool = Pool(self.cfg.device_bytes, self.cfg.host_bytes, self.eviction, self.cost, self.r)
+        self.pool = Pool(self.cfg.device_bytes, self.cfg.host_bytes, self.eviction, self.cost, self.r, self.do)
         self.graph = PatchGraph()
+        # the window's own patch policy decides (over key-only slots, ``window.plan.KeySlot``):
+        # latency-first rules price its eager policy's decisions and defer them as it does
+        self.policy = make_policy(self.arm.window_policy or "eager")
+        self.eager = getattr(self.policy, "eager", self.policy)
         # window state
         self.order: list[str] = []
         self.tokens: dict[str, int] = {cid: a.tokens for cid, a in trace.chunks.items()}
         self.content: dict[str, str] = {cid: a.hash for cid, a in trace.chunks.items()}
+        self._refs = Refs(self.content, self.tokens)
+        self._key_slots: dict[str, tuple[tuple[str, ...], KeySlot]] = {}
         self.formed: dict[str, tuple[str, ...]] = {}
         # the live window's patch keys name the antecedents' KV states (window.kvstate): a stored
         # patch serves only behind the very states it was formed on. Mirrored here: each key's
@@ -98,18 +110,43 @@ class Replayer:
         self._leave_canon: dict[str, None] = {}
         self._canon_due: set[str] = set()  # no-canonical chunks to turn blind (at the front): canonical at heal
         self._pending_form: dict[str, bool] = {}  # key -> re-form even where its prefix is unchanged (cascade)
+        self._pending_reason: dict[str, str] = {}  # key -> why it was first deferred (what the heal decides on)
         self._cascading = False
 
     # ------------------------------------------------------------------ charges
+    def do(self, op: Op, *, window_op: bool = True) -> None:
+        """Charge one planned operation: what it counts (``window.plan``: the counts the live
+        window's receipts add up) and its modelled seconds (``CostModel.seconds``). ``window_op``:
+        part of the window's plan (False: a query's own read or an arm's recompute)."""
+        r = self.r
+        counts = op.counts()
+        if counts:
+            r.forwards += counts.get("forwards", 0)
+            r.tokens_prefilled += counts.get("tokens_prefilled", 0)
+            r.encodes += counts.get("encodes", 0)
+            r.patch_forms += counts.get("patches_formed", 0)
+            r.patch_hits += counts.get("patches_reused", 0)
+        stored = op.stored()
+        if stored is not None and stored[1]:
+            r.stored[stored[0]] = r.stored.get(stored[0], 0) + stored[1]
+        seconds = self.cost.seconds(op)
+        r.est_seconds += seconds
+        if isinstance(op, Load):
+            r.load_seconds += seconds
+        if window_op and self.plan is not None:
+            self.plan.add(op)
+
     def charge_apply(self, tokens: int) -> None:
         """Relocate (+ patch) ``tokens`` of canonical KV into the pages a query reads."""
         if tokens > 0:
             self.r.est_seconds += tokens * self.kv_bpt / self.cost.apply_bytes_per_s
 
-    def _form(self, key: str, prefix: Sequence[str], kind: str = "exact", ctx: int | None = None) -> None:
+    def _form(self, key: str, prefix: Sequence[str], kind: str = "exact", ctx: int | None = None, max_orderings: int = 1,
+              reason: str | None = None) -> None:
         """Conditioning for ``key`` behind ``prefix`` (``ctx``: its tokens, when the caller knows
         them): a store hit or one formed patch (latency-first: the provisional forward, or deferred
-        to the heal)."""
+        to the heal, which decides on the first deferral's ``reason``); an orbit patch runs one
+        forward per ordering, at most ``max_orderings``."""
         pc = tuple(map(self.content.__getitem__, prefix))
         c = self.content[key]
         r = self.r
@@ -117,31 +154,28 @@ class Replayer:
             # no canonical to patch: one conditioned forward behind this prefix, and still none (a
             # stored patch would cost as much: the canonical's forward)
             t = self.tokens[key]
-            r.patch_forms += 1
-            r.forwards += 1
-            r.tokens_prefilled += t
-            r.est_seconds += self.cost.form_s(t, sum(map(self.tokens.__getitem__, prefix)) if ctx is None else ctx)
-            self._set_formed(key, tuple(prefix), "inline")
+            r.patch_forms += 1  # (the replay counts the re-forward among its forms)
+            self.do(Forward(c, t, context=sum(map(self.tokens.__getitem__, prefix)) if ctx is None else ctx))
+            self._set_formed(key, tuple(prefix))
             return
         # (a removal patch is a correction stacked on this slot's own patches: never a store hit)
-        hit = kind != "removal" and self._is_stored(key, prefix, kind)
+        hit = self._stored(key, prefix, kind)
         if hit:
-            r.patch_hits += 1
+            self.do(Reuse(c, self.tokens[key], kind=kind, antecedents=pc))
         elif self._defers and not self._healing:
-            if key in self._provisional and kind == "exact":
+            if key in self._provisional and PATCH_KINDS[kind].exact_on_prefix:
                 # new content: one forward of its tokens after the window (a prefix cache's append);
                 # its KV is exactly conditioned on this prefix, the canonical and patch come at heal
                 del self._provisional[key]
                 t = self.tokens[key]
                 if ctx is None:
                     ctx = sum(map(self.tokens.__getitem__, prefix))
-                r.forwards += 1
-                r.tokens_prefilled += t
-                r.est_seconds += self.cost.prefill_s(t, ctx)
+                self.do(Forward(c, t, context=ctx))
                 self._pending_canon[key] = pc
             else:  # no forward on the critical path: it keeps what it has until the heal
                 self._pending_form[key] = self._pending_form.get(key, False) or self._cascading
-                self._stand_in(key, prefix)
+                if reason is not None:
+                    self._pending_reason.setdefault(key, reason)
                 if self._recalling and not self._cascading and tuple(prefix) != self.formed.get(key, ()):
                     # its KV will change at the heal: the chunks conditioned on it now re-form then
                     # (the recall cascade, decided at the recall as the eager policy does)
@@ -153,17 +187,9 @@ class Replayer:
             t = self.tokens[key]
             if ctx is None:
                 ctx = sum(map(self.tokens.__getitem__, prefix))
-            n_fw = 1
-            if kind == "orbit":
-                n_fw = 1
-                for i in range(2, len(prefix) + 1):
-                    n_fw *= i
-                n_fw = min(n_fw, ORBIT_MAX_ORDERINGS)
-            r.patch_forms += 1
-            r.forwards += n_fw
-            r.tokens_prefilled += n_fw * t
-            r.est_seconds += n_fw * self.cost.form_s(t, ctx)
+            n_fw = min(math.factorial(len(prefix)), max_orderings) if kind == "orbit" else 1
             pb = self.cost.patch_bytes(t, self.rank)
+            self.do(Form(c, t, kind=kind, antecedents=pc, forwards=n_fw, context=ctx, tier="device", nbytes=pb))
             r.patch_bytes += pb
             r.bytes["device"] += pb
             if kind != "removal":
@@ -258,12 +284,8 @@ class Replayer:
 
     def _encode(self, key: str) -> None:
         """One forward of ``key``'s tokens alone: its canonical."""
-        r = self.r
         t = self.tokens[key]
-        r.encodes += 1
-        r.forwards += 1
-        r.tokens_prefilled += t
-        r.est_seconds += self.cost.prefill_s(t, 0)
+        self.do(Encode(self.content[key], t, tier="device", nbytes=self.arm.canonical_bytes(t, self.kv_bpt)))
 
     def heal(self) -> None:
         """Latency-first: the idle-time work queued since the last heal, on the window as it stands
@@ -321,9 +343,8 @@ class Replayer:
                     self._set_formed(key, ())
                 elif pc and key not in anew and self._prefix_content(key) == pc:  # latency-shared: the patch is the difference
                     t = self.tokens[key]
-                    r.patch_forms += 1
-                    r.est_seconds += t * self.cost.svd_s_per_token
                     pb = self.cost.patch_bytes(t, self.rank)
+                    self.do(Difference(self.content[key], t, antecedents=pc, tier="device", nbytes=pb))
                     r.patch_bytes += pb
                     r.bytes["device"] += pb
                     self.graph.add(self.content[key], pc, "exact")
@@ -344,8 +365,13 @@ class Replayer:
                 elif force or key in anew or tuple(prefix) != self.formed.get(key, ()):
                     if force:
                         self.r.cascade_reforms += 1
-                    self._form(key, prefix)
+                    reason = "cascade" if force else self._pending_reason.get(key)
+                    if key in anew or key in self._no_canon or reason is None:
+                        self._form(key, prefix)
+                    else:  # the eager policy's decision on the slot as it was deferred (what it carried)
+                        self.carry_out(key, prefix, self.decide(reason, key, prefix))
             self._pending_form.clear()
+            self._pending_reason.clear()
         finally:
             self._healing = False
         r.heal_tokens += r.tokens_prefilled - tok0
@@ -364,6 +390,7 @@ class Replayer:
             del pinned[k]
         if self._defers:
             self._pending_form.pop(key, None)
+            self._pending_reason.pop(key, None)
             self._canon_due.discard(key)
             was_provisional = self._provisional.pop(key, "x") is None
             forwarded = self._pending_canon.pop(key, None) is not None or self._no_canon.pop(key, "x") is None
@@ -399,9 +426,17 @@ class Replayer:
             self._set_formed(self.order[0], ())  # a survivor at the front drops its patches: the canonical
         if not self.arm.patches or i >= len(self.order):
             return
-        if self._upkeep is None:  # survivors behind the departed chunk keep their KV as it is
-            formed = self.formed
-            self.r.stale_keeps += sum(1 for k in self.order[i:] if formed.get(k))
+        if self._upkeep is None:  # survivors behind the departed chunk: what the patch policy says
+            order = self.order
+            for j in range(i, len(order)):
+                k = order[j]
+                if j == 0 and (k in self._no_canon or k in self._pending_canon):
+                    continue  # no canonical to clear to (the window's provisional slot): the heal computes it
+                d = self.decide("survivor", k, order, j)
+                if d.action == "keep":  # (the common answer: nothing to price)
+                    self.r.stale_keeps += bool(self.formed.get(k))
+                elif self.carry_out(k, order[:j], d) == "keep" and self.formed.get(k):
+                    self.r.stale_keeps += 1
             return
         view = self.view(index)  # survivors behind the departed chunk: keep, clear or refresh
         for j in range(i, len(self.order)):
@@ -410,8 +445,12 @@ class Replayer:
     def _resident_upkeep(self, view: PlacementView, key: str, prefix: list[str], before: list[str]) -> None:
         """A resident whose prefix changed: the placement policy's upkeep decision (the scheduler's
         staleness rule), else keep (the default patch policy: survivors keep their KV)."""
-        action = "keep" if self._upkeep is None else self._upkeep(view, key, prefix, before)
         r = self.r
+        if self._upkeep is None:  # the patch policy's answer for a resident something was inserted before
+            if self.carry_out(key, prefix, self.decide("inserted", key, prefix)) == "keep":
+                r.stale_keeps += 1
+            return
+        action = self._upkeep(view, key, prefix, before)
         if action == "keep":
             r.stale_keeps += 1
         elif action == "clear":
@@ -423,7 +462,7 @@ class Replayer:
             r.refreshes += 1
             self._pending_form[key] = False
         elif action == "refresh-hit":
-            r.patch_hits += 1
+            self.do(Reuse(self.content[key], self.tokens[key], antecedents=tuple(self.content[p] for p in prefix)))
             r.refreshes += 1
             self._set_formed(key, tuple(prefix))  # (the placement's view judged the hit: see view())
         else:  # "refresh" / "removal": one conditioned forward
@@ -466,7 +505,8 @@ class Replayer:
                 before = self.formed.get(key, ())
                 prefix = self.order[:-1]
                 if prefix:
-                    self._form(key, prefix, ctx=self.window_tokens - self.tokens[key])
+                    why = "recall" if recall else "append"
+                    self.carry_out(key, prefix, self.decide(why, key, prefix), ctx=self.window_tokens - self.tokens[key], reason=why)
                 else:
                     self._set_formed(key, ())
                 if recall:
@@ -497,7 +537,8 @@ class Replayer:
                 if not prefix:
                     self._set_formed(k, ())
                 else:
-                    self._form(k, prefix)
+                    why = "recall" if recall else "append"
+                    self.carry_out(k, prefix, self.decide(why, k, prefix), reason=why)
                 if recall:
                     changed[k] = self.formed[k] != before
             elif old_pos.get(k, -1) != i:
@@ -539,7 +580,7 @@ class Replayer:
                     continue
                 if not self._defers:  # (latency-first: counted when the heal re-forms it)
                     self.r.cascade_reforms += 1
-                self._form(d, self.order[:i])
+                self.carry_out(d, self.order[:i], self.decide("cascade", d, self.order[:i]), reason="cascade")
         finally:
             self._cascading = False
 
@@ -585,15 +626,9 @@ class Replayer:
                     self._set_formed(k, ())
                 continue
             if k in self._no_canon:  # no canonical for a stored patch to serve: re-forwarded at the heal
-                self._form(k, prefix)
+                self._form(k, prefix, reason="reorder")
                 continue
-            if self._is_stored(k, prefix, "orbit"):
-                self.r.patch_hits += 1
-                self._set_formed(k, tuple(prefix), "orbit")
-            elif set(self.formed.get(k, ())) == set(prefix) and len(prefix) <= ORBIT_MAX_ANTECEDENTS:
-                self._form(k, prefix, "orbit")
-            else:
-                self._form(k, prefix, "exact")
+            self.carry_out(k, prefix, self.decide("reorder", k, prefix), reason="reorder")
 
     def run(self) -> ReplayResult:
         """Replay the whole trace; returns the result (the engine is single-use)."""
@@ -628,9 +663,8 @@ class Replayer:
             elif op == "query":
                 r.queries += 1
                 self.arm.query(self, ev.tokens, ev.output_tokens)
-                r.tokens_prefilled += ev.tokens
-                r.forwards += 1
-                r.est_seconds += cost.prefill_s(ev.tokens, self.window_tokens) + ev.output_tokens / cost.decode_tokens_per_s
+                self.do(Forward("query", ev.tokens, context=self.window_tokens), window_op=False)
+                r.est_seconds += ev.output_tokens / cost.decode_tokens_per_s
             elif op == "evict":
                 if ev.id in self.order:
                     self._remove(ev.id, idx)  # survivors keep their KV (relocation only) unless the placement refreshes them

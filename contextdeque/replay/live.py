@@ -16,7 +16,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..traces.io import Trace
+from ..window.placement import END
 from ..window.receipt import Receipt
+
+
+def _asked(at: int | None) -> int | str:
+    """A trace's recall position as the window takes it: a trace's ``at=None`` is the end, as the
+    replay prices it (pinned: the window's own choice for unpinned recalls is not the trace's)."""
+    return END if at is None else at
 
 TokenIds = Callable[[Any], "list[int]"]
 
@@ -48,7 +55,7 @@ def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
         if op == "arrive":
             if ev.id in refs and refs[ev.id] in win.evicted_refs:
                 step = recall_step(ev.at, len(logical))
-                receipts.append(win.recall(refs[ev.id], at=ev.at))
+                receipts.append(win.recall(refs[ev.id], at=_asked(ev.at)))
             elif ev.id not in refs or refs[ev.id] not in win.refs:
                 if ev.id not in ids_of:
                     ids_of[ev.id] = token_ids(ev)
@@ -57,17 +64,23 @@ def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
             logical.insert(len(logical) if ev.at is None else min(ev.at, len(logical)), ev.id)
         elif op == "recall":
             step = recall_step(ev.at, len(logical))
-            receipts.append(win.recall(refs[ev.id], at=ev.at))
+            if refs[ev.id] in win.evicted_refs:  # (not if it never left: a budget keeps no order)
+                receipts.append(win.recall(refs[ev.id], at=_asked(ev.at)))
             logical.insert(len(logical) if ev.at is None else min(ev.at, len(logical)), ev.id)
         elif op == "evict":
-            receipts.append(win.evict(refs[ev.id]))
+            if refs[ev.id] in win.refs:  # (a token budget may have let it go already)
+                receipts.append(win.evict(refs[ev.id]))
             logical.remove(ev.id)
         elif op == "slide":
             for cid in logical[: ev.n]:
-                receipts.append(win.evict(refs[cid]))
+                if refs[cid] in win.refs:
+                    receipts.append(win.evict(refs[cid]))
             del logical[: ev.n]
         elif op == "reorder":
-            receipts.append(win.reorder([refs[c] for c in ev.order]))
+            # the named chunks still in the window in the asked order, then any others (as the replay)
+            here = set(win.refs)
+            named = [refs[c] for c in ev.order if refs[c] in here]
+            receipts.append(win.reorder(named + [r for r in win.refs if r not in set(named)]))
             logical = list(ev.order)
         elif op == "fork":
             stack.append((win, list(logical)))

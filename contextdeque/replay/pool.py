@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
+from ..core.counters import Counters, shown
 from ..scheduler.eviction import PoolEvictionPolicy
+from ..window.plan import Load, Op
 from .cost import CostModel
 
 GiB = 1 << 30
@@ -30,9 +32,17 @@ class ReplayConfig:
     overlap_loads: bool = False
 
 
+def _seconds(v: float) -> float:
+    return round(v, 6)
+
+
 @dataclass
-class ReplayResult:
-    """What one run cost. ``bytes`` per tier = bytes read + written there."""
+class ReplayResult(Counters):
+    """What one run cost: the window's :class:`~contextdeque.core.counters.Counters` it predicts
+    (forwards, tokens prefilled, encodes; patches as ``patch_forms`` / ``patch_hits``) and the
+    replay's own counts. ``bytes`` per tier = bytes read + written there."""
+
+    json_omit = frozenset({"patches_formed", "patches_reused"})  # (counted as patch_forms / patch_hits)
 
     trace: str
     placement: str
@@ -41,9 +51,6 @@ class ReplayResult:
     events: int = 0
     steps: int = 0
     queries: int = 0
-    tokens_prefilled: int = 0
-    forwards: int = 0
-    encodes: int = 0
     patch_forms: int = 0
     patch_hits: int = 0
     stale_keeps: int = 0
@@ -53,32 +60,27 @@ class ReplayResult:
     device_misses: int = 0
     window_evictions: int = 0
     bytes: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    # bytes of KV computed and stored per tier (canonicals encoded, patches formed): the plan's
+    # ``stored`` (``window.plan``), what the live window's receipts count the same way
+    stored: dict[str, int] = field(default_factory=dict)
     patch_bytes: int = 0
-    est_seconds: float = 0.0
+    est_seconds: float = shown(_seconds, default=0.0)
     heal_tokens: int = 0  # latency-first: tokens prefilled while healing (idle time; inside tokens_prefilled)
     heal_forwards: int = 0
-    heal_seconds: float = 0.0  # latency-first: idle-time work, not in est_seconds (the critical path)
-    load_seconds: float = 0.0  # tier transfers (host/disk reads of canonicals) inside est_seconds
-    overlap_saved_seconds: float = 0.0  # taken off est_seconds by overlapping loads with compute
+    heal_seconds: float = shown(_seconds, default=0.0)  # latency-first: idle-time work, not in est_seconds (the critical path)
+    load_seconds: float = shown(_seconds, default=0.0)  # tier transfers (host/disk reads of canonicals) inside est_seconds
+    overlap_saved_seconds: float = shown(_seconds, default=0.0)  # taken off est_seconds by overlapping loads with compute
     scheduler: dict[str, int] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["bytes"] = dict(self.bytes)
-        d["est_seconds"] = round(self.est_seconds, 6)
-        d["heal_seconds"] = round(self.heal_seconds, 6)
-        d["load_seconds"] = round(self.load_seconds, 6)
-        d["overlap_saved_seconds"] = round(self.overlap_saved_seconds, 6)
-        d["scheduler"] = dict(self.scheduler)
-        return d
 
 
 class Pool:
     """The device KV pool (eviction policy, byte budget) over a host tier (LRU) and disk."""
 
-    def __init__(self, device_bytes: int, host_bytes: int, policy: PoolEvictionPolicy, cost: CostModel, r: ReplayResult) -> None:
+    def __init__(self, device_bytes: int, host_bytes: int, policy: PoolEvictionPolicy, cost: CostModel, r: ReplayResult,
+                 do: Callable[[Op], None]) -> None:
         self.budget, self.host_budget = int(device_bytes), int(host_bytes)
         self.policy, self.cost, self.r = policy, cost, r
+        self.do = do  # charges a planned operation (the engine's ``do``: a load from a slower tier)
         self.device: dict[Hashable, int] = {}
         self.used = 0
         self.host: OrderedDict[Hashable, int] = OrderedDict()
@@ -106,15 +108,13 @@ class Pool:
             size = self.host.pop(key)
             self.host_used -= size
             r.bytes["host"] += size
-            r.est_seconds += size / self.cost.host_bytes_per_s
-            r.load_seconds += size / self.cost.host_bytes_per_s
             where = "host"
         elif key in self.disk:
             size = self.disk.pop(key)
             r.bytes["disk"] += size
-            r.est_seconds += size / self.cost.disk_bytes_per_s
-            r.load_seconds += size / self.cost.disk_bytes_per_s
             where = "disk"
+        if where is not None:
+            self.do(Load(str(key[-1]) if isinstance(key, tuple) else str(key), 0, tier=where, nbytes=size))
         self._make_room(size)
         self.device[key] = size
         self.used += size

@@ -4,10 +4,13 @@ operation and per query. One small class per file (``reuse_<arm>.py``), register
 does not exist is refused at import).
 
 Hooks: ``canonicals`` (chunks are encoded once into the store and read from it on entry),
-``patches`` (entering chunks get conditioning patches per the window's default patch policy),
-``defers`` (the latency-first patch policy: new content is one forward after the window, the rest
-waits for the heal at the next step boundary), :meth:`canonical_bytes` (what a canonical takes at
-rest) and :meth:`query` (what one read of the window costs beyond that).
+``patches`` (entering chunks get conditioning patches: the window's own patch policy decides
+which, over key-only slots), ``defers`` (the latency-first patch policy: new content is one
+forward after the window, the rest waits for the heal at the next step boundary),
+:meth:`canonical_bytes` (what a canonical takes at rest) and :meth:`query` (what one read of the
+window costs beyond that). A rule that prices a live window's patch policy names it in
+``window_policy`` and takes ``patches`` / ``defers`` / ``lazy_canonicals`` from that policy
+(``PatchPolicy.conditions`` / ``defers_canonical`` / ``lazy_canonicals``): it restates nothing.
 
 A rule may price a variant of an arm under its own name (``arm`` names the arm it prices:
 ``patch-latency`` prices ``patch`` under ``patch_policy="latency"``). A rule with ``budgeted``
@@ -21,6 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ..core.registry import Registered, Registry
 from ..eval.arms import ARMS
 from ..scheduler.eviction import PolicyError
+from ..window import PATCH_POLICIES
+from ..window.plan import Forward
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Replayer
@@ -48,6 +53,10 @@ class ReuseCost(Registered):
         arm = cls.__dict__.get("arm") or name
         if name and arm not in ARMS:
             raise PolicyError(f"reuse cost {name!r} names no arm of contextdeque.eval.arms ({sorted(ARMS)})")
+        policy_name = cls.__dict__.get("window_policy")
+        if policy_name:  # what the window's policy does, from the policy itself
+            policy = PATCH_POLICIES[policy_name]
+            cls.patches, cls.defers, cls.lazy_canonicals = policy.conditions, policy.defers_canonical, policy.lazy_canonicals
         super().__init_subclass__(**kw)
 
     def __init__(self, budget: int | None = None) -> None:
@@ -78,9 +87,7 @@ class ReuseCost(Registered):
     def recompute(self, eng: "Replayer", tokens: int) -> None:
         """Charge ``tokens`` recomputed in context at query time (one partial forward)."""
         if tokens > 0:
-            eng.r.tokens_prefilled += tokens
-            eng.r.forwards += 1
-            eng.r.est_seconds += eng.cost.prefill_s(tokens, eng.window_tokens - tokens)
+            eng.do(Forward("recompute", tokens, context=eng.window_tokens - tokens), window_op=False)
 
 
 def make_reuse(spec: "str | ReuseCost") -> ReuseCost:

@@ -6,5 +6,4 @@ from .reuse import ReuseCost
 
 class PatchCost(ReuseCost):
     name = "patch"
-    patches = True
     window_policy = "eager"

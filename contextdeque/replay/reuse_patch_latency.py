@@ -16,5 +16,4 @@ from .reuse_patch import PatchCost
 class LatencyPatchCost(PatchCost):
     name = "patch-latency"
     arm = "patch"
-    defers = True
     window_policy = "latency"

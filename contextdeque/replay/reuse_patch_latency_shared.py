@@ -11,5 +11,4 @@ from .reuse_patch_latency import LatencyPatchCost
 class SharedLatencyPatchCost(LatencyPatchCost):
     name = "patch-latency-shared"
     arm = "patch"
-    lazy_canonicals = False
     window_policy = "latency-shared"

@@ -3,6 +3,7 @@ keyed by the chain of content hashes up to it and kept in the device pool under 
 policy; a query reuses the leading run of cached entries and prefills everything after the first
 miss (then caches it)."""
 
+from ..window.plan import Forward
 from .reuse import ReuseCost
 
 
@@ -25,6 +26,4 @@ class PrefixCacheCost(ReuseCost):
                 miss_tokens += n
         eng.charge_apply(hit_tokens)
         if miss_tokens:
-            eng.r.tokens_prefilled += miss_tokens
-            eng.r.forwards += 1
-            eng.r.est_seconds += eng.cost.prefill_s(miss_tokens, hit_tokens)
+            eng.do(Forward("prefix", miss_tokens, context=hit_tokens), window_op=False)

@@ -1,8 +1,8 @@
 """The placement scheduler (issue 11) and eviction policies.
 
 ``SchedulerPlacement`` (``placement="scheduler"`` on a ``ContextWindow``, and a replay policy)
-orders and admits chunks so stored patches stay valid; ``PatchGraph`` is the networkx index of
-stored patches it searches; ``exact`` / ``heuristic`` / ``brute_force`` the searches; eviction
+orders and admits chunks so stored patches stay valid; ``PatchGraph`` (``window/graph.py``) is the
+networkx index of stored patches it searches; ``exact`` / ``heuristic`` / ``brute_force`` the searches; eviction
 policies (``lru``, ``reuse-distance``, ``belady``) decide what leaves the fast tier.
 """
 
@@ -12,12 +12,13 @@ from .eviction import EVICTION_POLICIES, PoolEvictionPolicy, PolicyError, make_e
 from .eviction_belady import BeladyEviction
 from .eviction_lru import LRUEviction
 from .eviction_reuse import ReuseDistanceEviction
-from .graph import PatchGraph
 from .placement import OfflineSchedulerPlacement, SchedulerPlacement
+from .placement_valid import ValidPlacement
 from .search import EXACT_MAX_CHUNKS, brute_force, exact, heuristic, schedule
+from ..window.graph import PatchGraph  # (its one home: window/graph.py, beside the window's conditioning graph)
 
 __all__ = [
-    "SchedulerPlacement", "OfflineSchedulerPlacement", "PatchGraph", "Weights", "DEFAULT_WEIGHTS", "OrderCost",
+    "SchedulerPlacement", "OfflineSchedulerPlacement", "ValidPlacement", "PatchGraph", "Weights", "DEFAULT_WEIGHTS", "OrderCost",
     "order_cost", "exact", "heuristic", "brute_force", "schedule", "EXACT_MAX_CHUNKS", "EVICTION_POLICIES",
     "PoolEvictionPolicy", "make_eviction", "PolicyError", "LRUEviction", "ReuseDistanceEviction", "BeladyEviction",
 ]

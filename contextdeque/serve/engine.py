@@ -34,10 +34,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..core.errors import AgentInputError
+from ..core.counters import Counters
+from ..core.errors import AgentInputError, WindowTypeError
 from ..core.cooperative import Interrupted, background, install_layer_checkpoints
+from ..stores import TierTraffic
 from ..window import decode
-from ..window.policy import make_policy
+from ..window.config import WindowConfig
 from ..session import MessageWindow, normalize_messages
 from .compat import template_supports_tools
 from .conversation import Prompt, check_budget, parse_prompt, prefix_digests, turns_digest
@@ -46,6 +48,12 @@ from .metrics import ServeMetrics
 SERVE_POLICY = "latency-shared"
 """The server's default patch policy: latency-first, with every canonical computed while healing
 (``window/policy_latency_shared.py``): what one replica encodes, the others find in the store."""
+
+
+def serve_config(**settings: Any) -> WindowConfig:
+    """The settings of a served session's window: ``SERVE_POLICY`` and the defaults, with
+    ``settings`` on top (a ``MessageWindow`` keeps the whole list: ``overflow`` is ``"error"``)."""
+    return WindowConfig(**{"patch_policy": SERVE_POLICY, **settings, "overflow": "error"})
 
 log = logging.getLogger("contextdeque.serve")
 
@@ -84,16 +92,15 @@ class GenerationRequest:
 
 
 @dataclass
-class GenerationResult:
+class GenerationResult(Counters):
+    """One request's reply and what it cost: the window's work (:class:`Counters`: its sync's and
+    decode's receipts added, plus the generation prompt's tokens) and the store's fallbacks."""
+
     text: str
     token_ids: list[int]
     finish_reason: str
     session_id: str
     prompt_tokens: int
-    tokens_prefilled: int
-    encodes: int
-    patches_formed: int
-    patches_reused: int
     fallbacks: dict[str, int]
     ttft_s: float | None
     restored: bool
@@ -183,10 +190,9 @@ class Engine:
         backend: ``HFBackend`` with a chat-template tokenizer.
         store: the ``TieredStore`` all sessions share (local tiers, optionally a Valkey tier).
         model_name: the name clients use (``GET /v1/models``).
-        rank / patch_policy: window patch settings.
-        window_options: further ``ContextWindow`` settings of every session's window, e.g.
-            ``fidelity_target=``, ``max_patch_fraction=``, ``on_miss=`` (misses are counted in
-            the metrics and listed in each response's usage).
+        config: every session's window settings, one ``WindowConfig`` (default:
+            :func:`serve_config`: the ``SERVE_POLICY`` and the default rank); a ``fidelity_target``
+            in it counts its misses in the metrics and lists them in each response's usage.
         context_tokens: most tokens one request may need (default: the model's maximum positions).
         max_tokens: default and ceiling of ``max_tokens`` per request.
         queue_size: requests waiting for the worker beyond the running one; more get 429.
@@ -208,8 +214,7 @@ class Engine:
         store: Any,
         *,
         model_name: str,
-        rank: int = 32,
-        patch_policy: str = SERVE_POLICY,
+        config: WindowConfig | None = None,
         context_tokens: int | None = None,
         max_tokens: int = 256,
         queue_size: int = 16,
@@ -218,19 +223,17 @@ class Engine:
         plain: bool = False,
         heal_idle_ms: float | None = 20.0,
         processor: Any = None,
-        window_options: dict[str, Any] | None = None,
     ) -> None:
         self.backend = backend
-        self.window_options = dict(window_options or {})
+        self.config = serve_config() if config is None else config
+        if not isinstance(self.config, WindowConfig):
+            raise WindowTypeError(f"config must be a WindowConfig, got {type(self.config).__name__}")
         self.store = store
         self.model_name = model_name
         self.processor = processor
         # the template MessageWindow cuts with (image parts wrapped in the model's vision tokens)
         self.template = MessageWindow(backend, processor=processor).template
         self.tools_supported = template_supports_tools(backend.tokenizer)
-        self.rank = rank
-        make_policy(patch_policy)  # an unknown name is refused now (WindowError), not on the first request
-        self.patch_policy = patch_policy
         cfg = getattr(backend.model, "config", None)
         self.context_tokens = context_tokens or int(getattr(getattr(cfg, "get_text_config", lambda: cfg)(), "max_position_embeddings", 2048))
         self.max_tokens = max_tokens
@@ -382,8 +385,7 @@ class Engine:
                     if cand is not None and not cand.busy:
                         self.sessions.move_to_end(cand.id)
                         return cand, False
-            conv = MessageWindow(self.backend, rank=self.rank, patch_policy=self.patch_policy, store=self.store,
-                                 processor=self.processor, **self.window_options)
+            conv = MessageWindow(self.backend, self.config, store=self.store, processor=self.processor)
             s = Session(sid or uuid.uuid4().hex, conv)
             old = self.sessions.pop(s.id, None)
             if old is not None:
@@ -438,7 +440,7 @@ class Engine:
         text, finish = self._finish(streamer, new_ids, eos, req.max_new_tokens)
         result = GenerationResult(
             text=text, token_ids=new_ids, finish_reason=finish, session_id="plain", prompt_tokens=prompt.prompt_tokens,
-            tokens_prefilled=prompt.prompt_tokens, encodes=0, patches_formed=0, patches_reused=0, fallbacks={},
+            tokens_prefilled=prompt.prompt_tokens, fallbacks={},
             ttft_s=streamer.first_token_s, restored=False,
         )
         self.metrics.record(result, [], time.perf_counter() - t0)
@@ -464,16 +466,12 @@ class Engine:
             assert mw.window is not None
             text, finish = self._finish(streamer, ids, set(decode.eos_ids(mw.window.context)), req.max_new_tokens)
             receipts = [*(o.receipt for o in rec.ops), answer.receipt]
-            fallbacks: dict[str, int] = {}
-            for r in receipts:
-                for tier, n in r.traffic.fallbacks.items():
-                    fallbacks[tier] = fallbacks.get(tier, 0) + n
+            work = rec.counters
             result = GenerationResult(
                 text=text, token_ids=ids, finish_reason=finish, session_id=session.id,
                 prompt_tokens=prompt.prompt_tokens,
-                tokens_prefilled=rec.tokens_prefilled + len(prompt.cut.generation_ids),
-                encodes=rec.encodes, patches_formed=rec.patches_formed, patches_reused=rec.patches_reused,
-                fallbacks=fallbacks, ttft_s=streamer.first_token_s,
+                **{**work.counts(), "tokens_prefilled": work.tokens_prefilled + len(prompt.cut.generation_ids)},
+                fallbacks=TierTraffic.summed(r.traffic for r in receipts).fallbacks, ttft_s=streamer.first_token_s,
                 restored=new and rec.appended > 0 and rec.encodes == 0,
                 fidelity_misses=[m.as_dict() for r in receipts for m in r.fidelity_misses],
             )

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..core.counters import Counters
+
 disable_created_metrics()  # no *_created series: they double the page and no dashboard reads them
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -74,6 +76,27 @@ class _ScrapeCollector:
         yield GaugeMetricFamily("contextdeque_heal_pending_chunks", "chunks a latency-first policy left to heal", value=e.pending_chunks())
 
 
+# Counters field -> (metric, help): what a request's work and a heal step's work add to
+REQUEST_WORK = {
+    "tokens_prefilled": ("contextdeque_tokens_prefilled", "tokens this server prefilled (encodes, patch forwards, generation prompt)"),
+    "encodes": ("contextdeque_encode_forwards", "chunk encode forwards (content the store had never seen)"),
+    "patches_formed": ("contextdeque_patch_forwards", "conditioned forwards forming patches"),
+    "patches_reused": ("contextdeque_patches_reused", "patches served by the store"),
+}
+HEAL_WORK = {
+    "forwards": ("contextdeque_heal_forwards", "model forwards run while healing"),
+    "tokens_prefilled": ("contextdeque_heal_tokens_prefilled", "tokens prefilled while healing (off the request path)"),
+    "encodes": ("contextdeque_heal_encodes", "canonicals encoded while healing"),
+    "patches_formed": ("contextdeque_heal_patches_formed", "patches formed while healing"),
+}
+
+
+def _count(metrics: dict[str, Any], work: Counters) -> None:
+    """Add a record's counts (a ``Counters``: a request's result, a heal step's receipt) to ``metrics``."""
+    for field, metric in metrics.items():
+        metric.inc(getattr(work, field))
+
+
 class ServeMetrics:
     """The metrics of one engine, in their own registry."""
 
@@ -81,12 +104,11 @@ class ServeMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("contextdeque_requests", "HTTP requests", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("contextdeque_prompt_tokens", "prompt tokens a plain server would prefill", registry=r)
-        self.prefilled = Counter("contextdeque_tokens_prefilled", "tokens this server prefilled (encodes, patch forwards, generation prompt)", registry=r)
         self.avoided = Counter("contextdeque_prefill_avoided_tokens", "prompt tokens served without a forward", registry=r)
         self.completion_tokens = Counter("contextdeque_completion_tokens", "tokens generated", registry=r)
-        self.encodes = Counter("contextdeque_encode_forwards", "chunk encode forwards (content the store had never seen)", registry=r)
-        self.patch_forwards = Counter("contextdeque_patch_forwards", "conditioned forwards forming patches", registry=r)
-        self.patches_reused = Counter("contextdeque_patches_reused", "patches served by the store", registry=r)
+        # the requests' and the heal steps' work, per Counters field that has a metric
+        self.work = {field: Counter(name, doc, registry=r) for field, (name, doc) in REQUEST_WORK.items()}
+        self.heal_work = {field: Counter(name, doc, registry=r) for field, (name, doc) in HEAL_WORK.items()}
         self.fallbacks = Counter("contextdeque_store_fallbacks", "store operations answered locally because a remote tier was away", ["tier"], registry=r)
         self.sessions_evicted = Counter("contextdeque_sessions_evicted", "sessions closed by the memory budget", registry=r)
         self.sessions_restored = Counter("contextdeque_sessions_restored", "sessions rebuilt from the store with no encode", registry=r)
@@ -99,22 +121,15 @@ class ServeMetrics:
         self.heal_steps = Counter("contextdeque_heal_steps", "heal steps completed in idle time", registry=r)
         self.heal_interrupted = Counter("contextdeque_heal_interrupted", "heal steps abandoned because a request arrived", registry=r)
         self.heal_errors = Counter("contextdeque_heal_errors", "heal steps that failed (the window stays as served until its next request)", registry=r)
-        self.heal_forwards = Counter("contextdeque_heal_forwards", "model forwards run while healing", registry=r)
-        self.heal_prefilled = Counter("contextdeque_heal_tokens_prefilled", "tokens prefilled while healing (off the request path)", registry=r)
-        self.heal_encodes = Counter("contextdeque_heal_encodes", "canonicals encoded while healing", registry=r)
-        self.heal_patches = Counter("contextdeque_heal_patches_formed", "patches formed while healing", registry=r)
         self.heal_seconds = Histogram("contextdeque_heal_seconds", "wall time of one heal step", buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("contextdeque_queue_depth", "requests waiting for the model worker", registry=r)
         r.register(_ScrapeCollector(engine))
 
     def record(self, res: "GenerationResult", receipts: list[Any], wall_s: float) -> None:
         self.prompt_tokens.inc(res.prompt_tokens)
-        self.prefilled.inc(res.tokens_prefilled)
+        _count(self.work, res)
         self.avoided.inc(max(0, res.prompt_tokens - res.tokens_prefilled))
         self.completion_tokens.inc(len(res.token_ids))
-        self.encodes.inc(res.encodes)
-        self.patch_forwards.inc(res.patches_formed)
-        self.patches_reused.inc(res.patches_reused)
         for tier, n in res.fallbacks.items():
             self.fallbacks.labels(tier).inc(n)
         if res.restored:
@@ -127,10 +142,7 @@ class ServeMetrics:
     def record_heal(self, rec: Any, step: Any, wall_s: float) -> None:
         """One heal step's receipt (``rec``: merged; ``step``: the step's own, for its store traffic)."""
         self.heal_steps.inc()
-        self.heal_forwards.inc(rec.forwards)
-        self.heal_prefilled.inc(rec.tokens_prefilled)
-        self.heal_encodes.inc(rec.encodes)
-        self.heal_patches.inc(rec.patches_formed)
+        _count(self.heal_work, rec)
         self.heal_seconds.observe(wall_s)
         self.record_fidelity([m.as_dict() for m in rec.fidelity_misses])
         if step is not None:

@@ -5,7 +5,7 @@ tool; text and image parts) and hand the whole list to the model at every call. 
 turns each call's list into cache edits instead of a re-prefill::
 
     from contextdeque.session import MessageWindow
-    mw = MessageWindow(backend)                      # budget, rank, patch policy, store: as ContextWindow
+    mw = MessageWindow(backend)                      # settings: a WindowConfig (or its fields), and a store
     receipt = mw.sync(messages)                      # diff against the last list -> window operations
     print(receipt.summary())                         # what it cost, vs a re-prefill and a prefix cache
     answer = mw.generate(max_new_tokens=64)          # the assistant's reply (greedy by default)
@@ -57,10 +57,10 @@ from typing import Any, Hashable, Sequence
 
 import torch
 
-from contextdeque.core.errors import WindowError
+from contextdeque.core.errors import WindowError, WindowTypeError
 from contextdeque.core.metrics import kl_divergence
 from contextdeque.model.images import DEFAULT_IMAGE_TOKENS, ImagePath, pixel_digest
-from contextdeque.window import Answer, ChunkRef, ContextWindow, Receipt
+from contextdeque.window import Answer, ChunkRef, ContextWindow, Receipt, WindowConfig
 
 from .measure import FirstToken, common_prefix, reprefill_first_token, window_first_token
 from .messages import ROLES, ChatMessage, normalize_messages
@@ -85,43 +85,33 @@ class MessageWindow:
 
     Args:
         backend: an ``HFBackend`` whose tokenizer has a chat template (``contextdeque.load_model()``).
-        budget_tokens: most message tokens the window may hold (the root is not counted); a list
-            beyond it makes ``sync`` raise ``BudgetError`` (trimming history is the caller's
-            choice, not ours). None: no budget.
-        rank: patch rank m (see ``ContextWindow``).
-        patch_policy: ``"default"``, ``"exact"`` (full-rank: equals a re-prefill), ``"none"``,
-            another registered name or a ``PatchPolicy``.
+        config: the window's settings, one ``WindowConfig`` (default: the defaults, ``overflow="error"``:
+            a list beyond ``budget_tokens`` makes ``sync`` raise ``BudgetError``; trimming history
+            is the caller's choice, not ours). ``settings``: ``WindowConfig`` fields set on top of it
+            (``budget_tokens=``, ``rank=``, ``patch_policy=``: ``"default"``, ``"exact"`` (full-rank:
+            equals a re-prefill), ``"none"``, another registered name or a ``PatchPolicy``...).
         store: the store canonicals and patches live in; share one between MessageWindows (or
             processes, with a disk or Valkey tier) to share what was encoded.
-        cascade_policy: see ``ContextWindow``.
         processor: a Qwen-VL model's image processor (image parts go through its vision tower);
             without one, a text-only model takes image parts through the image-span emulation.
         image_tokens: most tokens an emulated image span takes.
         tokenizer: the tokenizer with the chat template (default: the backend's).
         max_evicted: messages kept recallable after they leave the list (oldest forgotten first).
-        anticipate: the idle time between requests (:meth:`idle`; ``serve`` runs it) also
-            prepares what the next request likely brings back: the messages the last sync
-            dropped, back where they stood (``ContextWindow.expect``), and the window's likeliest
-            re-reads, so such a request runs no forward on the critical path.
-        window_kwargs: anything else for ``ContextWindow`` (e.g. ``storage=``).
+        Idle time between requests (:meth:`idle`; ``serve`` runs it) also prepares what the next
+        request likely brings back (``config.anticipate``, on by default): the messages the last
+        sync dropped, back where they stood (``ContextWindow.expect``), and the window's likeliest
+        re-reads, so such a request runs no forward on the critical path.
     """
 
-    def __init__(
-        self,
-        backend: Any,
-        *,
-        budget_tokens: int | None = None,
-        rank: int = 32,
-        patch_policy: Any = "default",
-        store: Any = None,
-        cascade_policy: str = "reform",
-        processor: Any = None,
-        image_tokens: int = DEFAULT_IMAGE_TOKENS,
-        tokenizer: Any = None,
-        max_evicted: int = 256,
-        anticipate: bool = True,
-        **window_kwargs: Any,
-    ) -> None:
+    def __init__(self, backend: Any, config: WindowConfig | None = None, *, store: Any = None, processor: Any = None,
+                 image_tokens: int = DEFAULT_IMAGE_TOKENS, tokenizer: Any = None, max_evicted: int = 256,
+                 **settings: Any) -> None:
+        if config is not None and not isinstance(config, WindowConfig):
+            raise WindowTypeError(f"config must be a WindowConfig, got {type(config).__name__}")
+        config = WindowConfig(**{"overflow": "error", **settings}) if config is None else config.replace(**settings)
+        if config.overflow != "error":
+            raise WindowError("MessageWindow keeps the whole list: overflow must be 'error'")
+        self.config = config
         self.backend = backend
         self.images = ImagePath(backend, processor=processor, max_tokens=image_tokens)
         wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
@@ -129,12 +119,6 @@ class MessageWindow:
             cfg = backend.model.config
             wrap = ((int(cfg.vision_start_token_id),), (int(cfg.vision_end_token_id),))
         self.template = ChatTemplate(tokenizer if tokenizer is not None else backend.tokenizer, image_wrap=wrap)
-        if window_kwargs.pop("overflow", "error") != "error":
-            raise WindowError("MessageWindow keeps the whole list: overflow must be 'error'")
-        self._window_args = dict(
-            budget_tokens=budget_tokens, rank=rank, patch_policy=patch_policy, cascade_policy=cascade_policy,
-            overflow="error", anticipate=anticipate, **window_kwargs,
-        )
         self.store = store
         self.max_evicted = int(max_evicted)
         self.window: ContextWindow | None = None
@@ -202,7 +186,7 @@ class MessageWindow:
         window, live, gone = self.window, list(self._live), {k: list(v) for k, v in self._gone.items()}
         fresh = window is None or tuple(window.root_ids) != cut.root_ids
         if fresh:
-            window = ContextWindow(self.backend, root=list(cut.root_ids), store=self._shared_store(), **self._window_args)
+            window = ContextWindow.from_config(self.backend, self.config, root=list(cut.root_ids), store=self._shared_store())
             live, gone = [], {}
             rec.rebuilt = self.window is not None
         assert window is not None

@@ -4,10 +4,14 @@ with its window receipt) and their sums beside a re-prefill and a prefix cache
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
+from contextdeque.core.counters import Counters, Tally, adds
 from contextdeque.window import Receipt
+
+COUNTS = frozenset(f.name for f in dataclasses.fields(Counters))
 
 
 # ---------------------------------------------------------------------------- receipts
@@ -25,23 +29,12 @@ class MessageOp:
     why: str
     receipt: Receipt
 
-
-def _summed(name: str) -> property:
-    """A read-only total of the window receipts' ``name`` over a sync's ops."""
-    return property(lambda self: sum(int(getattr(o.receipt, name)) for o in self.ops),
-                    doc=f"``{name}`` summed over the window operations' receipts.")
-
-
-# `SyncReceipt.as_dict`'s fields, in order (then ``wall_ms`` and ``ops``)
-_AS_DICT = (
-    "messages", "kept", "appended", "evicted", "returned", "moved", "reordered", "rebuilt", "forwards",
-    "tokens_prefilled", "encodes", "returned_encodes", "patches_formed", "patches_reused", "reprefill_tokens",
-    "prefix_cache_tokens",
-)
+    def as_dict(self) -> dict[str, Any]:
+        return {"op": self.op, "index": self.index, "role": self.role, "why": self.why, **self.receipt.as_dict()}
 
 
 @dataclass
-class SyncReceipt:
+class SyncReceipt(Tally):
     """What one ``MessageWindow.sync`` did and cost, beside what a re-prefill and a prefix cache
     would have prefilled for the same list (root + messages; the generation prompt is prefilled by
     all three alike at ``generate``).
@@ -49,39 +42,41 @@ class SyncReceipt:
     Counts are of messages: ``kept`` (unchanged, no work), ``appended`` (new), ``evicted``
     (left the list; recallable), ``returned`` (came back and were recalled, never re-encoded),
     ``moved`` (recalled behind a message inserted in front of them), ``reordered`` (a
-    permutation of the kept ones was applied). ``encodes`` counts chunks the model encoded.
+    permutation of the kept ones was applied). The window's work (``forwards``,
+    ``tokens_prefilled``, ``encodes``: chunks the model encoded, ``patches_formed`` /
+    ``patches_reused``) is :attr:`counters`, the ops' receipts added.
     """
 
-    ops: list[MessageOp] = field(default_factory=list)
-    messages: int = 0
-    kept: int = 0
-    appended: int = 0
-    evicted: int = 0
-    returned: int = 0
-    moved: int = 0
+    ops: list[MessageOp] = adds(list)
+    messages: int = adds()
+    kept: int = adds()
+    appended: int = adds()
+    evicted: int = adds()
+    returned: int = adds()
+    moved: int = adds()
     reordered: bool = False
     rebuilt: bool = False
-    reprefill_tokens: int = 0
-    prefix_cache_tokens: int = 0
-    wall_ms: float = 0.0
+    reprefill_tokens: int = adds()
+    prefix_cache_tokens: int = adds()
+    wall_ms: float = adds(0.0, json=lambda v: round(v, 3))
 
-    # the window's work, summed over the ops' receipts
-    forwards = _summed("forwards")
-    tokens_prefilled = _summed("tokens_prefilled")
-    encodes = _summed("encodes")
-    patches_formed = _summed("patches_formed")
-    patches_reused = _summed("patches_reused")
+    @property
+    def counters(self) -> Counters:
+        """The window's work: the counts of the ops' receipts, added."""
+        return Counters.summed(o.receipt for o in self.ops)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in COUNTS:  # forwards, tokens_prefilled, ...: the summed receipts'
+            return getattr(self.counters, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def returned_encodes(self) -> int:
         """Chunks encoded while recalling returning messages: always 0 (the point of recall)."""
         return sum(o.receipt.encodes for o in self.ops if o.why == "returned")
 
-    def as_dict(self) -> dict[str, Any]:
-        out = {name: getattr(self, name) for name in _AS_DICT}
-        out["wall_ms"] = round(self.wall_ms, 3)
-        out["ops"] = [{"op": o.op, "index": o.index, "role": o.role, "why": o.why, **o.receipt.as_dict()} for o in self.ops]
-        return out
+    def _derived(self) -> dict[str, Any]:
+        return {**self.counters.counts(), "returned_encodes": self.returned_encodes}
 
     def summary(self) -> str:
         parts = [f"{n} {k}" for k, n in (("kept", self.kept), ("appended", self.appended), ("evicted", self.evicted),

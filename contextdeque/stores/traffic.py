@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from contextdeque.core.counters import Tally, adds, shown
 
 
 def _add(d: dict[str, int], tier: str, n: int) -> None:
@@ -13,7 +15,7 @@ def _add(d: dict[str, int], tier: str, n: int) -> None:
 
 
 @dataclass
-class TierTraffic:
+class TierTraffic(Tally):
     """Per-tier byte counts of one or more store operations.
 
     All byte counts are payload bytes (sum of tensor ``numel * element_size``), so they
@@ -37,16 +39,16 @@ class TierTraffic:
             (a ``get(corrupt_ok=True)`` went on to slower tiers, or reported a miss).
     """
 
-    read: dict[str, int] = field(default_factory=dict)
-    written: dict[str, int] = field(default_factory=dict)
-    evicted: dict[str, int] = field(default_factory=dict)
-    hits: dict[str, int] = field(default_factory=dict)
-    misses: int = 0
-    served_from: str | None = None
-    dropped: list[str] = field(default_factory=list)
-    fallbacks: dict[str, int] = field(default_factory=dict)
-    fallback_reasons: dict[str, str] = field(default_factory=dict)
-    quarantined: list[str] = field(default_factory=list)
+    read: dict[str, int] = adds(dict)
+    written: dict[str, int] = adds(dict)
+    evicted: dict[str, int] = adds(dict)
+    hits: dict[str, int] = adds(dict)
+    misses: int = adds()
+    served_from: str | None = shown()
+    dropped: list[str] = adds(list)
+    fallbacks: dict[str, int] = adds(dict)
+    fallback_reasons: dict[str, str] = adds(dict, merge=lambda mine, theirs: {**mine, **theirs})  # the latest reason
+    quarantined: list[str] = adds(list)
 
     def add_read(self, tier: str, nbytes: int, *, hit: bool = True) -> None:
         """Record ``nbytes`` read out of ``tier``; ``hit``: it served a ``get``."""
@@ -78,40 +80,21 @@ class TierTraffic:
         """Total bytes read plus written over all tiers."""
         return sum(self.read.values()) + sum(self.written.values())
 
-    def merge(self, other: TierTraffic) -> TierTraffic:
-        """Add ``other``'s counts into this record (in place) and return it."""
-        for mine, theirs in ((self.read, other.read), (self.written, other.written),
-                             (self.evicted, other.evicted), (self.hits, other.hits)):
-            for k, v in theirs.items():
-                _add(mine, k, v)
-        self.misses += other.misses
-        if other.served_from is not None or other.misses:
-            self.served_from = other.served_from
-        self.dropped.extend(other.dropped)
-        for k, v in other.fallbacks.items():
-            _add(self.fallbacks, k, v)
-        self.fallback_reasons.update(other.fallback_reasons)
-        self.quarantined.extend(other.quarantined)
+    def __iadd__(self, other: TierTraffic) -> TierTraffic:
+        """Add ``other``'s counts into this record (in place); ``served_from`` becomes the later
+        record's when it recorded a ``get``."""
+        served_from = other.served_from if (other.served_from is not None or other.misses) else self.served_from
+        super().__iadd__(other)
+        self.served_from = served_from
         return self
 
-    def __iadd__(self, other: TierTraffic) -> TierTraffic:
-        return self.merge(other)
+    def merge(self, other: TierTraffic) -> TierTraffic:
+        """Add ``other``'s counts into this record (in place) and return it."""
+        self += other
+        return self
 
-    def as_dict(self) -> dict[str, object]:
-        """A JSON-friendly copy."""
-        return {
-            "read": dict(self.read),
-            "written": dict(self.written),
-            "evicted": dict(self.evicted),
-            "hits": dict(self.hits),
-            "misses": self.misses,
-            "served_from": self.served_from,
-            "dropped": list(self.dropped),
-            "fallbacks": dict(self.fallbacks),
-            "fallback_reasons": dict(self.fallback_reasons),
-            "quarantined": list(self.quarantined),
-            "moved_bytes": self.moved_bytes,
-        }
+    def _derived(self) -> dict[str, object]:
+        return {"moved_bytes": self.moved_bytes}
 
 
 # The record of the store operation running in this thread/task: a tier that is away reports

@@ -1,5 +1,6 @@
 """WindowConfig: a window's settings in one frozen object, validated once, with the defaults in one
-place (``DEFAULT_RANK``: the patch rank m every entry point defaults to).
+place (``DEFAULT_RANK``, the patch rank m every entry point defaults to, is written in
+``patch/rank.py``, below every layer that needs it).
 
 ``ContextWindow(backend, **settings)`` builds one from its keywords; ``ContextWindow.from_config``
 takes one as it is. Policies and placements are kept as given (a name or an instance): the window
@@ -18,12 +19,20 @@ from ..core.args import check_float, check_int, check_str
 from ..core.chunk import storage_dtype
 from ..core.errors import BudgetError, WindowError, WindowTypeError
 from ..patch.alloc import DEFAULT_ON_MISS, ON_MISS
+from .budget import DEFAULT_BLIND_KL
+from ..patch.rank import DEFAULT_RANK  # (re-exported: the one default rank, written in patch/rank.py)
 from .graph import CASCADE_POLICIES
 from .kvselect import SelectionPolicy
 from .placement import PlacementPolicy
 from .policy import PatchPolicy
 
-DEFAULT_RANK = 32  # the patch rank m: the window's, the server's and the commands' default
+DEFAULT_RECALL_PLACEMENT = "valid"
+"""Where ``recall(ref)`` (no ``at``) goes: ``"valid"`` (``contextdeque.scheduler``: where a stored
+patch stays valid — behind the chunks its patch was formed on, or the front where its canonical is
+exact — else the end). Chosen by measurement: docs/placement.md and ``window-bench``'s
+``recall-valid`` row."""
+DEFAULT_KL_BUDGET_MS = 2000.0
+"""The time cap of the patch an ``answer_kl_budget`` forms on the critical path (window.budget)."""
 DEFAULT_MAX_EVICTED = 10_000  # evicted refs a window remembers unless told otherwise
 OVERFLOW_POLICIES = ("slide", "error")
 
@@ -42,6 +51,7 @@ class WindowConfig:
     overflow: str = "slide"
     storage: "torch.dtype | str" = torch.float32
     placement: "str | PlacementPolicy" = "arrival"
+    recall_placement: "str | PlacementPolicy | None" = DEFAULT_RECALL_PLACEMENT
     fidelity_target: float | None = None
     max_patch_fraction: float = 0.25
     on_miss: str = DEFAULT_ON_MISS
@@ -50,14 +60,19 @@ class WindowConfig:
     chunk_template: str = "{text}"
     max_evicted: int | None = DEFAULT_MAX_EVICTED
     anticipate: bool = True
+    answer_kl_budget: float | None = None
+    kl_budget_ms: float | None = DEFAULT_KL_BUDGET_MS
+    blind_kl: float = DEFAULT_BLIND_KL
 
     def __post_init__(self) -> None:
         if self.kv_selection is not None and not isinstance(self.kv_selection, SelectionPolicy):
             raise WindowTypeError(f"kv_selection must be a SelectionPolicy, got {type(self.kv_selection).__name__}")
         if not isinstance(self.patch_policy, (str, PatchPolicy)):
             raise WindowTypeError(f"patch_policy must be a policy name or a PatchPolicy, got {type(self.patch_policy).__name__}")
-        if not isinstance(self.placement, (str, PlacementPolicy)):
-            raise WindowTypeError(f"placement must be a policy name or a PlacementPolicy, got {type(self.placement).__name__}")
+        for name in ("placement", "recall_placement"):
+            value = getattr(self, name)
+            if not isinstance(value, (str, PlacementPolicy)) and not (name == "recall_placement" and value is None):
+                raise WindowTypeError(f"{name} must be a policy name or a PlacementPolicy, got {type(value).__name__}")
         check_str("cascade_policy", self.cascade_policy, error=WindowError)
         if self.cascade_policy not in CASCADE_POLICIES:
             raise WindowError(f"cascade_policy must be one of {CASCADE_POLICIES}, got {self.cascade_policy!r}")
@@ -71,8 +86,10 @@ class WindowConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise WindowTypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
         from .ingest import check_template  # (ingest stands on the context, which stands on this)
+        from .policy import make_policy
 
         check_template(self.chunk_template)
+        make_policy(self.patch_policy)  # an unknown name is refused here, once (WindowError), not at first use
         checked = dict(
             rank=check_int("rank", self.rank, minimum=0, error=WindowError),
             budget_tokens=check_int("budget_tokens", self.budget_tokens, minimum=1, none_ok=True, error=BudgetError),
@@ -82,6 +99,10 @@ class WindowConfig:
             max_patch_fraction=check_float("max_patch_fraction", self.max_patch_fraction, minimum=0.0, maximum=1.0,
                                            open_min=True, error=WindowError),
             max_evicted=check_int("max_evicted", self.max_evicted, minimum=0, none_ok=True, error=WindowError),
+            answer_kl_budget=check_float("answer_kl_budget", self.answer_kl_budget, minimum=0.0, none_ok=True,
+                                         error=WindowError),
+            kl_budget_ms=check_float("kl_budget_ms", self.kl_budget_ms, minimum=0.0, none_ok=True, error=WindowError),
+            blind_kl=check_float("blind_kl", self.blind_kl, minimum=0.0, open_min=True, error=WindowError),
         )
         for name, value in checked.items():  # normalized once (frozen: set through object.__setattr__)
             object.__setattr__(self, name, value)

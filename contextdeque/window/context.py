@@ -7,6 +7,7 @@ canonicals, same store, same policy); what differs between them is their ``Windo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -19,6 +20,7 @@ from ..core.cooperative import in_background
 from ..model.envelope import load_envelope
 from ..patch.alloc import FidelityRule
 from ..patch.rank import FULL, resolve_rank
+from .graph import PatchGraph
 from .config import DEFAULT_MAX_EVICTED, OVERFLOW_POLICIES, WindowConfig  # noqa: F401  (re-exported)
 from .policy import PatchPolicy
 from .store import WindowStore
@@ -26,6 +28,8 @@ from .store import WindowStore
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.hf import HFBackend
 
+SETTINGS = frozenset(f.name for f in dataclasses.fields(WindowConfig))  # what a context reads off its config
+BACKEND_FACTS = frozenset({"layout", "fingerprint", "root_len"})  # what a context reads off its backend
 PATCH_INDEX_CHUNKS = 4096  # chunks the stored-prefix hint remembers (WindowContext.note_stored_prefix)
 PATCH_INDEX_PREFIXES = 32  # prefixes it remembers per chunk
 
@@ -52,8 +56,11 @@ class WindowContext:
     counters: dict[str, int] = field(default_factory=lambda: {"encodes": 0, "decode_forwards": 0, "decode_tokens": 0})
     expected_reuse: Callable[..., float] | None = None
     placement: Any = None  # a window.placement.PlacementPolicy (None: arrival order)
+    # where a recall the agent does not pin goes (config.recall_placement; None: as ``placement``)
+    recall_placement: Any = None
     # chunk id -> antecedent id tuples whose patch was stored (a placement hint): bounded, see note_stored_prefix
-    patch_index: "OrderedDict[str, dict[tuple[str, ...], None]]" = field(default_factory=OrderedDict, repr=False)
+    patch_index: PatchGraph = field(
+        default_factory=lambda: PatchGraph(max_contents=PATCH_INDEX_CHUNKS, max_prefixes=PATCH_INDEX_PREFIXES), repr=False)
     # store keys of the patches anticipation formed (window.anticipation): receipts say "anticipated"
     anticipated_keys: set = field(default_factory=set, repr=False)
     # the family's reorders so far, as index permutations (``perm[i]``: the old index of the chunk
@@ -70,14 +77,7 @@ class WindowContext:
         """Record that ``chunk_id``'s patch on ``prefix`` is stored (the placement scheduler's
         hint). A hint only, so bounded: the ``PATCH_INDEX_CHUNKS`` most recently noted chunks,
         ``PATCH_INDEX_PREFIXES`` prefixes each (least recent forgotten)."""
-        known = self.patch_index.pop(chunk_id, None) or {}
-        known.pop(prefix, None)
-        known[prefix] = None
-        while len(known) > PATCH_INDEX_PREFIXES:
-            del known[next(iter(known))]
-        self.patch_index[chunk_id] = known
-        while len(self.patch_index) > PATCH_INDEX_CHUNKS:
-            self.patch_index.popitem(last=False)
+        self.patch_index.add(chunk_id, prefix)
 
     @contextmanager
     def foreground(self) -> Iterator[None]:
@@ -104,31 +104,15 @@ class WindowContext:
         """A foreground operation is waiting for the model."""
         return self._waiting[0] > 0
 
-    # the settings, read through the config (one source: a fork shares its parent's)
-    rank = property(lambda self: self.config.rank, doc="the patch rank m")
-    budget_tokens = property(lambda self: self.config.budget_tokens, doc="most chunk tokens the window holds (None: no budget)")
-    cascade_policy = property(lambda self: self.config.cascade_policy)
-    overflow = property(lambda self: self.config.overflow)
-    storage = property(lambda self: self.config.storage, doc="the dtype canonicals are stored in")
-    kv_selection = property(lambda self: self.config.kv_selection, doc="a kvselect.SelectionPolicy, or None")
-    fidelity_target = property(lambda self: self.config.fidelity_target, doc="η target: per-layer ranks allocated to meet it; None: fixed rank")
-    max_patch_fraction = property(lambda self: self.config.max_patch_fraction, doc="the target's byte cap: patch bytes / page bytes")
-    on_miss = property(lambda self: self.config.on_miss, doc="what a patch the cap cannot fit the target into does (patch.alloc.ON_MISS)")
-    beyond_trained = property(lambda self: self.config.beyond_trained, doc="allow positions past the model's trained context length")
-    chunk_template = property(lambda self: self.config.chunk_template, doc="how text appends are rendered (see ContextWindow)")
-    max_evicted = property(lambda self: self.config.max_evicted, doc="evicted refs remembered (oldest forgotten past it); None: all")
-
-    @property
-    def layout(self):
-        return self.backend.layout
-
-    @property
-    def fingerprint(self) -> str:
-        return self.backend.fingerprint
-
-    @property
-    def root_len(self) -> int:
-        return self.backend.root_len
+    def __getattr__(self, name: str) -> Any:
+        """The settings (``ctx.rank``, ``ctx.budget_tokens``, ``ctx.on_miss``...), read through the
+        config: one source (a fork shares its parent's); see :class:`~.config.WindowConfig`. And
+        the backend's ``layout``, ``fingerprint`` and ``root_len``."""
+        if name in SETTINGS:
+            return getattr(self.config, name)
+        if name in BACKEND_FACTS:
+            return getattr(self.backend, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def total_forwards(self) -> int:
         return int(self.backend.forwards_run) + self.counters["decode_forwards"]

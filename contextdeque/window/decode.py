@@ -42,6 +42,14 @@ def assemble(ctx: WindowContext, slots: Sequence[Slot], pages: dict[int, tuple[L
     return concat_kv(parts, ctx.layout.torch_compute_dtype)
 
 
+def assemble_layer(ctx: WindowContext, slots: Sequence[Slot], layer: int) -> LayerKV:
+    """Layer ``layer`` of :func:`assemble` (the same values), computing only that layer of each
+    slot's page: ``(k [H_k, S, d_k], v [H_v, S, d_v])``, fresh tensors."""
+    parts: list[Sequence[LayerKV]] = [[ctx.backend.root_kv()[layer]]]
+    parts += [[s.page_layer(layer)] for s in slots if s.placed]
+    return concat_kv(parts, ctx.layout.torch_compute_dtype)[0]
+
+
 def cache_config(ctx: WindowContext) -> Any:
     """The config to build caches with: only when the model has sliding layers (they must keep
     just their window, like a real prefill); otherwise every layer keeps every token."""

@@ -1,6 +1,8 @@
-"""The conditioning graph: which chunk's patch was formed on which antecedents.
+"""The conditioning graphs: which chunk's patch was formed on which antecedents — the one home of
+the concept, for a window's live chunks (:class:`ConditioningGraph`) and for the stored patches
+by content (:class:`PatchGraph`, the index the placement scheduler and the replay search).
 
-Nodes are :class:`ChunkRef` s (in the window, or evicted while an in-window chunk still depends
+:class:`ConditioningGraph`: nodes are :class:`ChunkRef` s (in the window, or evicted while an in-window chunk still depends
 on them, directly or transitively: :meth:`ConditioningGraph.prune`); an edge ``A -> B``
 says B's current conditioning was formed with A among its antecedents, and records the
 *version* of A's KV at that time. Recalling A gives it a new version (fresh canonical + fresh
@@ -11,6 +13,7 @@ its own version, so the staleness cascades down the graph (``Cascade.implied``).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
@@ -139,3 +142,106 @@ class ConditioningGraph:
 
     def __repr__(self) -> str:
         return f"ConditioningGraph({self.g.number_of_nodes()} nodes, {self.g.number_of_edges()} edges)"
+
+
+ROOT = "<root>"  # the PatchGraph node standing for "nothing in front" (the canonical itself)
+
+
+class PatchGraph:
+    """The stored patches by content, with the networkx view ``g`` the scheduler searches.
+
+    Nodes are chunk contents; a stored patch of content ``b`` formed on the ordered antecedents
+    ``(a_1 .. a_k)`` adds the edge ``a_k -> b`` (b may sit right behind a_k without a forward)
+    with ``weight`` = how many stored patches of b end in a_k, and records the whole antecedent
+    sequence on ``b`` (:meth:`stored_prefixes`). Orbit patches are kept by antecedent set. A
+    chunk's candidate places are then the window prefixes equal to one of its recorded sequences.
+
+    ``max_contents`` / ``max_prefixes`` bound it (None: unbounded, the replay's full index): the
+    most recently added contents, and prefixes per content, are kept — a window's hint of what
+    its family stored (``WindowContext.patch_index``) stays small however long the window lives.
+    """
+
+    def __init__(self, *, max_contents: int | None = None, max_prefixes: int | None = None) -> None:
+        self.max_contents, self.max_prefixes = max_contents, max_prefixes
+        self._edges: dict[tuple[str, str], int] = {}  # (a_k, b) -> weight; ``g`` is built from it on demand
+        self._g: nx.DiGraph | None = None
+        self._prefixes: OrderedDict[str, dict[tuple[str, ...], None]] = OrderedDict()  # oldest first
+        self._orbits: set[tuple[str, frozenset]] = set()
+        self._orbit_contents: set[str] = set()
+
+    def add(self, content: str, prefix: tuple[str, ...], kind: str = "exact") -> None:
+        """Record a stored patch of ``content`` on ``prefix`` (``kind`` exact/recall or orbit); the
+        most recent one of a bounded graph."""
+        if kind == "orbit":
+            self._orbits.add((content, frozenset(prefix)))
+            self._orbit_contents.add(content)
+            return
+        seqs = self._prefixes.pop(content, None)
+        if seqs is None:
+            seqs = {}
+        if prefix in seqs:
+            del seqs[prefix]  # (re-added last: the most recent)
+        else:
+            self._edge(prefix, content, +1)
+        seqs[prefix] = None
+        self._prefixes[content] = seqs
+        while self.max_prefixes is not None and len(seqs) > self.max_prefixes:
+            self._forget(content, next(iter(seqs)))
+        while self.max_contents is not None and len(self._prefixes) > self.max_contents:
+            oldest = next(iter(self._prefixes))
+            for old in list(self._prefixes[oldest]):
+                self._forget(oldest, old)
+
+    def _edge(self, prefix: tuple[str, ...], content: str, delta: int) -> None:
+        edge = (prefix[-1] if prefix else ROOT, content)
+        weight = self._edges.get(edge, 0) + delta
+        if weight > 0:
+            self._edges[edge] = weight
+        else:
+            self._edges.pop(edge, None)
+        self._g = None
+
+    def _forget(self, content: str, prefix: tuple[str, ...]) -> None:
+        seqs = self._prefixes[content]
+        del seqs[prefix]
+        self._edge(prefix, content, -1)
+        if not seqs:
+            del self._prefixes[content]
+
+    @property
+    def g(self) -> nx.DiGraph:
+        """The networkx view (built when asked for: a replay adds patches far more often than it
+        reads the graph whole)."""
+        if self._g is None:
+            g = nx.DiGraph()
+            g.add_weighted_edges_from((a, b, w) for (a, b), w in self._edges.items())
+            self._g = g
+        return self._g
+
+    def has_patch(self, content: str, prefix: tuple[str, ...]) -> bool:
+        seqs = self._prefixes.get(content)
+        return seqs is not None and prefix in seqs
+
+    def has_orbit(self, content: str, members: frozenset) -> bool:
+        return (content, members) in self._orbits
+
+    def may_hit(self, content: str) -> bool:
+        """Whether any patch of ``content`` is stored."""
+        return content in self._prefixes or content in self._orbit_contents
+
+    def stored_prefixes(self, content: str) -> tuple[tuple[str, ...], ...]:
+        """The antecedent sequences ``content`` has stored patches on (oldest first)."""
+        return tuple(self._prefixes.get(content, ()))
+
+    def successors(self, content: str) -> list[tuple[str, int]]:
+        """Contents with a stored patch that may follow ``content`` directly, heaviest first."""
+        if content not in self.g:
+            return []
+        return sorted(((b, d["weight"]) for b, d in self.g[content].items()), key=lambda x: (-x[1], x[0]))
+
+    def contents(self) -> int:
+        """How many contents have a stored (non-orbit) patch recorded."""
+        return len(self._prefixes)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._prefixes.values()) + len(self._orbits)

@@ -11,6 +11,7 @@ from ..core.args import check_float, check_int
 from ..core.errors import WindowError
 from ..patch import form_patch
 from . import ingest
+from .plan import Difference
 from .policy import PatchPolicy
 from .policy_latency import HealPolicy
 from .receipt import Meter, Receipt
@@ -78,8 +79,9 @@ class WindowHealing:
             return []
         return [r for r, e in self._state.evicted.items() if e.owes_encode]
 
-    def _heal_step(self) -> Receipt:
-        """One heal transaction (see :meth:`heal`)."""
+    def _heal_step(self, target: ChunkRef | None = None) -> Receipt:
+        """One heal transaction (see :meth:`heal`): ``target`` (a pending chunk; default: the one of
+        highest :meth:`heal_priority`) and the pending chunks in front of it."""
 
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
             ctx = self._ctx
@@ -91,14 +93,13 @@ class WindowHealing:
                         source = ingest.source_of(entry.provisional)  # so a lost canonical can be rebuilt
                     else:
                         source = entry.source
-                        if ctx.store.get_chunk(entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature,
-                                               traffic=meter.traffic) is None:
+                        if ingest.load_canonical(ctx, entry.chunk_key, meter) is None:
                             ingest.encode_and_store(ctx, meter, **entry.source)
                     state.evicted[ref] = dataclasses.replace(entry, provisional=None, unhealed=False, source=source)
                     return {"refs": (ref,)}, None
                 return {"refs": ()}, None  # healed meanwhile (e.g. by a foreground heal): nothing to do
-            target = max(state.pending, key=self.heal_priority)
-            idx = state.index(target)
+            chosen = target if target is not None and target in state.pending else max(state.pending, key=self.heal_priority)
+            idx = state.index(chosen)
             batch = [s.ref for s in state.slots[: idx + 1] if s.ref in state.pending]
             reasons = {r: state.pending[r].reason for r in batch}
             eager = getattr(ctx.policy, "eager", ctx.policy)
@@ -151,6 +152,8 @@ class WindowHealing:
                     failed = ctx.store.put_patch(key, patch, traffic=meter.traffic)
                     if failed:
                         meter.notes.append(failed)
+                    meter.plan.add(Difference(canonical.id, canonical.n_tokens, antecedents=tuple(p.chunk.id for p in prefix),
+                                              tier=ctx.store.tier_of(key) or "none", nbytes=patch.nbytes))
         return blind
 
     def start_healing(self, idle_ms: float = 20.0) -> "Healer":

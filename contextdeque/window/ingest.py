@@ -19,6 +19,7 @@ from ..model import vision
 from ..model.vision import pixel_key
 from . import decode
 from .context import WindowContext
+from .plan import Encode, Forward, Load
 from .receipt import Meter
 from .ref import ChunkRef, new_ref
 from .slot import Slot
@@ -151,7 +152,7 @@ def chunk_from_inputs(
     )
     key = WindowStore.chunk_key(cid, ctx.fingerprint)
     q0 = len(meter.traffic.quarantined)
-    found = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)
+    found = load_canonical(ctx, key, meter)
     if found is not None:
         return found
     inputs = {"token_ids": token_ids, "embeds": embeds, "rel_positions": rel_positions, "span": span, "modality": modality}
@@ -169,6 +170,7 @@ def encode_and_store(ctx: WindowContext, meter: Meter, **inputs: Any) -> Chunk:
     encoded = ctx.backend.encode(storage=ctx.storage, **inputs)
     ctx.counters["encodes"] += 1
     key = ctx.store.put_chunk(encoded, traffic=meter.traffic)
+    meter.plan.add(Encode(encoded.id, encoded.n_tokens, tier=ctx.store.tier_of(key) or "none", nbytes=encoded.nbytes))
     stored = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)
     return stored if stored is not None else encoded
 
@@ -186,11 +188,19 @@ def rebuilt(ctx: WindowContext, meter: Meter, source: dict[str, Any], what: str)
     return chunk
 
 
+def load_canonical(ctx: WindowContext, key: str, meter: Meter) -> Chunk | None:
+    """The canonical stored under ``key`` (None: not stored); one read out of a slower tier is a
+    ``Load`` of the operation's plan (the store promotes it to the fastest tier)."""
+    found = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)
+    tier = meter.traffic.served_from
+    if found is not None and tier is not None and tier != ctx.store.tier_names[0]:
+        meter.plan.add(Load(found.id, found.n_tokens, tier=tier, nbytes=found.nbytes))
+    return found
+
+
 def canonical_of(ctx: WindowContext, provisional: Chunk, meter: Meter) -> Chunk:
     """The canonical of a provisional chunk: from the store, else encoded now."""
-    found = ctx.store.get_chunk(
-        WindowStore.chunk_key(provisional), fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic
-    )
+    found = load_canonical(ctx, WindowStore.chunk_key(provisional), meter)
     if found is not None:
         return found
     return encode_and_store(ctx,
@@ -214,6 +224,7 @@ def provisional(ctx: WindowContext, pending: Unencoded, prefix: Sequence[Slot], 
         positions=pos, past=past, logits="none",
     )
     keys, values = to_content_frame(res.kv, ctx.layout, pos)
+    meter.plan.add(Forward(pending.chunk_id, pending.n_tokens, context=sum(s.n_tokens for s in prefix)))
     chunk = Chunk(
         id=pending.chunk_id, fingerprint=ctx.fingerprint, layout_signature=ctx.layout.signature,
         root_digest=backend.root_digest, keys=keys.to(ctx.storage).contiguous(),

@@ -21,6 +21,9 @@ from ..core.registry import Registered, Registry
 
 PLACEMENT_POLICIES: Registry["PlacementPolicy"] = Registry("placement policy")
 
+END = "end"
+"""``recall(ref, at=END)``: insist on the window's end (``recall(ref)`` lets the window choose)."""
+
 Key = Hashable
 
 
@@ -123,12 +126,16 @@ def make_placement(spec: "str | PlacementPolicy") -> PlacementPolicy:
     return PLACEMENT_POLICIES.make(spec, instance_of=PlacementPolicy, error=WindowError)
 
 
-def window_index(ctx: Any, graph: Any, slots: Sequence[Any], entering: Any, at: int, formed_on: Sequence[Any] = ()) -> int:
-    """Where ``ContextWindow`` puts an entering slot: ``at`` under arrival order; otherwise the
-    index the window's placement policy chooses (its view of the window built from ``slots``, the
-    conditioning ``graph`` and the patches this window family stored). Residents keep their
-    relative order: the window honours where a policy puts the entering chunk among them."""
-    policy = ctx.placement
+def window_index(ctx: Any, graph: Any, slots: Sequence[Any], entering: Any, at: int | None, formed_on: Sequence[Any] = (),
+                 policy: "PlacementPolicy | None" = None) -> int:
+    """Where ``ContextWindow`` puts an entering slot: ``at`` (None: the end) under arrival order;
+    otherwise the index the placement policy (``policy``, default the window's) chooses (its view of
+    the window built from ``slots``, the conditioning ``graph`` and the patches this window family
+    stored). Residents keep their relative order: the window honours where a policy puts the
+    entering chunk among them."""
+    policy = policy if policy is not None else ctx.placement
+    if at is None and (policy is None or type(policy) is ArrivalPlacement or getattr(entering, "provisional", False)):
+        return len(slots)
     if policy is None or type(policy) is ArrivalPlacement or getattr(entering, "provisional", False):
         return at  # (a provisional slot's KV was computed behind the whole window: it stays last)
     from .kvstate import antecedent_states
@@ -155,7 +162,7 @@ def window_index(ctx: Any, graph: Any, slots: Sequence[Any], entering: Any, at: 
         formed_on={**{s.ref: tuple(a for a, _ in s.conditioned_on) for s in slots},
                    entering.ref: tuple(a for a, _ in formed_on)},
         has_patch=has_patch,
-        stored_prefixes=lambda c: tuple(ctx.patch_index.get(c, ())),
+        stored_prefixes=ctx.patch_index.stored_prefixes,
         dependents=lambda k: [d for d in graph.dependents(k) if d in resident],
         budget_tokens=ctx.budget_tokens,
     )
@@ -165,3 +172,49 @@ def window_index(ctx: Any, graph: Any, slots: Sequence[Any], entering: Any, at: 
         before = set(order[: order.index(entering.ref)])
         return sum(1 for s in slots if s.ref in before)
     return order.index(entering.ref)
+
+
+SCHEDULER_MODULE = "contextdeque.scheduler"
+"""Where the default ``recall_placement`` (``"valid"``) is registered (a higher layer: imported by
+``import contextdeque``, the agents and the benches; the window never imports it)."""
+
+
+def recall_chooser(ctx: Any) -> tuple[PlacementPolicy | None, str]:
+    """The placement policy for recalls the agent does not pin (``WindowConfig.recall_placement``),
+    made on first use and kept on the window family's context, and a note: None with ``""`` for
+    ``recall_placement=None`` (the window's own placement at the end: the rule before issue 21);
+    None with the reason when the named policy is the scheduler's and the scheduler was never
+    imported in this process (the window then places at the end, and the receipt says why).
+
+    Raises:
+        WindowError: the name is not registered although the scheduler is loaded (a typo)."""
+    import sys
+
+    spec = ctx.recall_placement
+    if spec is None or isinstance(spec, PlacementPolicy):
+        return spec, ""
+    if spec not in PLACEMENT_POLICIES:
+        if SCHEDULER_MODULE not in sys.modules:
+            return None, f"end: recall_placement {spec!r} is not registered here (import {SCHEDULER_MODULE})"
+        raise WindowError(f"recall_placement {spec!r} is not a registered placement policy (registered: "
+                          f"{', '.join(sorted(PLACEMENT_POLICIES))}), or pass recall_placement=None")
+    ctx.recall_placement = make_placement(spec)
+    return ctx.recall_placement, ""
+
+
+def placement_reason(ctx: Any, slots: Sequence[Any], entering: Any, index: int, pinned: bool) -> str:
+    """Why an entering chunk stands at ``index`` among ``slots`` (the residents as they stand
+    around it): ``"asked"`` (the agent pinned it), else what made the place worth taking:
+    ``"front: canonical exact"``, ``"behind its stored patch's antecedents"`` (a stored exact patch
+    on exactly that prefix applies), ``"end"`` or ``"scheduler: fewest forms"``."""
+    if pinned:
+        return "asked"
+    if index == 0:
+        return "front: canonical exact"
+    from .reconcile import patch_key_for
+
+    ranks = ctx.formation_ranks(ctx.rank, entering.chunk.n_tokens)
+    prefix = [s.chunk.id for s in slots[:index]]
+    if ctx.store.has(patch_key_for(ctx, entering.chunk, prefix, "exact", ranks)):
+        return "behind its stored patch's antecedents"
+    return "end" if index == len(slots) else "scheduler: fewest forms"

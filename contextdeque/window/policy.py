@@ -84,6 +84,8 @@ class PatchPolicy(Registered):
     registry = PATCH_POLICIES
     name: ClassVar[str] = ""
     regime: ClassVar[str] = "approx"
+    #: it gives slots conditioning patches at all (the blind policy does not)
+    conditions: ClassVar[bool] = True
     #: new content costs one conditioned forward and no canonical yet (latency-first policies)
     defers_canonical: ClassVar[bool] = False
     #: a deferred canonical waits until a re-read needs it (``latency``), instead of being

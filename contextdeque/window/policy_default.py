@@ -21,7 +21,8 @@ for the variant that defers that work to ``heal``).
   ``orbit_max_antecedents`` of them), form one (one forward per ordering: every later ordering
   of that set is then free); for a changed set, a fresh exact patch at rank m.
   ``reorder="exact"`` always forms an exact patch; ``reorder="keep"`` transfers the current one.
-- ``inserted`` (a recall landed in front): keep, unless ``refresh_inserted=True``.
+- ``inserted`` (a recall landed in front): a valid stored exact patch on the new prefix where the
+  store has one (a hit, no forward), else keep; ``refresh_inserted=True`` forms one.
 - ``cascade`` / ``refresh``: a fresh exact patch at rank m on the current antecedents.
 A slot with nothing in front of it is exactly its canonical, so appends/recalls/reorders there
 carry no patch, and survivors that reach the front drop theirs.
@@ -87,7 +88,13 @@ class DefaultPolicy(PatchPolicy):
                 return form("exact", rank)
             return KEEP
         if reason == "inserted":
-            return form("exact", rank) if self.refresh_inserted else KEEP
+            if valid:  # its conditioning is exactly what precedes it again (a look-back put back)
+                return KEEP
+            if self.refresh_inserted:
+                return form("exact", rank)
+            # a valid stored patch on its new prefix where the store has one (no forward: as if it
+            # had been appended there, e.g. behind a look-back put back where it stood), else keep
+            return form("exact", rank, reuse_only=True, fallback=KEEP)
         if reason == "reorder":
             if valid or self.reorder == "keep":
                 return KEEP

@@ -80,9 +80,9 @@ class LatencyPolicy(PatchPolicy):
         if slot.provisional:  # no canonical yet: it keeps its conditioned KV until healed
             if reason is not None and not prefix:  # at the front the canonical is exact: heal computes it
                 return replace(KEEP, deferred=True)
-            return KEEP if wanted.action == "keep" else replace(KEEP, deferred=True)
-        if wanted.action != "form":
-            return wanted
+            return KEEP if wanted.action == "keep" or _never_forms(wanted) else replace(KEEP, deferred=True)
+        if wanted.action != "form" or _never_forms(wanted):
+            return wanted  # (a store lookup that falls back to keep/clear runs no forward either)
         return _store_only(wanted, self._stand_in(reason, slot, prefix, wanted))
 
     def _stand_in(self, reason: str | None, slot: Slot, prefix: Sequence[Slot], wanted: Decision) -> Decision:
@@ -132,6 +132,17 @@ def _as_conditioned_on(slot: Slot, tags: tuple[Tag, ...]) -> Slot:
     view = Slot(ref=slot.ref, chunk=slot.chunk, stack=slot.stack, start=slot.start, stale=slot.stale)
     view.__dict__["conditioned_on"] = tags  # the cached property's slot: a frozen record otherwise
     return view
+
+
+def _never_forms(decision: Decision) -> bool:
+    """Whether ``decision`` runs no forward whatever the store holds: every ``form`` in its fallback
+    chain is ``reuse_only`` and the chain ends in keep or clear."""
+    d: Decision | None = decision
+    while d is not None and d.action == "form":
+        if not d.reuse_only:
+            return False
+        d = d.fallback
+    return True
 
 
 def _store_only(decision: Decision, last: Decision) -> Decision:

@@ -14,6 +14,7 @@ from .slot import Slot
 
 class NonePolicy(PatchPolicy):
     name = "none"
+    conditions = False
 
     def decide(self, reason: str | None, slot: Slot, prefix: Sequence[Slot], *, valid: bool, rank: int) -> Decision:
         return KEEP

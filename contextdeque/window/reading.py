@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -15,6 +15,7 @@ from . import decode, ingest
 from .disposable import Verdict, run_test
 from .receipt import Meter, Receipt
 from .ref import ChunkRef
+from .slot import Slot
 from .state import WindowState
 
 
@@ -56,6 +57,21 @@ class WindowReading:
             return {"refs": state.refs}, layers
 
         return self._run("materialize", body, mutates=False)[1]
+
+    def kv_layer_reader(self) -> Callable[[int], LayerKV]:
+        """:meth:`kv_layers` one layer at a time: ``read(layer)`` is ``kv_layers()[layer]`` (the
+        same values, ``(k [H_k, S, d_k], v [H_v, S, d_v])``, fresh tensors), each call relocating
+        and patching that layer only — so a consumer can overlap the layers' loading with its own
+        per-layer compute (vLLM's layer-wise load). It reads the window as it is now: later
+        operations and ``close`` do not change what it returns; it may be called from another
+        thread."""
+        def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], tuple[Slot, ...]]:
+            self._ctx.backend.root_kv()  # computed here (once per root), never by a reader's thread
+            return {"refs": state.refs}, tuple(state.slots)
+
+        slots = self._run("materialize", body, mutates=False)[1]
+        ctx = self._ctx
+        return lambda layer: decode.assemble_layer(ctx, slots, layer)
 
     def input_ids_for(self, query: str | Sequence[int] | torch.Tensor, *, chat: bool = True) -> torch.Tensor:
         """``[1, S + Q]`` ids for ``model.generate(input_ids=..., past_key_values=materialize())``:

@@ -7,11 +7,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..core.counters import OMIT, Counters, adds, shown
 from ..patch.alloc import fidelity_report
 from ..stores import TierTraffic
+from .plan import Op, Plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from .context import WindowContext
+    from .budget import BudgetReport
     from .graph import Cascade
     from .ref import ChunkRef
 
@@ -30,9 +33,6 @@ class LoadFallback:
 
     def as_dict(self) -> dict[str, Any]:
         return {"chunk_id": self.chunk_id, "tier": self.tier, "error": self.error}
-
-
-ADDS = {"adds": True}  # field metadata: receipts sum this field (Receipt.__add__ / merged)
 
 
 @dataclass(frozen=True)
@@ -72,20 +72,23 @@ class FidelityMiss:
         return f"#{self.ref.key}: {est} for {want} ({self.action}; {self.patch_bytes / 1024:.0f}KiB, cap {cap})"
 
 
+def _keys(refs: Any) -> list[int]:
+    return [r.key for r in refs]
+
+
 @dataclass
-class Receipt:
+class Receipt(Counters):
     """The cost of one window operation.
 
     Attributes:
         op: operation name (``append``, ``slide``, ``reorder``, ``evict``, ``recall``, ``fork``,
             ``commit``, ``discard``, ``purge``, ``refresh``, ``materialize``, ``generate``,
             ``is_disposable``).
-        forwards: model forwards run (chunk encodes, conditioned forwards forming patches,
-            decode steps).
-        tokens_prefilled: tokens those forwards processed.
-        encodes: chunks encoded (a forward over a chunk never seen by the store).
-        patches_formed: conditioning patches formed by a forward.
-        patches_reused: patches served by the store instead.
+        forwards, tokens_prefilled, encodes, patches_formed, patches_reused: the counts every
+            record shares (:class:`~contextdeque.core.counters.Counters`): model forwards run
+            (chunk encodes, conditioned forwards forming patches, decode steps), the tokens they
+            processed, chunks encoded (a forward over a chunk never seen by the store),
+            conditioning patches formed by a forward, patches served by the store instead.
         pages_written: slots whose placed, conditioned KV was (re)computed (relocation + patch).
         bytes_moved: tier name -> bytes read plus written in the store by this operation, and
             ``"pages"`` -> bytes of conditioned KV written into the window's pages (or into
@@ -108,55 +111,47 @@ class Receipt:
         repairs: what the operation repaired: store copies that failed verification and were
             quarantined, and the canonicals / patches rebuilt from their source in their place.
         served: per chunk given conditioning (or deferred), ``(ref, what)``: ``"fresh"`` (a
-            patch formed now), ``"stored"`` (a valid stored patch), ``"anticipated"`` (a valid
+            patch formed now), ``"recurring"`` / ``"orbit"`` (a valid stored exact / orbit patch,
+            ``reconcile.served_label``), ``"anticipated"`` (a valid
             patch anticipation formed in idle time, ``window.anticipation``), ``"stale"`` /
             ``"blind"`` / ``"conditioned"`` (deferred: as in ``deferred``).
         fidelity_misses: chunks (re)conditioned by this operation whose patch the byte cap could
             not fit ``fidelity_target`` into, and what ``on_miss`` did (:class:`FidelityMiss`).
+        placed: for ``recall``, ``(ref, index, why)``: where the chunk went and why (``"asked"``:
+            the agent pinned it; else what the window's choice found there, e.g. ``"front:
+            canonical exact"``, ``"behind its stored patch's antecedents"``, ``"end"``).
+        budget: under ``answer_kl_budget``, what the fidelity floor estimated per chunk (served,
+            deficit, estimated KL), for the arrangement, and what it formed
+            (:class:`~.budget.BudgetReport`); None without a budget.
+        plan: the operations the window executed, key-only (``window.plan``: encodes, forwards,
+            patches formed or reused, keeps and clears, with their inputs and stored bytes), the
+            same record the offline replay prices.
     """
 
     op: str
-    forwards: int = field(default=0, metadata=ADDS)
-    tokens_prefilled: int = field(default=0, metadata=ADDS)
-    encodes: int = field(default=0, metadata=ADDS)
-    patches_formed: int = field(default=0, metadata=ADDS)
-    patches_reused: int = field(default=0, metadata=ADDS)
-    pages_written: int = field(default=0, metadata=ADDS)
-    bytes_moved: dict[str, int] = field(default_factory=dict, metadata=ADDS)
-    wall_ms: float = field(default=0.0, metadata=ADDS)
-    refs: tuple["ChunkRef", ...] = field(default=(), metadata=ADDS)
-    left: tuple["ChunkRef", ...] = ()
-    cascade: "Cascade | None" = None
-    deferred: tuple[tuple["ChunkRef", str, float], ...] = ()
-    traffic: TierTraffic = field(default_factory=TierTraffic, repr=False)
-    notes: tuple[str, ...] = field(default=(), metadata=ADDS)
-    load_fallbacks: tuple[LoadFallback, ...] = ()
-    loading: dict[str, Any] | None = None
-    repairs: tuple[str, ...] = field(default=(), metadata=ADDS)
-    served: tuple[tuple["ChunkRef", str], ...] = field(default=(), metadata=ADDS)
-    fidelity_misses: tuple[FidelityMiss, ...] = field(default=(), metadata=ADDS)
-
-    def __add__(self, other: "Receipt") -> "Receipt":
-        """The sum of two receipts' added fields (counts, bytes per tier, wall time, refs, notes,
-        repairs, fidelity misses), under this receipt's ``op``; the per-operation fields are this one's."""
-        out = dataclasses.replace(self)
-        for f in ADDED_FIELDS:
-            a, b = getattr(self, f), getattr(other, f)
-            if isinstance(a, dict):
-                merged = dict(a)
-                for k, v in b.items():
-                    merged[k] = merged.get(k, 0) + v
-                setattr(out, f, merged)
-            else:
-                setattr(out, f, a + b)
-        return out
+    pages_written: int = adds()
+    bytes_moved: dict[str, int] = adds(dict)
+    wall_ms: float = adds(0.0, json=lambda v: round(v, 3))
+    refs: tuple["ChunkRef", ...] = adds((), json=_keys)
+    left: tuple["ChunkRef", ...] = shown(_keys, default=())
+    cascade: "Cascade | None" = shown()
+    deferred: tuple[tuple["ChunkRef", str, float], ...] = shown(
+        lambda d: [[r.key, served, round(s, 4)] for r, served, s in d], default=())
+    traffic: TierTraffic = shown(lambda t: dict(t.fallbacks), name="fallbacks", factory=TierTraffic, repr=False)
+    notes: tuple[str, ...] = adds(())
+    load_fallbacks: tuple[LoadFallback, ...] = shown(default=())
+    loading: dict[str, Any] | None = shown()
+    repairs: tuple[str, ...] = adds(())
+    served: tuple[tuple["ChunkRef", str], ...] = adds((), json=lambda s: [[r.key, what] for r, what in s])
+    fidelity_misses: tuple[FidelityMiss, ...] = adds(())
+    placed: tuple[tuple["ChunkRef", int, str], ...] = adds((), json=lambda p: [[r.key, i, why] for r, i, why in p])
+    budget: "BudgetReport | None" = shown()
+    plan: tuple[Op, ...] = adds((), json=OMIT, repr=False)  # (window.plan: the replay prices it; not written)
 
     @classmethod
     def merged(cls, op: str, receipts: "list[Receipt]", wall_ms: float | None = None) -> "Receipt":
         """One receipt summing ``receipts`` (e.g. the steps of a heal): their added fields."""
-        out = cls(op=op)
-        for r in receipts:
-            out = out + r
+        out = cls.summed(receipts, op=op)
         if wall_ms is not None:
             out.wall_ms = wall_ms
         return out
@@ -167,31 +162,6 @@ class Receipt:
     @property
     def total_bytes_moved(self) -> int:
         return sum(self.bytes_moved.values())
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-friendly copy."""
-        return {
-            "op": self.op,
-            "forwards": self.forwards,
-            "tokens_prefilled": self.tokens_prefilled,
-            "encodes": self.encodes,
-            "patches_formed": self.patches_formed,
-            "patches_reused": self.patches_reused,
-            "pages_written": self.pages_written,
-            "bytes_moved": dict(self.bytes_moved),
-            "wall_ms": round(self.wall_ms, 3),
-            "refs": [r.key for r in self.refs],
-            "left": [r.key for r in self.left],
-            "cascade": None if self.cascade is None else self.cascade.as_dict(),
-            "deferred": [[r.key, served, round(s, 4)] for r, served, s in self.deferred],
-            "notes": list(self.notes),
-            "fallbacks": dict(self.traffic.fallbacks),
-            "load_fallbacks": [f.as_dict() for f in self.load_fallbacks],
-            "loading": None if self.loading is None else dict(self.loading),
-            "repairs": list(self.repairs),
-            "served": [[r.key, what] for r, what in self.served],
-            "fidelity_misses": [m.as_dict() for m in self.fidelity_misses],
-        }
 
     def summary(self) -> str:
         """One line for logs and examples."""
@@ -215,7 +185,7 @@ class Receipt:
         )
 
 
-ADDED_FIELDS = tuple(f.name for f in dataclasses.fields(Receipt) if f.metadata.get("adds"))
+ADDED_FIELDS = tuple(f.name for f in dataclasses.fields(Receipt) if f.metadata.get("adds"))  # what ``+`` sums
 
 
 class Meter:
@@ -236,11 +206,12 @@ class Meter:
         # deferred ref -> the antecedents its conditioning carried before the deferral
         self.carried: dict["ChunkRef", tuple] = {}
         # ref -> the conditioning a chunk given new conditioning (or a deferred one) was served:
-        # "fresh" (formed now), "stored" / "anticipated" (a valid stored patch; anticipated: formed
+        # "fresh" (formed now), "recurring" / "orbit" / "anticipated" (a valid stored patch; anticipated: formed
         # ahead in idle time, window.anticipation), "stale" / "blind" / "conditioned" (deferred)
         self.served: dict["ChunkRef", str] = {}
         self.repairs: list[str] = []  # rebuilt from source (quarantines come from the traffic)
         self.fidelity_misses: list[FidelityMiss] = []
+        self.plan = Plan()  # what this operation executed (window.plan)
         self._fw0 = ctx.total_forwards()
         self._tok0 = ctx.total_tokens()
         self._enc0 = ctx.counters["encodes"]
@@ -289,5 +260,6 @@ class Meter:
                  for q in self.traffic.quarantined] + self.repairs
             ),
             fidelity_misses=tuple(self.fidelity_misses),
+            plan=tuple(self.plan),
             **fields,
         )

@@ -19,6 +19,7 @@ from ..core.cooperative import checkpoint
 from .context import WindowContext
 from .graph import Cascade
 from .kvstate import antecedent_states
+from .plan import Clear, Form, Keep, Reuse
 from .policy import CLEAR, KEEP, Decision, PatchPolicy
 from .receipt import Meter
 from .ref import ChunkRef
@@ -67,6 +68,16 @@ def patch_key_for(ctx: WindowContext, chunk, prefix_states: Sequence[str], kind:
     return WindowStore.patch_key(chunk, sig, PATCH_KINDS[kind].store_kind(), ranks)
 
 
+def served_label(kind: str, reused: bool, anticipated: bool) -> str:
+    """What ``Receipt.served`` says a chunk given a patch was served: ``"fresh"`` (formed now),
+    ``"anticipated"`` (a stored patch anticipation formed in idle time), ``"orbit"`` (a stored orbit
+    patch: every ordering of its antecedent set), ``"recurring"`` (a stored patch formed earlier for
+    this very arrangement: a recurring antecedent, amortized)."""
+    if not reused:
+        return "fresh"
+    return "anticipated" if anticipated else "orbit" if kind == "orbit" else "recurring"
+
+
 def obtain(
     ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], decision: Decision, meter: Meter
 ) -> Conditioning | None:
@@ -83,9 +94,11 @@ def obtain(
     patch = ctx.store.get_patch(key, fingerprint=ctx.fingerprint, traffic=meter.traffic)
     healed = patch is None and len(meter.traffic.quarantined) > q0
     reused = patch is not None
+    antecedents = tuple(s.chunk.id for s in prefix)
     if patch is None:
         if decision.reuse_only:
             return None
+        fw0 = ctx.backend.forwards_run
         options = dict(decision.options)
         if PATCH_KINDS[kind].stacked:
             options["current"] = list(slot.patches)
@@ -105,6 +118,9 @@ def obtain(
         failed = ctx.store.put_patch(key, patch, traffic=meter.traffic)
         if failed:
             meter.notes.append(failed)
+        meter.plan.add(Form(slot.chunk.id, slot.n_tokens, kind=kind, antecedents=antecedents,
+                            forwards=int(ctx.backend.forwards_run - fw0), context=sum(s.n_tokens for s in prefix),
+                            tier=ctx.store.tier_of(key) or "none", nbytes=patch.nbytes))
         if PATCH_KINDS[kind].exact_on_prefix:  # what the placement scheduler may aim for
             ctx.note_stored_prefix(slot.chunk.id, tuple(s.chunk.id for s in prefix))
         meter.patches_formed += 1
@@ -112,7 +128,8 @@ def obtain(
             meter.repairs.append(f"re-formed the {kind} patch of #{slot.ref.key} (its stored copy was corrupt)")
     else:
         meter.patches_reused += 1
-    meter.served[slot.ref] = ("anticipated" if key in ctx.anticipated_keys else "stored") if reused else "fresh"
+        meter.plan.add(Reuse(slot.chunk.id, slot.n_tokens, kind=kind, antecedents=antecedents))
+    meter.served[slot.ref] = served_label(kind, reused, key in ctx.anticipated_keys)
     cap_k, cap_v = ctx.clamp_rank(FULL, slot.chunk.n_tokens)
     # a stacked correction replaces the conditioning only when it holds every direction of every
     # layer (what it holds, not what it was asked for: the fidelity rule cuts it per layer)
@@ -142,10 +159,15 @@ def execute(
             else:
                 meter.deferred[slot.ref] = (reason, "blind", 1.0 if prefix else 0.0)
             meter.served[slot.ref] = meter.deferred[slot.ref][1]
+            meter.plan.add((Keep if stack is slot.stack else Clear)(slot.chunk.id, slot.n_tokens, deferred=True))
             return stack
         if decision.action == "keep":
+            if reason is not None:  # (a slot nothing happened to is not part of the plan)
+                meter.plan.add(Keep(slot.chunk.id, slot.n_tokens))
             return slot.stack
         if decision.action == "clear":
+            if reason is not None or slot.stack:
+                meter.plan.add(Clear(slot.chunk.id, slot.n_tokens))
             return () if slot.stack else slot.stack
         rk, rv = ctx.clamp_rank(decision.rank, slot.chunk.n_tokens)
         if rk == 0 and rv == 0:  # rank 0: nothing to add

@@ -38,15 +38,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import networkx as nx
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
-from ..core.chunk import Chunk, storage_dtype
+from ..core.chunk import Chunk
+from ..core.counters import Counters
 from ..core.errors import CorruptEntryError, SessionError
 from ..patch import Patch
 from ..stores import StoreEntry
 from ..stores.format import decode_entry, encode_entry
 from ..patch.alloc import DEFAULT_ON_MISS
-from .context import DEFAULT_MAX_EVICTED
+from .budget import DEFAULT_BLIND_KL
+from .config import DEFAULT_KL_BUDGET_MS, DEFAULT_MAX_EVICTED, DEFAULT_RECALL_PLACEMENT, WindowConfig
 from .graph import ConditioningGraph
 from .receipt import Meter, Receipt
 from .ref import ChunkRef, new_ref
@@ -154,7 +156,14 @@ class BlobModel(_Model):
     basis_id: str | None = None  # patches on a shared basis are saved with their w factors
 
 
+def _placement_name(spec: Any) -> str | None:
+    """A placement setting as a manifest records it: its registered name (None stays None)."""
+    return spec if spec is None or isinstance(spec, str) else (getattr(spec, "name", "") or "arrival")
+
+
 class ConfigModel(_Model):
+    """The saved :class:`~.config.WindowConfig` (its fields of plain values; the policies by name)."""
+
     budget_tokens: int | None
     rank: int
     patch_policy: str
@@ -167,19 +176,20 @@ class ConfigModel(_Model):
     max_evicted: int | None = DEFAULT_MAX_EVICTED  # absent in sessions saved before it was recorded
     on_miss: str = DEFAULT_ON_MISS  # absent in sessions saved before it was recorded
     anticipate: bool = False  # (the same)
+    # (the same; sessions saved before issue 21 part C recalled at the end: None there would be the
+    # old rule, but a reopened window takes today's default like a new one)
+    recall_placement: str | None = DEFAULT_RECALL_PLACEMENT
+    answer_kl_budget: float | None = None
+    kl_budget_ms: float | None = DEFAULT_KL_BUDGET_MS
+    blind_kl: float = DEFAULT_BLIND_KL
 
 
-class ReceiptSummary(_Model):
-    """What the saved window's recorded receipts add up to (the last 1000 operations)."""
-
-    operations: int = 0
-    by_op: dict[str, int] = {}
-    forwards: int = 0
-    tokens_prefilled: int = 0
-    encodes: int = 0
-    patches_formed: int = 0
-    patches_reused: int = 0
-    wall_ms: float = 0.0
+ReceiptSummary = create_model(
+    "ReceiptSummary", __base__=_Model, __doc__="What the saved window's recorded receipts add up to (the last 1000 "
+    "operations): how many, by operation, their :class:`~contextdeque.core.counters.Counters` and wall time.",
+    operations=(int, 0), by_op=(dict[str, int], {}), **{name: (int, 0) for name in Counters().counts()},
+    wall_ms=(float, 0.0),
+)
 
 
 class SessionManifest(_Model):
@@ -204,7 +214,7 @@ class SessionManifest(_Model):
     graph_edges: list[GraphEdgeModel]
     chunks: list[BlobModel]
     patches: list[BlobModel]
-    receipts: ReceiptSummary
+    receipts: ReceiptSummary  # type: ignore[valid-type]
     counters: dict[str, int] = {}
 
 
@@ -278,16 +288,12 @@ def _tags(tags: Any) -> list[TagModel]:
     return [TagModel(ref=r.key, version=v) for r, v in tags]
 
 
-def _summary(receipts: Any) -> ReceiptSummary:
-    by_op: Counter[str] = Counter()
-    tot = Counter()
-    wall = 0.0
-    for r in receipts:
-        by_op[r.op] += 1
-        for f in ("forwards", "tokens_prefilled", "encodes", "patches_formed", "patches_reused"):
-            tot[f] += int(getattr(r, f))
-        wall += float(r.wall_ms)
-    return ReceiptSummary(operations=sum(by_op.values()), by_op=dict(by_op), wall_ms=round(wall, 3), **tot)
+def _summary(receipts: Any) -> Any:
+    """The :data:`ReceiptSummary` of ``receipts``."""
+    receipts = list(receipts)
+    by_op = Counter(r.op for r in receipts)
+    return ReceiptSummary(operations=len(receipts), by_op=dict(by_op), **Counters.summed(receipts).counts(),
+                          wall_ms=round(sum(float(r.wall_ms) for r in receipts), 3))
 
 
 # ====================================================================== save
@@ -364,13 +370,13 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
         root_ids=[int(i) for i in ctx.backend.root_ids],
         root_digest=ctx.backend.root_digest,
         root_kv=len(root),
-        config=ConfigModel(
-            budget_tokens=ctx.budget_tokens, rank=ctx.rank, patch_policy=policy_spec(ctx.policy),
-            cascade_policy=ctx.cascade_policy, overflow=ctx.overflow, storage=str(ctx.storage).removeprefix("torch."),
-            placement=getattr(placement, "name", "arrival") or "arrival", fidelity_target=ctx.fidelity_target,
-            max_patch_fraction=ctx.max_patch_fraction, max_evicted=ctx.max_evicted, on_miss=ctx.on_miss,
-            anticipate=ctx.config.anticipate,
-        ),
+        config=ConfigModel(**{
+            **{name: getattr(ctx.config, name) for name in ConfigModel.model_fields},
+            # the instances the window made, saved as the registered names they are rebuilt from
+            "patch_policy": policy_spec(ctx.policy), "storage": str(ctx.storage).removeprefix("torch."),
+            "placement": getattr(placement, "name", "arrival") or "arrival",
+            "recall_placement": _placement_name(ctx.config.recall_placement),
+        }),
         generation=state.generation,
         refs=list(refs.values()),
         slots=slots,
@@ -393,6 +399,9 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
 
 
 # ====================================================================== open
+CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(WindowConfig))
+
+
 def read_manifest(path: str | os.PathLike[str]) -> tuple[SessionManifest, dict[str, torch.Tensor]]:
     """The verified manifest and tensors of a session file.
 
@@ -443,15 +452,8 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
         )
     if backend.root_digest != m.root_digest:
         raise SessionError(f"session {path} was saved after root {m.root_digest}, the backend's is {backend.root_digest}")
-    c = m.config
-    kwargs: dict[str, Any] = dict(
-        budget_tokens=c.budget_tokens, rank=c.rank, patch_policy=c.patch_policy, cascade_policy=c.cascade_policy,
-        overflow=c.overflow, storage=storage_dtype(c.storage), placement=c.placement,
-        fidelity_target=c.fidelity_target, max_patch_fraction=c.max_patch_fraction, max_evicted=c.max_evicted,
-        on_miss=c.on_miss, anticipate=c.anticipate,
-    )
-    kwargs.update(overrides)
-    win = cls(backend, **kwargs)
+    config = WindowConfig(**{**m.config.model_dump(), **{k: v for k, v in overrides.items() if k in CONFIG_FIELDS}})
+    win = cls.from_config(backend, config, **{k: v for k, v in overrides.items() if k not in CONFIG_FIELDS})
     ctx = win._ctx
     device = ctx.backend.device
     meter = Meter(ctx, "open")

@@ -108,9 +108,21 @@ class Slot:
         if self.layout is None:
             return None
         checkpoint()
-        patches = self.patches
+        return tuple(self._relocated(None))
+
+    def page_layer(self, layer: int) -> LayerKV | None:
+        """Layer ``layer`` of :attr:`page` (the same values): from the page when it is computed,
+        else that layer alone, relocated and patched now and not kept (a layer-wise reader)."""
+        if self.layout is None:
+            return None
+        if "page" in self.__dict__:
+            return self.__dict__["page"][layer]
+        return self._relocated([layer])[0]
+
+    def _relocated(self, layers: list[int] | None) -> list[LayerKV]:
         # the window checked its positions against the trained length (or was told to go beyond)
-        return tuple(relocate(self.chunk, self.start, layout=self.layout, patch=list(patches) or None, beyond_trained=True))
+        return relocate(self.chunk, self.start, layout=self.layout, patch=list(self.patches) or None,
+                        beyond_trained=True, layers=layers)
 
     @property
     def patches(self) -> tuple[Patch, ...]:

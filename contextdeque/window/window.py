@@ -38,9 +38,10 @@ from ..core.chunk import Chunk
 from ..core.args import check_instance, check_int, check_str, check_token_ids
 from ..core.errors import BudgetError, UnknownRefError, WindowError, WindowTypeError
 from ..core.heap import release_freed_heap
-from . import decode, ingest
+from . import budget, decode, ingest
 from ..patch.alloc import DEFAULT_ON_MISS
-from .config import DEFAULT_MAX_EVICTED, DEFAULT_RANK, WindowConfig
+from .budget import DEFAULT_BLIND_KL
+from .config import DEFAULT_KL_BUDGET_MS, DEFAULT_MAX_EVICTED, DEFAULT_RANK, DEFAULT_RECALL_PLACEMENT, WindowConfig
 from .context import WindowContext
 from .anticipation import WindowAnticipation
 from .anticipate_reorder import note_reorder
@@ -51,7 +52,7 @@ from .reading import Answer, WindowReading
 from .disposable import Verdict
 from .graph import Cascade
 from .kvselect import SelectionPolicy
-from .placement import PlacementPolicy, make_placement, window_index
+from .placement import END, PlacementPolicy, make_placement, placement_reason, recall_chooser, window_index
 from .policy import PatchPolicy, make_policy
 from .receipt import PAGES, Meter, Receipt
 from .reconcile import reconcile
@@ -62,6 +63,9 @@ from .state import EvictedEntry, WindowState
 from .store import WindowStore
 
 T = TypeVar("T")
+
+BUDGETED_OPS = frozenset({"append", "extend", "slide", "evict", "recall", "reorder", "refresh"})
+"""Operations after which ``answer_kl_budget`` checks the arrangement (window.budget)."""
 
 
 def _same_state(old: WindowState, new: WindowState) -> bool:
@@ -152,6 +156,19 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             likeliest reorders), so those steps run no forward. Idle forwards only, never on the
             critical path (on by default); False: heal does only the queued work, as the
             latency-first policy did before anticipation.
+        recall_placement: where ``recall(ref)`` without ``at`` goes: ``"valid"`` (the default: the
+            placement scheduler's choice of where a stored patch stays valid — behind the chunks its
+            patch was formed on, or the front where its canonical is exact — else the end), another
+            placement policy, or None (the window's ``placement`` at the end: the behaviour before
+            issue 21). ``recall(ref, at=i)`` / ``at="end"`` always insist.
+        answer_kl_budget: a fidelity floor in nats (``window.budget``): after an operation whose
+            deferred chunks (served stale or blind: anticipation missed) bring the estimated
+            next-token KL of the arrangement above it, the chunk that matters most is healed at once
+            (one heal step on the critical path), if predicted to fit ``kl_budget_ms``; the
+            receipt's ``budget`` says per chunk what was served and the estimated KL. None: no floor.
+        kl_budget_ms: the time cap of that heal step (None: no cap).
+        blind_kl: the next-token KL one blind chunk costs the answer, the estimate's scale (default:
+            measured on the default model).
     """
 
     def __init__(
@@ -175,6 +192,10 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
         chunk_template: str = "{text}",
         max_evicted: int | None = DEFAULT_MAX_EVICTED,
         anticipate: bool = True,
+        recall_placement: "str | PlacementPolicy | None" = DEFAULT_RECALL_PLACEMENT,
+        answer_kl_budget: float | None = None,
+        kl_budget_ms: float | None = DEFAULT_KL_BUDGET_MS,
+        blind_kl: float = DEFAULT_BLIND_KL,
     ) -> None:
         root = self._checked_root(backend, root)
         config = WindowConfig(
@@ -182,7 +203,8 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             overflow=overflow, storage=storage, placement=placement, fidelity_target=fidelity_target,
             max_patch_fraction=max_patch_fraction, on_miss=on_miss, kv_selection=kv_selection,
             beyond_trained=beyond_trained, chunk_template=chunk_template, max_evicted=max_evicted,
-            anticipate=anticipate,
+            anticipate=anticipate, recall_placement=recall_placement, answer_kl_budget=answer_kl_budget,
+            kl_budget_ms=kl_budget_ms, blind_kl=blind_kl,
         )
         self._start(backend_with_root(backend, root), store, config)
 
@@ -216,6 +238,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             policy=make_policy(config.patch_policy),
             config=config,
             placement=make_placement(config.placement),
+            recall_placement=config.recall_placement,  # made on first use (placement.recall_chooser)
         )
         self._setup(ctx, WindowState(), parent=None)
         self._reserve_working_set(ctx)
@@ -280,6 +303,9 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             receipt = meter.finish(**fields)
             self._record(receipt)
         release_freed_heap()  # pages and activations this operation freed go back to the OS (core.heap)
+        if op in BUDGETED_OPS and self._ctx.config.answer_kl_budget is not None:
+            budget.learn_rate(self, receipt)
+            receipt = budget.enforce(self, receipt)  # (window.budget: the fidelity floor)
         return receipt, result
 
     def _install(self, new: WindowState, meter: Meter) -> None:
@@ -462,10 +488,17 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
 
         return self._run("evict", body)[0]
 
-    def recall(self, ref: ChunkRef, at: int | None = None) -> Receipt:
-        """Re-instate an evicted chunk at index ``at`` (default: the end) from its canonical, with
-        a *fresh* patch on the chunks now in front of it (per the patch policy). The encoder
-        never re-runs and the patch it carried when evicted is never replayed.
+    def recall(self, ref: ChunkRef, at: int | str | None = None) -> Receipt:
+        """Re-instate an evicted chunk from its canonical, with a *fresh* patch on the chunks now in
+        front of it (per the patch policy). The encoder never re-runs and the patch it carried when
+        evicted is never replayed.
+
+        Where it goes: ``at=None`` lets the window choose (``recall_placement``, default
+        ``"valid"``: where a stored patch stays valid — behind the chunks its patch was formed on,
+        where the chunks conditioned on it become valid again, or the front, where its canonical
+        is exact — and otherwise the end); ``at=i`` insists on index ``i`` and ``at="end"``
+        (``placement.END``) on the end (both as the window's ``placement`` policy honours asked
+        positions: exactly, under ``"arrival"``). The receipt's ``placed`` says where it went and why.
 
         ``at`` indexes the window before any budget slide; if the oldest chunks must slide out
         to make room, the insertion point moves back with them. The receipt's ``cascade`` says
@@ -483,16 +516,20 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             if ref not in state.evicted:
                 raise WindowError(f"{ref!r} is already in the window (use reorder to move it)")
             entry = state.evicted[ref]
-            pos = len(state.slots) if at is None else check_int("at", at, error=WindowError)
+            pinned = at is not None
+            if at is None or at == END:
+                pos = len(state.slots)
+            elif isinstance(at, str):
+                raise WindowError(f"at: a recall position is an index or {END!r}, got {at!r}")
+            else:
+                pos = check_int("at", at, error=WindowError)
             if not 0 <= pos <= len(state.slots):
                 raise WindowError(f"at: recall position {at} is outside 0..{len(state.slots)}")
             ingest.check_fits(self._ctx, entry.n_tokens)
             if entry.provisional is not None:  # left before it was healed: its canonical, now
                 chunk = ingest.canonical_of(self._ctx, entry.provisional, meter)
             else:
-                chunk = ctx.store.get_chunk(
-                    entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic
-                )
+                chunk = ingest.load_canonical(ctx, entry.chunk_key, meter)
             # left before anything needed its canonical: under a latency-first policy, one
             # conditioned forward where it re-enters (what a prefix cache re-reading it runs; the
             # canonical still waits), else the one encode it owes
@@ -522,9 +559,16 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
                 slots, reasons = list(slots), {}
                 pending = ingest.Unencoded(entry.chunk_id, entry.n_tokens, entry.source)
                 entering = ingest.provisional(ctx, pending, slots[:pos], meter, ref=ref)
+                why = "asked" if pinned else "end: no canonical yet (one forward behind the window)"
             else:
                 entering = Slot(ref=ref, chunk=chunk)
-                pos = window_index(ctx, state.graph, slots, entering, pos, entry.formed_on)
+                asked, (chooser, unchosen) = pos, ((None, "") if pinned else recall_chooser(ctx))
+                if pinned or chooser is None:  # the window's placement, at the asked index (today's rule)
+                    pos = window_index(ctx, state.graph, slots, entering, pos, entry.formed_on)
+                else:
+                    pos = window_index(ctx, state.graph, slots, entering, None, entry.formed_on, policy=chooser)
+                why = ("asked" if pinned and pos == asked else unchosen if unchosen and pos == asked
+                       else placement_reason(ctx, slots, entering, pos, False))
             slots.insert(pos, entering)
             reasons[ref] = "append" if forward_in else "recall"  # (provisional: exact where it stands)
             for later in slots[pos + 1 :]:
@@ -532,7 +576,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             state.slots, cascade = reconcile(
                 ctx, slots, reasons, meter, recalled=ref, cascade_candidates=candidates - set(left)
             )
-            return {"refs": (ref,), "left": tuple(left), "cascade": cascade}, None
+            return {"refs": (ref,), "left": tuple(left), "cascade": cascade, "placed": ((ref, pos, why),)}, None
 
         return self._run("recall", body)[0]
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 import torch
 
 from ...core.chunk import Chunk
+from ...core.counters import OMIT, Counters, adds, shown
 from ...core.errors import FingerprintMismatchError, ReuseArmError
 from ...core.kv import LayerKV, concat_kv
 from ...core.operator import relocate
@@ -158,10 +159,11 @@ class ReuseRequest:
 
 
 @dataclass
-class ArmReport:
+class ArmReport(Counters):
     """What an arm cost to serve one request.
 
-    ``forwards``: model forwards run at serve time (a partial pass counts as one);
+    ``forwards``: model forwards run at serve time (a partial pass counts as one; with
+    ``tokens_prefilled`` the :class:`~contextdeque.core.counters.Counters` an arm counts);
     ``compile_forwards``: one-time forwards (patch forming) when the arm had to do them itself;
     ``tokens_prefilled``: tokens passed through the model at serve time;
     ``token_layers``: sum over serve-time forwards of tokens x layers actually computed;
@@ -170,18 +172,18 @@ class ArmReport:
     ``bytes_extra``: bytes stored beside them (patches).
     """
 
+    json_omit = frozenset({"encodes", "patches_formed", "patches_reused"})  # (not an arm's counts)
+
     arm: str
     chunk_tokens: int
-    num_layers: int
-    page_bytes: int
-    forwards: int = 0
-    compile_forwards: int = 0
-    tokens_prefilled: int = 0
-    token_layers: int = 0
-    tokens_recomputed: int = 0
-    bytes_canonical: int = 0
-    bytes_extra: int = 0
-    extras: dict[str, Any] = field(default_factory=dict)
+    num_layers: int = shown(OMIT)
+    page_bytes: int = shown(OMIT)
+    compile_forwards: int = adds()
+    token_layers: int = adds()
+    tokens_recomputed: int = adds()
+    bytes_canonical: int = adds()
+    bytes_extra: int = adds()
+    extras: dict[str, Any] = shown(OMIT, factory=dict)
 
     @property
     def bytes_stored(self) -> int:
@@ -199,22 +201,9 @@ class ArmReport:
         """Extra stored bytes over the chunks' page bytes."""
         return self.bytes_extra / max(1, self.page_bytes)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "arm": self.arm,
-            "forwards": self.forwards,
-            "compile_forwards": self.compile_forwards,
-            "tokens_prefilled": self.tokens_prefilled,
-            "token_layers": self.token_layers,
-            "tokens_recomputed": self.tokens_recomputed,
-            "chunk_tokens": self.chunk_tokens,
-            "recompute_fraction": self.recompute_fraction,
-            "bytes_canonical": self.bytes_canonical,
-            "bytes_extra": self.bytes_extra,
-            "bytes_stored": self.bytes_stored,
-            "bytes_fraction": self.bytes_fraction,
-            **self.extras,
-        }
+    def _derived(self) -> dict[str, Any]:
+        return {"recompute_fraction": self.recompute_fraction, "bytes_stored": self.bytes_stored,
+                "bytes_fraction": self.bytes_fraction, **self.extras}
 
 
 @dataclass

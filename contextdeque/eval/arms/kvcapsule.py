@@ -21,6 +21,7 @@ from ...core.kv import concat_kv
 from ...core.operator import relocate
 from .base import ArmResult, ReuseArm, ReuseRequest
 from .patch import PatchArm
+from ...patch.rank import DEFAULT_RANK
 
 
 class KVCapsuleArm(ReuseArm):
@@ -34,7 +35,7 @@ class KVCapsuleArm(ReuseArm):
     name = "kvcapsule-linear"
 
     def __init__(self, bank: CapsuleBank | None = None, *, retention: float = DEFAULT_RETENTION,
-                 rank: int | str | None = 32, label: str | None = None, **patch_options: Any) -> None:
+                 rank: int | str | None = DEFAULT_RANK, label: str | None = None, **patch_options: Any) -> None:
         super().__init__(label=label or ("kvcapsule-linear" if rank is not None else "kvcapsule-linear-blind"))
         self.bank = bank if bank is not None else CapsuleBank(retention)
         if not isinstance(self.bank, CapsuleBank):

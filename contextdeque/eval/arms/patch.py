@@ -15,6 +15,7 @@ from ...patch import FidelityRule, Patch, fidelity_report, form_patch
 from ...patch.ops import truncate_patch
 from .base import ArmResult, ReuseArm, ReuseRequest
 from ...core.kv import concat_kv
+from ...patch.rank import DEFAULT_RANK
 
 
 class PatchArm(ReuseArm):
@@ -31,7 +32,7 @@ class PatchArm(ReuseArm):
 
     def __init__(
         self,
-        rank: int | str = 32,
+        rank: int | str = DEFAULT_RANK,
         *,
         rank_v: int | str | None = None,
         kind: str = "exact",

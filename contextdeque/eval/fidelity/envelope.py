@@ -17,12 +17,15 @@ Each variant's next-token KL against re-prefill gives η (items with a measurabl
     python -m contextdeque.eval.fidelity.envelope --items 8 --ranks 8,16,24,32,64 \
         --targets 0.95,0.97,0.98,0.99,0.995 --max-patch-fraction 0.25 --json out.json
     python -m contextdeque.eval.fidelity.envelope --arch qwen2   # a tiny random non-llama family
+    python -m contextdeque.eval.fidelity.envelope --model DIR_OR_GGUF   # another checkpoint
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -32,11 +35,11 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ...core.chunk import Chunk
-from ...core.metrics import kl_divergence
-from ...model.envelope import ENVELOPE_VERSION, FidelityEnvelope, load_envelope, save_envelope
-from ...patch import FidelityRule, Patch, fidelity_report, form_patch
-from ...patch.alloc import relative_weights
-from ...patch.ops import truncate_patch
+from ...core.metrics import kl_divergence, kl_divergence_tensor
+from ...model.envelope import CURVE_QUANTILE, ENVELOPE_VERSION, FidelityEnvelope, load_envelope, save_envelope
+from ...patch import FidelityRule, LayerSensitivity, Patch, fidelity_report, form_patch
+from ...patch.alloc import layer_spectra, rule_weights
+from ...patch.ops import cut_patch, truncate_patch
 from ..arms import BlindArm, PatchArm, ReprefillArm, ReuseRequest
 from .harness import score_query
 from .metrics import DEFAULT_MIN_GAP, eta, percentile
@@ -72,6 +75,15 @@ class ItemBase:
     ref_logits: torch.Tensor
     kl_blind: float
     full: dict[int, Patch]
+
+    def kv_with(self, patches: dict[int, Patch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The item's KV (per layer ``[H, S, d]``) when chunk ``i`` carries ``patches[i]``."""
+        return PatchArm("full").run(self.request.with_patches({i: [p] for i, p in patches.items()})).kv
+
+    def kl_with(self, backend: Any, patches: dict[int, Patch]) -> float:
+        """Next-token KL against the re-prefill when chunk ``i`` carries ``patches[i]``."""
+        logits, _ = score_query(backend, self.kv_with(patches), self.start, self.query_ids, 0)
+        return kl_divergence(self.ref_logits, logits)
 
 
 def item_bases(backend: Any, items: Sequence[ProbeItem], *, max_chunk_tokens: int = 512,
@@ -116,30 +128,29 @@ class Variant:
     layers: list[int] = field(default_factory=list)  # per patch: layers carrying a correction
     misses: int = 0
     estimated: list[float] = field(default_factory=list)  # per patch: the rule's estimated η
+    sensitivity: LayerSensitivity | None = None  # the weights ``energy`` is measured in
 
     def measure(self, backend: Any, base: ItemBase, min_gap: float) -> None:
-        pats: dict[int, list[Patch]] = {}
+        pats: dict[int, Patch] = {}
         energies, weights = [], []
         for i, p in base.full.items():
             chunk = base.request.chunks[i]
             q = self.cut(p, chunk)
-            pats[i] = [q]
+            pats[i] = q
             self.bytes += q.nbytes
             self.page_bytes += chunk.nbytes
             rk, rv = q.layer_ranks
             self.ranks_k.append(sum(rk))
             self.ranks_v.append(sum(rv))
             self.layers.append(sum(1 for a, b in zip(rk, rv) if a or b))
-            energies.append(captured(p, q, chunk))
+            energies.append(captured(p, q, chunk, self.sensitivity))
             weights.append(chunk.n_tokens)
             rep = fidelity_report(q)
             if rep is not None:
                 self.misses += bool(rep["miss"])
                 if rep.get("eta_est") is not None:
                     self.estimated.append(float(rep["eta_est"]))
-        kv = PatchArm("full").run(base.request.with_patches(pats)).kv
-        logits, _ = score_query(backend, kv, base.start, base.query_ids, 0)
-        kl = kl_divergence(base.ref_logits, logits)
+        kl = base.kl_with(backend, pats)
         self.kl.append(kl)
         self.eta.append(eta(base.kl_blind, kl, min_gap))
         self.energy.append(sum(e * w for e, w in zip(energies, weights)) / sum(weights))
@@ -162,34 +173,163 @@ class Variant:
         }
 
 
-def captured(full: Patch, cut: Patch, chunk: Chunk) -> float:
+def captured(full: Patch, cut: Patch, chunk: Chunk, sensitivity: LayerSensitivity | None = None) -> float:
     """Energy of ``full``'s Δ that ``cut`` holds, in the rule's measure (each layer's deficit
-    relative to ``chunk``'s KV, K and V weighed equally: ``contextdeque.patch.alloc``), from the
-    factors' column norms — independent of the allocation that chose ``cut``."""
-    weights = dict(zip(("k", "v"), relative_weights(chunk, full.layers)))
+    relative to ``chunk``'s KV, weighed by ``sensitivity`` with K and V pooled, or K and V weighed
+    equally without it: :func:`contextdeque.patch.alloc.rule_weights`), from the factors' column
+    norms — independent of the allocation that chose ``cut``."""
+    w_k, w_v, kv_share = rule_weights(chunk, full.layers, sensitivity)
+    weights = {"k": dict(zip(full.layers, w_k.tolist())), "v": dict(zip(full.layers, w_v.tolist()))}
 
-    def frac(which: str) -> float:
-        w = {l: float(weights[which][i]) for i, l in enumerate(full.layers)}
-        tot = sum(w[l] * float(full.layer_factors(which, i)[0].pow(2).sum()) for i, l in enumerate(full.layers))
-        got = sum(w[l] * float(cut.layer_factors(which, i)[0].pow(2).sum()) for i, l in enumerate(cut.layers))
-        return 1.0 if tot <= 0 else got / tot
+    def kept(p: Patch, which: str) -> float:
+        return sum(weights[which][l] * float(p.layer_factors(which, i)[0].pow(2).sum()) for i, l in enumerate(p.layers))
 
-    return 0.5 * (frac("k") + frac("v"))
+    got = {t: kept(cut, t) for t in ("k", "v")}
+    tot = {t: kept(full, t) for t in ("k", "v")}
+    if kv_share is None:
+        both = tot["k"] + tot["v"]
+        return 1.0 if both <= 0 else (got["k"] + got["v"]) / both
+    frac = {t: 1.0 if tot[t] <= 0 else got[t] / tot[t] for t in ("k", "v")}
+    return kv_share * frac["k"] + (1.0 - kv_share) * frac["v"]
 
 
 def fixed_variant(rank: int) -> Variant:
     return Variant(f"fixed-r{rank}", "fixed", rank, lambda p, c: truncate_patch(p, min(rank, p.rank_k), min(rank, p.rank_v)))
 
 
-def energy_variant(energy: float) -> Variant:
-    rule = FidelityRule(energy=energy)
-    return Variant(f"energy-{energy:g}", "energy", energy, lambda p, c: rule.shape(p, c))
+def energy_variant(energy: float, sensitivity: LayerSensitivity | None = None) -> Variant:
+    rule = FidelityRule(energy=energy, sensitivity=sensitivity)
+    return Variant(f"energy-{energy:g}", "energy", energy, lambda p, c: rule.shape(p, c), sensitivity=sensitivity)
 
 
 def target_variant(target: float, envelope: FidelityEnvelope | None, max_patch_fraction: float | None,
                    on_miss: str = "report", name: str | None = None) -> Variant:
     rule = FidelityRule.for_target(target, envelope, max_patch_fraction, on_miss)
-    return Variant(name or f"target-{target:g}", "target", target, lambda p, c: rule.shape(p, c))
+    return Variant(name or f"target-{target:g}", "target", target, lambda p, c: rule.shape(p, c),
+                   sensitivity=rule.sensitivity)
+
+
+SENSITIVITY_PROBE_ENERGY = 0.75
+"""Where the sensitivities are probed: every layer keeps the fewest top directions holding this
+fraction of its Δ energy, so the KL measured is that of tails like the ones a target leaves, not
+of whole deficits."""
+
+NEGLIGIBLE_DEFICIT = 1e-6
+"""A (layer, K/V) whose relative deficit is below this fraction of the item's largest is not
+probed (its sensitivity stays unmeasured; layer 0's KV sees no context, its Δ is rounding)."""
+
+
+def probe_ranks(s2: torch.Tensor, energy: float) -> list[int]:
+    """Per row of descending squared singular values ``[n, r]``: the fewest leading entries
+    holding ``energy`` of the row's sum (0 for a zero row)."""
+    out = []
+    for row in s2:
+        tot = float(row.sum())
+        out.append(0 if tot <= 0 else int((row.cumsum(0) < energy * tot).sum().item()) + 1)
+    return [min(m, s2.shape[1]) for m in out]
+
+
+def query_logits(backend: Any, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int,
+                 query_ids: Sequence[int]) -> torch.Tensor:
+    """Next-token logits ``[vocab]`` after prefilling ``query_ids`` at ``start..`` over ``kv`` (per
+    layer ``[H, S, d]``), differentiable in ``kv``: the first step of
+    :func:`contextdeque.window.decode.greedy_steps` (which runs without gradients)."""
+    from ...core import compat
+
+    dev = backend.device
+    cache = compat.cache_from_layers([(k.unsqueeze(0).to(dev), v.unsqueeze(0).to(dev)) for k, v in kv])
+    ids = torch.as_tensor([int(t) for t in query_ids], dtype=torch.long, device=dev).reshape(1, -1)
+    n, past = ids.shape[1], kv[0][0].shape[1]
+    out = backend.model(input_ids=ids, position_ids=backend.position_ids(backend.text_positions(start, n)),
+                        past_key_values=cache, attention_mask=torch.ones(1, past + n, dtype=torch.long, device=dev),
+                        use_cache=True, logits_to_keep=1)
+    backend.forwards_run += 1
+    backend.tokens_prefilled += n
+    return out.logits[0, -1].to(torch.float32)
+
+
+SENSITIVITY_SAMPLES = 8
+"""Random-sign probes per item (each one forward and one backward pass)."""
+
+
+def item_sensitivity(backend: Any, base: ItemBase, n_layers: int, probe_energy: float = SENSITIVITY_PROBE_ENERGY,
+                     samples: int = SENSITIVITY_SAMPLES, seed: int = 0) -> tuple[list[float], list[float]] | None:
+    """One item's per-layer sensitivities ``(K [n_layers], V [n_layers])``, NaN where not measured.
+
+    Every (layer, K/V) ``l`` of every patch of the item is cut to its ``probe_energy`` top
+    directions, leaving out a residual ``r_l`` of relative energy ``E_l``. Near the full patch the
+    next-token KL is quadratic in the residual left out: with the KV ``full − Σ β_l r_l``,
+    ``KL(β) ≈ ½ βᵀ G β``. The sensitivity is the diagonal per unit energy, ``a_l = G_ll / 2E_l``
+    (were KL a sum of per-layer terms ``a_l E_l β_l²``, this is its ``a_l``). ``G``'s diagonal is
+    estimated without a forward per layer: at random signs ``β = z`` one backward pass gives
+    ``∇KL = G z``, and ``z ⊙ G z`` averages to ``diag G`` (Hutchinson) over ``samples`` draws
+    (deterministic: ``seed``). Values are over the KL of the cut itself (β = 1), so items weigh
+    alike; a negative estimate (noise) stays in, for the average over items to cancel."""
+    spectra = {i: layer_spectra(p) for i, p in base.full.items()}
+    weights = {i: rule_weights(base.request.chunks[i], p.layers)[:2] for i, p in base.full.items()}
+    deficit = [[0.0] * n_layers, [0.0] * n_layers]
+    for i, p in base.full.items():
+        for t in (0, 1):
+            for j, layer in enumerate(p.layers):
+                deficit[t][layer] += float(weights[i][t][j]) * float(spectra[i][t][j].sum())
+    floor = NEGLIGIBLE_DEFICIT * max(max(row) for row in deficit)
+    left_out = [[0.0] * n_layers, [0.0] * n_layers]
+    cut: dict[int, Patch] = {}
+    for i, p in base.full.items():
+        ranks = [list(r) for r in p.layer_ranks]
+        for t in (0, 1):
+            for j, layer in enumerate(p.layers):
+                if deficit[t][layer] <= floor:
+                    continue  # kept whole: nothing to measure there
+                row = spectra[i][t][j]
+                m = min(probe_ranks(row.view(1, -1), probe_energy)[0], ranks[t][j])
+                ranks[t][j] = m
+                left_out[t][layer] += float(weights[i][t][j]) * float(row[m:].sum())
+        cut[i] = cut_patch(p, ranks[0], ranks[1])
+    kv_cut, kv_full = base.kv_with(cut), base.kv_with(base.full)
+    with torch.no_grad():
+        kl_cut = kl_divergence(base.ref_logits, query_logits(backend, kv_cut, base.start, base.query_ids))
+    if kl_cut <= 0.0:
+        return None
+    resid = [(kf - kc, vf - vc) for (kc, vc), (kf, vf) in zip(kv_cut, kv_full)]
+    gen = torch.Generator().manual_seed(int(seed))
+    diag = torch.zeros(2, len(resid), dtype=torch.float64)
+    for _ in range(max(1, int(samples))):
+        z = torch.randint(0, 2, (2, len(resid)), generator=gen).to(kv_full[0][0].dtype) * 2 - 1
+        beta = z.clone().requires_grad_(True)
+        with torch.enable_grad():
+            kv = [(kf - beta[0, l] * rk, vf - beta[1, l] * rv) for l, ((kf, vf), (rk, rv)) in enumerate(zip(kv_full, resid))]
+            kl = kl_divergence_tensor(base.ref_logits, query_logits(backend, kv, base.start, base.query_ids))
+            (grad,) = torch.autograd.grad(kl, beta)
+        diag += (z * grad).to(torch.float64)
+    diag /= max(1, int(samples))
+    sens = [[math.nan] * n_layers, [math.nan] * n_layers]
+    for t in (0, 1):
+        for layer in range(min(n_layers, diag.shape[1])):
+            if left_out[t][layer] > 0.0 and deficit[t][layer] > floor:
+                sens[t][layer] = float(diag[t, layer]) / (2.0 * left_out[t][layer] * kl_cut)
+    return sens[0], sens[1]
+
+
+SENSITIVITY_FLOOR = 0.02
+"""The least weight a measured (layer, K/V) keeps, over the mean: an estimate at or below zero is
+noise around a small value, and a zero weight would never give that layer a direction."""
+
+
+def aggregate_sensitivity(per_item: Sequence[tuple[list[float], list[float]]]) -> LayerSensitivity:
+    """The model's sensitivity: per (layer, K/V) the mean over the items that measured it (0
+    where none did: no deficit there to weigh), normalized to mean 1 over the measured ones and
+    floored at :data:`SENSITIVITY_FLOOR`."""
+    n = len(per_item[0][0])
+    avg: list[list[float | None]] = [[None] * n, [None] * n]
+    for t in (0, 1):
+        for l in range(n):
+            vals = [item[t][l] for item in per_item if not math.isnan(item[t][l])]
+            avg[t][l] = sum(vals) / len(vals) if vals else None
+    measured = [max(0.0, x) for row in avg for x in row if x is not None]
+    mean = sum(measured) / len(measured) if measured and sum(measured) > 0 else 1.0
+    k, v = ([0.0 if x is None else max(SENSITIVITY_FLOOR, x / mean) for x in row] for row in avg)
+    return LayerSensitivity(tuple(round(x, 6) for x in k), tuple(round(x, 6) for x in v))
 
 
 @torch.no_grad()
@@ -206,12 +346,17 @@ def run_variants(backend: Any, items: Sequence[ProbeItem], variants: Sequence[Va
             "items_with_gap": sum(1 for k in blind if k > min_gap), "items_past_trained_context": skipped}
 
 
+@torch.no_grad()
 def calibrate_envelope(backend: Any, items: Sequence[ProbeItem] | None = None, *,
                        energies: Sequence[float] = CALIBRATION_ENERGIES, max_chunk_tokens: int = 512,
-                       image_grid: tuple[int, int] | None = None, min_gap: float = DEFAULT_MIN_GAP) -> FidelityEnvelope:
-    """Measure the model's envelope: η (median, 10th percentile) of the uncapped allocation at each
-    energy in ``energies`` on ``items`` (default :func:`calibration_items`). Deterministic: the
-    same model, items and code give the same envelope.
+                       image_grid: tuple[int, int] | None = None, min_gap: float = DEFAULT_MIN_GAP,
+                       sensitivity: bool = False, probe_energy: float = SENSITIVITY_PROBE_ENERGY,
+                       quantile: float = CURVE_QUANTILE) -> FidelityEnvelope:
+    """Measure the model's envelope on ``items`` (default :func:`calibration_items`): first, with
+    ``sensitivity``, each layer's K and V sensitivity (:func:`item_sensitivity`, median over the
+    items); then η (every item's, its median and 10th percentile) of the uncapped allocation,
+    weighed by those sensitivities, at each energy in ``energies``. Deterministic: the same
+    model, items and code give the same envelope.
 
     Raises:
         EnvelopeError: no item leaves blind reuse a measurable gap (nothing to calibrate on)."""
@@ -219,12 +364,24 @@ def calibrate_envelope(backend: Any, items: Sequence[ProbeItem] | None = None, *
 
     t0 = time.perf_counter()
     items = list(calibration_items() if items is None else items)
-    variants = [energy_variant(e) for e in energies]
-    out = run_variants(backend, items, variants, max_chunk_tokens=max_chunk_tokens, image_grid=image_grid, min_gap=min_gap)
-    rows = out["variants"]
-    if any(r["median_eta"] is None for r in rows):
+    bases = list(item_bases(backend, items, max_chunk_tokens=max_chunk_tokens, image_grid=image_grid))
+    gapped = [b for b in bases if b.kl_blind > min_gap]
+    if not gapped:
         raise EnvelopeError(f"no calibration item leaves blind reuse a gap above {min_gap:g} nats on "
                             f"{getattr(backend, 'name', 'this model')}: nothing to calibrate η on")
+    sens = None
+    t_sens = time.perf_counter()
+    if sensitivity:
+        n_layers = int(backend.layout.num_layers)
+        per_item = [x for x in (item_sensitivity(backend, b, n_layers, probe_energy, seed=k)
+                                for k, b in enumerate(gapped)) if x is not None]
+        sens = aggregate_sensitivity(per_item) if per_item else None
+    t_sens = time.perf_counter() - t_sens
+    variants = [energy_variant(e, sens) for e in energies]
+    for b in bases:
+        for v in variants:
+            v.measure(backend, b, min_gap)
+    rows = [v.row() for v in variants]
     return FidelityEnvelope(
         fingerprint=backend.fingerprint, model=str(getattr(backend, "name", "")),
         energies=tuple(float(e) for e in energies), median_eta=tuple(float(r["median_eta"]) for r in rows),
@@ -232,6 +389,9 @@ def calibrate_envelope(backend: Any, items: Sequence[ProbeItem] | None = None, *
         mean_bytes_fraction=tuple(float(r["bytes_fraction"] or 0.0) for r in rows),
         n_items=int(rows[0]["n_eta"]), items=tuple(i.id for i in items), version=ENVELOPE_VERSION,
         seconds=round(time.perf_counter() - t0, 3),
+        item_eta=tuple(tuple(float(e) for e in v.eta if e is not None) for v in variants), quantile=float(quantile),
+        sensitivity_k=() if sens is None else sens.k, sensitivity_v=() if sens is None else sens.v,
+        sensitivity_seconds=round(t_sens, 3),
     )
 
 
@@ -272,6 +432,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m contextdeque.eval.fidelity.envelope", description=__doc__.split("\n")[0])
     ap.add_argument("--items", type=int, default=None, help="first N probe items (default: all 36)")
     ap.add_argument("--arch", default=None, help="a tiny random architecture (contextdeque.model.testing) instead of the default model")
+    ap.add_argument("--model", default=None, help="a local checkpoint (HF directory or .gguf) instead of the default model")
+    ap.add_argument("--calibration-per-family", type=int, default=CALIBRATION_PER_FAMILY,
+                    help="calibration items per probe family when the model has no cached envelope")
+    ap.add_argument("--sensitivity", action="store_true",
+                    help="calibrate per-layer K/V sensitivities and weigh the allocation by them (opt-in: "
+                         "measured worse than equal weights on two models, docs/fidelity.md)")
+    ap.add_argument("--quantile", type=float, default=None,
+                    help="read the target map at this quantile of the calibration items' η (default: the envelope's)")
     ap.add_argument("--ranks", default=",".join(map(str, FIXED_RANKS)))
     ap.add_argument("--targets", default=",".join(map(str, TARGETS)))
     ap.add_argument("--max-patch-fraction", default="0.25",
@@ -292,8 +460,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from ...model import load_model
 
-        be, grid = load_model(), None
-    env = ensure_envelope(be, max_chunk_tokens=args.max_chunk_tokens, image_grid=grid)
+        be, grid = load_model(args.model), None
+    env = ensure_envelope(be, items=calibration_items(args.calibration_per_family), sensitivity=args.sensitivity,
+                          max_chunk_tokens=args.max_chunk_tokens, image_grid=grid)
+    if args.quantile is not None:
+        env = dataclasses.replace(env, quantile=float(args.quantile))
     variants = [fixed_variant(int(r)) for r in args.ranks.split(",") if r]
     caps = [None if c.strip() == "none" else float(c) for c in args.max_patch_fraction.split(",") if c.strip()]
     misses = [m.strip() for m in args.on_miss.split(",") if m.strip()]

@@ -54,6 +54,7 @@ from ...window.decode import greedy_steps
 from .metrics import DEFAULT_MIN_GAP, BytesReport, eta, flip_recover, n_flips, percentile, pooled_eta
 from ...core.metrics import kl_divergence, ulp_error, ulp_error_at_scale
 from .probes import MaterializedItem, ProbeItem, materialize
+from ...patch.rank import DEFAULT_RANK
 
 FAMILIES = ("prefix_cache", "patch", "cacheblend", "epic", "vlcache", "orbit", "recall", "kvcapsule", "select")
 
@@ -66,16 +67,16 @@ class HarnessConfig:
     arms: tuple[str, ...] = FAMILIES
     storage: torch.dtype = torch.float32
     min_gap: float = DEFAULT_MIN_GAP
-    matched_rank: int = 32
+    matched_rank: int = DEFAULT_RANK
     cacheblend_ratio: float = 0.15
     check_layer: int = 1
     epic_k: int = 32
     vlcache_ratio: float = 0.15
     vlcache_schedule: Sequence[float] | None = None
     orbit_antecedents: int = 3
-    orbit_rank: int = 32
+    orbit_rank: int = DEFAULT_RANK
     recall_window: int = 2
-    recall_rank: int = 32
+    recall_rank: int = DEFAULT_RANK
     max_decode: int = 6
     max_chunk_tokens: int = 512
     select_budgets: tuple[int, ...] = (64, 128, 256, 512)

@@ -19,6 +19,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
+from ...core.metrics import percentile  # noqa: F401  (its home is core: the model layer reads it too)
+
 # Items whose blind-reuse KL is below this carry no measurable gap: η (a ratio to that gap) would
 # be noise there. Fixed a priori (1e-4 nats, ~4 orders above fp32 re-prefill noise), not tuned.
 DEFAULT_MIN_GAP = 1e-4
@@ -87,13 +89,3 @@ def summarize(values: Sequence[float | None]) -> dict[str, float | int | None]:
     return {"median": statistics.median(vals), "mean": statistics.fmean(vals), "n": len(vals)}
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-quantile (``q`` in [0, 1]) of ``values``, linearly interpolated between order
-    statistics (numpy's default); None for no values. ``percentile(x, 0.1)``: the 10th percentile."""
-    xs = sorted(float(v) for v in values)
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * float(q)
-    lo = int(math.floor(pos))
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
