@@ -19,7 +19,6 @@ from collections import Counter
 from typing import Any, Hashable, Sequence
 
 from ..core.errors import BudgetError
-from ..patch.keys import kv_state
 from ..scheduler.eviction import PoolEvictionPolicy, make_eviction
 from ..window.graph import PatchGraph
 from ..traces.io import Trace
@@ -76,13 +75,6 @@ class Replayer(PolicyDecisions):
         self._refs = Refs(self.content, self.tokens)
         self._key_slots: dict[str, tuple[tuple[str, ...], KeySlot]] = {}
         self.formed: dict[str, tuple[str, ...]] = {}
-        # the live window's patch keys name the antecedents' KV states (window.kvstate): a stored
-        # patch serves only behind the very states it was formed on. Mirrored here: each key's
-        # state (absent: its canonical), the states its conditioning was formed on, and the patches
-        # stored as (content, kind, antecedent states)
-        self._state: dict[str, str] = {}
-        self._formed_states: dict[str, tuple[str, ...]] = {}
-        self._stored: set[tuple[str, str, Any]] = set()
         self._formed_set: dict[str, frozenset] = {}  # lazily built membership sets of `formed`
         self.window_tokens = 0
         self._fast = type(self.placement) is ArrivalPlacement
@@ -194,61 +186,15 @@ class Replayer(PolicyDecisions):
             r.bytes["device"] += pb
             if kind != "removal":
                 self.graph.add(c, pc, kind)
-                self._store(key, prefix, kind)
-        provisional = self._defers and key in self._pending_canon or (self._healing and key in self._no_canon)
-        self._set_formed(key, tuple(prefix), "inline" if provisional else kind)
+        self._set_formed(key, tuple(prefix))
 
     def _prefix_content(self, key: str) -> tuple[str, ...]:
         i = self.order.index(key)
         return tuple(self.content[p] for p in self.order[:i])
 
-    def _stand_in(self, key: str, prefix: Sequence[str]) -> None:
-        """What a deferred slot serves meanwhile (``LatencyPolicy._stand_in``): its stale patch
-        within the staleness budget, else its blind canonical (its state then: the canonical)."""
-        formed, states = self.formed.get(key, ()), self._formed_states.get(key)
-        if not formed or states is None or key in self._no_canon or key in self._pending_canon:
-            return
-        tok = self.tokens.__getitem__
-        score = staleness_score([((a, st), tok(a)) for a, st in zip(formed, states)],
-                                [((p, self._kv_state(p)), tok(p)) for p in prefix])
-        if score > DEFAULT_STALENESS_BUDGET:
-            self._state.pop(key, None)
-            self._formed_states[key] = ("blind",)  # (never settled: its prefix is not empty)
-
-    def _kv_state(self, key: str) -> str:
-        return self._state.get(key) or kv_state(self.content[key])
-
-    def _antecedent_states(self, prefix: Sequence[str], kind: str) -> Any:
-        """What a patch key names ``prefix`` by (``window.kvstate.antecedent_states``): the states in
-        order, or for an orbit patch the set, an antecedent conditioned on exactly what is in front
-        of it (settled) named by its content alone."""
-        states = [self._kv_state(p) for p in prefix]
-        if kind != "orbit":
-            return tuple(states)
-        return frozenset(("settled", self.content[p]) if self.formed.get(p, ()) == tuple(prefix[:i])
-                         and self._formed_states.get(p, ()) == tuple(states[:i]) else states[i]
-                         for i, p in enumerate(prefix))
-
-    def _is_stored(self, key: str, prefix: Sequence[str], kind: str) -> bool:
-        kind = "exact" if kind == "recall" else kind
-        return (self.content[key], kind, self._antecedent_states(prefix, kind)) in self._stored
-
-    def _store(self, key: str, prefix: Sequence[str], kind: str) -> None:
-        kind = "exact" if kind == "recall" else kind
-        self._stored.add((self.content[key], kind, self._antecedent_states(prefix, kind)))
-
-    def _set_formed(self, key: str, prefix: tuple[str, ...], how: str = "exact") -> None:
-        """``key`` now holds conditioning on ``prefix`` (``how``: the patch kind, or ``"inline"``:
-        a conditioned forward's own KV); an empty prefix: its canonical."""
+    def _set_formed(self, key: str, prefix: tuple[str, ...]) -> None:
         self.formed[key] = prefix
         self._formed_set.pop(key, None)
-        if not prefix:
-            self._state.pop(key, None)
-            self._formed_states.pop(key, None)
-            return
-        states = tuple(self._kv_state(p) for p in prefix)
-        self._formed_states[key] = states
-        self._state[key] = kv_state(self.content[key], [how, repr(self._antecedent_states(prefix, how))])
 
     def dependents(self, key: str) -> list[str]:
         """Residents whose conditioning was formed with ``key`` among its antecedents (window order)."""
@@ -348,8 +294,6 @@ class Replayer(PolicyDecisions):
                     r.patch_bytes += pb
                     r.bytes["device"] += pb
                     self.graph.add(self.content[key], pc, "exact")
-                    self._store(key, self.order[: self.order.index(key)], "exact")
-                    self._set_formed(key, tuple(self.order[: self.order.index(key)]))
                 else:  # moved since its forward, or what it ran after was healed: the eager policy forms anew
                     self._pending_form.setdefault(key, False)
                     anew.add(key)
@@ -422,8 +366,6 @@ class Replayer(PolicyDecisions):
         self._leave(key)
         if i == 0 and self.order and self.order[0] in self._no_canon:
             self._canon_due.add(self.order[0])
-        elif i == 0 and self.order and self.arm.patches and self.formed.get(self.order[0]):
-            self._set_formed(self.order[0], ())  # a survivor at the front drops its patches: the canonical
         if not self.arm.patches or i >= len(self.order):
             return
         if self._upkeep is None:  # survivors behind the departed chunk: what the patch policy says
@@ -464,7 +406,7 @@ class Replayer(PolicyDecisions):
         elif action == "refresh-hit":
             self.do(Reuse(self.content[key], self.tokens[key], antecedents=tuple(self.content[p] for p in prefix)))
             r.refreshes += 1
-            self._set_formed(key, tuple(prefix))  # (the placement's view judged the hit: see view())
+            self._set_formed(key, tuple(prefix))
         else:  # "refresh" / "removal": one conditioned forward
             r.refreshes += 1
             self._form(key, prefix, "removal" if action == "removal" else "exact")
@@ -683,12 +625,11 @@ class Replayer(PolicyDecisions):
             elif op == "fork":
                 stack.append((list(self.order), list(self.logical), dict(self.formed), self.window_tokens,
                               Counter(self.pool.pinned), dict(self._no_canon), dict(self._pending_form),
-                              dict(self._pending_canon), dict(self._state), dict(self._formed_states)))
+                              dict(self._pending_canon)))
             elif op == "commit":
                 stack.pop()
             elif op == "discard":
-                order, logical, formed, wt, pinned, no_canon, pending_form, pending_canon, states, formed_states = stack.pop()
-                self._state, self._formed_states = states, formed_states  # the parent's KV states as they were
+                order, logical, formed, wt, pinned, no_canon, pending_form, pending_canon = stack.pop()
                 # the parent's slots as they were, less the canonicals the fork computed (they stay stored)
                 in_fork = set(self.order)
                 self._no_canon = {k: None for k in no_canon if k in self._no_canon or k not in in_fork}
