@@ -303,7 +303,7 @@ def test_idle_time_prepares_the_next_request() -> None:
     import torch
 
     from contextdeque.cli.model_spec import load_backend
-    from contextdeque.serve.engine import Engine, GenerationRequest
+    from contextdeque.serve.engine import Engine, GenerationRequest, serve_config
     from contextdeque.window import default_store
 
     from serve_util import wait_until
@@ -314,7 +314,7 @@ def test_idle_time_prepares_the_next_request() -> None:
     for i in range(4):
         turns += [{"role": "user", "content": f"note {i}: " + "alpha beta gamma " * (3 + i)},
                   {"role": "assistant", "content": f"noted {i}"}]
-    e = Engine(b, default_store(b.device), model_name="t", patch_policy="latency-shared", heal_idle_ms=0)
+    e = Engine(b, default_store(b.device), model_name="t", config=serve_config(patch_policy="latency-shared"), heal_idle_ms=0)
 
     def run(messages: list) -> object:
         return e.submit(GenerationRequest(messages=messages, max_new_tokens=2, session_id="s")).result(600)
