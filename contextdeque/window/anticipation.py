@@ -12,7 +12,10 @@ work is done, prepares, one transaction each (idle forwards only; the critical p
    first, at the end and in front (:data:`ANTICIPATED_RECALLS` arrangements in all): the
    arrangement the recall would produce (the budget's slide, the eager policy's decisions for the
    survivors and for the cascade the recall implies) is simulated on a copy of the state, and the
-   patches the eager policy forms there are formed and stored under their usual keys. A
+   patches the eager policy forms there are formed and stored under their usual keys. Chunks
+   ``expect()`` named together (a page re-read with another, a video segment's header and
+   frames) are simulated as one sequence, each recall on the arrangement the ones before it
+   leave, as the agent will run them. A
    recall that lands in exactly that arrangement finds it (the patch key's antecedent signature,
    ``patch/keys.py``: the antecedents' KV states in order and the policy regime) and runs no
    forward; in any other arrangement the key differs and nothing anticipated is served.
@@ -36,7 +39,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from ..core.errors import WindowError
+from ..core.errors import ArgumentTypeError, WindowError
 from . import ingest
 from .anticipate_reorder import ANTICIPATED_REORDERS, anticipate_reorder, reorder_candidates
 from .policy_latency import HealPolicy
@@ -55,14 +58,20 @@ most recently evicted chunks, each back at the end and as a look-back in front (
 just left is the likeliest re-read)."""
 
 
-def recall_candidates(win: "ContextWindow", state: WindowState) -> list[tuple[ChunkRef, int | None]]:
-    """``(ref, at)`` for the recalls worth preparing, most likely first: expected refs that are
-    evicted, then evicted refs by recency (``at=None``: the window's end)."""
-    out: list[tuple[ChunkRef, int | None]] = [(r, at) for r, at in reversed(win.expected.items()) if r in state.evicted]
+def recall_candidates(win: "ContextWindow", state: WindowState) -> list[tuple[tuple[ChunkRef, ...], int | None]]:
+    """``(refs, at)`` for the recalls worth preparing, most likely first: the expected groups
+    (latest first; their members still evicted, in order: a group partly recalled continues
+    where it stands), then evicted refs by recency (``at=None``: the window's end)."""
+    out: list[tuple[tuple[ChunkRef, ...], int | None]] = []
+    for group, at in reversed(win.expected.items()):
+        left = tuple(r for r in group if r in state.evicted)
+        if left:
+            done = group.index(left[0])  # members already back: the rest continue behind them
+            out.append((left, None if at is None else at + done))
     for ref in reversed(list(state.evicted)):  # eviction order: the last one left most recently
         for at in (None, 0):  # back at the end, or a look-back in front
-            if (ref, at) not in out:
-                out.append((ref, at))
+            if ((ref,), at) not in out:
+                out.append(((ref,), at))
     return out[:ANTICIPATED_RECALLS]
 
 
@@ -80,15 +89,31 @@ def anticipate_slide(win: "ContextWindow", state: WindowState, meter: Meter) -> 
     return slot.ref
 
 
-def anticipate_recall(win: "ContextWindow", state: WindowState, ref: ChunkRef, at: int | None, meter: Meter) -> bool:
-    """Form and store ``ref``'s recall patch for the arrangement ``recall(ref, at)`` would produce
-    now (see the module doc, 2.). The state is only read (the simulation runs on a copy); the
-    store gains the canonical (if it was owed) and the patch. Returns whether anything was formed."""
+def anticipate_recall(win: "ContextWindow", state: WindowState, refs: Sequence[ChunkRef], at: int | None,
+                      meter: Meter) -> bool:
+    """Form and store the patches ``recall(ref, at)`` of each of ``refs`` in turn would need now
+    (see the module doc, 2.; ``at`` is the first's index, the others follow it). The state is only
+    read (the simulation runs on a copy); the store gains the canonicals (if owed) and the
+    patches. Returns whether anything was formed."""
+    sim = state.copy()
+    formed = False
+    for i, ref in enumerate(refs):
+        done = simulate_recall(win, sim, ref, None if at is None else at + i, meter)
+        if done is None:  # that recall would be refused: the rest of the sequence never happens
+            break
+        formed = done or formed
+    return formed
+
+
+def simulate_recall(win: "ContextWindow", sim: WindowState, ref: ChunkRef, at: int | None, meter: Meter) -> bool | None:
+    """Run ``recall(ref, at)`` on ``sim`` (a copy of the state, left as the recall leaves it) with
+    the eager policy's decisions, forming and storing what they need. Returns whether anything was
+    formed; None when the recall would be refused (nothing done)."""
     ctx = win._ctx
-    entry = state.evicted[ref]
-    room = ctx.budget_tokens is None or state.tokens_used + entry.n_tokens <= ctx.budget_tokens
+    entry = sim.evicted[ref]
+    room = ctx.budget_tokens is None or sim.tokens_used + entry.n_tokens <= ctx.budget_tokens
     if not room and ctx.overflow == "error":  # that recall would be refused: nothing to prepare
-        return False
+        return None
     chunk = ctx.store.get_chunk(entry.chunk_key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature,
                                 traffic=meter.traffic)
     formed = False
@@ -96,10 +121,10 @@ def anticipate_recall(win: "ContextWindow", state: WindowState, ref: ChunkRef, a
         source = entry.source if entry.source is not None else (
             ingest.source_of(entry.provisional) if entry.provisional is not None else None)
         if source is None:
-            return False
+            return None
         chunk = ingest.encode_and_store(ctx, meter, **source)
         formed = True
-    sim = state.copy()
+    candidates = frozenset(sim.graph.preview_cascade(ref, sim.refs))
     slots = list(sim.slots)
     reasons: dict[ChunkRef, str] = {}
     left = win._make_room(sim, slots, entry.n_tokens, reasons)
@@ -112,14 +137,14 @@ def anticipate_recall(win: "ContextWindow", state: WindowState, ref: ChunkRef, a
     eager = getattr(ctx.policy, "eager", ctx.policy)
     before = meter.patches_formed
     # the eager policy's decisions on the simulated arrangement, as the recall would run them:
-    # the survivors, the recalled chunk's patch, the cascade it implies (formed and stored; the
-    # slots are discarded)
-    candidates = frozenset(state.graph.preview_cascade(ref, state.refs)) - set(left)
-    placed, _ = reconcile(ctx, slots, reasons, meter, recalled=ref, cascade_candidates=candidates,
+    # the survivors, the recalled chunk's patch, the cascade it implies (formed and stored)
+    placed, _ = reconcile(ctx, slots, reasons, meter, recalled=ref, cascade_candidates=candidates - set(left),
                           policy=HealPolicy(eager))
     for new, old in zip(placed, slots):
         if new.stack is not old.stack:
             ctx.anticipated_keys.update(cond.key for cond in new.stack if cond.key)
+    sim.slots = placed
+    sim.graph.sync(sim.slots, sim.evicted)
     return formed or meter.patches_formed > before
 
 
@@ -127,18 +152,27 @@ class WindowAnticipation:
     """The anticipation operations of a :class:`~.window.ContextWindow` (a mixin)."""
 
     @property
-    def expected(self) -> dict[ChunkRef, int | None]:
-        """Refs an agent said it may look at next (:meth:`expect`), with where (None: the end)."""
+    def expected(self) -> dict[tuple[ChunkRef, ...], int | None]:
+        """What an agent said it may recall next (:meth:`expect`): groups of refs, recalled in
+        order, with where the first goes (None: the end)."""
         return self.__dict__.setdefault("_expected", {})
 
-    def expect(self, ref: ChunkRef, at: int | None = None) -> None:
+    def expect(self, ref: "ChunkRef | Sequence[ChunkRef]", at: int | None = None) -> None:
         """Say that ``ref`` (an evicted chunk) may be recalled next, at index ``at`` (None: the
-        end): with anticipation on, ``heal()`` prepares that recall first. A hint: nothing is
-        formed now, and a recall elsewhere is served as usual."""
+        end): with anticipation on, ``heal()`` prepares that recall first. A sequence of refs is
+        one re-read of several chunks, recalled in that order from ``at`` on (a page re-read
+        beside another, a video segment's header and frames): prepared as that sequence. A hint:
+        nothing is formed now, and a recall elsewhere is served as usual."""
         self._check_open()
-        self._state.check_known(ref)
-        self.expected.pop(ref, None)
-        self.expected[ref] = at
+        if not isinstance(ref, (ChunkRef, Sequence)) or isinstance(ref, str):
+            raise ArgumentTypeError(f"expect takes a ChunkRef or a sequence of them, got {type(ref).__name__}")
+        group = (ref,) if isinstance(ref, ChunkRef) else tuple(ref)
+        if not group or len(set(group)) != len(group):
+            raise WindowError("expect: name each chunk of a re-read once (at least one)")
+        for r in group:
+            self._state.check_known(r)
+        self.expected.pop(group, None)
+        self.expected[group] = at
         while len(self.expected) > ANTICIPATED_RECALLS:  # the latest hints count
             del self.expected[next(iter(self.expected))]
 
@@ -184,11 +218,12 @@ class WindowAnticipation:
             return {"refs": () if ref is None else (ref,)}, None
 
         yield slide_body, True
-        for ref, at in recall_candidates(self, self._state):
+        for refs, at in recall_candidates(self, self._state):
 
-            def recall_body(state: WindowState, meter: Meter, ref: ChunkRef = ref, at: int | None = at) -> tuple[dict[str, Any], None]:
-                formed = anticipate_recall(self, state, ref, at, meter)
-                return {"refs": (ref,) if formed else ()}, None
+            def recall_body(state: WindowState, meter: Meter, refs: tuple[ChunkRef, ...] = refs,
+                            at: int | None = at) -> tuple[dict[str, Any], None]:
+                formed = anticipate_recall(self, state, refs, at, meter)
+                return {"refs": refs if formed else ()}, None
 
             yield recall_body, False
         for order in reorder_candidates(self, self._state):
