@@ -31,6 +31,9 @@ from contextdeque.core.errors import WindowError
 from contextdeque.core.metrics import kl_divergence
 from contextdeque.traces import TraceBuilder, TraceHeader, content_hash, write_trace
 from contextdeque.window import DEFAULT_RANK, ChunkRef, ContextWindow, Receipt, WindowConfig
+from contextdeque.window.policy import PATCH_POLICIES
+from contextdeque.window.policy_default import SURVIVOR_STALENESS, DefaultPolicy
+from contextdeque.window.policy_latency import LatencyPolicy
 
 from .measure import common_prefix, reprefill_first_token, window_first_token, window_stream
 
@@ -71,7 +74,13 @@ class AgentConfig:
     ``heal_between_steps``: before each step, ``window.heal()`` what a latency-first window (the
     default policy) deferred: the agent's idle time (waiting on pages, tools, users), timed in
     no step, its work counted in the run totals; each step then starts from the window the eager
-    policy builds, whatever the timing.
+    policy builds, whatever the timing. ``anticipate``: that idle time also prepares what the
+    agent says it will re-read next (``window.expect``) and the window's likeliest re-reads
+    (``ContextWindow(anticipate=True)``), so those re-reads run no forward on the critical path.
+    ``survivor_staleness``: a chunk that stays in the window while much of what it was
+    conditioned on leaves (staleness above this) is re-conditioned on what now precedes it — in
+    idle time under the latency-first default, in the step under ``eager`` (the eager policy's
+    ``survivor_staleness``; None: survivors are kept as they are).
     """
 
     budget_tokens: int = 640
@@ -85,12 +94,28 @@ class AgentConfig:
     seed: int = 0
     store: Any = None
     heal_between_steps: bool = True
+    anticipate: bool = True
+    survivor_staleness: float | None = SURVIVOR_STALENESS
+
+    def policy(self) -> Any:
+        """The window's patch policy: ``patch_policy``, with ``survivor_staleness`` given to the
+        eager policy it is or wraps (a name without an argument; an instance is used as is)."""
+        spec = "latency" if self.patch_policy == "default" else self.patch_policy
+        if self.survivor_staleness is None or not isinstance(spec, str) or spec not in PATCH_POLICIES:
+            return self.patch_policy
+        cls = PATCH_POLICIES[spec]
+        if issubclass(cls, DefaultPolicy):
+            return cls(survivor_staleness=self.survivor_staleness)
+        if issubclass(cls, LatencyPolicy):
+            return cls("eager", survivor_staleness=self.survivor_staleness)
+        return self.patch_policy
 
     def window_config(self) -> WindowConfig:
         """The agent window's settings, validated once (the store is handed to the window beside them)."""
         return WindowConfig(
-            budget_tokens=self.budget_tokens, rank=self.rank, patch_policy=self.patch_policy,
+            budget_tokens=self.budget_tokens, rank=self.rank, patch_policy=self.policy(),
             cascade_policy=self.cascade_policy, placement=self.placement, fidelity_target=self.fidelity_target,
+            anticipate=self.anticipate,
         )
 
 
@@ -181,18 +206,92 @@ class AgentRun:
         self.idle_heals: list[Receipt] = []  # heal() receipts of the idle time between steps
 
     # ------------------------------------------------------------------ steps
-    def begin(self, op: str, detail: str = "") -> Step:
+    def begin(self, op: str, detail: str = "", *, ahead: Sequence[dict[str, Any]] = (),
+              leaving: Sequence[str] = ()) -> Step:
+        """Open a step. Before it, in the idle time between steps, the window heals
+        (``heal_between_steps``) and, for ``ahead`` (``append`` arguments of new content the step
+        will append after evicting ``leaving``: a document's next page, a video's next segment),
+        reads it ahead (:meth:`read_ahead`)."""
         if self._step is not None:
             raise WindowError("a step is already open")
-        healed = self.window.heal() if self.config.heal_between_steps else None
-        if healed is not None and healed.refs:
-            self.idle_heals.append(healed)
+        healed = self._heal()
+        if ahead and self.config.anticipate:
+            ready = self.read_ahead(ahead, leaving)
+            healed = ready if healed is None else Receipt.merged("heal", [healed, ready])
         self._step = Step(index=len(self.steps) + 1, op=op, detail=detail)
-        if healed is not None and healed.refs:
+        if healed is not None:
             self._step.idle_forwards, self._step.idle_tokens = healed.forwards, healed.tokens_prefilled
         self.trace.step(t=round((time.perf_counter() - self._run_t0) * 1000.0, 3), label=f"{op} {detail}".strip())
         self._t0 = time.perf_counter()
         return self._step
+
+    def _heal(self) -> Receipt | None:
+        """Heal (and, with ``anticipate``, prepare what comes next) in idle time: recorded in
+        ``idle_heals`` when it did anything."""
+        healed = self.window.heal() if self.config.heal_between_steps else None
+        if healed is None or not healed.refs:
+            return None
+        self.idle_heals.append(healed)
+        return healed
+
+    def read_ahead(self, contents: Sequence[dict[str, Any]], leaving: Sequence[str] = ()) -> Receipt:
+        """New content the next step appends, known before it (a document's next page, a video's
+        next segment): in idle time, encode its canonicals and rehearse the step on a fork of the
+        window (evict ``leaving``, append ``contents``: ``append`` arguments with ``token_ids`` or
+        ``embeds``), healed there, so the patches the eager policy gives the content where it
+        will land (and to the chunks left behind by the evictions and the budget's slide) are in
+        the shared store; the fork is discarded. The step's same operations on the same window
+        then find the canonicals and those patches and run no forward (each key names the exact
+        KV states in front of it: a different arrangement misses and runs as usual). Recorded in
+        ``idle_heals``; returns the work as one receipt (``op="read-ahead"``)."""
+        t0 = time.perf_counter()
+        work: list[Receipt] = []
+        fork = self.window.fork()
+        try:
+            for label in leaving:
+                work.append(fork.evict(self.ref_of[label]))
+            for content in contents:
+                chunk = self.backend.encode(**content)
+                work.append(Receipt("encode", forwards=1, tokens_prefilled=chunk.n_tokens, encodes=1))
+                work.append(fork.append(chunk=chunk).receipt)  # type: ignore[arg-type]
+            while fork.pending_refs:  # the eager policy's patches, one heal step at a time (no anticipation)
+                healed = fork.heal(max_steps=1)
+                work.append(healed)
+                if not healed.refs:
+                    break
+        finally:
+            fork.discard()
+        ready = Receipt.merged("read-ahead", work, wall_ms=(time.perf_counter() - t0) * 1000.0)
+        self.idle_heals.append(ready)
+        return ready
+
+    def idle(self, why: str) -> Receipt | None:
+        """An idle moment inside the open step (``why``: what the agent waits on, e.g. a page
+        load): the window heals as between steps, off the step's clock (its time is not the
+        step's; its work is the step's ``idle_forwards`` / ``idle_tokens`` and in the totals)."""
+        st = self._need_step()
+        t0 = time.perf_counter()
+        healed = self._heal()
+        self._t0 += time.perf_counter() - t0  # the wait is not the step's time
+        if healed is not None:
+            st.idle_forwards += healed.forwards
+            st.idle_tokens += healed.tokens_prefilled
+            st.notes.append(f"{why}: healed {healed.forwards} forwards in the wait")
+        return healed
+
+    def expect(self, labels: Sequence[str], at: int | None = None) -> None:
+        """Say what the agent will re-read next: the chunks ``labels`` that left the window, in
+        the order it will recall them from index ``at`` (None: the end). The window prepares that
+        sequence in the next idle time (``window.expect``); nothing is formed now."""
+        refs = [self.ref_of[lab] for lab in labels if lab in self.ref_of and not self.in_window(lab)]
+        if refs and self.config.anticipate:
+            self.window.expect(refs, at=at)
+
+    def expect_order(self, labels: Sequence[str]) -> None:
+        """Say that the next step reorders the window to ``labels`` (all of its chunks): the
+        window prepares that reorder in the next idle time (``window.expect_order``)."""
+        if self.config.anticipate:
+            self.window.expect_order([self.ref_of[lab] for lab in labels])
 
     def end(self) -> Step:
         st = self._need_step()
@@ -245,7 +344,7 @@ class AgentRun:
 
     def recall(self, label: str, at: int | None = None) -> Receipt:
         ref = self.ref_of[label]
-        rc = self._account(self.window.recall(ref, at=at))
+        rc = self._account(self.window.recall(ref, at="end" if at is None else at))  # where the agent says (expect's)
         self._left(rc)
         self.trace.recall(label, at=self._placed_at(ref))
         return rc
@@ -355,6 +454,7 @@ class AgentRun:
             # chunks read once vs re-read (a recall): a first read costs the same in every scheme
             "appended": sum(1 for s in self.steps for r in s.receipts if r.op == "append"),
             "recalled": sum(len(r.refs) for s in self.steps for r in s.receipts if r.op == "recall"),
+            "rereads": self.rereads(),
             "answers": [{"question": s.question, "answer": s.answer, "kl": s.kl} for s in queries if not s.choice],
             "question_kl": [s.kl for s in queries if not s.choice and s.kl is not None],
             "window_budget_tokens": self.config.budget_tokens,
@@ -362,6 +462,21 @@ class AgentRun:
             "rank": self.config.rank,
         }
         return out
+
+    def rereads(self) -> dict[str, Any]:
+        """How the run's re-reads (recalls) were served: ``recalls`` (chunks), ``forwards`` run
+        on the critical path by the recall operations, and ``served``: per chunk the recall
+        re-instated, what it got (``Receipt.served``: ``anticipated`` / ``stored`` — prepared
+        before the step —, ``fresh`` — formed in the step —, ``stale``, ``blind``, ...)."""
+        recalls = [r for s in self.steps for r in s.receipts if r.op == "recall"]
+        served: dict[str, int] = {}
+        for r in recalls:
+            what = dict(r.served)
+            for ref in r.refs:
+                key = what.get(ref, "canonical")  # nothing in front: its canonical, exact
+                served[key] = served.get(key, 0) + 1
+        return {"recalls": sum(len(r.refs) for r in recalls), "forwards": sum(r.forwards for r in recalls),
+                "served": served}
 
     def write_trace(self, path: str | Path) -> Path:
         """Write the recorded trace (validated whole first, as replay reads it)."""

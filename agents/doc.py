@@ -6,7 +6,9 @@ Coarse to fine:
    is asked** whether it helps with the questions (yes / no from its next-token logits: a model
    call per page, as an agent reading a document makes). The window is smaller than the
    document, so the oldest pages slide out as it fills (survivors only re-rotate); every page
-   stays recallable.
+   stays recallable. The next page is known before its step: it is read ahead in the idle time
+   before it (``AgentRun.read_ahead``: its canonical and the patches it gets where it will land),
+   so the step itself runs only the question's forward.
 2. **filter** — for each question the pages are ranked (the scripted part: an idf-weighted
    word-overlap score, weighted up where the model said yes, ties broken by the seed) and the
    top ``pages_per_question`` are chosen.
@@ -16,7 +18,9 @@ Coarse to fine:
    model's answer does not change (**the model decides**). If that frees too little, the least
    relevant pages are evicted anyway (said in the step's notes).
 4. **re-read** — the chosen pages that left are ``recall``-ed (canonical + a fresh patch on what
-   now precedes them; never re-encoded) and **the model answers** from the window.
+   now precedes them; never re-encoded) and **the model answers** from the window. The agent
+   says which pages it will re-read (``window.expect``) before the step, so the idle time before
+   it prepares those patches and the re-read runs no forward on the critical path.
 
 Input: plain text (paged by token count at paragraph boundaries), a list of page texts, or a
 PDF file (one page per PDF page, text extracted with pypdf). A page larger than the window is
@@ -248,7 +252,7 @@ class DocAgent:
         judge = "Does this page help answer any of these questions? " + " ".join(questions) + " Answer yes or no."
         votes: dict[str, bool] = {}
         for p in pages:  # skim: the model reads every page once and says whether it matters
-            run.begin("read", p.label)
+            run.begin("read", p.label, ahead=[{"token_ids": list(p.token_ids)}])  # read ahead in the idle time before it
             run.append(p.label, token_ids=list(p.token_ids), content_key=chunk_hash(p.text))
             if self.judge_pages:
                 votes[p.label] = run.ask(judge, choices=("yes", "no")).answer == "yes"
@@ -261,6 +265,7 @@ class DocAgent:
             need_tokens = sum(by_label[lab].n_tokens for lab in need)
             if cfg.budget_tokens - run.window.tokens_used < need_tokens:
                 self._drop(run, q, chosen, scores, need_tokens, by_label, f"q{i + 1}")
+            run.expect(need)  # the pages it will re-read: prepared in the idle time before the step
             st = run.begin("query", f"q{i + 1}")
             for lab in need:
                 run.recall(lab)

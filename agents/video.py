@@ -23,13 +23,21 @@ makes the yes/no comparison):
 
 1. **watch** segment ``s``: its header and frames are appended (encoded once, ever); the oldest
    segments step out (evicted whole, recallable) so that at most ``segments_in_window`` are in
-   the window beside the instruction; the model is asked what the segment shows;
+   the window beside the instruction; the model is asked what the segment shows. The segment's
+   frames arrive before its step: it is read ahead in that wait (``AgentRun.read_ahead``: the
+   frames' canonicals and the patches they get where they land), so the step runs only the
+   question's forward (text-only models; a VL model's frames go through its tower in the step);
 2. every ``lookback_every`` segments, once earlier segments have left: **look back** at one of
    them (chosen by the seed): its chunks are ``recall``-ed (canonical + a fresh patch on what now
    precedes them; neither re-encoded nor sent through the vision tower again — counted in
-   ``tower_calls``) and the model is asked about it;
+   ``tower_calls``) and the model is asked about it. The agent names the chunks it will recall
+   (``window.expect``) and the seek back is its idle time (``AgentRun.idle``): the window
+   prepares those recalls then, off the step's clock, so the look-back runs no forward on the
+   critical path;
 3. **compare**: the window is ``reorder``-ed so the looked-back segment sits right before the
    current one (chronological order), and the model says whether the two show the same scene.
+   The agent names that order before the step (``window.expect_order``): the idle time before
+   it prepares the reorder's patches.
 
 Bad input — a missing or unreadable video (``MediaError``), an unreadable frame
 (``MediaError`` / ``MediaTypeError``), a frame in an unsupported mode (``UnsupportedMediaError``),
@@ -212,36 +220,53 @@ class VideoAgent:
         self.tower_log.append((st.index, st.op, calls))
         return run.end()
 
-    def _make_room(self, need: int, keep: int, st: Step, *, max_segments: int) -> None:
-        """Evict whole segments, oldest in the window first (never ``keep``), until at most
-        ``max_segments - 1`` remain and ``need`` more tokens fit."""
+    def _leaving(self, need: int, keep: int, *, max_segments: int) -> list[int]:
+        """The segments :meth:`_make_room` evicts, oldest in the window first (never ``keep``),
+        until at most ``max_segments - 1`` remain and ``need`` more tokens fit."""
         run = self.run
         assert run is not None
         by_index = {s.index: s for s in self.segments}
-        while self._resident:
-            fits = run.window.tokens_used + need <= self.config.budget_tokens
-            if fits and len(self._resident) < max_segments:
+        resident, used, out = list(self._resident), run.window.tokens_used, []
+        while resident:
+            if used + need <= self.config.budget_tokens and len(resident) < max_segments:
                 break
-            victims = [i for i in self._resident if i != keep]
+            victims = [i for i in resident if i != keep]
             if not victims:
                 break
-            old = victims[0]
+            out.append(victims[0])
+            resident.remove(victims[0])
+            used -= sum(run.window.slot(run.ref_of[lab]).n_tokens for lab, *_ in self.segment_pieces(by_index[victims[0]]))
+        return out
+
+    def _make_room(self, leaving: Sequence[int], st: Step) -> None:
+        """Evict the ``leaving`` segments whole (see :meth:`_leaving`)."""
+        run = self.run
+        assert run is not None
+        by_index = {s.index: s for s in self.segments}
+        for old in leaving:
             for label, *_ in self.segment_pieces(by_index[old]):
                 run.evict(label)
             self._resident.remove(old)
             st.notes.append(f"segment {old} steps out")
 
-    def _show(self, seg: Segment) -> None:
-        """Append a never-seen segment, or recall one that left (never re-encoded)."""
+    def _contents(self, seg: Segment) -> list[dict[str, Any]]:
+        """``append`` arguments of each of a segment's chunks (a frame's pixels through the image
+        path: once, whether read ahead or appended)."""
+        return [self.images.append_kwargs(kw["_pixels"]) if "_pixels" in kw else kw for _, kw, _, _ in self.segment_pieces(seg)]
+
+    def _show(self, seg: Segment, contents: Sequence[dict[str, Any]] | None = None) -> None:
+        """Append a never-seen segment (``contents``: its chunks' ``append`` arguments, if made
+        already), or recall one that left (never re-encoded)."""
         run = self.run
         assert run is not None
-        for label, kwargs, modality, key in self.segment_pieces(seg):
+        pieces = self.segment_pieces(seg)
+        for i, (label, kwargs, modality, key) in enumerate(pieces):
             if label in run.ref_of:
                 run.recall(label)
-            elif "_pixels" in kwargs:
-                run.append(label, trace_modality=modality, content_key=key, **self.images.append_kwargs(kwargs["_pixels"]))
-            else:
-                run.append(label, trace_modality=modality, content_key=key, **kwargs)
+                continue
+            args = contents[i] if contents is not None else (
+                self.images.append_kwargs(kwargs["_pixels"]) if "_pixels" in kwargs else kwargs)
+            run.append(label, trace_modality=modality, content_key=key, **args)
         self._resident.append(seg.index)
 
     # ------------------------------------------------------------------ the script
@@ -276,9 +301,19 @@ class VideoAgent:
         run = self.run
         assert run is not None
         before = self._tower()
-        st = run.begin(op, detail)
-        self._make_room(self.segment_tokens(seg), now, st, max_segments=self.segments_in_window)
-        self._show(seg)
+        by_index = {s.index: s for s in self.segments}
+        leaving = self._leaving(self.segment_tokens(seg), now, max_segments=self.segments_in_window)
+        back = [label for label, *_ in self.segment_pieces(seg) if label in run.ref_of]
+        contents = None
+        if not back and self.images.processor is None:  # a new segment: its frames arrive before the step
+            contents = self._contents(seg)
+        st = run.begin(op, detail, ahead=contents or (),
+                       leaving=[lab for i in leaving for lab, *_ in self.segment_pieces(by_index[i])])
+        self._make_room(leaving, st)
+        if back:  # a look-back: the seek is the agent's wait, in which the window prepares the recalls
+            run.expect(back)
+            run.idle("seek back")
+        self._show(seg, contents)
         run.ask(question)
         self._end(run, st, before)
 
@@ -288,13 +323,16 @@ class VideoAgent:
         self._show_and_ask("look-back", f"segment {old.index} (recalled)", old, cur.index,
                            f"Looking back at segment {old.index}: what was shown there? Answer in one sentence.")
         # compare: the looked-back segment right before the current one, in chronological order
+        # (said before the step, so the idle time before it prepares that reorder)
         before = self._tower()
-        st = run.begin("compare", f"segments {old.index} and {cur.index} side by side")
         by_index = {s.index: s for s in self.segments}
         pair = {old.index, cur.index}
         rest = [lab for i in self._resident if i not in pair for lab, *_ in self.segment_pieces(by_index[i])]
         side = [lab for i in sorted(pair) for lab, *_ in self.segment_pieces(by_index[i])]
         order = [lab for lab in run.labels if lab not in set(rest) | set(side)] + rest + side
+        if order != run.labels:
+            run.expect_order(order)
+        st = run.begin("compare", f"segments {old.index} and {cur.index} side by side")
         if order != run.labels:
             run.reorder(order)
             st.notes.append(f"reordered: segment {old.index} right before segment {cur.index}")

@@ -16,7 +16,12 @@ Each step visits one URL:
   never re-encoded, whatever tier the store keeps it in);
 - the window keeps at most ``pages_in_window`` pages: the oldest page steps out (evicted,
   recallable; the transcript and the other pages only re-rotate);
-- after a question, the question and the model's answer are appended to the transcript.
+- after a question, the question and the model's answer are appended to the transcript;
+- the page's load is the agent's idle time (``AgentRun.idle``): once the pages that step out have
+  left, the window heals and, for a page read before, prepares its recall (``window.expect``),
+  off the step's clock, so a revisit runs no forward on the critical path. The page is fetched
+  before the step (a failed fetch leaves the window untouched); with the local pydoc server the
+  load is instant, so the heal stands in for the wait a real site's load gives.
 
 Navigation is a seeded scripted policy (:meth:`WebAgent.tour`: index → topics → topic pages
 chosen by the seed → back to pages already seen); **the model answers** the questions.
@@ -245,6 +250,9 @@ class WebAgent:
                 run.evict(old)
                 st.notes.append(f"page {old} steps out")
             self._make_room(len(ids), st)
+            if label is not None:  # a page read before: say so, so the wait prepares its recall
+                run.expect([label])
+            run.idle("page load")
             if label is not None:
                 run.recall(label)
                 st.detail = f"{path} (revisit: recalled, not re-encoded)"

@@ -54,6 +54,34 @@ E = [30, 31, 32, 33, 34, 35, 36]
 QUERY = [40, 41, 42]
 
 
+def spy_expect(monkeypatch) -> list:
+    """Record every ``ContextWindow.expect(ref, at)`` call (the window still gets it)."""
+    from contextdeque.window import ContextWindow
+
+    calls: list = []
+    real = ContextWindow.expect
+
+    def expect(self, ref, at=None):
+        calls.append((ref, at))
+        return real(self, ref, at)
+
+    monkeypatch.setattr(ContextWindow, "expect", expect)
+    return calls
+
+
+def assert_rereads_anticipated(steps, op: str) -> list:
+    """Every recall in the ``op`` steps ran no forward on the critical path and served each chunk
+    it conditioned from what idle time prepared (``Receipt.served``: anticipated or stored),
+    deferring nothing; returns those recall receipts (at least one)."""
+    recalls = [r for s in steps if s.op == op for r in s.receipts if r.op == "recall"]
+    assert recalls
+    for r in recalls:
+        assert r.forwards == 0 and r.encodes == 0 and not r.deferred, r
+        assert {what for _, what in r.served} <= {"anticipated", "stored"}, r.served
+    assert any(what == "anticipated" for r in recalls for _, what in r.served)
+    return recalls
+
+
 def window_answer_logits(backend, win, query) -> torch.Tensor:
     """The first answer token's logits for ``query`` (token ids) from the window's own KV."""
     from contextdeque.core import compat
@@ -62,3 +90,14 @@ def window_answer_logits(backend, win, query) -> torch.Tensor:
     past = [tuple(t[0] for t in compat.cache_layer(cache, l)) for l in range(compat.cache_num_layers(cache))]
     start = win.next_position()
     return backend.forward(input_ids=query, positions=backend.text_positions(start, len(query)), past=past).logits[-1]
+
+
+
+
+# token ids of five small chunks and a query (the window and session tests build windows of them)
+A = [5, 6, 7, 8]
+B = [9, 10, 11]
+C = [12, 13, 14, 15, 16, 17]
+D = [20, 21, 22, 23, 24]
+E = [30, 31, 32, 33, 34, 35, 36]
+QUERY = [40, 41, 42]

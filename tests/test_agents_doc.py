@@ -15,7 +15,7 @@ from contextdeque.model.hf import HFBackend
 from contextdeque.model.testing import build_tiny_model
 from contextdeque.core.errors import BudgetError, MediaError, MediaTypeError
 from contextdeque.traces import read_trace
-from helpers import replay_agent_trace
+from helpers import assert_rereads_anticipated, replay_agent_trace, spy_expect
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +47,22 @@ def check_run(run, pages, budget):
     return summary
 
 
-def test_doc_agent_on_a_tiny_model(chat_backend, tmp_path, capsys, one_thread):
+def test_doc_agent_on_a_tiny_model(chat_backend, tmp_path, capsys, one_thread, monkeypatch):
+    expected = spy_expect(monkeypatch)
     cfg = AgentConfig(budget_tokens=400, rank=8, max_new_tokens=4)
     agent = DocAgent(chat_backend, cfg, page_tokens=120)
     run = agent.answer(demo_document(("pass", "break", "global", "nonlocal", "continue", "del")), list(DOC_QUESTIONS))
     check_run(run, agent.pages, cfg.budget_tokens)
-    recalls = [r for s in run.steps for r in s.receipts if r.op == "recall"]
-    assert recalls and all(r.encodes == 0 for r in recalls)
+    # the agent said which pages it would re-read, the idle time before the step prepared them:
+    # the re-reads ran no forward on the critical path (the query's own is the step's only one)
+    recalled = [ref for s in run.steps for r in s.receipts if r.op == "recall" for ref in r.refs]
+    assert recalled and set(recalled) <= {ref for group, _ in expected for ref in group}
+    assert_rereads_anticipated(run.steps, "query")
+    assert all(s.forwards == 1 for s in run.steps if s.op == "query")
+    # each page was read ahead in the idle time before its step: the step's append ran no forward
+    reads = [s for s in run.steps if s.op == "read"]
+    assert all(s.forwards == 1 and s.idle_forwards >= 1 for s in reads)
+    assert all(r.forwards == 0 and not r.deferred for s in reads for r in s.receipts if r.op == "append")
     drops = [s for s in run.steps if s.op == "drop"]
     assert drops and all(any(r.op == "is_disposable" for r in s.receipts) for s in drops)  # the model decided
     path = run.write_trace(tmp_path / "doc.jsonl")

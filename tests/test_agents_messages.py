@@ -152,6 +152,38 @@ def test_sync_turns_a_diff_into_window_operations(chat_backend, one_thread):
     assert "rebuilt" in summary and rc.as_dict()["appended"] == 8
 
 
+def test_idle_time_prepares_a_dropped_message_coming_back(chat_backend, one_thread):
+    """Messages the last sync dropped are expected back where they stood: ``idle()`` (the time
+    between requests) prepares their recall. Two messages leave, one comes back (behind other
+    messages than when it was first read, so no stored patch fits it): the recall and the
+    re-conditioning of the messages behind it, which were conditioned on it, run no forward on
+    the critical path and equal what the eager policy builds; once nothing is left, idle time has
+    no work until the window changes. Without ``anticipate`` the same return is served deferred.
+    (The server's policy, ``latency-shared``: healing gives every message its canonical; under
+    ``latency`` a message keeps its own forward's KV, which a heal re-runs rather than patches.)"""
+    conv = scripted_conversation()[:9]
+
+    def run(policy: str, anticipate: bool):
+        mw = MessageWindow(chat_backend, rank=8, patch_policy=policy, anticipate=anticipate)
+        for msgs in (conv, conv[:2] + conv[3:4] + conv[5:]):  # then messages 2 and 4 are dropped
+            mw.sync(msgs)
+            while mw.idle_work:
+                mw.idle()
+        assert mw.idle() is not None and not mw.idle_work  # nothing left until the window changes
+        rc = mw.sync(conv[:2] + conv[3:])  # message 4 comes back where it stood
+        assert rc.returned == 1 and [o.op for o in rc.ops] == ["recall"]
+        return mw, rc.ops[0].receipt
+
+    fast, r_fast = run("latency-shared", True)
+    assert r_fast.forwards == 0 and not r_fast.deferred and r_fast.cascade.implied
+    assert r_fast.served and all(what == "anticipated" for _, what in r_fast.served)
+    eager, r_eager = run("eager", False)
+    assert r_eager.forwards > 0
+    assert kl_divergence(eager.next_token_logits().logits, fast.next_token_logits().logits) <= 1e-6
+    plain, r_plain = run("latency-shared", False)
+    assert r_plain.forwards == 0 and r_plain.deferred
+
+
 def test_exact_policy_matches_the_template_on_a_tiny_model(chat_backend, one_thread):
     mw = MessageWindow(chat_backend, patch_policy="exact")
     conv = scripted_conversation()[:7]

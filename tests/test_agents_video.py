@@ -20,7 +20,7 @@ from contextdeque.core.errors import BudgetError, MediaError, MediaTypeError, Un
 from contextdeque.model.hf import HFBackend
 from contextdeque.model.testing import build_tiny_model, build_tiny_vl_processor
 from contextdeque.traces import read_trace
-from helpers import replay_agent_trace
+from helpers import assert_rereads_anticipated, replay_agent_trace, spy_expect
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +69,30 @@ def test_load_frames_decodes_a_real_clip(clip):
     assert len(stacked) == 4 and np.array_equal(stacked[1], frames[3])
 
 
-def test_video_agent_on_a_tiny_model(chat_backend, clip, tmp_path, capsys, one_thread):
+def test_video_agent_on_a_tiny_model(chat_backend, clip, tmp_path, capsys, one_thread, monkeypatch):
+    expected = spy_expect(monkeypatch)
     cfg = AgentConfig(budget_tokens=360, rank=8, max_new_tokens=3)
     agent = VideoAgent(chat_backend, cfg, image_tokens=16)
     agent.watch(clip, every=2)
     summary = check_run(agent, cfg.budget_tokens)
+    # a look-back names the segment's chunks (header and frames, in order) before the seek: the
+    # recalls find them prepared and the step's only forward is the query's own
+    backs = [s for s in agent.run.steps if s.op == "look-back"]
+    assert [len(group) for group, _ in expected] == [1 + agent.frames_per_segment] * len(backs)
+    assert_rereads_anticipated(backs, "look-back")
+    assert all(s.forwards == 1 for s in backs)
+    # a new segment's frames arrive before its step and are read ahead then: its appends (and the
+    # evictions that make room) run no forward in the step; each appended chunk is served what
+    # the read-ahead prepared (its canonical at the front, else a stored patch), none deferred
+    watches = [s for s in agent.run.steps if s.op == "watch"]
+    assert all(s.forwards == 1 and s.idle_forwards > 0 for s in watches)
+    compares = [r for s in agent.run.steps if s.op == "compare" for r in s.receipts if r.op == "reorder"]
+    # the compare's order was named before its step (expect_order): the reorder finds it prepared
+    assert compares and all(r.forwards == 0 and not r.deferred for r in compares)
+    assert all(r.served and {what for _, what in r.served} <= {"anticipated", "stored"} for r in compares)
+    for r in (r for s in watches for r in s.receipts if r.op == "append"):
+        assert r.forwards == 0 and r.encodes == 0
+        assert r.refs[0] not in {ref for ref, _, _ in r.deferred}
     assert summary["image_path"] == "emulated" and summary["segments"] == 4
     assert summary["tower_calls"] == summary["frames"]  # one projection per frame, none on recall
     trace = read_trace(agent.run.write_trace(tmp_path / "video.jsonl"))

@@ -15,7 +15,7 @@ from contextdeque.model.hf import HFBackend
 from contextdeque.model.testing import build_tiny_model
 from contextdeque.core.errors import BudgetError, ContentTypeError, FetchError
 from contextdeque.traces import read_trace
-from helpers import replay_agent_trace
+from helpers import assert_rereads_anticipated, replay_agent_trace, spy_expect
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,8 @@ def test_fetch_extracts_text_and_links(server):
     assert all(u.startswith(server.url) for u in page.links)
 
 
-def test_tour_slides_pages_and_recalls_revisits(chat_backend, server, tmp_path, capsys, one_thread):
+def test_tour_slides_pages_and_recalls_revisits(chat_backend, server, tmp_path, capsys, one_thread, monkeypatch):
+    expected = spy_expect(monkeypatch)
     cfg = AgentConfig(budget_tokens=520, rank=8, max_new_tokens=6)
     with WebAgent(chat_backend, cfg, pages_in_window=2, max_page_tokens=120) as agent:
         run = agent.tour(server.url, topics=3)
@@ -49,6 +50,10 @@ def test_tour_slides_pages_and_recalls_revisits(chat_backend, server, tmp_path, 
     assert len(visits) == 7
     revisits = [s for s in visits if "revisit" in s.detail]
     assert revisits and all(s.encodes == 0 for s in revisits)  # recalled, not re-encoded
+    # a revisit is expected while the page loads: its recall runs no forward on the critical path
+    assert len(expected) == sum(1 for s in revisits for r in s.receipts if r.op == "recall")
+    assert_rereads_anticipated(revisits, "visit")
+    assert all(any(n.startswith("page load") for n in s.notes) for s in revisits)
     assert all(sum(1 for lab in s.window if lab.startswith("page")) <= 2 for s in run.steps)
     assert any(lab.startswith("note") for lab in run.steps[-1].window)  # the transcript grows
     asked = [s for s in visits if s.question]

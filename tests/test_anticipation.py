@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import micro_llama, window_answer_logits
 
-from contextdeque.core.errors import WindowTypeError
+from contextdeque.core.errors import WindowError, WindowTypeError
 from contextdeque.core.metrics import kl_divergence
 from contextdeque.model.hf import HFBackend
 from contextdeque.window import ContextWindow
@@ -140,3 +140,41 @@ def test_anticipation_skips_a_recall_the_budget_would_refuse(backend):
     win.heal()
     r = win.recall(refs[0], at="end")
     assert r.forwards == 0 and not r.deferred and r.served and all(w == "anticipated" for _, w in r.served)
+
+
+def test_expected_group_is_prepared_as_one_sequence(backend):
+    """Two chunks re-read together (expect([a, b])): the second recall lands on the arrangement the
+    first leaves (here the budget also slides a page out for it); both find what heal prepared,
+    run no forward and equal the eager policy doing the same."""
+    def run(policy, anticipate):
+        win, refs = build(backend, policy, anticipate=anticipate)
+        win.evict(refs[2])
+        if anticipate:
+            win.expect([refs[0], refs[2]])
+        win.heal()
+        return win, [win.recall(refs[0], at="end"), win.recall(refs[2], at="end")]
+
+    eager, r_eager = run("eager", False)
+    fast, r_fast = run("latency", True)
+    assert all(r.forwards > 0 for r in r_eager) and r_eager[1].left  # the eager policy forms both, and slides for the second
+    for r in r_fast:
+        assert r.forwards == 0 and not r.deferred
+        assert r.served and all(what == "anticipated" for _, what in r.served)
+    assert [r.chunk_id for r in r_fast[1].left] == [r.chunk_id for r in r_eager[1].left]
+    assert kl_divergence(answer_logits(backend, eager), answer_logits(backend, fast)) <= 1e-6
+    # one of them alone is not that sequence: without the hint, the second recall is deferred
+    plain, refs = build(backend, "latency", anticipate=True)
+    plain.evict(refs[2])
+    plain.heal()
+    plain.recall(refs[0], at="end")
+    assert plain.recall(refs[2], at="end").deferred
+
+
+def test_expect_refuses_what_is_not_a_ref(backend):
+    win, refs = build(backend, "latency", anticipate=True)
+    with pytest.raises(TypeError):
+        win.expect(3)
+    with pytest.raises(WindowError):
+        win.expect([refs[0], refs[0]])
+    with pytest.raises(WindowError):
+        win.expect([])

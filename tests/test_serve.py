@@ -292,3 +292,40 @@ def test_image_parts_through_a_vision_model() -> None:
         bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
         with pytest.raises(openai.BadRequestError):
             c.chat.completions.create(model=name, messages=bad, max_tokens=4)
+
+
+def test_idle_time_prepares_the_next_request() -> None:
+    """Between a session's requests the worker heals and then prepares what the next request
+    likely needs (``MessageWindow.idle``): two messages are dropped, one comes back where it
+    stood, behind other messages than when it was read; the request that brings it back forms no
+    patch (what it needs was prepared while the engine was idle), and idle time then runs dry
+    (``idle_sessions() == 0``: nothing is prepared twice)."""
+    import torch
+
+    from contextdeque.cli.model_spec import load_backend
+    from contextdeque.serve.engine import Engine, GenerationRequest, serve_config
+    from contextdeque.window import default_store
+
+    from serve_util import wait_until
+
+    torch.set_num_threads(1)
+    b = load_backend("tiny:llama", chat=True)
+    turns = [{"role": "system", "content": "You are brief."}]
+    for i in range(4):
+        turns += [{"role": "user", "content": f"note {i}: " + "alpha beta gamma " * (3 + i)},
+                  {"role": "assistant", "content": f"noted {i}"}]
+    e = Engine(b, default_store(b.device), model_name="t", config=serve_config(patch_policy="latency-shared"), heal_idle_ms=0)
+
+    def run(messages: list) -> object:
+        return e.submit(GenerationRequest(messages=messages, max_new_tokens=2, session_id="s")).result(600)
+
+    try:
+        run(turns)
+        assert wait_until(lambda: e.idle_sessions() == 0, 600)
+        run(turns[:2] + turns[3:4] + turns[5:])  # two messages dropped
+        assert wait_until(lambda: e.idle_sessions() == 0, 600)
+        back = run(turns[:2] + turns[3:])  # the later one comes back where it stood
+        assert back.patches_formed == 0 and back.encodes == 0 and back.patches_reused >= 1
+        assert wait_until(lambda: e.idle_sessions() == 0, 600)
+    finally:
+        e.close()

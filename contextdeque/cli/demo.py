@@ -163,10 +163,66 @@ def why_lines(summary: dict[str, Any]) -> list[str]:
     return out
 
 
+QUESTION_KL = 5e-3
+"""Next-token KL (nats) against a re-prefill under which a question's answer counts as fresh: the
+fidelity the eager policy's patches give (the seed paper: patched ≈ 1e-3, blind reuse 0.03-0.12)."""
+
+
+def _question_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in summary.get("rows") or [] if r.get("question") is not None and not r.get("choice")]
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def fidelity_speed_table(summary: dict[str, Any]) -> Any:
+    """Fidelity and speed side by side (80 columns): for the free-text questions and for every
+    model call, next-token KL against a re-prefill and time to first token against it; then how
+    the re-reads were served (prepared in idle time or formed in the step) and what they ran on
+    the critical path."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, expand=False,
+              title="fidelity and speed at answer time, against a full re-prefill", title_justify="left")
+    t.add_column("", no_wrap=True)
+    t.add_column("next-token KL: worst / median", no_wrap=True)
+    t.add_column("speed-up: median / slowest", no_wrap=True)
+    calls = [r for r in summary.get("rows") or [] if r.get("question") is not None]
+    for label, rows in ((f"questions ({len(_question_rows(summary))})", _question_rows(summary)),
+                        (f"all calls ({len(calls)})", calls)):
+        kls = [r["kl"] for r in rows if r.get("kl") is not None]
+        ups = [r["reprefill_ms"] / r["ms"] for r in rows if r.get("reprefill_ms") and r["ms"] > 0]
+        if not rows:
+            continue
+        fid = "not measured" if not kls else f"{max(kls):.1e} / {_median(kls):.1e}"
+        spd = "not measured" if not ups else f"{_median(ups):.2f}x / {min(ups):.2f}x"
+        t.add_row(label, fid, spd)
+    re = summary.get("rereads")
+    if re and re["recalls"]:
+        served = re["served"]
+        ahead = served.get("anticipated", 0) + served.get("stored", 0) + served.get("canonical", 0)
+        others = ", ".join(f"{n} {k}" for k, n in sorted(served.items()) if k not in ("anticipated", "stored", "canonical"))
+        t.add_row(f"re-reads ({re['recalls']})", f"{ahead} prepared ahead" + (f", {others}" if others else ""),
+                  f"{re['forwards']} forwards in the step")
+    return t
+
+
 def verdict_line(summary: dict[str, Any]) -> str:
-    """One line: speed-up, tokens avoided, worst KL, and what they mean together."""
+    """One line: fidelity and speed judged together (every question within ``QUESTION_KL`` of a
+    re-prefill; faster to first token than it), then the speed-up, tokens avoided and worst KL."""
     speed = summary.get("ttft_speedup_median")
     calls = summary["queries"]
+    qkl = [r["kl"] for r in _question_rows(summary) if r.get("kl") is not None]
+    fresh = None if not qkl else max(qkl) <= QUESTION_KL
+    fast = None if speed is None else speed >= 1
+    judged = {(True, True): "fresh and fast", (True, False): "fresh but slower", (False, True): "fast but not fresh",
+              (False, False): "neither fresh nor fast"}.get((fresh, fast), "not measured")
+    if fresh is not None:
+        judged += (f" (every question within {QUESTION_KL:.0e} nats of a re-prefill, worst {max(qkl):.1e})" if fresh
+                   else f" ({sum(k > QUESTION_KL for k in qkl)} of {len(qkl)} questions beyond {QUESTION_KL:.0e} nats, "
+                        f"worst {max(qkl):.1e})")
     if speed is None:
         pace = "time to first token not measured (--no-measure)"
     elif speed >= 1:
@@ -187,7 +243,7 @@ def verdict_line(summary: dict[str, Any]) -> str:
         meaning = (f"worst next-token KL {kl_max:.1e} nats; the next token differs from a full re-prefill's at "
                    f"{same['calls'] - same['same']} of {same['calls']} calls (patches formed before a heal are "
                    f"approximate: --policy eager heals inside each step, --policy exact matches a re-prefill)")
-    return f"verdict: {pace}, {tokens}; {meaning}"
+    return f"verdict: {judged}: {pace}, {tokens}; {meaning}"
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
@@ -227,6 +283,7 @@ def render_report(console: Any, summary: dict[str, Any]) -> None:
         for line in answers:
             console.print(Padding(Text(line), (0, 0, 0, 2)), highlight=False)
     console.print("[bold]summary[/bold]")
+    console.print(Padding(fidelity_speed_table(summary), (0, 0, 0, 2)))
     lines = summary_lines(summary)
     if summary["agent"] == "video":
         lines.insert(-1, video_line(summary))

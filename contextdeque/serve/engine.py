@@ -13,8 +13,11 @@ conditioning it skipped. A server has idle time between requests: when the queue
 for ``heal_idle_ms``, the worker heals the sessions' windows one step at a time
 (``ContextWindow.heal``), most recently used session first, and gives way at the next decoder
 layer as soon as a request arrives (the step is one window transaction, so an interrupted step
-leaves the window as it was). What healing computes (canonicals, patches) goes to the store,
-so other replicas sharing it find them.
+leaves the window as it was). Once nothing is left to heal, the same idle time prepares what a
+session's next request likely needs (``MessageWindow.idle``, anticipation: messages the last
+request dropped coming back, the window's likeliest re-reads), once per change of its window.
+What healing computes (canonicals, patches) goes to the store, so other replicas sharing it
+find them.
 """
 
 from __future__ import annotations
@@ -282,6 +285,11 @@ class Engine:
         with self._lock:
             return sum(len(_pending(s.conversation)) for s in self.sessions.values() if not (healable and s.heal_stuck))
 
+    def idle_sessions(self) -> int:
+        """Sessions the worker would give idle time now (something to heal or to anticipate)."""
+        with self._lock:
+            return sum(1 for s in self.sessions.values() if not s.heal_stuck and s.conversation.idle_work)
+
     def close(self) -> None:
         self._closing.set()
         self._queue.put(None)
@@ -310,15 +318,15 @@ class Engine:
                 pass
             while self._queue.empty() and not self._closing.is_set() and self._heal_step():
                 pass
-            if self.pending_chunks(healable=True) == 0:
-                return self._queue.get()  # nothing to heal until a request comes
+            if self.idle_sessions() == 0:
+                return self._queue.get()  # nothing to heal or prepare until a request comes
 
     def _heal_step(self) -> bool:
-        """One heal step of the most recently used session with pending chunks (worker thread).
-        False when no session has anything the worker would heal. A session whose step fails or
-        makes no progress is left as served until its next request (never a busy loop)."""
+        """One idle step (heal, else anticipation) of the most recently used session with work for
+        it (worker thread). False when no session has any. A session whose step fails or makes no
+        progress is left as served until its next request (never a busy loop)."""
         with self._lock:
-            session = next((s for s in reversed(self.sessions.values()) if not s.heal_stuck and _pending(s.conversation)), None)
+            session = next((s for s in reversed(self.sessions.values()) if not s.heal_stuck and s.conversation.idle_work), None)
         if session is None:
             return False
         window = session.conversation.window
@@ -327,7 +335,7 @@ class Engine:
         t0 = time.perf_counter()
         try:
             with background(lambda: not self._queue.empty() or self._closing.is_set()):
-                rec = window.heal(max_steps=1)
+                rec = session.conversation.idle(max_steps=1)
         except Interrupted:
             self.metrics.heal_interrupted.inc()
             return True
@@ -336,9 +344,11 @@ class Engine:
             self.metrics.heal_errors.inc()
             session.heal_stuck = True
             return True
-        step = window.last_receipt if window.last_receipt is not None and window.last_receipt.op == "heal" else None
-        self.metrics.record_heal(rec, step, time.perf_counter() - t0)
-        if len(window.pending_refs) >= before:  # never spin on a window that does not heal
+        assert rec is not None
+        step = window.last_receipt if window.last_receipt is not None and window.last_receipt.op in ("heal", "anticipate") else None
+        if rec.refs:
+            self.metrics.record_heal(rec, step, time.perf_counter() - t0)
+        if before and len(window.pending_refs) >= before:  # never spin on a window that does not heal
             log.warning("heal step made no progress (session %s, %d pending); left until its next request", session.id, before)
             session.heal_stuck = True
         return True

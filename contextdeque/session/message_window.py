@@ -60,7 +60,7 @@ import torch
 from contextdeque.core.errors import WindowError, WindowTypeError
 from contextdeque.core.metrics import kl_divergence
 from contextdeque.model.images import DEFAULT_IMAGE_TOKENS, ImagePath, pixel_digest
-from contextdeque.window import Answer, ChunkRef, ContextWindow, WindowConfig
+from contextdeque.window import Answer, ChunkRef, ContextWindow, Receipt, WindowConfig
 
 from .measure import FirstToken, common_prefix, reprefill_first_token, window_first_token
 from .messages import ROLES, ChatMessage, normalize_messages
@@ -97,6 +97,10 @@ class MessageWindow:
         image_tokens: most tokens an emulated image span takes.
         tokenizer: the tokenizer with the chat template (default: the backend's).
         max_evicted: messages kept recallable after they leave the list (oldest forgotten first).
+        Idle time between requests (:meth:`idle`; ``serve`` runs it) also prepares what the next
+        request likely brings back (``config.anticipate``, on by default): the messages the last
+        sync dropped, back where they stood (``ContextWindow.expect``), and the window's likeliest
+        re-reads, so such a request runs no forward on the critical path.
     """
 
     def __init__(self, backend: Any, config: WindowConfig | None = None, *, store: Any = None, processor: Any = None,
@@ -205,6 +209,7 @@ class MessageWindow:
         self.window = window
         for e in left:
             gone.setdefault(e.key, []).append(e)
+        self._expect_back(window, left, live)
         self._live, self._gone = new_live, gone
         if fresh:
             self._gone_order.clear()
@@ -229,6 +234,36 @@ class MessageWindow:
         self.stats["reprefill_tokens"] += rec.reprefill_tokens
         self.stats["prefix_cache_tokens"] += rec.prefix_cache_tokens
         return rec
+
+    @staticmethod
+    def _expect_back(window: ContextWindow, left: Sequence[_Entry], before: Sequence[_Entry]) -> None:
+        """Say that the messages this sync dropped may come back where they stood (a trimmed
+        message restored, an edit undone): the next idle time prepares those recalls."""
+        if not window.context.config.anticipate:
+            return
+        index = 0
+        for e in before:
+            if any(e is x for x in left) and all(r in window.evicted_refs for r in e.refs):
+                window.expect(e.refs, at=index)
+            else:
+                index += len(e.refs)
+
+    # ------------------------------------------------------------------ idle time
+    @property
+    def idle_work(self) -> bool:
+        """Whether :meth:`idle` has work: conditioning a latency-first policy deferred, or, with
+        ``anticipate``, a window that changed since anticipation last ran to completion."""
+        w = self.window
+        return w is not None and not w.closed and (bool(w.pending_refs) or w.anticipation_due)
+
+    def idle(self, max_ms: float | None = None, *, max_steps: int | None = None) -> Receipt | None:
+        """Use idle time between requests (``ContextWindow.heal``): carry out the deferred
+        conditioning, then (``anticipate``) prepare what the next request likely needs. Each step
+        is one window transaction. Returns the heal's receipt (None before the first sync)."""
+        w = self.window
+        if w is None or w.closed:
+            return None
+        return w.heal(max_ms, max_steps=max_steps)
 
     def _shared_store(self) -> Any:
         """The store every window of this MessageWindow uses (made once, so a rebuilt window still

@@ -20,6 +20,8 @@ work is done, prepares, one transaction each (idle forwards only; the critical p
    the antecedents' KV states in order and the policy regime) and runs no forward; in any other
    arrangement the key differs and nothing anticipated is served. A chunk that left before its
    canonical was computed gets it (a look-back at the front needs only the canonical).
+   Chunks ``expect()`` named together (a page re-read with another, a video segment's header and
+   frames) are one chain, each recall on the arrangement the ones before it leave.
 3. **reorders**: the orders ``expect_order()`` named, then the likeliest reorders of the current
    set, priced by probability x tokens saved per token formed (``window.anticipate_reorder``),
    simulated the same way (the eager policy's exact and orbit patches, formed and stored).
@@ -38,7 +40,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from ..core.errors import WindowError
+from ..core.errors import ArgumentTypeError, WindowError
 from . import ingest
 from .placement import END, recall_chooser, window_index
 from .anticipate_reorder import ANTICIPATED_REORDERS, anticipate_reorder, reorder_candidates
@@ -103,9 +105,10 @@ def anticipate_recalls(win: "ContextWindow", state: WindowState, recalls: Sequen
     return formed
 
 
-def anticipate_recall(win: "ContextWindow", state: WindowState, ref: ChunkRef, at: int | None, meter: Meter) -> bool:
-    """:func:`anticipate_recalls` of one recall."""
-    return anticipate_recalls(win, state, [(ref, at)], meter)
+def anticipate_recall(win: "ContextWindow", state: WindowState, refs: Sequence[ChunkRef], at: int | str | None,
+                      meter: Meter) -> bool:
+    """:func:`anticipate_recalls` of ``refs`` in turn (``at``: the first's index, the others follow it)."""
+    return anticipate_recalls(win, state, [(r, at + i if isinstance(at, int) else at) for i, r in enumerate(refs)], meter)
 
 
 def _simulate_recall(win: "ContextWindow", sim: WindowState, ref: ChunkRef, at: int | None, meter: Meter) -> bool | None:
@@ -162,18 +165,27 @@ class WindowAnticipation:
     """The anticipation operations of a :class:`~.window.ContextWindow` (a mixin)."""
 
     @property
-    def expected(self) -> dict[ChunkRef, int | None]:
-        """Refs an agent said it may look at next (:meth:`expect`), with where (None: the end)."""
+    def expected(self) -> dict[tuple[ChunkRef, ...], int | None]:
+        """What an agent said it may recall next (:meth:`expect`): groups of refs, recalled in
+        order, with where the first goes (None: the end)."""
         return self.__dict__.setdefault("_expected", {})
 
-    def expect(self, ref: ChunkRef, at: int | None = None) -> None:
+    def expect(self, ref: "ChunkRef | Sequence[ChunkRef]", at: int | None = None) -> None:
         """Say that ``ref`` (an evicted chunk) may be recalled next, at index ``at`` (None: the
-        end): with anticipation on, ``heal()`` prepares that recall first. A hint: nothing is
-        formed now, and a recall elsewhere is served as usual."""
+        end): with anticipation on, ``heal()`` prepares that recall first. A sequence of refs is
+        one re-read of several chunks, recalled in that order from ``at`` on (a page re-read
+        beside another, a video segment's header and frames): prepared as that sequence. A hint:
+        nothing is formed now, and a recall elsewhere is served as usual."""
         self._check_open()
-        self._state.check_known(ref)
-        self.expected.pop(ref, None)
-        self.expected[ref] = at
+        if not isinstance(ref, (ChunkRef, Sequence)) or isinstance(ref, str):
+            raise ArgumentTypeError(f"expect takes a ChunkRef or a sequence of them, got {type(ref).__name__}")
+        group = (ref,) if isinstance(ref, ChunkRef) else tuple(ref)
+        if not group or len(set(group)) != len(group):
+            raise WindowError("expect: name each chunk of a re-read once (at least one)")
+        for r in group:
+            self._state.check_known(r)
+        self.expected.pop(group, None)
+        self.expected[group] = at
         while len(self.expected) > MAX_HINTS:  # the latest hints count
             del self.expected[next(iter(self.expected))]
 
@@ -187,10 +199,7 @@ class WindowAnticipation:
         return ctx.predictor
 
     def _observe(self, receipt: Receipt) -> None:
-        """Let the recall predictor learn from a finished operation; a recall uses up its hint."""
-        if receipt.op == "recall" and "_expected" in self.__dict__:
-            for ref in receipt.refs:
-                self.expected.pop(ref, None)
+        """Let the recall predictor learn from a finished operation."""
         self.recall_predictor.observe(receipt, self._state)
 
     @property
@@ -278,3 +287,6 @@ class WindowAnticipation:
         if complete:
             self.__dict__["_anticipated_for"] = self._anticipation_token()
         return steps
+
+
+simulate_recall = _simulate_recall  # (the name other modules use)

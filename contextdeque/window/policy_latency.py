@@ -83,11 +83,11 @@ class LatencyPolicy(PatchPolicy):
             return KEEP if wanted.action == "keep" or _never_forms(wanted) else replace(KEEP, deferred=True)
         if wanted.action != "form" or _never_forms(wanted):
             return wanted  # (a store lookup that falls back to keep/clear runs no forward either)
-        return _store_only(wanted, self._stand_in(slot, prefix, wanted))
+        return _store_only(wanted, self._stand_in(reason, slot, prefix, wanted))
 
-    def _stand_in(self, slot: Slot, prefix: Sequence[Slot], wanted: Decision) -> Decision:
+    def _stand_in(self, reason: str | None, slot: Slot, prefix: Sequence[Slot], wanted: Decision) -> Decision:
         """What the slot gets now when the store has no valid patch for it."""
-        if wanted.stack:  # a correction on top of what it carries: keep that meanwhile
+        if wanted.stack or reason == "survivor":  # a correction, or a survivor's refresh: keep what it carries meanwhile
             return replace(KEEP, deferred=True)
         if slot.stack and staleness(slot, prefix) <= self.staleness_budget:
             return replace(KEEP, deferred=True)

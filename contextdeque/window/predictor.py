@@ -128,6 +128,22 @@ def priced(state: "WindowState", recalls: Sequence[Recall], probability: float, 
     return Prediction(tuple(recalls), float(probability), cost, saved, source)
 
 
+def hinted(state: "WindowState", expected: Mapping) -> list[list[Recall]]:
+    """The agent's hints (``window.expect``: a ref or a group of refs -> ``at``), in the order
+    given, as recall chains of their members still evicted (a group's later members follow the
+    first; ``at`` None, the end, is ``"end"``)."""
+    from .placement import END
+
+    out = []
+    for group, at in expected.items():
+        group = (group,) if isinstance(group, ChunkRef) else tuple(group)
+        at = END if at is None else at  # (expect's None: the end)
+        chain = [(r, at + i if isinstance(at, int) else at) for i, r in enumerate(group) if r in state.evicted]
+        if chain:
+            out.append(chain)
+    return out
+
+
 def recent_evicted(state: "WindowState") -> list[ChunkRef]:
     """The :data:`CANDIDATES` most recently evicted refs, most recent first."""
     out = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping
 
-from .predictor import Prediction, RecallPredictor, priced, recent_evicted
+from .predictor import Prediction, RecallPredictor, hinted, priced, recent_evicted
 from .ref import ChunkRef
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -17,7 +17,7 @@ class RecencyPredictor(RecallPredictor):
     name = "recency"
 
     def predict(self, state: "WindowState", expected: Mapping[ChunkRef, int | None]) -> list[Prediction]:
-        out = [priced(state, [(r, at)], 1.0, "expected") for r, at in reversed(expected.items()) if r in state.evicted]
+        out = [priced(state, chain, 1.0, "expected") for chain in reversed(hinted(state, expected))]
         for i, ref in enumerate(recent_evicted(state)):
             p = 1.0 / (2 + i)
             out += [priced(state, [(ref, None)], p, "recency"), priced(state, [(ref, 0)], p * 0.99, "recency")]

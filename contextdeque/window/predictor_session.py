@@ -24,7 +24,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Mapping
 
 from .placement import END
-from .predictor import CANDIDATES, Prediction, RecallPredictor, Recall, chain_tokens, priced, recent_evicted
+from .predictor import CANDIDATES, Prediction, RecallPredictor, Recall, chain_tokens, hinted, priced, recent_evicted
 from .ref import ChunkRef
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -122,10 +122,11 @@ class SessionPredictor(RecallPredictor):
     # ------------------------------------------------------------------ predictions
     def predict(self, state: "WindowState", expected: Mapping[ChunkRef, int | None]) -> list[Prediction]:
         out: list[Prediction] = []
-        hints = [(r, at) for r, at in expected.items() if r in state.evicted]
-        if len(hints) > 1:
-            out.append(priced(state, hints, HINT_PROBABILITY, "expected"))
-        out += [priced(state, [h], HINT_PROBABILITY * (0.99 if len(hints) > 1 else 1.0), "expected") for h in reversed(hints)]
+        hints = hinted(state, expected)
+        if len(hints) > 1:  # every hint, in the order given: one chain
+            out.append(priced(state, [r for chain in hints for r in chain], HINT_PROBABILITY, "expected"))
+        out += [priced(state, chain, HINT_PROBABILITY * (0.99 if len(hints) > 1 else 1.0), "expected")
+                for chain in reversed(hints)]
         groups: dict[int | ChunkRef, list[ChunkRef]] = {}  # most recent group first; members in eviction order
         for ref in recent_evicted(state):
             groups.setdefault(self.group_of.get(ref, ref), []).insert(0, ref)
