@@ -219,3 +219,14 @@ def test_session_predictor_memory_is_bounded_by_the_evicted_set(backend, monkeyp
     win.recall(refs["b"])
     win.evict(refs["d"])  # over the bound: only the refs still evicted are remembered
     assert set(win.recall_predictor.group_of) == {refs["c"], refs["d"]}
+
+
+def test_an_eviction_after_a_slide_of_nothing_starts_its_group(backend):
+    """A slide that lets nothing go is an evicting step with no group; the eviction after it
+    (the same run) starts one (found by the window state machine: KeyError before)."""
+    win, refs = window(backend)
+    win.slide(0)
+    win.evict(refs["b"])
+    predictor = win.recall_predictor
+    assert predictor.group_of[refs["b"]] in predictor.members
+    assert predictor.members[predictor.group_of[refs["b"]]] == [refs["b"]]

@@ -65,7 +65,9 @@ class SessionPredictor(RecallPredictor):
         if op == "recall" and receipt.refs:
             self._learn_recall(receipt.refs[0], state)
         if receipt.left:
-            if op not in EVICTING or self._last_op not in EVICTING:
+            # (a run of evicting steps is one group; the run's first step may have let nothing go —
+            # a slide of 0 — or its group may have been forgotten: then this one starts it)
+            if op not in EVICTING or self._last_op not in EVICTING or self.groups_evicted not in self.members:
                 self.groups_evicted += 1
                 self.members[self.groups_evicted] = []
             for ref in receipt.left:
