@@ -90,14 +90,3 @@ def window_answer_logits(backend, win, query) -> torch.Tensor:
     past = [tuple(t[0] for t in compat.cache_layer(cache, l)) for l in range(compat.cache_num_layers(cache))]
     start = win.next_position()
     return backend.forward(input_ids=query, positions=backend.text_positions(start, len(query)), past=past).logits[-1]
-
-
-
-
-# token ids of five small chunks and a query (the window and session tests build windows of them)
-A = [5, 6, 7, 8]
-B = [9, 10, 11]
-C = [12, 13, 14, 15, 16, 17]
-D = [20, 21, 22, 23, 24]
-E = [30, 31, 32, 33, 34, 35, 36]
-QUERY = [40, 41, 42]

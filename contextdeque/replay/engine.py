@@ -19,27 +19,24 @@ from collections import Counter
 from typing import Any, Hashable, Sequence
 
 from ..core.errors import BudgetError
-from ..patch.keys import kv_state
 from ..scheduler.eviction import PoolEvictionPolicy, make_eviction
 from ..window.graph import PatchGraph
 from ..traces.io import Trace
 from ..window.policy_default import ORBIT_MAX_ANTECEDENTS, ORBIT_MAX_ORDERINGS
-from ..window.policy_latency import DEFAULT_STALENESS_BUDGET
-from ..window.staleness import staleness_score
 from ..patch import PATCH_KINDS
-from ..window.plan import KeySlot
 from ..window.policy import make_policy
 from ..window.placement import ArrivalPlacement, PlacementPolicy, PlacementView, make_placement
-from ..window.plan import Difference, Encode, Form, Forward, Load, Op, Plan, Reuse
+from ..window.plan import Difference, Encode, Form, Forward, KeySlot, Load, Op, Plan, Reuse
 from .cost import CostModel
 from .decide import PolicyDecisions, Refs
+from .kvstates import KVStateMirror
 from .pool import Pool, ReplayConfig, ReplayResult
 from .reuse import ReuseCost, make_reuse
 
 __all__ = ["Replayer", "ReplayConfig", "ReplayResult", "Pool"]
 
 
-class Replayer(PolicyDecisions):
+class Replayer(PolicyDecisions, KVStateMirror):
     """Runs one trace under one policy combination (see the module doc)."""
 
     def __init__(self, trace: Trace, placement: "str | PlacementPolicy" = "arrival", eviction: "str | PoolEvictionPolicy" = "lru",
@@ -79,13 +76,7 @@ class Replayer(PolicyDecisions):
         self._refs = Refs(self.content, self.tokens)
         self._key_slots: dict[str, tuple[tuple[str, ...], KeySlot]] = {}
         self.formed: dict[str, tuple[str, ...]] = {}
-        # the live window's patch keys name the antecedents' KV states (window.kvstate): a stored
-        # patch serves only behind the very states it was formed on. Mirrored here: each key's
-        # state (absent: its canonical), the states its conditioning was formed on, and the patches
-        # stored as (content, kind, antecedent states)
-        self._state: dict[str, str] = {}
-        self._formed_states: dict[str, tuple[str, ...]] = {}
-        self._stored_patches: set[tuple[str, str, Any]] = set()
+        self._init_kv_states()  # (replay.kvstates: the live window's KV states, mirrored)
         self._formed_set: dict[str, frozenset] = {}  # lazily built membership sets of `formed`
         self.window_tokens = 0
         self._fast = type(self.placement) is ArrivalPlacement
@@ -205,55 +196,6 @@ class Replayer(PolicyDecisions):
     def _prefix_content(self, key: str) -> tuple[str, ...]:
         i = self.order.index(key)
         return tuple(self.content[p] for p in self.order[:i])
-
-    def _stand_in(self, key: str, prefix: Sequence[str]) -> None:
-        """What a deferred slot serves meanwhile (``LatencyPolicy._stand_in``): its stale patch
-        within the staleness budget, else its blind canonical (its state then: the canonical)."""
-        formed, states = self.formed.get(key, ()), self._formed_states.get(key)
-        if not formed or states is None or key in self._no_canon or key in self._pending_canon:
-            return
-        tok = self.tokens.__getitem__
-        score = staleness_score([((a, st), tok(a)) for a, st in zip(formed, states)],
-                                [((p, self._kv_state(p)), tok(p)) for p in prefix])
-        if score > DEFAULT_STALENESS_BUDGET:
-            self._state.pop(key, None)
-            self._formed_states[key] = ("blind",)  # (never settled: its prefix is not empty)
-
-    def _kv_state(self, key: str) -> str:
-        return self._state.get(key) or kv_state(self.content[key])
-
-    def _antecedent_states(self, prefix: Sequence[str], kind: str) -> Any:
-        """What a patch key names ``prefix`` by (``window.kvstate.antecedent_states``): the states in
-        order, or for an orbit patch the set, an antecedent conditioned on exactly what is in front
-        of it (settled) named by its content alone."""
-        states = [self._kv_state(p) for p in prefix]
-        if kind != "orbit":
-            return tuple(states)
-        return frozenset(("settled", self.content[p]) if self.formed.get(p, ()) == tuple(prefix[:i])
-                         and self._formed_states.get(p, ()) == tuple(states[:i]) else states[i]
-                         for i, p in enumerate(prefix))
-
-    def _is_stored(self, key: str, prefix: Sequence[str], kind: str) -> bool:
-        kind = "exact" if kind == "recall" else kind
-        return (self.content[key], kind, self._antecedent_states(prefix, kind)) in self._stored_patches
-
-    def _store(self, key: str, prefix: Sequence[str], kind: str) -> None:
-        kind = "exact" if kind == "recall" else kind
-        self._stored_patches.add((self.content[key], kind, self._antecedent_states(prefix, kind)))
-
-    def _set_formed(self, key: str, prefix: tuple[str, ...], how: str = "exact") -> None:
-        """``key`` now holds conditioning on ``prefix`` (``how``: the patch kind, or ``"inline"``:
-        a conditioned forward's own KV); an empty prefix: its canonical."""
-        self.formed[key] = prefix
-        self._formed_set.pop(key, None)
-        how = "exact" if how == "recall" else how  # (one store kind: the same state)
-        if not prefix:
-            self._state.pop(key, None)
-            self._formed_states.pop(key, None)
-            return
-        states = tuple(self._kv_state(p) for p in prefix)
-        self._formed_states[key] = states
-        self._state[key] = kv_state(self.content[key], [how, repr(self._antecedent_states(prefix, how))])
 
     def dependents(self, key: str) -> list[str]:
         """Residents whose conditioning was formed with ``key`` among its antecedents (window order)."""
