@@ -24,7 +24,9 @@ def backend(one_thread):
 
 
 def build(backend, **kw):
-    """Five known pages through a budget of four (the first slides out), healed after each append."""
+    """Five known pages through a budget of four (the first slides out), healed after each append.
+    Anticipation off unless asked: the budget acts where idle time did not prepare the step."""
+    kw.setdefault("anticipate", False)
     win = ContextWindow(backend, budget_tokens=22, rank=2, **kw)
     refs = []
     for p in POOL:

@@ -15,7 +15,8 @@ from contextdeque.window.plan import (COUNTS, Clear, Encode, Form, Forward, Keep
 def _window(backend, policy: str = "eager") -> ContextWindow:
     backend.root_kv()
     store = [MemoryTier("cpu", None, name="device"), HostTier(None, name="host")]
-    return ContextWindow(backend, rank=4, patch_policy=policy, store=store)
+    # (anticipation off: these plans are the operations' own, with no idle work prepared ahead)
+    return ContextWindow(backend, rank=4, patch_policy=policy, store=store, anticipate=False)
 
 
 def _ids(n: int, base: int) -> list[int]:

@@ -242,7 +242,13 @@ def make_machine(backend: HFBackend, pool: list[list[int]], policies: list[str],
             if cas.action == "reform" and self.latency():  # reforms are deferred to heal
                 assert set(cas.implied) - set(cas.reformed) <= set(self.win.pending_refs)
             elif cas.action == "reform":
-                assert set(cas.reformed) == set(cas.implied)
+                # each implied dependent is re-formed, or (a recall placed where stored patches stay
+                # valid) already carries a patch formed on exactly what precedes it now
+                for dep in set(cas.implied) - set(cas.reformed):
+                    d_idx = self.win.refs.index(dep)
+                    d_prefix = tuple(self.win.chunk(r).id for r in self.win.refs[:d_idx])
+                    d_patches = self.win.slot(dep).patches
+                    assert d_patches and d_patches[-1].antecedents in (d_prefix, tuple(sorted(d_prefix))), dep
             elif cas.action == "flag":
                 assert set(cas.flagged) | set(cas.reformed) == set(cas.implied)
                 assert set(cas.flagged) <= set(self.win.stale_refs)

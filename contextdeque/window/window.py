@@ -527,7 +527,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             if at is None or at == END:
                 pos = len(state.slots)
             elif isinstance(at, str):
-                raise WindowError(f"at: a recall position is an index or {END!r}, got {at!r}")
+                raise WindowTypeError(f"at: a recall position is an index or {END!r}, got {at!r}")
             else:
                 pos = check_int("at", at, error=WindowError)
             if not 0 <= pos <= len(state.slots):
