@@ -199,8 +199,29 @@ class WindowAnticipation:
         return ctx.predictor
 
     def _observe(self, receipt: Receipt) -> None:
-        """Let the recall predictor learn from a finished operation."""
+        """Let the recall predictor learn from a finished operation; a recall fulfils the hints
+        that named its chunk."""
+        if receipt.op == "recall":
+            self._fulfil(receipt.refs)
         self.recall_predictor.observe(receipt, self._state)
+
+    def _fulfil(self, recalled: Sequence[ChunkRef]) -> None:
+        """Drop the recalled refs from the hints (:meth:`expect`): a hint names the *next* re-read,
+        so once it happened it says nothing more (left in, a chunk evicted again later would
+        come back to the head of the hinted chain and put every prediction built on the hints
+        in a wrong arrangement). A group's later members stay hinted, following the recalled
+        one (at the next index)."""
+        done = set(recalled)
+        hints = self.expected
+        if not done or not any(r in done for group in hints for r in group):
+            return
+        kept: dict[tuple[ChunkRef, ...], int | None] = {}
+        for group, at in hints.items():
+            rest = tuple(r for r in group if r not in done)
+            if rest:
+                first = group.index(rest[0])
+                kept[rest] = at + first if isinstance(at, int) else at
+        self.__dict__["_expected"] = kept
 
     @property
     def expected_orders(self) -> list[tuple[ChunkRef, ...]]:
