@@ -152,7 +152,7 @@ def _simulate_recall(win: "ContextWindow", sim: WindowState, ref: ChunkRef, at: 
     # the eager policy's decisions on the simulated arrangement, as the recall would run them:
     # the survivors, the recalled chunk's patch, the cascade it implies (formed and stored)
     placed, _ = reconcile(ctx, slots, reasons, meter, recalled=ref, cascade_candidates=candidates - set(left),
-                          policy=HealPolicy(eager))
+                          policy=HealPolicy(eager), prepared="run")
     for new, old in zip(placed, slots):
         if new.stack is not old.stack:
             ctx.anticipated_keys.update(cond.key for cond in new.stack if cond.key)
@@ -258,17 +258,26 @@ class WindowAnticipation:
 
     def _anticipation_tasks(self, budgeted: bool = False) -> Iterator[tuple[Callable[[WindowState, Meter], tuple[dict[str, Any], None]], bool, int | None]]:
         """The anticipation transactions, most valuable first: ``(body, mutates, cost_tokens)``
-        for ``_run`` (cost: the recall prediction's estimate; None: not priced): the next slide's
-        canonical, the recall predictions in ranked order (what the agent said first; the best
+        for ``_run`` (cost: the tokens it will prefill, estimated; None: not priced): the next
+        slide's canonical (under a budget, only when the recall predictor finds the front leaving
+        at least as likely as its best recall), the recall predictions in ranked order (what the agent said first; the best
         :data:`ANTICIPATED_RECALLS`, or :data:`MAX_PREDICTIONS` under a budget), reorders."""
 
         def slide_body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
             ref = anticipate_slide(self, state, meter)
             return {"refs": () if ref is None else (ref,)}, None
 
-        # the slide first: it changes the window (a canonical), which the other patches' keys name
-        yield slide_body, True, None
-        for prediction in recall_candidates(self, self._state)[: MAX_PREDICTIONS if budgeted else ANTICIPATED_RECALLS]:
+        predictions = recall_candidates(self, self._state)
+        slots = self._state.slots
+        if len(slots) >= 2 and slots[1].provisional:
+            # the slide first: it changes the window (a canonical), which the other patches' keys
+            # name. Under a budget only when the front leaving is at least as likely as the best
+            # recall prediction (agents that keep their task in front never slide it out)
+            top = predictions[0].probability if predictions else 0.0
+            if not budgeted or self.recall_predictor.p_front_leaves() >= top:
+                yield slide_body, True, slots[1].n_tokens
+                predictions = recall_candidates(self, self._state)  # (on the window as it now stands)
+        for prediction in predictions[: MAX_PREDICTIONS if budgeted else ANTICIPATED_RECALLS]:
 
             def recall_body(state: WindowState, meter: Meter, recalls=prediction.recalls) -> tuple[dict[str, Any], None]:
                 formed = anticipate_recalls(self, state, recalls, meter)

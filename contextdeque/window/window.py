@@ -580,8 +580,8 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             reasons[ref] = "append" if forward_in else "recall"  # (provisional: exact where it stands)
             for later in slots[pos + 1 :]:
                 reasons[later.ref] = "inserted"
-            state.slots, cascade = reconcile(
-                ctx, slots, reasons, meter, recalled=ref, cascade_candidates=candidates - set(left)
+            state.slots, cascade = reconcile(  # (a provisional dependent takes what anticipation prepared)
+                ctx, slots, reasons, meter, recalled=ref, cascade_candidates=candidates - set(left), prepared="take"
             )
             return {"refs": (ref,), "left": tuple(left), "cascade": cascade, "placed": ((ref, pos, why),)}, None
 
