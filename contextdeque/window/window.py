@@ -609,7 +609,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             by_ref = {s.ref: s for s in state.slots}
             slots = [by_ref[r] for r in refs]
             reasons = {r: "reorder" for r in refs}
-            state.slots, _ = reconcile(self._ctx, slots, reasons, meter)
+            state.slots, _ = reconcile(self._ctx, slots, reasons, meter, prepared="take")  # (provisional: what anticipation prepared)
             note_reorder(self._ctx, current, refs)  # (reorder anticipation learns from these)
             return {"refs": tuple(refs)}, None
 
