@@ -268,7 +268,7 @@ def reconcile(
             decision = policy.decide(reason, slot, prefix, valid=False, rank=ctx.rank)
         redone = None
         if prepared is not None and slot.provisional and prefix and reason != "append" and \
-                _defers_reforward(ctx, slot, prefix, reason, valid, in_cascade):
+                (prepared == "run" or len(ctx.prepared)) and _defers_reforward(ctx, slot, prefix, reason, valid, in_cascade):
             redone = _prepared(ctx, slot, prefix, prepared, meter)
             if redone is not None:
                 slot, decision = redone, KEEP
