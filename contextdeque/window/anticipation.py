@@ -309,11 +309,22 @@ class WindowAnticipation:
                 predictions = recall_candidates(self, self._state)  # (on the window as it now stands)
         done: dict[tuple, int] = {}  # chains prepared in this pass -> their estimated cost
 
-        for prediction in predictions[: MAX_PREDICTIONS if budgeted else ANTICIPATED_RECALLS]:
+        def covered(recalls: tuple) -> bool:  # the start of a chain prepared in this pass: all stored
+            return any(chain[: len(recalls)] == recalls for chain in done)
+
+        if not budgeted:  # no budget: the best few chains, not the shorter prefixes of one (they serve a budget)
+            chosen: list[Prediction] = []
+            for p in predictions:
+                if len(chosen) < ANTICIPATED_RECALLS and not any(c.recalls[: len(p.recalls)] == p.recalls for c in chosen):
+                    chosen.append(p)
+            predictions = chosen
+        for prediction in predictions[:MAX_PREDICTIONS]:
 
             then = reorder_after(self._state, prediction.recalls, self.expected_orders)
             # with the reorder the agent named right after the chain, else (too dear) without it
             for orders in ((self.expected_orders, ()) if then else ((),)):
+                if covered(prediction.recalls) and not orders:
+                    continue
                 cost = prediction.cost_tokens + (then if orders else 0)
 
                 def recall_body(state: WindowState, meter: Meter, p: Prediction = prediction, cost: int = cost,
