@@ -42,7 +42,7 @@ export PYTHONPATH=/tmp/cdq-repo${PYTHONPATH:+:$PYTHONPATH}
 
 MODEL_TESTS="verify or window or materialize or relocation_runs"
 if want kernels; then  # many Triton specializations, compiled in parallel processes
-  timeout 130 python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider -n 12 -k "not ($MODEL_TESTS)" \
+  timeout 110 python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider -n 12 -k "not ($MODEL_TESTS)" \
     >"$OUT/tests_kernels.log" 2>&1 || failed=$((failed + 1))
   tail -3 "$OUT/tests_kernels.log"
 fi
@@ -63,12 +63,12 @@ if want models; then
   tail -3 "$OUT/tests_models.log"
 fi
 if want large; then
-  timeout 100 python3 -m contextdeque.eval.gpu_check "$OUT" --tokenizer-dir "$TOK" --steps llama3_8b \
+  timeout 300 python3 -m contextdeque.eval.gpu_check "$OUT" --tokenizer-dir "$TOK" --steps llama3_8b \
     2>&1 | tee -a "$OUT/gpu_check.log" | grep '^\[gpu_check\]'
   [ "${PIPESTATUS[0]}" = 0 ] || failed=$((failed + 1))
 fi
 if want bench; then
-  timeout 90 python3 -m contextdeque.eval.gpu_check "$OUT" --tokenizer-dir "$TOK" --steps env,smollm2 \
+  timeout 240 python3 -m contextdeque.eval.gpu_check "$OUT" --tokenizer-dir "$TOK" --steps env,smollm2 \
     2>&1 | tee -a "$OUT/gpu_check.log" | grep '^\[gpu_check\]'
   [ "${PIPESTATUS[0]}" = 0 ] || failed=$((failed + 1))
 fi
