@@ -154,9 +154,7 @@ def anticipate_reorder(win: "ContextWindow", state: WindowState, order: Sequence
     by_ref = {s.ref: s for s in state.slots}
     slots = [by_ref[r] for r in order]
     eager = getattr(ctx.policy, "eager", ctx.policy)
-    before = meter.patches_formed
-    placed, _ = reconcile(ctx, slots, {r: "reorder" for r in order}, meter, policy=HealPolicy(eager))
-    for new, old in zip(placed, slots):
-        if new.stack is not old.stack:
-            ctx.anticipated_keys.update(cond.key for cond in new.stack if cond.key)
-    return meter.patches_formed > before
+    before = len(meter.formed_keys)
+    reconcile(ctx, slots, {r: "reorder" for r in order}, meter, policy=HealPolicy(eager))
+    ctx.anticipated_keys.update(meter.formed_keys[before:])  # what it formed (a stored patch it reused is not its own)
+    return len(meter.formed_keys) > before

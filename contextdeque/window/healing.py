@@ -168,6 +168,8 @@ class WindowHealing:
                     failed = ctx.store.put_patch(key, patch, traffic=meter.traffic)
                     if failed:
                         meter.notes.append(failed)
+                    meter.patches_formed += 1  # (from the KV it holds: no forward, but a patch formed all the same)
+                    meter.formed_keys.append(key)
                     meter.plan.add(Difference(canonical.id, canonical.n_tokens, antecedents=tuple(p.chunk.id for p in prefix),
                                               tier=ctx.store.tier_of(key) or "none", nbytes=patch.nbytes))
         return blind

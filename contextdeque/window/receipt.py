@@ -220,6 +220,7 @@ class Meter:
         # "fresh" (formed now), "recurring" / "orbit" / "anticipated" (a valid stored patch; anticipated: formed
         # ahead in idle time, window.anticipation), "stale" / "blind" / "conditioned" (deferred)
         self.served: dict["ChunkRef", str] = {}
+        self.formed_keys: list[str] = []  # store keys of the patches formed (anticipation remembers its own)
         self.repairs: list[str] = []  # rebuilt from source (quarantines come from the traffic)
         self.fidelity_misses: list[FidelityMiss] = []
         self.plan = Plan()  # what this operation executed (window.plan)
