@@ -57,12 +57,26 @@ def test_anticipation_off_heals_as_before(backend):
     policy serves it without anticipation; the window equals one built with heal's queued work
     only (``max_steps`` bounded to it). On is the default: the same recall is served prepared."""
     off, refs_o = build(backend, "latency", anticipate=False)
-    queued, refs_q = build(backend, "latency", anticipate=False)
+    # the oracle: anticipation on, but every heal bounded to the queued work (one step at a time,
+    # the last leaves anticipation no step), so nothing is ever prepared ahead
+    queued = ContextWindow(backend, budget_tokens=22, rank=2, patch_policy="latency", anticipate=True)
+    refs_q = []
+    for p in POOL[:5]:
+        refs_q.append(queued.append(chunk=backend.encode(token_ids=p)))
+        while queued.pending_refs:
+            queued.heal(max_steps=1)
     assert not off._ctx.anticipated_keys and not any(r.op == "anticipate" for r in off.receipts)
+    assert not queued._ctx.anticipated_keys
+    assert torch.equal(answer_logits(backend, queued), answer_logits(backend, off))
     r_off, r_q = off.recall(refs_o[0], at="end"), queued.recall(refs_q[0], at="end")
     assert r_off.forwards == r_q.forwards == 0
     assert r_off.deferred and [d[1:] for d in r_off.deferred] == [d[1:] for d in r_q.deferred]
     assert {what for _, what in r_off.served} <= {"blind", "stale"}
+    assert torch.equal(answer_logits(backend, queued), answer_logits(backend, off))
+    h_off = off.heal()  # the queued work only: no anticipation step
+    while queued.pending_refs:
+        queued.heal(max_steps=1)
+    assert h_off.forwards > 0 and not any(r.op == "anticipate" for r in off.receipts)
     assert torch.equal(answer_logits(backend, queued), answer_logits(backend, off))
     assert WindowConfig().anticipate is True
     on, refs_on = build(backend, "latency", anticipate=None)  # the default

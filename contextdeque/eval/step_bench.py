@@ -26,8 +26,9 @@ with the window before the step, attending to that cached prefix. ``kl_answer``:
 KL(re-prefill || window) at answer time; ``kl_healed``: the same after ``heal()`` (latency
 policies; eager windows have nothing to heal); ``kl_vs_eager``: next-token KL(eager || this
 policy) after healing, both windows having run the same step on the same content (the
-latency-first promise: 0 up to float noise; ``None`` when ``"eager"`` is not among the
-policies). The step's own ``step_ms`` is reported beside
+latency-first promise: 0 up to float noise), the eager policy under the same anticipation
+setting where ``"eager+anticipate"`` is among the policies, else plain ``"eager"`` (``None`` when
+neither is). The step's own ``step_ms`` is reported beside
 the floor of the bytes it must place (page bytes ÷ measured copy bandwidth): pages are placed
 lazily, so a re-read step itself is O(chunks) and the rotation is paid once, in ``materialize``.
 """
@@ -231,15 +232,19 @@ def run_steps(
     canonicals = [backend.encode(token_ids=p) for p in [old, *window_pages]]  # the store has seen them: encoded once
     bandwidth = None
     rows: list[StepRow] = []
-    eager_healed: dict[str, torch.Tensor] = {}  # step -> the eager window's answer logits
-    for policy in sorted(policies, key=lambda p: p != "eager"):  # eager first: the others compare to it
+    eager_healed: dict[tuple[bool, str], torch.Tensor] = {}  # (anticipate, step) -> the eager window's answer logits
+    for policy in sorted(policies, key=lambda p: p.split("+")[0] != "eager"):  # eager first: the others compare to it
         # one store per policy: the eager window must not serve the latency one (or back)
         name, *extras = policy.split("+")
         unknown = set(extras) - {"anticipate", "budget"}
         if unknown:
             raise ValueError(f"unknown policy option(s) {sorted(unknown)} in {policy!r}: anticipate, budget")
+        anticipate = "anticipate" in extras
+        # compared with the eager policy under the same anticipation setting where that ran, else plain eager
+        eager_ran = {"anticipate" in p.split("+")[1:] for p in policies if p.split("+")[0] == "eager"}
+        same = anticipate if anticipate in eager_ran else False
         base = ContextWindow(backend, budget_tokens=n_pages * size, rank=rank, patch_policy=name,
-                             anticipate="anticipate" in extras,
+                             anticipate=anticipate,
                              answer_kl_budget=STEP_KL_BUDGET if "budget" in extras else None)
         # pages the store has seen (their canonicals exist): what a re-read reads
         old_ref = base.append(chunk=canonicals[0])
@@ -300,9 +305,10 @@ def run_steps(
                     kl_healed, heal_forwards = kl_divergence(ref_logits, healed_logits), healed.forwards
                 else:
                     heal_ms = 0.0
-                if policy == "eager":
-                    eager_healed[step] = healed_logits
-            kl_vs_eager = kl_divergence(eager_healed[step], healed_logits) if heal_after and step in eager_healed else None
+                if name == "eager" and "budget" not in extras:
+                    eager_healed[same, step] = healed_logits
+            reference = eager_healed.get((same, step)) if heal_after else None
+            kl_vs_eager = None if reference is None else kl_divergence(reference, healed_logits)
             page_bytes = int(receipt.bytes_moved.get("pages", 0))
             if bandwidth is None:
                 bandwidth = copy_bandwidth(max(page_bytes, 1 << 24), backend.device)
