@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         backend, n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
         policy=args.patch_policy, rank=args.rank, step_policies=policies, step_idle=not args.no_idle,
         healer=not args.no_healer, step_miss=args.and_no_idle,
+        progress=lambda what: print(f"window-bench: {what}", file=sys.stderr, flush=True),
         step_names=None if args.steps is None else tuple(s.strip() for s in args.steps.split(",") if s.strip()),
     )
     steps, healer = result["steps"], result["healer"]

@@ -256,7 +256,7 @@ def run_steps(
             base.heal()
         for step in steps:
             if progress:
-                progress(f"{policy}: {step}")
+                progress(f"{policy}{'' if idle else ' (no idle)'}: {step}")
             win = base.fork()
             target = win
             if step == "fork+reorder":
