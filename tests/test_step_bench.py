@@ -42,17 +42,18 @@ def test_latency_rows_heal_to_the_eager_rows(backend):
 
 @pytest.mark.parametrize("idle", [True, False], ids=["idle", "no-idle"])
 def test_anticipation_rows_heal_to_the_eager_rows_under_the_same_settings(backend, idle):
-    """Anticipation on: every re-read step heals to the eager window with anticipation on too
-    (``kl_vs_eager``, KL <= 1e-6), and with idle time before them the re-reads of the page that
-    left and of a middle page (recall, look-back) run no forward and are served what idle time
-    prepared or stored; without idle time nothing was prepared (what a miss costs, not healed)."""
+    """The window's defaults (latency-first, anticipation on): every re-read step heals to the
+    eager window with anticipation on too (``kl_vs_eager``, KL <= 1e-6), and with idle time before
+    them the re-reads of the page that left and of a middle page (recall, look-back) run no forward
+    and are served what idle time prepared or stored; without idle time nothing was prepared (what
+    a miss costs, not healed)."""
     n_pages = 4
     pages = [seeded_ids(6, seed, vocab=60).tolist() for seed in range(n_pages + 2)]
-    rows = run_steps(backend, pages, [50, 51, 52], policies=("eager+anticipate", "latency+anticipate"), rank=2,
+    rows = run_steps(backend, pages, [50, 51, 52], policies=("eager+anticipate", "default"), rank=2,
                      n_pages=n_pages, idle=idle, heal_after=idle)
     by = {(r.policy, r.step): r for r in rows}
     for step in STEPS:
-        row = by["latency+anticipate", step]
+        row = by["default", step]
         assert row.idle == idle and (row.forwards == 0) == (step != "append"), step
         if not idle:
             assert row.kl_vs_eager is None and row.heal_forwards == 0
@@ -61,10 +62,10 @@ def test_anticipation_rows_heal_to_the_eager_rows_under_the_same_settings(backen
             assert row.kl_vs_eager is not None and row.kl_vs_eager <= 1e-6, step
     if idle:
         for step in ("recall", "look-back"):
-            row = by["latency+anticipate", step]
+            row = by["default", step]
             assert row.deferred == 0 and set(row.served.split(",")) <= {"anticipated", "recurring", "orbit"}, step
     else:
-        assert by["latency+anticipate", "recall"].deferred > 0
+        assert by["default", "recall"].deferred > 0
 
 
 def test_oracles_are_computed_once_per_arrangement(backend):

@@ -45,6 +45,7 @@ import torch
 from ..scheduler import ValidPlacement  # noqa: F401  (registers recall_placement="valid")
 from ..core.metrics import kl_divergence
 from ..kernels.bench_util import copy_bandwidth
+from ..window.config import WindowConfig
 from ..window.placement import END
 from ..window.window import ContextWindow
 from ..patch.rank import DEFAULT_RANK
@@ -182,6 +183,12 @@ class Oracles:
         return len(self._logits) + len(self._prefix)
 
 
+def _anticipates(policy: str) -> bool:
+    """Whether the step table's ``policy`` runs with anticipation (see :func:`run_steps`)."""
+    name, *extras = policy.split("+")
+    return "anticipate" in extras or (name == "default" and WindowConfig().anticipate)
+
+
 LOOK_BACK_INDEX = 1
 """``look-back`` evicts the window's page at this index (a middle page) and recalls it there."""
 
@@ -204,7 +211,9 @@ def run_steps(
     ``n_pages + 2`` pages (an old one, the window, the page ``append`` adds).
 
     A policy named ``"<name>+anticipate"`` runs ``<name>`` with ``anticipate=True``
-    (``window.anticipation``: ``heal()`` also prepares the next likely re-reads); ``"+budget"``
+    (``window.anticipation``: ``heal()`` also prepares the next likely re-reads), any other
+    ``<name>`` with ``anticipate=False`` but ``"default"``: the window's defaults (latency-first,
+    anticipation as ``WindowConfig`` says: on); ``"+budget"``
     with ``answer_kl_budget=STEP_KL_BUDGET`` (``window.budget``: a step whose estimate is above it
     forms the one patch that matters most); both may be given (``latency+anticipate+budget``).
 
@@ -239,9 +248,9 @@ def run_steps(
         unknown = set(extras) - {"anticipate", "budget"}
         if unknown:
             raise ValueError(f"unknown policy option(s) {sorted(unknown)} in {policy!r}: anticipate, budget")
-        anticipate = "anticipate" in extras
+        anticipate = _anticipates(policy)
         # compared with the eager policy under the same anticipation setting where that ran, else plain eager
-        eager_ran = {"anticipate" in p.split("+")[1:] for p in policies if p.split("+")[0] == "eager"}
+        eager_ran = {_anticipates(p) for p in policies if p.split("+")[0] == "eager"}
         same = anticipate if anticipate in eager_ran else False
         base = ContextWindow(backend, budget_tokens=n_pages * size, rank=rank, patch_policy=name,
                              anticipate=anticipate,
