@@ -73,11 +73,13 @@ def assert_rereads_anticipated(steps, op: str) -> list:
     """Every recall in the ``op`` steps ran no forward on the critical path and served each chunk
     it conditioned from what idle time prepared (``Receipt.served``: anticipated or stored),
     deferring nothing; returns those recall receipts (at least one)."""
+    from contextdeque.window.receipt import PREPARED_SERVED
+
     recalls = [r for s in steps if s.op == op for r in s.receipts if r.op == "recall"]
     assert recalls
     for r in recalls:
         assert r.forwards == 0 and r.encodes == 0 and not r.deferred, r
-        assert {what for _, what in r.served} <= {"anticipated", "stored"}, r.served
+        assert {what for _, what in r.served} <= set(PREPARED_SERVED), r.served
     assert any(what == "anticipated" for r in recalls for _, what in r.served)
     return recalls
 

@@ -10,6 +10,7 @@ from helpers import micro_llama, seeded_ids
 
 from contextdeque.eval.step_bench import STEPS, run_steps, window_step_ttft
 from contextdeque.model.hf import HFBackend
+from contextdeque.window.receipt import PREPARED_SERVED
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def test_anticipation_rows_heal_to_the_eager_rows_under_the_same_settings(backen
     if idle:
         for step in ("recall", "look-back"):
             row = by["default", step]
-            assert row.deferred == 0 and set(row.served.split(",")) <= {"anticipated", "recurring", "orbit"}, step
+            assert row.deferred == 0 and set(row.served.split(",")) <= set(PREPARED_SERVED), step
     else:
         assert by["default", "recall"].deferred > 0
 

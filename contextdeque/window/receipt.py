@@ -37,6 +37,9 @@ class LoadFallback:
 
 DEFERRED_SERVED = ("stale", "blind", "conditioned")
 """What a latency-first policy serves a chunk it defers (``Receipt.served``): not fresh."""
+PREPARED_SERVED = ("anticipated", "recurring", "orbit")
+"""What ``Receipt.served`` says of a valid patch the store held before the step: formed by
+anticipation in idle time, or earlier for this arrangement (recurring) or its set (orbit)."""
 
 
 @dataclass(frozen=True)
