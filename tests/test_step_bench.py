@@ -85,6 +85,14 @@ def test_oracles_are_computed_once_per_arrangement(backend):
     oracles.prefix_cache_ms(a, b)
     oracles.prefix_cache_ms(a, b)
     assert oracles.forwards == 3
+    from contextdeque.eval.step_bench import StepRow
+
+    early = StepRow(policy="p", step="s", forwards=0, step_ms=1.0, ttft_ms=1.0, reprefill_ms=ms_a, prefix_cache_ms=1.0,
+                    kl_answer=0.0, kl_healed=0.0, heal_ms=0.0, heal_forwards=0, kl_vs_eager=None, deferred=0,
+                    page_mb=0.0, floor_ms=0.0, tokens=12)
+    oracles.reprefill(seeded_ids(12, 3, vocab=60).tolist())  # a third sample of that length
+    oracles.settle([early])
+    assert early.reprefill_ms == sorted(oracles._ms[12])[1]  # the median of all three
 
 
 def test_window_step_ttft_rows(backend):

@@ -74,6 +74,7 @@ class StepRow:
     served: str = ""  # what the step's receipt says each re-conditioned chunk was served (Receipt.served)
     placed: str = ""  # for a recall: the index it went to and why (Receipt.placed)
     idle: bool = True  # heal() ran before the step (run_steps' ``idle``)
+    tokens: int = 0  # root + window + question after the step (what the re-prefill runs)
 
     @property
     def vs_reprefill(self) -> float:
@@ -153,10 +154,11 @@ class Oracles:
     logits and cost the same forward; under load they were most of the bench's time).
 
     ``reprefill(ids)`` is ``(logits, ms)``: the logits of the one forward run for that arrangement,
-    and as its time the median of every re-prefill timed in this run over the same number of
-    tokens (arrangements of one length cost the same forward, so the median of their samples is
-    a steadier denominator on a loaded machine than any one of them). ``prefix_cache_ms(before,
-    after)`` is timed once per pair."""
+    and as its time the median of the re-prefills timed so far over the same number of tokens
+    (arrangements of one length cost the same forward, so the median of their samples is a
+    steadier denominator on a loaded machine than any one of them); :meth:`settle` gives every
+    row the median of all of them once the table is done. ``prefix_cache_ms(before, after)`` is
+    timed once per pair."""
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
@@ -176,6 +178,13 @@ class Oracles:
         if key not in self._prefix:
             self._prefix[key] = _prefix_cache_ms(self.backend, before, after)
         return self._prefix[key]
+
+    def settle(self, rows: "list[StepRow]") -> None:
+        """Give each row the median re-prefill time of its window's length over the whole run
+        (a row measured early saw fewer samples)."""
+        for r in rows:
+            if r.tokens in self._ms:
+                r.reprefill_ms = statistics.median(self._ms[r.tokens])
 
     @property
     def forwards(self) -> int:
@@ -330,12 +339,13 @@ def run_steps(
                 floor_ms=page_bytes / bandwidth * 1000.0,
                 served=",".join(sorted({what for _, what in receipt.served})),
                 placed=";".join(f"@{i}: {why}" for _, i, why in receipt.placed),
-                idle=idle,
+                idle=idle, tokens=len(after),
             ))
             if target is not win:
                 target.discard()
             win.discard()
         base.close()
+    oracles.settle(rows)
     return rows
 
 

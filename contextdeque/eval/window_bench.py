@@ -140,6 +140,7 @@ as it starts; ``healer=False`` skips
         if step_miss and step_idle and lazy:  # the healed columns are the idle table's: not again
             steps += run_steps(backend, pages, _question(backend), policies=lazy, rank=rank, n_pages=n_chunks,
                                idle=False, heal_after=False, oracles=oracles, progress=progress, **which)
+            oracles.settle(steps)  # (the first table's rows: the medians over both)
         healer = healer_interference(backend, pages[:n_chunks], rank=rank) if healer else None
 
     last = slide_receipts[-1]
