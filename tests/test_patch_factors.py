@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from contextdeque.core.errors import CorruptEntryError, PatchError
+from contextdeque.core.errors import CorruptEntryError, PatchError, WindowError
 from contextdeque.core.operator import relocate
 from contextdeque.patch import FidelityRule, fidelity_report, form_patch
 from contextdeque.patch.alloc import allocate_precision, allocate_ranks, layer_spectra, precision_tables
@@ -314,3 +314,33 @@ def test_a_mixed_rule_on_three_families(tiny_backend_factory, one_thread, arch):
     assert ek["int4"].shape == s2k.shape and bool((ek["int4"] >= ek["int8"] - 1e-12).all())
     assert ck["int4"] < ck["int8"] < ck["hi"]
     assert truncate_patch(full, 2).nbytes > 0
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_window_allocates_bytes_under_its_target(tiny_backend_factory, one_thread, arch, tmp_path):
+    """ContextWindow(patch_precisions=...) on three families: the patches it forms under a
+    fidelity target are mixed-precision, within the byte cap or reported as misses, and a saved
+    and reopened window keeps the setting and serves the same patches (the same ids: the
+    precisions are part of them)."""
+    import contextdeque as cd
+    from helpers import seeded_ids
+
+    be = tiny_backend_factory(arch)
+    w = cd.ContextWindow(be, patch_policy="eager", fidelity_target=0.99, max_patch_fraction=0.05,
+                         patch_precisions=PRECISIONS)
+    for n, s in ((20, 1), (26, 2), (30, 3)):
+        w.append(token_ids=seeded_ids(n, s, 200))
+    patched = [r for r in w.refs if w.patches(r)]
+    assert len(patched) == 2
+    for r in patched:
+        (p,) = w.patches(r)
+        rep = fidelity_report(p)
+        assert p.mixed is not None and rep["precisions"] is not None
+        assert p.nbytes == rep["bytes"] <= rep["budget_bytes"] == int(0.05 * w.chunk(r).nbytes)
+        assert rep["miss"] == (rep["energy"] < rep["energy_target"] - 1e-9)
+    w.save(tmp_path / "w.cdq")
+    opened = cd.ContextWindow.open(tmp_path / "w.cdq", be)
+    assert opened._ctx.config.patch_precisions == PRECISIONS
+    assert [p.id for r in opened.refs for p in opened.patches(r)] == [p.id for r in w.refs for p in w.patches(r)]
+    with pytest.raises(WindowError):
+        cd.ContextWindow(be, fidelity_target=0.99, patch_precisions=("hi", "fp8"))
