@@ -90,3 +90,23 @@ def window_answer_logits(backend, win, query) -> torch.Tensor:
     past = [tuple(t[0] for t in compat.cache_layer(cache, l)) for l in range(compat.cache_num_layers(cache))]
     start = win.next_position()
     return backend.forward(input_ids=query, positions=backend.text_positions(start, len(query)), past=past).logits[-1]
+
+
+def assert_relocates_as_dense(backend, chunk, patch, start: int = 50) -> None:
+    """relocate() of ``chunk`` with ``patch`` equals the oracle: the content plus each layer's
+    dense fp32 Δ (``patch.layer_delta``), relocated without a patch."""
+    import dataclasses
+
+    from contextdeque.core.operator import relocate
+
+    got = relocate(chunk, start, layout=backend.layout, patch=patch)
+    dense = dataclasses.replace(chunk, keys=chunk.keys.clone(), values=chunk.values.clone())
+    for layer in range(chunk.num_layers):
+        dk, dv = patch.layer_delta(layer)
+        if dk is not None:
+            dense.keys[layer] += dk.to(dense.keys.dtype)
+            dense.values[layer] += dv.to(dense.values.dtype)
+    want = relocate(dense, start, layout=backend.layout)
+    for (k, v), (k2, v2) in zip(got, want):
+        torch.testing.assert_close(k, k2, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, v2, rtol=1e-5, atol=1e-5)

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from contextdeque.core.errors import CorruptEntryError, PatchError, WindowError
-from contextdeque.core.operator import relocate
 from contextdeque.patch import FidelityRule, fidelity_report, form_patch
 from contextdeque.patch.alloc import allocate_precision, allocate_ranks, layer_spectra, precision_tables
 from contextdeque.patch.base import Patch
@@ -23,6 +22,7 @@ from contextdeque.patch.factors import (
     PRECISIONS, dequantize_rows, direction_cost, direction_errors, quantize_rows, round_trip,
 )
 from contextdeque.patch.ops import cut_patch, mix_patch, truncate_patch
+from helpers import assert_relocates_as_dense
 
 FAMILIES = ("llama", "qwen2", "deepseek_v3")
 
@@ -184,17 +184,7 @@ def test_mixed_patch_through_the_kernel_equals_the_dense_correction(full_patch):
     Δ of the dequantized factors, relocated without a patch."""
     be, _, b, full = full_patch
     mp = mix_patch(full, *_plan(full, seed=3))
-    got = relocate(b, 50, layout=be.layout, patch=mp)
-    dense = dataclasses.replace(b, keys=b.keys.clone(), values=b.values.clone())
-    for l in range(b.num_layers):
-        dk, dv = mp.layer_delta(l)
-        if dk is not None:
-            dense.keys[l] += dk.to(dense.keys.dtype)
-            dense.values[l] += dv.to(dense.values.dtype)
-    want = relocate(dense, 50, layout=be.layout)
-    for (k, v), (k2, v2) in zip(got, want):
-        torch.testing.assert_close(k, k2, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(v, v2, rtol=1e-5, atol=1e-5)
+    assert_relocates_as_dense(be, b, mp)
 
 
 # ---------------------------------------------------------------------------- the allocation

@@ -93,6 +93,37 @@ def direction_bytes(n_tokens: int, width: int, element_size: int) -> int:
     return (int(n_tokens) + int(width)) * int(element_size)
 
 
+def _objective(who: str, s2_k: torch.Tensor, s2_v: torch.Tensor, target: float | None, budget: int | None,
+               weight_k: torch.Tensor | None, weight_v: torch.Tensor | None, kv_share: float | None
+               ) -> tuple[int, list[torch.Tensor], list[torch.Tensor], list[float], list[float]]:
+    """The allocations' shared inputs, checked: ``(L, s2 [K, V] float64 >= 0, per-layer weights
+    [K, V] ([L], 1 where None), weighted totals [K, V], shares [K, V])``; with ``kv_share=None``
+    each tensor's share is its part of the (weighted) total (one pool).
+
+    Raises:
+        PatchError: no target and no budget, a target outside (0, 1], malformed spectra or weights."""
+    if target is None and budget is None:
+        raise PatchError(f"{who} needs a target energy, a byte budget or both")
+    if target is not None and not 0.0 < float(target) <= 1.0:
+        raise PatchError(f"target energy must be in (0, 1], got {target}")
+    if s2_k.dim() != 2 or s2_v.dim() != 2 or s2_k.shape[0] != s2_v.shape[0]:
+        raise PatchError(f"spectra must be [L, r] for K and V with one L, got {tuple(s2_k.shape)} and {tuple(s2_v.shape)}")
+    L = s2_k.shape[0]
+    s2 = [s2_k.to(torch.float64).clamp_min(0.0), s2_v.to(torch.float64).clamp_min(0.0)]
+    weights = []
+    for wt in (weight_k, weight_v):
+        if wt is not None and (wt.shape != (L,) or bool((wt < 0).any())):
+            raise PatchError(f"per-layer weights must be [L={L}] and non-negative, got {tuple(wt.shape)}")
+        weights.append(torch.ones(L, dtype=torch.float64) if wt is None else wt.to(torch.float64))
+    totals = [float((s2[t] * weights[t].view(L, 1)).sum()) for t in (0, 1)]
+    if kv_share is None:
+        both = totals[0] + totals[1]
+        share = [totals[0] / both, totals[1] / both] if both > 0 else [0.5, 0.5]
+    else:
+        share = [float(kv_share), 1.0 - float(kv_share)]
+    return L, s2, weights, totals, share
+
+
 def allocate_ranks(
     s2_k: torch.Tensor,
     s2_v: torch.Tensor,
@@ -122,27 +153,10 @@ def allocate_ranks(
     Raises:
         PatchError: no target and no budget, a target outside (0, 1], or malformed spectra.
     """
-    if target is None and budget is None:
-        raise PatchError("allocate_ranks needs a target energy, a byte budget or both")
-    if target is not None and not 0.0 < float(target) <= 1.0:
-        raise PatchError(f"target energy must be in (0, 1], got {target}")
-    if s2_k.dim() != 2 or s2_v.dim() != 2 or s2_k.shape[0] != s2_v.shape[0]:
-        raise PatchError(f"spectra must be [L, r] for K and V with one L, got {tuple(s2_k.shape)} and {tuple(s2_v.shape)}")
     if min(bytes_k, bytes_v) <= 0:
         raise PatchError(f"a direction costs a positive number of bytes, got K {bytes_k} and V {bytes_v}")
-    L = s2_k.shape[0]
-    s2 = [s2_k.to(torch.float64).clamp_min(0.0), s2_v.to(torch.float64).clamp_min(0.0)]
-    for t, wt in ((0, weight_k), (1, weight_v)):
-        if wt is not None:
-            if wt.shape != (L,) or bool((wt < 0).any()):
-                raise PatchError(f"per-layer weights must be [L={L}] and non-negative, got {tuple(wt.shape)}")
-            s2[t] = s2[t] * wt.to(torch.float64).view(L, 1)
-    totals = [float(x.sum()) for x in s2]
-    if kv_share is None:  # one pool: each tensor's share is its part of the (weighted) total
-        both = totals[0] + totals[1]
-        share = [totals[0] / both, totals[1] / both] if both > 0 else [0.5, 0.5]
-    else:
-        share = [float(kv_share), 1.0 - float(kv_share)]
+    L, s2, weights, totals, share = _objective("allocate_ranks", s2_k, s2_v, target, budget, weight_k, weight_v, kv_share)
+    s2 = [s2[t] * weights[t].view(L, 1) for t in (0, 1)]
     costs = (int(bytes_k), int(bytes_v))
     # candidate directions: (value per byte, value, tensor, layer); zero-energy ones are never taken
     values, tensor_ids, layer_ids = [], [], []
@@ -223,31 +237,14 @@ def allocate_precision(
         PatchError: no target and no budget, a target outside (0, 1], malformed spectra, costs
             or errors.
     """
-    if target is None and budget is None:
-        raise PatchError("allocate_precision needs a target energy, a byte budget or both")
-    if target is not None and not 0.0 < float(target) <= 1.0:
-        raise PatchError(f"target energy must be in (0, 1], got {target}")
-    if s2_k.dim() != 2 or s2_v.dim() != 2 or s2_k.shape[0] != s2_v.shape[0]:
-        raise PatchError(f"spectra must be [L, r] for K and V with one L, got {tuple(s2_k.shape)} and {tuple(s2_v.shape)}")
-    L = s2_k.shape[0]
-    s2 = [s2_k.to(torch.float64).clamp_min(0.0), s2_v.to(torch.float64).clamp_min(0.0)]
+    L, s2, weights, totals, share = _objective("allocate_precision", s2_k, s2_v, target, budget, weight_k, weight_v,
+                                               kv_share)
     costs, errors = (costs_k, costs_v), (errors_k, errors_v)
     for t in (0, 1):
         if not costs[t] or set(costs[t]) != set(errors[t]) or any(int(c) <= 0 for c in costs[t].values()):
             raise PatchError("one positive byte cost and one [L, r] error table per precision are needed")
         if any(tuple(e.shape) != tuple(s2[t].shape) for e in errors[t].values()):
             raise PatchError(f"error tables must match the spectra's shape {tuple(s2[t].shape)}")
-    weights = []
-    for wt in (weight_k, weight_v):
-        if wt is not None and (wt.shape != (L,) or bool((wt < 0).any())):
-            raise PatchError(f"per-layer weights must be [L={L}] and non-negative, got {tuple(wt.shape)}")
-        weights.append(torch.ones(L, dtype=torch.float64) if wt is None else wt.to(torch.float64))
-    totals = [float((s2[t] * weights[t].view(L, 1)).sum()) for t in (0, 1)]
-    if kv_share is None:
-        both = totals[0] + totals[1]
-        share = [totals[0] / both, totals[1] / both] if both > 0 else [0.5, 0.5]
-    else:
-        share = [float(kv_share), 1.0 - float(kv_share)]
     # the options of every direction, cheapest first, and each (t, l)'s chain of hull steps
     steps: list[tuple[float, int, int, int, int, str, int, float]] = []
     for t in (0, 1):
