@@ -334,3 +334,19 @@ def test_a_window_allocates_bytes_under_its_target(tiny_backend_factory, one_thr
     assert [p.id for r in opened.refs for p in opened.patches(r)] == [p.id for r in w.refs for p in w.patches(r)]
     with pytest.raises(WindowError):
         cd.ContextWindow(be, fidelity_target=0.99, patch_precisions=("hi", "fp8"))
+
+
+def test_the_command_line_names_the_precisions():
+    """``--patch-precisions`` (serve, replay, fidelity) reaches the window's settings; an unknown
+    precision is a usage error."""
+    import argparse
+
+    from contextdeque.cli.window_options import add_fidelity_target_arguments, window_config
+
+    parser = argparse.ArgumentParser()
+    add_fidelity_target_arguments(parser, "target")
+    cfg = window_config(parser.parse_args(["--fidelity-target", "0.99", "--patch-precisions", "hi,bf16,int8,int4"]))
+    assert cfg.patch_precisions == PRECISIONS and cfg.fidelity_target == 0.99
+    assert window_config(parser.parse_args(["--fidelity-target", "0.99"])).patch_precisions == ("hi",)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--patch-precisions", "int3"])

@@ -32,6 +32,12 @@ the allocation captures at least the optimum of B minus one direction's bytes (w
 directions cost the same: exactly the fewest bytes, exactly the optimum). Layers with a
 negligible deficit get rank 0.
 
+:func:`allocate_precision` allocates bytes, not only rank: each kept direction also gets a storage
+precision (:mod:`contextdeque.patch.factors`: the patch's dtype, bf16, int8 or int4), its captured
+energy the direction's energy less its measured quantization error — reverse water-filling over
+bits, the leading directions kept finely and the tail coarsely (docs/fidelity.md has what it
+gains on the default model).
+
 :class:`FidelityRule` turns a window's ``fidelity_target`` (an η, through the model's calibrated
 envelope, :mod:`contextdeque.model.envelope`) into an energy, allocates under the byte cap, and
 says what a miss does (``on_miss``). What it decided is recorded in ``patch.meta["fidelity"]``
