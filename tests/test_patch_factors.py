@@ -347,6 +347,8 @@ def test_the_command_line_names_the_precisions():
     add_fidelity_target_arguments(parser, "target")
     cfg = window_config(parser.parse_args(["--fidelity-target", "0.99", "--patch-precisions", "hi,bf16,int8,int4"]))
     assert cfg.patch_precisions == PRECISIONS and cfg.fidelity_target == 0.99
-    assert window_config(parser.parse_args(["--fidelity-target", "0.99"])).patch_precisions == ("hi",)
+    assert window_config(parser.parse_args(["--fidelity-target", "0.99"])).patch_precisions == PRECISIONS  # the default
+    rank_only = window_config(parser.parse_args(["--fidelity-target", "0.99", "--patch-precisions", "hi"]))
+    assert rank_only.patch_precisions == ("hi",)
     with pytest.raises(SystemExit):
         parser.parse_args(["--patch-precisions", "int3"])

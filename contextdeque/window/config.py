@@ -19,7 +19,7 @@ from ..core.args import check_float, check_int, check_str
 from ..core.chunk import storage_dtype
 from ..core.errors import BudgetError, WindowError, WindowTypeError
 from ..patch.alloc import DEFAULT_ON_MISS, ON_MISS
-from ..patch.factors import check_precisions
+from ..patch.factors import DEFAULT_PATCH_PRECISIONS, check_precisions
 from .budget import DEFAULT_BLIND_KL
 from ..patch.rank import DEFAULT_RANK  # (re-exported: the one default rank, written in patch/rank.py)
 from .graph import CASCADE_POLICIES
@@ -57,7 +57,7 @@ class WindowConfig:
     fidelity_target: float | None = None
     max_patch_fraction: float = 0.25
     on_miss: str = DEFAULT_ON_MISS
-    patch_precisions: "tuple[str, ...] | list[str]" = ("hi",)
+    patch_precisions: "tuple[str, ...] | list[str]" = DEFAULT_PATCH_PRECISIONS
     kv_selection: SelectionPolicy | None = None
     beyond_trained: bool = False
     chunk_template: str = "{text}"
