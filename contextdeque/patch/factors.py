@@ -170,8 +170,10 @@ class MixedFactors:
     listed layer by layer, each layer's top-down; ``tensors[f"q_{t}_code"]``: uint8 ``[Σ ranks]``
     precision codes (:data:`PRECISION_CODE`) in that order; per tier, the rows of the directions
     stored there, in that order: ``q_{t}_u_{tier} [n_tier, T]``, ``q_{t}_w_{tier} [n_tier, F]``
-    (``hi``: the float storage dtype; int8: int8; int4: packed uint8), and for the integer tiers
-    their scales ``..._scale`` fp32 ``[n_tier]``."""
+    (``hi``: the patch's float dtype; bf16; int8: int8; int4: packed uint8 ``[n_tier, ⌈T/2⌉]``),
+    and for the integer tiers their scales ``..._scale``, fp32 ``[n_tier]`` (int8) or
+    ``[n_tier, ⌈T/32⌉]`` (int4; likewise F). Built by :func:`mix_factors`; checked where built
+    (:meth:`check`: a stored entry that disagrees is a ``CorruptEntryError``)."""
 
     n_tokens: int
     widths: dict[str, int]
