@@ -133,3 +133,23 @@ def build_pool_window(backend, policy, *, anticipate=False, provisional=False, b
         refs.append(win.append(token_ids=p) if provisional else win.append(chunk=backend.encode(token_ids=p)))
         win.heal()
     return win, refs
+
+
+def assert_relocates_as_dense(backend, chunk, patch, start: int = 50) -> None:
+    """relocate() of ``chunk`` with ``patch`` equals the oracle: the content plus each layer's
+    dense fp32 Δ (``patch.layer_delta``), relocated without a patch."""
+    import dataclasses
+
+    from contextdeque.core.operator import relocate
+
+    got = relocate(chunk, start, layout=backend.layout, patch=patch)
+    dense = dataclasses.replace(chunk, keys=chunk.keys.clone(), values=chunk.values.clone())
+    for layer in range(chunk.num_layers):
+        dk, dv = patch.layer_delta(layer)
+        if dk is not None:
+            dense.keys[layer] += dk.to(dense.keys.dtype)
+            dense.values[layer] += dv.to(dense.values.dtype)
+    want = relocate(dense, start, layout=backend.layout)
+    for (k, v), (k2, v2) in zip(got, want):
+        torch.testing.assert_close(k, k2, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, v2, rtol=1e-5, atol=1e-5)
