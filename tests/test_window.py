@@ -617,18 +617,18 @@ def test_image_chunks_never_rerun_the_vision_tower(tiny_backend_factory):
     win = ContextWindow(backend, budget_tokens=200, rank=4, store=store, patch_policy="eager")
     win.append(token_ids=[5, 6, 7, 8])
     ref = win.append(image=img, processor=proc)
-    assert win._ctx.counters["vision_encodes"] == 1
+    assert win._ctx.counters.vision_encodes == 1
     assert win.placement()[-1][0] == ref
     direct = encode_image(backend, img, proc)
     assert ref.chunk_id == direct.id  # same canonical as encoding the image directly
     win.evict(ref)
     win.purge(ref)
-    encodes = win._ctx.counters["encodes"]
+    encodes = win._ctx.counters.encodes
     again = win.append(image=img, processor=proc)
-    assert win._ctx.counters["vision_encodes"] == 1 and win._ctx.counters["encodes"] == encodes
+    assert win._ctx.counters.vision_encodes == 1 and win._ctx.counters.encodes == encodes
     other = ContextWindow(backend, budget_tokens=200, rank=4, store=store, patch_policy="eager")
     other.append(image=img, processor=proc)
-    assert other._ctx.counters.get("vision_encodes", 0) == 0 and other._ctx.counters["encodes"] == 0
+    assert other._ctx.counters.vision_encodes == 0 and other._ctx.counters.encodes == 0
     with pytest.raises(WindowError):
         win.append(image=img)  # no processor
     assert again.chunk_id == ref.chunk_id
