@@ -328,6 +328,19 @@ def test_transitive_cascade(backend):
     assert rc.cascade.implied == (b, c) and rc.cascade.reformed == (b, c)
 
 
+def test_a_cascade_reaches_a_chunk_the_recall_is_inserted_before(backend):
+    """Recalled into the middle on a new prefix (its state changes), r cascades to b (now in front
+    of it) and to c, which r is inserted before: c re-forms too (its own decision, a stored patch on
+    its new prefix or else keep, would leave it conditioned on a state of r that is gone)."""
+    win = ContextWindow(backend, rank=2, patch_policy="eager")
+    x, r, b, c = (win.append(token_ids=t) for t in (A, B, C, D))
+    win.evict(r)
+    rc = win.recall(r, at=2)
+    assert win.refs == (x, b, r, c) and rc.cascade.direct == (b, c)
+    assert rc.cascade.reformed == (b, c) and win.stale_refs == ()
+    assert [p.antecedents for p in win.patches(c)] == [(x.chunk_id, b.chunk_id, r.chunk_id)]
+
+
 def test_recall_with_an_identical_fresh_patch_cascades_nothing(backend):
     """Recalled onto the very antecedent states it was conditioned on, the fresh patch equals
     the old conditioning: its dependents are not stale. Exact and recall patches share one store
