@@ -182,15 +182,9 @@ class HFBackend:
         self.counters.forwards += 1
         self.counters.tokens_prefilled += int(tokens)
 
-    @property
-    def forwards_run(self) -> int:
-        """Model forwards this backend has run (``counters.forwards``)."""
-        return self.counters.forwards
-
-    @property
-    def tokens_prefilled(self) -> int:
-        """Tokens those forwards processed (``counters.tokens_prefilled``)."""
-        return self.counters.tokens_prefilled
+    # what the window's receipts difference (read-only views of ``counters``)
+    forwards_run = property(lambda self: self.counters.forwards, doc="Model forwards this backend has run.")
+    tokens_prefilled = property(lambda self: self.counters.tokens_prefilled, doc="Tokens those forwards processed.")
 
     @property
     def device(self) -> torch.device:
