@@ -558,14 +558,24 @@ class Replayer(PolicyDecisions, KVStateMirror):
         named = set(present)
         rest = [k for k in self.order if k not in named]
         new_order = present + rest
-        old = self.order
+        same = new_order == self.order
         self.order = new_order
         if not self.arm.patches:
             return
+        # a reorder that changes no slot leaves the window as it was, its deferrals included
+        # (``window._same_state``: nothing is installed, so nothing is queued)
+        before = (dict(self.formed), dict(self._state), dict(self._pending_form), dict(self._pending_reason),
+                  set(self._canon_due)) if same and self._defers else None
+        self._reorder_slots(new_order)
+        if before is not None and before[:2] == (self.formed, self._state):
+            self._pending_form, self._pending_reason, self._canon_due = before[2], before[3], before[4]
+
+    def _reorder_slots(self, new_order: list[str]) -> None:
         for i, k in enumerate(new_order):
             prefix = new_order[:i]
-            if tuple(prefix) == self.formed.get(k, ()) or (i < len(old) and old[:i + 1] == new_order[:i + 1]):
-                continue
+            if self.valid(k, prefix):
+                continue  # (valid: the policy keeps it; a slot that did not move but carries stale
+                # conditioning is decided like any other, as ``window.reorder`` asks about every slot)
             if not prefix:
                 if k in self._no_canon:
                     self._canon_due.add(k)
@@ -630,16 +640,18 @@ class Replayer(PolicyDecisions, KVStateMirror):
             elif op == "fork":
                 stack.append((list(self.order), list(self.logical), dict(self.formed), self.window_tokens,
                               Counter(self.pool.pinned), dict(self._no_canon), dict(self._pending_form),
-                              dict(self._pending_canon), dict(self._state), dict(self._formed_states)))
+                              dict(self._pending_canon), dict(self._state), dict(self._formed_states), set(self._canon_due)))
             elif op == "commit":
                 stack.pop()
             elif op == "discard":
-                order, logical, formed, wt, pinned, no_canon, pending_form, pending_canon, states, formed_states = stack.pop()
+                (order, logical, formed, wt, pinned, no_canon, pending_form, pending_canon, states, formed_states,
+                 canon_due) = stack.pop()
                 self._state, self._formed_states = states, formed_states  # the parent's KV states as they were
                 # the parent's slots as they were, less the canonicals the fork computed (they stay stored)
                 in_fork = set(self.order)
                 self._no_canon = {k: None for k in no_canon if k in self._no_canon or k not in in_fork}
-                self._canon_due &= set(order)
+                # the parent's front-canonicals owed, as they were (the fork's own went with it)
+                self._canon_due = {k for k in canon_due if k in self._no_canon}
                 # the parent's queued work as it was (its pending chunks are back); what the fork
                 # forwarded stays queued so the heal knows its canonical is never made
                 self._pending_form = pending_form
