@@ -106,6 +106,7 @@ class Replayer(PolicyDecisions, KVStateMirror):
         self._pending_form: dict[str, bool] = {}  # key -> re-form even where its prefix is unchanged (cascade)
         self._pending_reason: dict[str, str] = {}  # key -> why it was first deferred (what the heal decides on)
         self._cascading = False
+        self._before_op: dict[str, tuple[str, ...]] | None = None  # ``formed`` before a recall (its cascade)
 
     # ------------------------------------------------------------------ charges
     def do(self, op: Op, *, window_op: bool = True) -> None:
@@ -260,8 +261,8 @@ class Replayer(PolicyDecisions, KVStateMirror):
                     del self._no_canon[key]
                     self._encode(key)
                     self._set_formed(key, ())
-                else:  # something came in front of it meanwhile: re-forwarded behind that
-                    self._form(key, self.order[:i])
+                elif key not in self._pending_form:  # something came in front of it meanwhile: re-forwarded
+                    self._form(key, self.order[:i])  # behind that (once: a queued re-form does it below)
             self._canon_due.clear()
             # a forward's KV differs from its canonical + patch once the chunks it ran after are
             # healed themselves (their KV changes): the difference is then no patch for the window
@@ -420,6 +421,10 @@ class Replayer(PolicyDecisions, KVStateMirror):
         est0, load0 = self.r.est_seconds, self.r.load_seconds
         try:
             self._recalling = recall
+            # the conditioning before the operation: what the recall cascade is judged on (the
+            # window's reconcile reads each slot's conditioning as it was, before the budget's slide
+            # dropped a front survivor's patches)
+            self._before_op = dict(self.formed) if recall else None
             self._admit_inner(index, entering, recall)
             if self._provisional:  # at the front or a store hit: its canonical is needed now
                 for k in list(self._provisional):
@@ -427,6 +432,7 @@ class Replayer(PolicyDecisions, KVStateMirror):
                     self._encode(k)
         finally:
             self._recalling = False
+            self._before_op = None
             if self.cfg.overlap_loads:
                 # loads ran beside this admission's model work: it costs the longer of the two
                 load = self.r.load_seconds - load0
@@ -498,7 +504,8 @@ class Replayer(PolicyDecisions, KVStateMirror):
         transitively depends on ``recalled`` re-forms when it was conditioned on ``recalled`` and
         that chunk's KV ``changed`` or now sits behind it, or on a chunk already in the cascade,
         or on a dependent that now sits behind it."""
-        candidates = self._descendants(recalled)
+        before = self._before_op if self._before_op is not None else self.formed
+        candidates = self._descendants(recalled, before)
         if not candidates:
             return
         pos = {k: i for i, k in enumerate(self.order)}
@@ -509,7 +516,7 @@ class Replayer(PolicyDecisions, KVStateMirror):
                 if d not in candidates:
                     continue
                 hit = False
-                for a in self.formed.get(d, ()):
+                for a in before.get(d, ()):
                     ia = pos.get(a)
                     if ia is None:
                         continue
@@ -531,16 +538,21 @@ class Replayer(PolicyDecisions, KVStateMirror):
         finally:
             self._cascading = False
 
-    def _descendants(self, key: str) -> set[str]:
+    def _descendants(self, key: str, formed: dict[str, tuple[str, ...]] | None = None) -> set[str]:
         """Residents that transitively depend on ``key`` (through evicted chunks too: the
         conditioning graph keeps what an evicted chunk was formed on)."""
         out: set[str] = set()
         frontier = [key]
-        keys = list(self.formed)
+        if formed is None or formed is self.formed:
+            formed_of = self._formed_of
+        else:
+            sets = {d: frozenset(f) for d, f in formed.items()}
+            formed_of = sets.__getitem__
+        keys = list(self.formed if formed is None else formed)
         while frontier:
             a = frontier.pop()
             for d in keys:
-                if d not in out and d != key and a in self._formed_of(d):
+                if d not in out and d != key and a in formed_of(d):
                     out.add(d)
                     frontier.append(d)
         resident = set(self.order)
