@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..patch import PATCH_KINDS
 from ..window.plan import ChunkKeys, KeySlot, KeySlots
-from ..window.policy import Decision
+from ..window.policy import KEEP, Decision
 from ..window.ref import ChunkRef
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,6 +46,8 @@ class PolicyDecisions:
     def decide(self, reason: str, key: str, prefix: Sequence[str], stop: int | None = None) -> Decision:
         """The window's own (eager) patch policy's decision for ``key`` behind ``prefix`` (its
         first ``stop`` keys, when given: no copy of the window's order per survivor)."""
+        if self._simulating and key in self._no_canon:
+            return KEEP  # anticipation keeps a provisional slot as it is (``HealPolicy``)
         n = len(prefix) if stop is None else stop
         valid = self.valid(key, prefix, n)
         return self.eager.decide(reason, self.key_slot(key), KeySlots(prefix, self.key_slot, n), valid=valid, rank=self.rank)

@@ -27,6 +27,7 @@ from ..patch import PATCH_KINDS
 from ..window.policy import make_policy
 from ..window.placement import ArrivalPlacement, PlacementPolicy, PlacementView, make_placement
 from ..window.plan import Difference, Encode, Form, Forward, KeySlot, Load, Op, Plan, Reuse
+from .anticipate import AnticipationMirror
 from .cost import CostModel
 from .decide import PolicyDecisions, Refs
 from .kvstates import KVStateMirror
@@ -36,7 +37,7 @@ from .reuse import ReuseCost, make_reuse
 __all__ = ["Replayer", "ReplayConfig", "ReplayResult", "Pool"]
 
 
-class Replayer(PolicyDecisions, KVStateMirror):
+class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
     """Runs one trace under one policy combination (see the module doc)."""
 
     def __init__(self, trace: Trace, placement: "str | PlacementPolicy" = "arrival", eviction: "str | PoolEvictionPolicy" = "lru",
@@ -107,6 +108,9 @@ class Replayer(PolicyDecisions, KVStateMirror):
         self._pending_reason: dict[str, str] = {}  # key -> why it was first deferred (what the heal decides on)
         self._cascading = False
         self._before_op: dict[str, tuple[str, ...]] | None = None  # ``formed`` before a recall (its cascade)
+        self._left: list[str] = []  # what the budget's slide let go in the current admission
+        # idle-time anticipation (replay.anticipate), for rules that price a window policy
+        self._init_anticipation(bool(self.cfg.anticipate and self.arm.window_policy), self.cfg.recall_predictor)
 
     # ------------------------------------------------------------------ charges
     def do(self, op: Op, *, window_op: bool = True) -> None:
@@ -194,6 +198,17 @@ class Replayer(PolicyDecisions, KVStateMirror):
         provisional = self._defers and key in self._pending_canon or (self._healing and key in self._no_canon)
         self._set_formed(key, tuple(prefix), "inline" if provisional else kind)
 
+    def _difference(self, key: str, prefix: Sequence[str]) -> None:
+        """The patch of ``key`` on ``prefix`` taken from its provisional forward (an SVD, no
+        forward: ``Difference``), stored."""
+        t, pc = self.tokens[key], tuple(self.content[p] for p in prefix)
+        pb = self.cost.patch_bytes(t, self.rank)
+        self.do(Difference(self.content[key], t, antecedents=pc, tier="device", nbytes=pb))
+        self.r.patch_bytes += pb
+        self.r.bytes["device"] += pb
+        self.graph.add(self.content[key], pc, "exact")
+        self._store(key, prefix, "exact")
+
     def _prefix_content(self, key: str) -> tuple[str, ...]:
         i = self.order.index(key)
         return tuple(self.content[p] for p in self.order[:i])
@@ -235,14 +250,18 @@ class Replayer(PolicyDecisions, KVStateMirror):
         t = self.tokens[key]
         self.do(Encode(self.content[key], t, tier="device", nbytes=self.arm.canonical_bytes(t, self.kv_bpt)))
 
+    def _has_heal_work(self) -> bool:
+        return bool(self._defers and (self._pending_canon or self._pending_form or self._canon_due or self._leave_canon))
+
     def heal(self) -> None:
         """Latency-first: the idle-time work queued since the last heal, on the window as it stands
         (canonicals of provisional chunks, whose patch is their difference: no second forward; the
         eager policy's conditioning for chunks that waited, store hits first; the recall cascade of
         those that were recalled). Counted in ``tokens_prefilled`` and ``heal_*``, not in
         ``est_seconds``."""
-        if not (self._pending_canon or self._pending_form or self._canon_due or self._leave_canon):
+        if not self._has_heal_work():
             return
+        self._changed()
         r = self.r
         tok0, fw0, est0 = r.tokens_prefilled, r.forwards, r.est_seconds
         self._healing = True
@@ -251,6 +270,7 @@ class Replayer(PolicyDecisions, KVStateMirror):
             for key in self._leave_canon:
                 if key not in resident:
                     self._encode(key)
+                    self._owes.discard(key)
             self._leave_canon.clear()
             front = self.order[0] if self.order else None
             for key in sorted(self._canon_due & resident, key=self.order.index):
@@ -290,14 +310,9 @@ class Replayer(PolicyDecisions, KVStateMirror):
                 if key == front:  # at the front the canonical is exact: its KV from now on
                     self._set_formed(key, ())
                 elif pc and key not in anew and self._prefix_content(key) == pc:  # latency-shared: the patch is the difference
-                    t = self.tokens[key]
-                    pb = self.cost.patch_bytes(t, self.rank)
-                    self.do(Difference(self.content[key], t, antecedents=pc, tier="device", nbytes=pb))
-                    r.patch_bytes += pb
-                    r.bytes["device"] += pb
-                    self.graph.add(self.content[key], pc, "exact")
-                    self._store(key, self.order[: self.order.index(key)], "exact")
-                    self._set_formed(key, tuple(self.order[: self.order.index(key)]))
+                    prefix = tuple(self.order[: self.order.index(key)])
+                    self._difference(key, prefix)
+                    self._set_formed(key, prefix)
                 else:  # moved since its forward, or what it ran after was healed: the eager policy forms anew
                     self._pending_form.setdefault(key, False)
                     anew.add(key)
@@ -342,9 +357,11 @@ class Replayer(PolicyDecisions, KVStateMirror):
             self._canon_due.discard(key)
             was_provisional = self._provisional.pop(key, "x") is None
             forwarded = self._pending_canon.pop(key, None) is not None or self._no_canon.pop(key, "x") is None
+            if (was_provisional or forwarded) and k not in pinned:
+                self._owes.add(key)  # (a recall or the heal encodes it: ``EvictedEntry.owes_encode``)
             if forwarded and not self._lazy and k not in pinned:
                 self._leave_canon[key] = None  # latency-shared: its canonical at the heal all the same
-            elif (was_provisional or forwarded) and k not in pinned:
+            elif (was_provisional or forwarded) and k not in pinned and not self._simulating:
                 self.pool.drop(k)  # its canonical was never computed: nothing of it stays
 
     # ------------------------------------------------------------------ operations
@@ -367,6 +384,9 @@ class Replayer(PolicyDecisions, KVStateMirror):
         self.order = before[:i] + before[i + 1:]
         if key in self.logical:
             self.logical.remove(key)
+        self.evicted.pop(key, None)
+        self.evicted[key] = None  # (eviction order: the last one left most recently)
+        self._changed()
         self._leave(key)
         if i == 0 and self.order and self.order[0] in self._no_canon:
             self._canon_due.add(self.order[0])
@@ -425,6 +445,11 @@ class Replayer(PolicyDecisions, KVStateMirror):
             # window's reconcile reads each slot's conditioning as it was, before the budget's slide
             # dropped a front survivor's patches)
             self._before_op = dict(self.formed) if recall else None
+            self._left = []
+            for k, _ in entering:
+                self.evicted.pop(k, None)
+                self._owes.discard(k)
+            self._changed()
             self._admit_inner(index, entering, recall)
             if self._provisional:  # at the front or a store hit: its canonical is needed now
                 for k in list(self._provisional):
@@ -448,6 +473,7 @@ class Replayer(PolicyDecisions, KVStateMirror):
             for k in self.placement.make_room(self.view(index), need):
                 if k in self.order:
                     self._remove(k, index)
+                    self._left.append(k)
                     self.r.window_evictions += 1
         if self._fast and entering[0][1] is None:
             # arrival order at the end: only the entering chunk is looked at
@@ -530,7 +556,8 @@ class Replayer(PolicyDecisions, KVStateMirror):
                 if d in entering:
                     continue
                 if i == 0:  # at the front its canonical is exact: nothing to re-form
-                    self._set_formed(d, ())
+                    if not (self._simulating and d in self._no_canon):  # (a provisional one keeps its KV)
+                        self._set_formed(d, ())
                     continue
                 if not self._defers:  # (latency-first: counted when the heal re-forms it)
                     self.r.cascade_reforms += 1
@@ -570,17 +597,22 @@ class Replayer(PolicyDecisions, KVStateMirror):
         named = set(present)
         rest = [k for k in self.order if k not in named]
         new_order = present + rest
-        same = new_order == self.order
+        old = self.order
         self.order = new_order
+        self.note_reorder(old, new_order)  # (reorder anticipation learns from these)
         if not self.arm.patches:
+            if new_order != old:
+                self._changed()
             return
         # a reorder that changes no slot leaves the window as it was, its deferrals included
         # (``window._same_state``: nothing is installed, so nothing is queued)
         before = (dict(self.formed), dict(self._state), dict(self._pending_form), dict(self._pending_reason),
-                  set(self._canon_due)) if same and self._defers else None
+                  set(self._canon_due))
         self._reorder_slots(new_order)
-        if before is not None and before[:2] == (self.formed, self._state):
+        if new_order == old and before[:2] == (self.formed, self._state):
             self._pending_form, self._pending_reason, self._canon_due = before[2], before[3], before[4]
+        else:
+            self._changed()
 
     def _reorder_slots(self, new_order: list[str]) -> None:
         for i, k in enumerate(new_order):
@@ -595,7 +627,8 @@ class Replayer(PolicyDecisions, KVStateMirror):
                     self._set_formed(k, ())
                 continue
             if k in self._no_canon:  # no canonical for a stored patch to serve: re-forwarded at the heal
-                self._form(k, prefix, reason="reorder")
+                if not self._simulating:  # (anticipation keeps it as it is: ``HealPolicy``)
+                    self._form(k, prefix, reason="reorder")
                 continue
             self.carry_out(k, prefix, self.decide("reorder", k, prefix), reason="reorder")
 
@@ -629,6 +662,7 @@ class Replayer(PolicyDecisions, KVStateMirror):
                     continue
                 self.logical.insert(len(self.logical) if ev.at is None else min(ev.at, len(self.logical)), ev.id)
                 self._admit(idx, [(ev.id, ev.at)], op == "recall")
+                self._observe("recall" if op == "recall" else "append", (ev.id,), self._left)
             elif op == "query":
                 r.queries += 1
                 self.arm.query(self, ev.tokens, ev.output_tokens)
@@ -637,27 +671,41 @@ class Replayer(PolicyDecisions, KVStateMirror):
             elif op == "evict":
                 if ev.id in self.order:
                     self._remove(ev.id, idx)  # survivors keep their KV (relocation only) unless the placement refreshes them
+                    self._observe("evict", (ev.id,), (ev.id,))
             elif op == "slide":  # the agent's n oldest, wherever placement put them
                 for k in self.logical[: ev.n]:
                     self._remove(k, idx)
+                    self._observe("evict", (k,), (k,))
             elif op == "reorder":
                 self.logical = [k for k in ev.order if k in set(self.order)]
                 self._reorder(list(ev.order))
+                self._observe("reorder", self.order)
+            elif op == "expect":
+                self.expect(ev.id, ev.at)
             elif op == "step":
                 r.steps += 1
-                if self._defers:
+                if self._has_heal_work() or self.anticipation_due:  # the agent's idle time
                     self.heal()
+                    self.anticipate()
                 if self.on_step is not None:
                     self.on_step()
             elif op == "fork":
                 stack.append((list(self.order), list(self.logical), dict(self.formed), self.window_tokens,
                               Counter(self.pool.pinned), dict(self._no_canon), dict(self._pending_form),
-                              dict(self._pending_canon), dict(self._state), dict(self._formed_states), set(self._canon_due)))
+                              dict(self._pending_canon), dict(self._state), dict(self._formed_states), set(self._canon_due),
+                              dict(self.evicted), set(self._owes), self._fork_anticipation()))
+                self._observe("fork", self.order)
+                self._observe("fork", self.order)  # (recorded by the parent and by the fork)
             elif op == "commit":
-                stack.pop()
+                self._end_fork_anticipation(stack.pop()[-1], committed=True)
+                self._observe("commit", self.order)
+                self._observe("commit", self.order)
             elif op == "discard":
+                self._observe("discard", self.order)
                 (order, logical, formed, wt, pinned, no_canon, pending_form, pending_canon, states, formed_states,
-                 canon_due) = stack.pop()
+                 canon_due, evicted, owes, anticipation) = stack.pop()
+                self.evicted, self._owes = evicted, owes
+                self._end_fork_anticipation(anticipation, committed=False)
                 self._state, self._formed_states = states, formed_states  # the parent's KV states as they were
                 # the parent's slots as they were, less the canonicals the fork computed (they stay stored)
                 in_fork = set(self.order)
@@ -671,8 +719,9 @@ class Replayer(PolicyDecisions, KVStateMirror):
                 self.order, self.logical, self.formed, self.window_tokens = order, logical, formed, wt
                 self._formed_set = {}
                 self.pool.pinned = pinned
-        if self._defers:
-            self.heal()  # what is still queued when the trace ends is healed in the idle after it
+        if self._has_heal_work():  # what is still queued when the trace ends is healed in the idle after it
+            self.heal()
+            self.anticipate()
         sched = getattr(self.placement, "decisions", None)
         if sched:
             r.scheduler = dict(sched)

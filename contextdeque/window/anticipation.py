@@ -73,6 +73,24 @@ def recall_candidates(win: "ContextWindow", state: WindowState) -> list[Predicti
     return rank_predictions(win.recall_predictor.predict(state, win.expected))
 
 
+def plan_recalls(predictor: RecallPredictor, state: Any, expected: dict, budgeted: bool) -> list[Prediction]:
+    """The recall predictions one idle period prepares, in order: the predictor's, ranked by
+    benefit per token, the best :data:`ANTICIPATED_RECALLS` (:data:`MAX_PREDICTIONS` under a budget,
+    which then decides how many are formed). ``state``: a :class:`~.state.WindowState` or what the
+    replay shows a predictor over keys (``replay/anticipate.py``: ``slots``, ``evicted``, ``refs``,
+    ``index``, ``graph.preview_cascade``). The planning the window and the replay share."""
+    return rank_predictions(predictor.predict(state, expected))[: MAX_PREDICTIONS if budgeted else ANTICIPATED_RECALLS]
+
+
+def note_hint(expected: dict, group: tuple, at: "int | str | None") -> None:
+    """Record ``expect(group, at)`` in ``expected`` (the latest :data:`MAX_HINTS` hints count; a
+    group named again moves to the end)."""
+    expected.pop(group, None)
+    expected[group] = at
+    while len(expected) > MAX_HINTS:
+        del expected[next(iter(expected))]
+
+
 def anticipate_slide(win: "ContextWindow", state: WindowState, meter: Meter) -> ChunkRef | None:
     """Give the provisional slot a slide would bring to the front its canonical (see the module
     doc, 1.). Returns its ref, or None when there is nothing to do."""
@@ -184,10 +202,7 @@ class WindowAnticipation:
             raise WindowError("expect: name each chunk of a re-read once (at least one)")
         for r in group:
             self._state.check_known(r)
-        self.expected.pop(group, None)
-        self.expected[group] = at
-        while len(self.expected) > MAX_HINTS:  # the latest hints count
-            del self.expected[next(iter(self.expected))]
+        note_hint(self.expected, group, at)
 
     @property
     def recall_predictor(self) -> RecallPredictor:
@@ -247,7 +262,7 @@ class WindowAnticipation:
 
         # the slide first: it changes the window (a canonical), which the other patches' keys name
         yield slide_body, True, None
-        for prediction in recall_candidates(self, self._state)[: MAX_PREDICTIONS if budgeted else ANTICIPATED_RECALLS]:
+        for prediction in plan_recalls(self.recall_predictor, self._state, self.expected, budgeted):
 
             def recall_body(state: WindowState, meter: Meter, recalls=prediction.recalls) -> tuple[dict[str, Any], None]:
                 formed = anticipate_recalls(self, state, recalls, meter)
