@@ -109,6 +109,9 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
         self._cascading = False
         self._before_op: dict[str, tuple[str, ...]] | None = None  # ``formed`` before a recall (its cascade)
         self._left: list[str] = []  # what the budget's slide let go in the current admission
+        # residents the current admission decided on with more than a plain keep (a store lookup, a
+        # form, a deferral): the recall cascade does not re-decide them (``reconcile``)
+        self._not_kept: set[str] = set()
         # idle-time anticipation (replay.anticipate), for rules that price a window policy
         self._init_anticipation(bool(self.cfg.anticipate and self.arm.window_policy), self.cfg.recall_predictor)
 
@@ -403,7 +406,9 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
                 d = self.decide("survivor", k, order, j)
                 if d.action == "keep":  # (the common answer: nothing to price)
                     self.r.stale_keeps += bool(self.formed.get(k))
-                elif self.carry_out(k, order[:j], d) == "keep" and self.formed.get(k):
+                    continue
+                self._not_kept.add(k)
+                if self.carry_out(k, order[:j], d) == "keep" and self.formed.get(k):
                     self.r.stale_keeps += 1
             return
         view = self.view(index)  # survivors behind the departed chunk: keep, clear or refresh
@@ -415,7 +420,10 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
         staleness rule), else keep (the default patch policy: survivors keep their KV)."""
         r = self.r
         if self._upkeep is None:  # the patch policy's answer for a resident something was inserted before
-            if self.carry_out(key, prefix, self.decide("inserted", key, prefix)) == "keep":
+            d = self.decide("inserted", key, prefix)
+            if d.action != "keep":
+                self._not_kept.add(key)
+            if self.carry_out(key, prefix, d) == "keep":
                 r.stale_keeps += 1
             return
         action = self._upkeep(view, key, prefix, before)
@@ -445,7 +453,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
             # window's reconcile reads each slot's conditioning as it was, before the budget's slide
             # dropped a front survivor's patches)
             self._before_op = dict(self.formed) if recall else None
-            self._left = []
+            self._left, self._not_kept = [], set()
             for k, _ in entering:
                 self.evicted.pop(k, None)
                 self._owes.discard(k)
@@ -553,7 +561,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
                 if not hit:
                     continue
                 implied.add(d)
-                if d in entering:
+                if d in entering or d in self._not_kept:
                     continue
                 if i == 0:  # at the front its canonical is exact: nothing to re-form
                     if not (self._simulating and d in self._no_canon):  # (a provisional one keeps its KV)
