@@ -489,15 +489,14 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
             self._enter(key)
             self.order.append(key)
             if self.arm.patches:
-                before = self.formed.get(key, ())
+                if recall:  # (in window order: the residents it implies, all in front of it, first)
+                    self._cascade(key, True, {key}, hi=len(self.order) - 1)
                 prefix = self.order[:-1]
                 if prefix:
                     why = "recall" if recall else "append"
                     self.carry_out(key, prefix, self.decide(why, key, prefix), ctx=self.window_tokens - self.tokens[key], reason=why)
                 else:
                     self._set_formed(key, ())
-                if recall:
-                    self._cascade(key, self.formed[key] != before, {key})
             return
         if self._fast:
             key, at = entering[0]
@@ -517,6 +516,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
         # reconcile: entering chunks get conditioning; residents behind an insertion keep theirs
         # (or, under the scheduler, whatever its staleness rule decides)
         changed: dict[str, bool] = {}
+        cascades: dict[str, dict] = {}
         for i, k in enumerate(new_order):
             if k in ent:
                 prefix = new_order[:i]
@@ -530,23 +530,29 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
                     changed[k] = self.formed[k] != before
             elif old_pos.get(k, -1) != i:
                 self._resident_upkeep(view, k, new_order[:i], old_order[:old_pos[k]])
-        for k, kv_changed in changed.items():
-            self._cascade(k, kv_changed, ent)
+            # the cascade, slot by slot in window order as ``reconcile`` runs it (a slot in front of
+            # the recalled chunk is implied whatever its KV: the recalled chunk sits behind it)
+            for r in ent if recall else ():
+                cascades[r] = self._cascade(r, changed.get(r, True), ent, i, i + 1, cascades.get(r))
 
-    def _cascade(self, recalled: str, changed: bool, entering: set[str]) -> None:
+    def _cascade(self, recalled: str, changed: bool, entering: set[str], lo: int = 0, hi: int | None = None,
+                 run: dict | None = None) -> dict:
         """The recall cascade, as ``window.reconcile`` decides it: in window order, a resident that
         transitively depends on ``recalled`` re-forms when it was conditioned on ``recalled`` and
         that chunk's KV ``changed`` or now sits behind it, or on a chunk already in the cascade,
-        or on a dependent that now sits behind it."""
-        before = self._before_op if self._before_op is not None else self.formed
-        candidates = self._descendants(recalled, before)
+        or on a dependent that now sits behind it. Looks at ``order[lo:hi]``; ``run``: what an
+        earlier call of the same cascade found (returned, to go on with the next slots)."""
+        if run is None:
+            before = self._before_op if self._before_op is not None else self.formed
+            run = {"before": before, "candidates": self._descendants(recalled, before), "implied": set()}
+        before, candidates, implied = run["before"], run["candidates"], run["implied"]
         if not candidates:
-            return
+            return run
         pos = {k: i for i, k in enumerate(self.order)}
-        implied: set[str] = set()
         self._cascading = True
         try:
-            for i, d in enumerate(list(self.order)):
+            for i in range(lo, len(self.order) if hi is None else hi):
+                d = self.order[i]
                 if d not in candidates:
                     continue
                 hit = False
@@ -572,6 +578,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
                 self.carry_out(d, self.order[:i], self.decide("cascade", d, self.order[:i]), reason="cascade")
         finally:
             self._cascading = False
+        return run
 
     def _descendants(self, key: str, formed: dict[str, tuple[str, ...]] | None = None) -> set[str]:
         """Residents that transitively depend on ``key`` (through evicted chunks too: the
