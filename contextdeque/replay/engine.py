@@ -397,7 +397,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
             self._set_formed(self.order[0], ())  # a survivor at the front drops its patches: the canonical
         if not self.arm.patches or i >= len(self.order):
             return
-        if self._upkeep is None:  # survivors behind the departed chunk: what the patch policy says
+        if self._upkeep is None or self._simulating:  # survivors behind the departed chunk: what the patch policy says
             order = self.order
             for j in range(i, len(order)):
                 k = order[j]
@@ -419,7 +419,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
         """A resident whose prefix changed: the placement policy's upkeep decision (the scheduler's
         staleness rule), else keep (the default patch policy: survivors keep their KV)."""
         r = self.r
-        if self._upkeep is None:  # the patch policy's answer for a resident something was inserted before
+        if self._upkeep is None or self._simulating:  # the patch policy's answer for a resident something was inserted before
             d = self.decide("inserted", key, prefix)
             if d.action != "keep":
                 self._not_kept.add(key)
@@ -483,7 +483,10 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
                     self._remove(k, index)
                     self._left.append(k)
                     self.r.window_evictions += 1
-        if self._fast and entering[0][1] is None:
+        # arrival order, or a simulated recall (anticipation places it where the prediction says,
+        # as ``anticipation.simulate_recall`` does: the placement is not asked)
+        direct = self._fast or self._simulating
+        if direct and entering[0][1] is None:
             # arrival order at the end: only the entering chunk is looked at
             key = entering[0][0]
             self._enter(key)
@@ -498,9 +501,10 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
                 else:
                     self._set_formed(key, ())
             return
-        if self._fast:
+        if direct:
             key, at = entering[0]
-            pos = min(at, len(self.order))
+            # the asked index in the window before the budget's slide (``ContextWindow.recall``)
+            pos = max(0, min(at, len(self.order) + len(self._left)) - len(self._left))
             new_order = self.order[:pos] + [key] + self.order[pos:]
         else:
             new_order = self.placement.place(self.view(index), entering)
