@@ -12,6 +12,7 @@ from contextdeque.core.errors import WindowError, WindowTypeError
 from contextdeque.core.metrics import kl_divergence
 from contextdeque.model.hf import HFBackend
 from contextdeque.window import ContextWindow
+from contextdeque.window.anticipation import recall_candidates
 from contextdeque.window.config import WindowConfig
 
 POOL = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15], [20, 21, 22, 23], [30, 31, 32, 33, 34, 35, 36], [40, 41, 42],
@@ -178,3 +179,48 @@ def test_expect_refuses_what_is_not_a_ref(backend):
         win.expect([refs[0], refs[0]])
     with pytest.raises(WindowError):
         win.expect([])
+
+
+def test_provisional_dependents_of_a_recall_take_the_prepared_reforward(backend):
+    """Latency-first content has no canonical: when a recall puts a chunk behind the pages that
+    were conditioned on it (the recall cascade), heal would re-forward them behind their new
+    prefix. Anticipation runs those forwards in idle time; the recall takes them (0 forwards,
+    nothing deferred) and holds exactly what the recall plus heal hold without anticipation."""
+    def run(anticipate):
+        win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=anticipate)
+        # the second with its canonical (known content), the others provisional (new content:
+        # one forward after those in front, no canonical)
+        refs = [win.append(chunk=backend.encode(token_ids=p)) if i == 1 else win.append(token_ids=p)
+                for i, p in enumerate(POOL[:4])]
+        win.evict(refs[1])
+        if anticipate:
+            win.expect(refs[1])
+            win.heal(max_tokens=10_000)  # (a budget: the front never left, so no slide is prepared)
+        return win, refs, win.recall(refs[1], at="end")
+
+    fast, refs, r = run(True)
+    assert r.forwards == 0 and r.answered_fresh and not fast.pending_refs
+    assert set(r.cascade.implied) == {refs[2], refs[3]}
+    served = dict(r.served)
+    assert served[refs[2]] == served[refs[3]] == served[refs[1]] == "anticipated"
+    slow, _, r_slow = run(False)
+    assert {what for _, what in r_slow.served} >= {"conditioned"} and slow.pending_refs
+    slow.heal()
+    assert kl_divergence(answer_logits(backend, slow), answer_logits(backend, fast)) <= 1e-6
+
+
+def test_a_budget_prepares_the_likely_recall_not_a_slide_that_never_comes(backend):
+    """Under an idle budget the next slide's canonical is prepared only when the front leaving is
+    as likely as the best recall prediction: an agent that keeps its task in front and said what
+    it re-reads gets that recall prepared (before: the slide's canonical took the budget first)."""
+    win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=True)
+    refs = [win.append(token_ids=p) for p in POOL[:4]]
+    win.evict(refs[3])  # nothing depends on it: its own patch is the whole cost
+    assert win.recall_predictor.p_front_leaves() < 0.5
+    win.expect(refs[3])
+    top = recall_candidates(win, win._state)[0]
+    assert top.recalls == ((refs[3], "end"),)
+    win.heal(max_tokens=top.cost_tokens)  # its canonical (it left without one) and its patch
+    assert win._state.slots[1].provisional  # no canonical formed for a slide
+    r = win.recall(refs[3], at="end")
+    assert r.forwards == 0 and r.answered_fresh

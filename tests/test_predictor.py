@@ -230,3 +230,74 @@ def test_an_eviction_after_a_slide_of_nothing_starts_its_group(backend):
     predictor = win.recall_predictor
     assert predictor.group_of[refs["b"]] in predictor.members
     assert predictor.members[predictor.group_of[refs["b"]]] == [refs["b"]]
+
+
+def test_a_recall_fulfils_its_hint(backend):
+    """A hint names the next re-read: once recalled, the chunk leaves the hints (a group's later
+    members stay, one index on), so when it leaves again it does not head the hinted chain."""
+    win, refs = window(backend)
+    for name in ("a", "b", "c"):
+        win.evict(refs[name])
+    win.expect([refs["a"], refs["c"]], at=1)
+    win.expect(refs["b"])
+    win.recall(refs["a"], at=1)
+    assert win.expected == {(refs["c"],): 2, (refs["b"],): None}
+    win.recall(refs["b"], at="end")
+    win.evict(refs["a"])  # a leaves again: its old hint says nothing about it now
+    assert win.expected == {(refs["c"],): 2}
+    assert recall_candidates(win, win._state)[0].recalls == ((refs["c"], 2),)
+
+
+def test_a_budget_too_small_for_the_hinted_chain_prepares_its_first_recalls(backend):
+    """The hints are one chain; a budget that cannot hold it prepares its longest prefix that fits
+    (the recalls that come first, in the arrangement the chain leaves), not the later hints alone
+    (each alone is another arrangement, useless to the chain)."""
+    from contextdeque.window.placement import END
+    from contextdeque.window.predictor import chain_tokens
+
+    win, refs = window(backend)
+    for name in ("a", "b", "c"):
+        win.evict(refs[name])
+    for name in ("a", "b", "c"):
+        win.expect(refs[name])
+    first_two, _ = chain_tokens(win._state, [(refs["a"], END), (refs["b"], END)])
+    whole, _ = chain_tokens(win._state, [(refs[n], END) for n in ("a", "b", "c")])
+    assert first_two < whole
+    win.heal(max_tokens=first_two)
+    assert [win.recall(refs[n], at="end").answered_fresh for n in ("a", "b", "c")] == [True, True, False]
+
+
+def reaccess_trace(order_hint: bool):
+    """task, a, b, c arrive; a and b leave; the agent announces their recall and the reorder it
+    then runs (a and b next to the task); idle; they come back and the window is reordered."""
+    b = TraceBuilder(TraceHeader(generator="test"))
+    b.step(t=0.0, idle=0.0)
+    for name in ("task", "a", "b", "c"):
+        b.arrive(name, len(PAGES[name]), name)
+    b.query(4, 1)
+    b.evict("a")
+    b.evict("b")
+    b.expect("a")
+    b.expect("b")
+    if order_hint:
+        b.expect_order(["task", "a", "b", "c"])
+    b.step(idle=1000.0)
+    b.recall("a")
+    b.recall("b")
+    b.reorder(["task", "a", "b", "c"])
+    b.query(4, 1)
+    return b.build(name=f"reaccess-{order_hint}")
+
+
+@pytest.mark.parametrize("order_hint", [True, False])
+def test_an_announced_reorder_after_the_recalls_is_prepared_with_them(backend, order_hint):
+    """An ``expect`` event with an order: the window prepares the hinted recalls, then that reorder
+    on the arrangement they leave (one prediction); the reorder runs no forward. Without the
+    order, the recalls are still fresh and the reorder is not."""
+    trace = reaccess_trace(order_hint)
+    win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=True)
+    hits = HitRate()
+    drive_window(win, trace, lambda ev: PAGES[ev.id], on_step=hits.add, idle_tokens=lambda ms: int(ms))
+    by = hits.by_step()
+    assert by["recall"]["hits"] == 2
+    assert by["reorder"]["hits"] == int(order_hint)

@@ -171,3 +171,37 @@ def test_cli_generate_import_validate(tmp_path, capsys):
 def test_header_model():
     h = TraceHeader(generator="x")
     assert h.version == FORMAT_VERSION and h.format == "contextdeque-trace"
+
+
+def test_expect_names_a_chunk_or_an_order(tmp_path):
+    """An ``expect`` hint names a chunk to recall or the order the agent will reorder the window to
+    after its recalls, never both; an order names chunks that arrived, each once. The doc and video
+    generators announce every reorder that follows a re-access so (the window it names is the one
+    the reorder then asks for)."""
+    from pydantic import ValidationError
+
+    from contextdeque.traces import Expect
+
+    with pytest.raises(ValidationError):
+        Expect(id="a", order=["a"])
+    with pytest.raises(ValidationError):
+        Expect()
+    with pytest.raises(ValidationError):
+        Expect(order=["a"], at=0)
+    arrive = {"op": "arrive", "id": "a", "tokens": 3, "hash": "h"}
+    ok = _write_lines(tmp_path / "ok.jsonl", [HEADER, arrive, {"op": "expect", "order": ["a"]}])
+    assert read_trace(ok).events[-1].order == ["a"]
+    bad = _write_lines(tmp_path / "ghost.jsonl", [HEADER, arrive, {"op": "expect", "order": ["a", "ghost"]}])
+    with pytest.raises(UnknownChunkError) as err:
+        read_trace(bad)
+    assert err.value.line == 3 and err.value.field == "order"
+    twice = _write_lines(tmp_path / "twice.jsonl", [HEADER, arrive, {"op": "expect", "order": ["a", "a"]}])
+    with pytest.raises(TraceError, match="once"):
+        read_trace(twice)
+    for kind in ("doc", "video"):
+        events = generate(kind, seed=0).events
+        hinted = [i for i, e in enumerate(events) if e.op == "expect" and e.order is not None]
+        assert hinted
+        for i in hinted:  # the next reorder is the one announced, after the step's recalls
+            nxt = next(e for e in events[i + 1:] if e.op in ("reorder", "arrive", "evict", "slide"))
+            assert nxt.op == "reorder" and nxt.order == events[i].order

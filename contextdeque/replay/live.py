@@ -6,7 +6,8 @@ cost model's predicted forwards and tokens equal the window's receipts): ``arriv
 recalls a chunk the window evicted; a new chunk always goes to the end, ``append`` takes no
 index), ``recall`` / ``evict`` / ``reorder`` act on the chunk's ref,
 ``slide`` evicts the agent's ``n`` oldest (its own order, wherever placement put them), ``fork`` /
-``commit`` / ``discard`` stack windows, ``expect`` passes the agent's hint on, and a ``step`` heals what a latency-first window queued
+``commit`` / ``discard`` stack windows, ``expect`` passes the agent's hint on (a recall,
+``window.expect``, or an order, ``window.expect_order``), and a ``step`` heals what a latency-first window queued
 (the agent's tool time, as the cost model assumes); what is still queued when the trace ends is
 healed after it. Queries are handed to ``on_query`` (the window itself does not read them).
 
@@ -105,6 +106,12 @@ def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
         elif op == "discard":
             receipts.append(win.discard())
             win, logical = stack.pop()
+        elif op == "expect" and ev.order is not None:
+            if hints:  # the order as the reorder executor will ask it: the named chunks, then any others
+                known = set(win.refs) | set(win.evicted_refs)
+                named = [refs[c] for c in ev.order if c in refs and refs[c] in known]
+                win.expect_order(named + [r for r in win.refs if r not in set(named)])
+            continue
         elif op == "expect":
             if hints and ev.id in refs and refs[ev.id] in win.evicted_refs:
                 win.expect(refs[ev.id], at=_asked(ev.at))  # where the recall will insist on

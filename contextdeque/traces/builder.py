@@ -58,6 +58,11 @@ class TraceBuilder:
         if cid in self.evicted:
             self.events.append(Expect(id=cid, at=at))
 
+    def expect_order(self, order: Sequence[str]) -> None:
+        """The agent says it may next reorder the window to ``order`` (every chunk it will hold
+        once the recalls it announced are done)."""
+        self.events.append(Expect(order=list(order)))
+
     def evict(self, cid: str) -> None:
         if cid in self.window:
             self.window.remove(cid)

@@ -18,7 +18,8 @@ fork       a copy-on-write branch of the window starts (nested forks stack)
 commit     the innermost branch becomes the window
 discard    the innermost branch is dropped; the window is as before the fork
 expect     the agent says it may recall this evicted chunk next (at the end, or at ``at``): a
-           hint (``ContextWindow.expect``), the window does not change
+           hint (``ContextWindow.expect``), the window does not change; or, with ``order``,
+           that it may next reorder the window to ``order`` (``ContextWindow.expect_order``)
 step       boundary between agent steps (``t``: milliseconds since the trace began; ``idle``:
            milliseconds the window then sits idle: a tool runs, a page loads, the user types)
 =========  =======================================================================
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 FORMAT = "contextdeque-trace"
 FORMAT_VERSION = 1
@@ -106,9 +107,22 @@ class Discard(_Strict):
 
 
 class Expect(_Strict):
+    """A hint: ``id`` may be recalled next (at the end, or at ``at``); or, with ``order`` instead,
+    the window may next be reordered to ``order`` (every chunk it holds once the recalls the
+    agent announced are done: ``ContextWindow.expect_order``)."""
+
     op: Literal["expect"] = "expect"
-    id: ChunkId
+    id: ChunkId | None = None
     at: int | None = Field(None, ge=0)
+    order: list[ChunkId] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_hint(self) -> "Expect":
+        if (self.id is None) == (self.order is None):
+            raise ValueError("expect names either a chunk (id) or an order, not both")
+        if self.order is not None and self.at is not None:
+            raise ValueError("expect: at goes with id, not with order")
+        return self
 
 
 class Step(_Strict):

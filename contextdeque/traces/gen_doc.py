@@ -6,7 +6,8 @@ resolution (1,000-2,500 tokens of page image plus their extracted text); after f
 goes back to earlier thumbnails and pages (recalls) and moves the most relevant page next to
 the question (a reorder). Steps record their idle time: none while the model selects, a page's
 rendering (300-1,500 ms) before it is read, and before the re-access; the agent names the pages
-and thumbnails it goes back to (``expect``).
+and thumbnails it goes back to (``expect``), and the order it will then move the most relevant
+page into (``expect`` with ``order``).
 """
 
 from __future__ import annotations
@@ -63,16 +64,23 @@ def generate_doc(seed: int = 0, pages: int = 10, select: int = 4, rounds: int = 
         again = [c for p in back for c in (f"page{p}.image", f"page{p}.text")] + [thumbs[p] for p in thumbs_back]
         for c in again:  # the agent says what it goes back to, in order
             b.expect(c)
+        # the window once they are back; the agent knows now whether it will move the most
+        # relevant page next to the question at the end, and says so too
+        after = list(b.window) + [c for c in again if c not in b.window]
+        order = None
+        if rng.random() < 0.7:
+            pages_in = sorted({c.split(".")[0] for c in after if c.startswith("page")})
+            if pages_in:
+                top = rng.choice(pages_in)
+                moved = [c for c in after if c.split(".")[0] == top]
+                order = [c for c in after if c not in moved] + moved
+        if order is not None and order != after:
+            b.expect_order(order)
         b.step(label=f"reaccess{r}", idle=idle.uniform(300, 1500))
         for c in again:
             b.recall(c)
-        if rng.random() < 0.7:
-            # the most relevant page moves next to the question at the end of the window
-            pages_in = sorted({c.split(".")[0] for c in b.window if c.startswith("page")})
-            if pages_in:
-                top = rng.choice(pages_in)
-                moved = [c for c in b.window if c.split(".")[0] == top]
-                b.reorder([c for c in b.window if c not in moved] + moved)
+        if order is not None:
+            b.reorder(order)
         for _ in range(rng.randint(1, 3)):  # cross-page questions over the re-accessed set
             b.query(rng.randint(30, 80), rng.randint(20, 120))
     return b.build(name=f"doc-{seed}")

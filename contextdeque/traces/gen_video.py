@@ -6,7 +6,7 @@ The window holds the instruction and the last ``keep_segments`` segments (each a
 looks back at an earlier segment (recall), sometimes reordering the window to put it next to the
 current one for comparison. Steps record their idle time: the segment's capture (500-2,000 ms)
 before its frames arrive, the fetch of an earlier segment's frames (300-1,500 ms) before a
-look-back, which the agent announces (``expect``).
+look-back, which the agent announces (``expect``; with ``order``, the comparison's reorder).
 """
 
 from __future__ import annotations
@@ -64,13 +64,18 @@ def generate_video(seed: int = 0, segments: int = 16, keep_segments: int = 3, fr
                     hide(live[0])
                 for c in seg_chunks[old]:  # the agent asks for that segment
                     b.expect(c)
-                b.step(label=f"lookback{s}", idle=idle.uniform(300, 1500))  # the earlier frames are fetched
-                show(old)
+                order = None
                 if rng.random() < compare:
-                    # comparison: the looked-back segment right before the current one
+                    # comparison: the looked-back segment right before the current one (the agent
+                    # says so with the look-back: the window prepares that order too)
                     cur = seg_chunks[s]
                     back = seg_chunks[old]
-                    rest = [c for c in b.window if c not in cur and c not in back]
-                    b.reorder(rest + back + cur)
+                    after = list(b.window) + [c for c in back if c not in b.window]
+                    order = [c for c in after if c not in cur and c not in back] + back + cur
+                    b.expect_order(order)
+                b.step(label=f"lookback{s}", idle=idle.uniform(300, 1500))  # the earlier frames are fetched
+                show(old)
+                if order is not None:
+                    b.reorder(order)
                 b.query(rng.randint(20, 60), rng.randint(10, 60))
     return b.build(name=f"video-{seed}")

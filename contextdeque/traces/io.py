@@ -198,6 +198,12 @@ def check_trace(trace: Trace, *, line_nos: Sequence[int] | None = None) -> dict[
                 raise fail(f"at={ev.at} is past the window's {len(window)} chunk(s)", "at")
             evicted.discard(ev.id)
             window.insert(at, ev.id)
+        elif op == "expect" and ev.order is not None:
+            unknown = [c for c in ev.order if c not in chunks]
+            if unknown:
+                raise fail(f"expect names chunk(s) that never arrived: {unknown[:5]}", "order", UnknownChunkError)
+            if len(set(ev.order)) != len(ev.order):
+                raise fail("expect: an order names each chunk once", "order")
         elif op == "expect":
             if ev.id not in chunks:
                 raise fail(f"cannot expect chunk {ev.id!r}: it never arrived", "id", UnknownChunkError)

@@ -164,7 +164,7 @@ def anticipate_reorder(win: "ContextWindow", state: WindowState, order: Sequence
     slots = [by_ref[r] for r in order]
     eager = getattr(ctx.policy, "eager", ctx.policy)
     before = meter.patches_formed
-    placed, _ = reconcile(ctx, slots, {r: "reorder" for r in order}, meter, policy=HealPolicy(eager))
+    placed, _ = reconcile(ctx, slots, {r: "reorder" for r in order}, meter, policy=HealPolicy(eager), prepared="run")
     for new, old in zip(placed, slots):
         if new.stack is not old.stack:
             ctx.anticipated_keys.update(cond.key for cond in new.stack if cond.key)

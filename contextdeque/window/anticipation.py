@@ -106,9 +106,11 @@ def anticipate_slide(win: "ContextWindow", state: WindowState, meter: Meter) -> 
 
 
 def anticipate_recalls(win: "ContextWindow", state: WindowState, recalls: Sequence[tuple[ChunkRef, int | None]],
-                       meter: Meter) -> bool:
+                       meter: Meter, orders: Sequence[Sequence[ChunkRef]] = ()) -> bool:
     """Form and store the patches the recalls ``recalls`` (in that order) would need, each in the
-    arrangement the ones before it leave (see the module doc, 2.). ``state`` is only read (the
+    arrangement the ones before it leave (see the module doc, 2.), then those of the first of
+    ``orders`` (what ``expect_order`` named) that is a reorder of the arrangement the chain
+    leaves (the agent's reorder right after its recalls). ``state`` is only read (the
     simulation runs on a copy); the store gains the canonicals owed and the patches. Returns
     whether anything was formed. A recall the budget would refuse ends the chain."""
     sim = state.copy()
@@ -120,6 +122,9 @@ def anticipate_recalls(win: "ContextWindow", state: WindowState, recalls: Sequen
         if done is None:
             break
         formed |= done
+    then = next((o for o in orders if set(o) == set(sim.refs) and tuple(o) != tuple(sim.refs)), None)
+    if then is not None:
+        formed |= anticipate_reorder(win, sim, then, meter)
     return formed
 
 
@@ -170,13 +175,29 @@ def _simulate_recall(win: "ContextWindow", sim: WindowState, ref: ChunkRef, at: 
     # the eager policy's decisions on the simulated arrangement, as the recall would run them:
     # the survivors, the recalled chunk's patch, the cascade it implies (formed and stored)
     placed, _ = reconcile(ctx, slots, reasons, meter, recalled=ref, cascade_candidates=candidates - set(left),
-                          policy=HealPolicy(eager))
+                          policy=HealPolicy(eager), prepared="run")
     for new, old in zip(placed, slots):
         if new.stack is not old.stack:
             ctx.anticipated_keys.update(cond.key for cond in new.stack if cond.key)
     sim.slots = placed
     sim.graph.sync(sim.slots, sim.evicted)
     return formed or meter.patches_formed > before
+
+
+def reorder_after(state: WindowState, recalls: Sequence[tuple[ChunkRef, int | str | None]],
+                  orders: Sequence[Sequence[ChunkRef]]) -> int:
+    """Estimated tokens of preparing the reorder an ``expect_order`` hint names right after
+    ``recalls`` (0: none of ``orders`` reorders the arrangement they leave): every chunk from the
+    first one the reorder moves on is re-conditioned (a patch or a provisional re-forward)."""
+    after = list(state.refs)
+    for ref, at in recalls:
+        after.insert(min(int(at), len(after)) if isinstance(at, int) else len(after), ref)
+    then = next((o for o in orders if set(o) == set(after) and list(o) != after), None)
+    if then is None:
+        return 0
+    first = next(i for i, (a, b) in enumerate(zip(after, then)) if a != b)
+    tokens = {s.ref: s.n_tokens for s in state.slots} | {r: e.n_tokens for r, e in state.evicted.items()}
+    return sum(tokens.get(r, 0) for r in then[first:])
 
 
 class WindowAnticipation:
@@ -214,8 +235,32 @@ class WindowAnticipation:
         return ctx.predictor
 
     def _observe(self, receipt: Receipt) -> None:
-        """Let the recall predictor learn from a finished operation."""
+        """Let the recall predictor learn from a finished operation; a recall fulfils the hints
+        that named its chunk."""
+        if receipt.op == "recall":
+            self._fulfil(receipt.refs)
+        elif receipt.op == "reorder" and self.expected_orders:  # an order hint is fulfilled once the window takes it
+            refs = tuple(self._state.refs)
+            self.__dict__["_expected_orders"] = [o for o in self.expected_orders if o != refs]
         self.recall_predictor.observe(receipt, self._state)
+
+    def _fulfil(self, recalled: Sequence[ChunkRef]) -> None:
+        """Drop the recalled refs from the hints (:meth:`expect`): a hint names the *next* re-read,
+        so once it happened it says nothing more (left in, a chunk evicted again later would
+        come back to the head of the hinted chain and put every prediction built on the hints
+        in a wrong arrangement). A group's later members stay hinted, following the recalled
+        one (at the next index)."""
+        done = set(recalled)
+        hints = self.expected
+        if not done or not any(r in done for group in hints for r in group):
+            return
+        kept: dict[tuple[ChunkRef, ...], int | None] = {}
+        for group, at in hints.items():
+            rest = tuple(r for r in group if r not in done)
+            if rest:
+                first = group.index(rest[0])
+                kept[rest] = at + first if isinstance(at, int) else at
+        self.__dict__["_expected"] = kept
 
     @property
     def expected_orders(self) -> list[tuple[ChunkRef, ...]]:
@@ -223,18 +268,24 @@ class WindowAnticipation:
         return self.__dict__.setdefault("_expected_orders", [])
 
     def expect_order(self, order: Sequence[ChunkRef]) -> None:
-        """Say that the window may next be reordered to ``order`` (a permutation of its refs):
-        with anticipation on, idle time prepares that reorder first (``window.anticipate_reorder``).
-        A hint: nothing is formed now; a reorder to another order is served as usual.
+        """Say that the window may next be reordered to ``order``: each of its refs once, and the
+        evicted refs the agent said it will recall first (:meth:`expect`) where they will go.
+        With anticipation on, idle time prepares that reorder first (``window.anticipate_reorder``;
+        after the hinted recalls, on the arrangement they leave). A hint: nothing is formed now;
+        a reorder to another order is served as usual.
 
         Raises:
-            WindowError: ``order`` is not a permutation of the window's refs."""
+            WindowError: ``order`` names a ref twice, leaves one of the window's refs out, or
+                names one that is neither in the window nor evicted."""
         self._check_open()
         order = tuple(order)
         for ref in order:
             self._state.check_known(ref)
-        if sorted(order, key=lambda r: r.key) != sorted(self._state.refs, key=lambda r: r.key):
-            raise WindowError(f"expect_order needs each of the window's {len(self._state.refs)} refs exactly once")
+        extra = set(order) - set(self._state.refs)
+        if len(set(order)) != len(order) or not set(self._state.refs) <= set(order) or \
+                any(r not in self._state.evicted for r in extra):
+            raise WindowError(f"expect_order needs each of the window's {len(self._state.refs)} refs exactly once "
+                              "(and evicted refs it will recall first)")
         hints = self.expected_orders
         if order in hints:
             hints.remove(order)
@@ -252,23 +303,43 @@ class WindowAnticipation:
 
     def _anticipation_tasks(self, budgeted: bool = False) -> Iterator[tuple[Callable[[WindowState, Meter], tuple[dict[str, Any], None]], bool, int | None]]:
         """The anticipation transactions, most valuable first: ``(body, mutates, cost_tokens)``
-        for ``_run`` (cost: the recall prediction's estimate; None: not priced): the next slide's
-        canonical, the recall predictions in ranked order (what the agent said first; the best
+        for ``_run`` (cost: the tokens it will prefill, estimated; None: not priced): the next
+        slide's canonical (under a budget, only when the recall predictor finds the front leaving
+        at least as likely as its best recall), the recall predictions in ranked order (what the agent said first; the best
         :data:`ANTICIPATED_RECALLS`, or :data:`MAX_PREDICTIONS` under a budget), reorders."""
 
         def slide_body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
             ref = anticipate_slide(self, state, meter)
             return {"refs": () if ref is None else (ref,)}, None
 
-        # the slide first: it changes the window (a canonical), which the other patches' keys name
-        yield slide_body, True, None
-        for prediction in plan_recalls(self.recall_predictor, self._state, self.expected, budgeted):
+        predictions = plan_recalls(self.recall_predictor, self._state, self.expected, budgeted)
+        slots = self._state.slots
+        if len(slots) >= 2 and slots[1].provisional:
+            # the slide first: it changes the window (a canonical), which the other patches' keys
+            # name. Under a budget only when the front leaving is at least as likely as the best
+            # recall prediction (agents that keep their task in front never slide it out)
+            top = predictions[0].probability if predictions else 0.0
+            if not budgeted or self.recall_predictor.p_front_leaves() >= top:
+                yield slide_body, True, slots[1].n_tokens
+                predictions = plan_recalls(self.recall_predictor, self._state, self.expected, budgeted)  # (as it now stands)
+        done: dict[tuple, int] = {}  # chains prepared in this pass -> their estimated cost
 
-            def recall_body(state: WindowState, meter: Meter, recalls=prediction.recalls) -> tuple[dict[str, Any], None]:
-                formed = anticipate_recalls(self, state, recalls, meter)
-                return {"refs": tuple(r for r, _ in recalls) if formed else ()}, None
+        for prediction in predictions:
 
-            yield recall_body, False, prediction.cost_tokens
+            then = reorder_after(self._state, prediction.recalls, self.expected_orders)
+            # with the reorder the agent named right after the chain, else (too dear) without it
+            for orders in ((self.expected_orders, ()) if then else ((),)):
+                cost = prediction.cost_tokens + (then if orders else 0)
+
+                def recall_body(state: WindowState, meter: Meter, p: Prediction = prediction, cost: int = cost,
+                                orders: Sequence = orders) -> tuple[dict[str, Any], None]:
+                    formed = anticipate_recalls(self, state, p.recalls, meter, orders)
+                    done[p.recalls] = max(cost, done.get(p.recalls, 0))
+                    return {"refs": tuple(r for r, _ in p.recalls) if formed else ()}, None
+
+                # a chain that extends one prepared in this pass finds that part stored: it costs the rest
+                head = max((c for chain, c in done.items() if prediction.recalls[: len(chain)] == chain), default=0)
+                yield recall_body, False, max(0, cost - head)
         for order in reorder_candidates(self, self._state):
 
             def reorder_body(state: WindowState, meter: Meter, order: list[ChunkRef] = order) -> tuple[dict[str, Any], None]:

@@ -23,6 +23,7 @@ from ..patch.rank import FULL, resolve_rank
 from .graph import PatchGraph
 from .config import DEFAULT_MAX_EVICTED, OVERFLOW_POLICIES, WindowConfig  # noqa: F401  (re-exported)
 from .policy import PatchPolicy
+from .prepared import PreparedForwards
 from .store import WindowStore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,6 +64,8 @@ class WindowContext:
         default_factory=lambda: PatchGraph(max_contents=PATCH_INDEX_CHUNKS, max_prefixes=PATCH_INDEX_PREFIXES), repr=False)
     # store keys of the patches anticipation formed (window.anticipation): receipts say "anticipated"
     anticipated_keys: set = field(default_factory=set, repr=False)
+    # provisional chunks' conditioned forwards anticipation ran for the next step (window.prepared)
+    prepared: PreparedForwards = field(default_factory=PreparedForwards, repr=False)
     # the family's recall predictor (window.predictor), made from config.recall_predictor on first use
     predictor: Any = field(default=None, repr=False)
     # the family's reorders so far, as index permutations (``perm[i]``: the old index of the chunk

@@ -27,6 +27,8 @@ operation          what it is (forwards x tokens it prefills; bytes it stores)
 ``Difference``     a patch taken from a conditioned forward already run (latency-first heal:
                    provisional KV minus its canonical): the SVD only; stores the patch
 ``Reuse``          a valid patch served by the store (a hit: no forward)
+``Prepared``       a provisional chunk's conditioned forward behind its new prefix, run by
+                   anticipation in idle time, taken (no forward; ``window.prepared``)
 ``Keep``/``Clear`` a slot keeps its conditioning / drops it to its canonical (free); ``deferred``:
                    stands in for conditioning a latency-first policy queued for the heal
 ``Load``           a canonical read from a slower ``tier`` into the fastest one
@@ -133,6 +135,14 @@ class Reuse(Op):
 
     def counts(self) -> dict[str, int]:
         return {"patches_reused": 1}
+
+
+@dataclass(frozen=True)
+class Prepared(Op):
+    """A provisional chunk's KV behind ``antecedents`` that anticipation's forward prepared,
+    taken in place of the deferred re-forward (``window.prepared``): no forward."""
+
+    antecedents: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,11 @@ class RecallPredictor(Registered):
     def observe(self, receipt: "Receipt", state: "WindowState") -> None:
         """A window operation finished (``receipt``); ``state`` is the window after it."""
 
+    def p_front_leaves(self) -> float:
+        """Chance that the window's front chunk leaves next (a slide, or its eviction): what
+        preparing the next slide (``anticipation.anticipate_slide``) is worth. 1 unless learned."""
+        return 1.0
+
     def predict(self, state: "WindowState", expected: Mapping[ChunkRef, "int | None"]) -> list[Prediction]:
         """Predictions for ``state`` (any order: :func:`rank_predictions` orders them);
         ``expected``: what the agent said it may recall next (``window.expect``), in the order said."""
@@ -105,18 +110,21 @@ def rank_predictions(predictions: Iterable[Prediction]) -> list[Prediction]:
 def chain_tokens(state: "WindowState", recalls: Sequence[Recall]) -> tuple[int, int]:
     """``(cost_tokens, saved_tokens)`` of recalling ``recalls`` in order from ``state`` (an
     estimate, no simulation): each recalled chunk's forming forward (its tokens), the in-window
-    chunks its recall cascade would re-form (the conditioning graph's dependents of it that have
-    a canonical), and, in
-    the cost only, the canonical of a chunk that left before it had one (encoded once anyway)."""
+    chunks its recall cascade would re-form (the conditioning graph's dependents of it: a patch
+    formed, or for latency-first content with no canonical the re-forward ``heal`` would run,
+    prepared ahead, ``window.prepared``), each once per chain (re-formed behind the recalled
+    chunk, it no longer depends on the later ones), and, in the cost only, the canonical of a
+    chunk that left before it had one (encoded once anyway)."""
     cost = saved = 0
-    # a provisional dependent (latency-first content with no canonical) is kept by the eager
-    # decisions anticipation carries out (heal re-forwards it later): no idle tokens now
-    tokens = {s.ref: s.n_tokens for s in state.slots if not s.provisional}
+    tokens = {s.ref: s.n_tokens for s in state.slots}
+    redone: set[ChunkRef] = set()
     for ref, _ in recalls:
         entry = state.evicted.get(ref)
         if entry is None:
             continue
-        cascade = sum(tokens.get(r, 0) for r in state.graph.preview_cascade(ref, state.refs))
+        dependents = [r for r in state.graph.preview_cascade(ref, state.refs) if r not in redone]
+        redone.update(dependents)
+        cascade = sum(tokens.get(r, 0) for r in dependents)
         saved += entry.n_tokens + cascade
         cost += entry.n_tokens + cascade + (entry.n_tokens if entry.owes_encode else 0)
     return cost, saved

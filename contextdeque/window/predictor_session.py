@@ -11,9 +11,12 @@ What it learns, per window family, from the operations it observes:
   group to leave), a histogram smoothed towards a recency prior 1 / (1 + rank).
 - **where**: how often a recall went to the end, or to the front (a look-back).
 - **how often**: recalls per evicted group, the chance that an evicted group comes back at all.
+- **the front**: how often an evicting step took the window's front chunk (what preparing the
+  next slide is worth: agents that keep their task in front never slide it out).
 
 What the agent said (:meth:`~contextdeque.window.ContextWindow.expect`) comes first: the hints
-as one chain in the order given, and each alone. Each prediction is priced by
+as one chain in the order given, then the chain's shorter prefixes (the longest that fits the
+idle budget is prepared), and, less likely, each later hint alone. Each prediction is priced by
 :func:`~.predictor.chain_tokens` (the conditioning graph's recall cascade included); a chain's
 saving counts each later member at the learned chance that the group goes on.
 """
@@ -32,6 +35,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .state import WindowState
 
 HINT_PROBABILITY = 0.9  # the agent said it may look there next
+PREFIX_DISCOUNT = 0.001  # a hinted chain's shorter prefixes rank right after it, longest first
+ALONE_DISCOUNT = 0.5  # a later hint recalled before the ones named ahead of it: possible, less likely
 MIN_CHAIN_PROBABILITY = 0.1  # a chain stops where the chance that the group gets that far falls below this
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the recency prior in the learned rank histogram
 EVICTING = ("evict", "slide")
@@ -52,6 +57,9 @@ class SessionPredictor(RecallPredictor):
         self.chances = 0
         self._last_op = ""
         self._waiting_for: ChunkRef | None = None  # the member evicted right after the last recalled one
+        self.front_left = 0  # evicting steps that took the window's front chunk
+        self.evicting_steps = 0
+        self._front: ChunkRef | None = None  # the front chunk after the last step
 
     # ------------------------------------------------------------------ learning
     def observe(self, receipt: "Receipt", state: "WindowState") -> None:
@@ -64,6 +72,10 @@ class SessionPredictor(RecallPredictor):
             self._waiting_for = None
         if op == "recall" and receipt.refs:
             self._learn_recall(receipt.refs[0], state)
+        if op in EVICTING and receipt.left:
+            self.evicting_steps += 1
+            self.front_left += int(self._front in receipt.left)
+        self._front = state.refs[0] if state.refs else None
         if receipt.left:
             # (a run of evicting steps is one group; the run's first step may have let nothing go —
             # a slide of 0 — or its group may have been forgotten: then this one starts it)
@@ -100,6 +112,11 @@ class SessionPredictor(RecallPredictor):
         n = sum(self.rank_seen.values())
         return (self.rank_seen[rank] + PRIOR_WEIGHT * prior) / (n + PRIOR_WEIGHT)
 
+    def p_front_leaves(self) -> float:
+        """How often an evicting step took the front chunk (prior 1/2): agents that keep their
+        task or question in front never slide it out."""
+        return (self.front_left + 1) / (self.evicting_steps + 2)
+
     @property
     def p_follow(self) -> float:
         """Chance that a recalled group member is followed by the next one (prior 2/3: agents
@@ -125,10 +142,14 @@ class SessionPredictor(RecallPredictor):
     def predict(self, state: "WindowState", expected: Mapping[ChunkRef, int | None]) -> list[Prediction]:
         out: list[Prediction] = []
         hints = hinted(state, expected)
-        if len(hints) > 1:  # every hint, in the order given: one chain
-            out.append(priced(state, [r for chain in hints for r in chain], HINT_PROBABILITY, "expected"))
-        out += [priced(state, chain, HINT_PROBABILITY * (0.99 if len(hints) > 1 else 1.0), "expected")
-                for chain in reversed(hints)]
+        chain = [r for group in hints for r in group]
+        # every hint, in the order given: one chain, then its shorter prefixes (the recalls that
+        # come first, what a smaller idle budget can still prepare: each prefix is the start of
+        # the chain's own arrangement, so its patches serve the chain too), longest first
+        for n in range(len(chain), 0, -1):
+            out.append(priced(state, chain[:n], HINT_PROBABILITY * (1.0 - PREFIX_DISCOUNT * (len(chain) - n)), "expected"))
+        if len(hints) > 1:  # each later hint alone, in case the agent goes there first: after the chain
+            out += [priced(state, group, HINT_PROBABILITY * ALONE_DISCOUNT, "expected") for group in reversed(hints[1:])]
         groups: dict[int | ChunkRef, list[ChunkRef]] = {}  # most recent group first; members in eviction order
         for ref in recent_evicted(state):
             groups.setdefault(self.group_of.get(ref, ref), []).insert(0, ref)
@@ -145,12 +166,14 @@ class SessionPredictor(RecallPredictor):
         counted at the chance that the group gets that far)."""
         recalls: list[Recall] = []
         cost = saved = 0.0
+        done = 0  # saved tokens of the chain so far, undiscounted
         go_on = 1.0
         for i, ref in enumerate(members):
             if i and go_on * self.p_follow < MIN_CHAIN_PROBABILITY:
                 break
             go_on *= self.p_follow if i else 1.0
             recalls.append((ref, at if not isinstance(at, int) else at + i))
-            c, s = chain_tokens(state, [(ref, None)])
-            cost, saved = cost + c, saved + go_on * s
+            c, s = chain_tokens(state, recalls)  # (the chain so far: a dependent re-formed once)
+            cost, saved = c, saved + go_on * (s - done)
+            done = s
         return Prediction(tuple(recalls), p, int(cost), int(round(saved)), "group" if len(recalls) > 1 else "recency")

@@ -19,7 +19,8 @@ from ..core.cooperative import checkpoint
 from .context import WindowContext
 from .graph import Cascade
 from .kvstate import antecedent_states
-from .plan import Clear, Form, Keep, Reuse
+from .plan import Clear, Form, Keep, Prepared, Reuse
+from .prepared import prepared_key
 from .policy import CLEAR, KEEP, Decision, PatchPolicy
 from .receipt import Meter
 from .ref import ChunkRef
@@ -181,6 +182,37 @@ def execute(
         return (*slot.stack, cond) if decision.stack else (cond,)
 
 
+def _defers_reforward(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], reason: str | None, valid: bool,
+                      in_cascade: bool) -> bool:
+    """Whether the window's policy defers provisional ``slot`` to a re-forward by ``heal`` here
+    (latency-first: the eager policy would re-condition it; ``latency-shared`` heals with the
+    canonical instead, so nothing is re-forwarded)."""
+    if not getattr(ctx.policy, "lazy_canonicals", False):
+        return False
+    cascade = in_cascade and ctx.cascade_policy == "reform"
+    asked = ctx.policy.decide("cascade" if cascade else reason, slot, prefix, valid=valid and not cascade, rank=ctx.rank)
+    return asked.deferred
+
+
+def _prepared(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], mode: str, meter: Meter) -> Slot | None:
+    """Provisional ``slot`` conditioned anew behind ``prefix`` (``reconcile``'s ``prepared``):
+    ``"run"``: the conditioned forward now, kept for the step that lands here; ``"take"``: the
+    one kept for exactly this prefix (None: none)."""
+    key = prepared_key(slot.chunk.id, prefix)
+    if mode == "run":
+        from .ingest import reforward  # (ingest builds on this module's neighbours)
+
+        out = reforward(ctx, slot, prefix, meter)
+        ctx.prepared.put(key, out.chunk)
+        return out
+    found = ctx.prepared.get(key)
+    if found is None:
+        return None
+    meter.served[slot.ref] = "anticipated"
+    meter.plan.add(Prepared(slot.chunk.id, slot.n_tokens, antecedents=tuple(s.chunk.id for s in prefix)))
+    return Slot(ref=slot.ref, chunk=found, inline_on=tuple((s.ref, s.version) for s in prefix))
+
+
 def reconcile(
     ctx: WindowContext,
     slots: Sequence[Slot],
@@ -190,6 +222,7 @@ def reconcile(
     recalled: ChunkRef | None = None,
     cascade_candidates: frozenset[ChunkRef] = frozenset(),
     policy: PatchPolicy | None = None,
+    prepared: str | None = None,
 ) -> tuple[tuple[Slot, ...], Cascade | None]:
     """Re-condition and re-place ``slots`` (the window's new order) after an operation.
 
@@ -198,6 +231,10 @@ def reconcile(
     depend on it in the conditioning graph. Returns the new slots and, for a recall, the
     cascade it implied and how the cascade policy handled it. ``policy``: decide with this
     policy instead of the window's (``heal`` carries out the eager policy's decisions).
+    ``prepared``: what becomes of a provisional slot the window's (latency-first) policy would
+    defer to ``heal``'s re-forward (``window.prepared``): ``"run"`` runs that forward now and
+    keeps it for the step that lands here (anticipation's simulation), ``"take"`` takes the one
+    kept for exactly this prefix, if any (a live step); None: neither.
     """
     policy = policy or ctx.policy
     out: list[Slot] = []
@@ -229,6 +266,13 @@ def reconcile(
         if in_cascade and ctx.cascade_policy == "reform" and decision.action == "keep" and not decision.deferred:
             reason = "cascade"
             decision = policy.decide(reason, slot, prefix, valid=False, rank=ctx.rank)
+        redone = None
+        if prepared is not None and slot.provisional and prefix and reason != "append" and \
+                (prepared == "run" or len(ctx.prepared)) and _defers_reforward(ctx, slot, prefix, reason, valid, in_cascade):
+            redone = _prepared(ctx, slot, prefix, prepared, meter)
+            if redone is not None:
+                slot, decision = redone, KEEP
+                meter.reconditioned.add(slot.ref)
         stack = execute(ctx, slot, prefix, decision, meter, reason)
         new = place(ctx, slot, pos, stack, meter)
         if stack is not slot.stack and new.stale:
@@ -237,7 +281,7 @@ def reconcile(
             implied.append(slot.ref)
             if is_direct:
                 direct.append(slot.ref)
-            if stack is not slot.stack:
+            if stack is not slot.stack or redone is not None:
                 reformed.append(slot.ref)
             elif ctx.cascade_policy == "flag":
                 new = new.flagged(True)

@@ -580,8 +580,8 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             reasons[ref] = "append" if forward_in else "recall"  # (provisional: exact where it stands)
             for later in slots[pos + 1 :]:
                 reasons[later.ref] = "inserted"
-            state.slots, cascade = reconcile(
-                ctx, slots, reasons, meter, recalled=ref, cascade_candidates=candidates - set(left)
+            state.slots, cascade = reconcile(  # (a provisional dependent takes what anticipation prepared)
+                ctx, slots, reasons, meter, recalled=ref, cascade_candidates=candidates - set(left), prepared="take"
             )
             return {"refs": (ref,), "left": tuple(left), "cascade": cascade, "placed": ((ref, pos, why),)}, None
 
@@ -609,7 +609,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             by_ref = {s.ref: s for s in state.slots}
             slots = [by_ref[r] for r in refs]
             reasons = {r: "reorder" for r in refs}
-            state.slots, _ = reconcile(self._ctx, slots, reasons, meter)
+            state.slots, _ = reconcile(self._ctx, slots, reasons, meter, prepared="take")  # (provisional: what anticipation prepared)
             note_reorder(self._ctx.reorders_seen, current, refs)  # (reorder anticipation learns from these)
             return {"refs": tuple(refs)}, None
 
