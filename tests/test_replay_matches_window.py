@@ -42,15 +42,11 @@ import contextdeque.scheduler  # noqa: F401  (registers the scheduler's placemen
 from contextdeque.window.placement import PLACEMENT_POLICIES, make_placement
 
 WINDOW_RULES = sorted(name for name, rule in REUSE_COSTS.items() if rule.window_policy is not None)
-# an offline placement reads the trace's future: the replay has it, a live window does not
-# "valid" is where a window puts recalls the agent did not pin (recall_placement); the trace
-# executor pins every recall a trace names, so a window's own placement is arrival or scheduler
-# here. (As a window's placement for appends too, "valid" takes orders with new chunks in front;
-# the replay then prices the residents' upkeep by staleness where the live eager policy keeps an
-# inserted chunk's patch: 120 priced vs 111 live forwards on the doc trace; not reconciled yet.)
-RECALL_ONLY = {"valid"}
-ONLINE_PLACEMENTS = sorted(name for name in PLACEMENT_POLICIES
-                           if not getattr(make_placement(name), "offline", False) and name not in RECALL_ONLY)
+# an offline placement reads the trace's future: the replay has it, a live window does not.
+# "valid" (recall_placement's default) as a window's placement puts entering chunks where a stored
+# patch stays valid, often in front of residents: a recall's cascade then reaches chunks something
+# was inserted before (the live window re-forms them as the replay does)
+ONLINE_PLACEMENTS = sorted(name for name in PLACEMENT_POLICIES if not getattr(make_placement(name), "offline", False))
 RANK = 8
 SCALE = 1 / 64
 BUDGET = 94  # tokens of the scaled traces (about 6,000 of the generated ones)
@@ -81,10 +77,9 @@ def _costly(plan) -> Counter:
 
 
 def test_the_rules_and_placements_cover_the_window():
-    """Guards the parametrization: the four window policies and both online placements (``valid``,
-    recall_placement's default, is registered and left out on purpose: see RECALL_ONLY)."""
+    """Guards the parametrization: the four window policies and the three online placements."""
     assert WINDOW_RULES == ["blind", "patch", "patch-latency", "patch-latency-shared"]
-    assert ONLINE_PLACEMENTS == ["arrival", "scheduler"] and RECALL_ONLY <= set(PLACEMENT_POLICIES)
+    assert ONLINE_PLACEMENTS == ["arrival", "scheduler", "valid"]
 
 
 def _check(backend, kind: str, rule: str, placement: str, budget: int | None = None, anticipate: bool = False,

@@ -109,3 +109,38 @@ def test_serve_and_message_windows_take_the_config_as_given():
         MessageWindow(None, WindowConfig(overflow="slide"))
     with pytest.raises(WindowError):
         WindowConfig(patch_policy="no-such-policy")
+
+
+def test_window_bench_rows_backend_and_family_counters_are_counters():
+    """``StepRow`` (window-bench's per-step rows), the backend's counts and a window family's own
+    counts are :class:`Counters`: they add generically and write the names they wrote before."""
+    from contextdeque.eval.step_bench import StepRow
+    from contextdeque.window.context import FamilyCounters
+
+    a = StepRow(policy="eager", step="slide", forwards=2, tokens_prefilled=7, encodes=1, heal_forwards=1,
+                kl_answer=0.12345678, kl_vs_eager=None, ttft_ms=2.0, reprefill_ms=3.0, prefix_cache_ms=1.0)
+    b = StepRow(policy="latency", step="slide", forwards=1, tokens_prefilled=3, deferred=2)
+    d = (a + b).as_dict()
+    assert set(d) == {"policy", "step", "forwards", "step_ms", "ttft_ms", "reprefill_ms", "prefix_cache_ms",
+                      "kl_answer", "kl_healed", "heal_ms", "heal_forwards", "kl_vs_eager", "deferred", "page_mb",
+                      "floor_ms", "served", "placed", "ttft_vs_reprefill", "ttft_vs_prefix_cache"}
+    assert (d["policy"], d["forwards"], d["heal_forwards"], d["deferred"]) == ("eager", 3, 1, 2)
+    assert d["kl_answer"] == 0.123457 and d["ttft_vs_reprefill"] == 1.5 and d["kl_vs_eager"] is None
+    assert (a + b).counts()["tokens_prefilled"] == 10 and isinstance(a, Counters)
+
+    fam = FamilyCounters(encodes=2, decode_forwards=3)
+    fam += FamilyCounters(encodes=1, vision_encodes=1)
+    assert fam.as_dict() == {"encodes": 3, "decode_forwards": 3, "decode_tokens": 0, "vision_encodes": 1}
+
+
+def test_backend_counts_every_forward_in_its_counters(tiny_backend_factory, one_thread):
+    """The backend's ``forwards_run`` / ``tokens_prefilled`` are its :class:`Counters`; a root view
+    counts its own (from where the backend stood)."""
+    backend = tiny_backend_factory("llama")
+    before = dataclasses.replace(backend.counters)
+    backend.forward(input_ids=[5, 6, 7], positions=backend.text_positions(0, 3), logits="none")
+    assert (backend.counters.forwards - before.forwards, backend.tokens_prefilled - before.tokens_prefilled) == (1, 3)
+    assert backend.forwards_run == backend.counters.forwards
+    view = backend.with_root([9])
+    view.count_forward(4)
+    assert view.counters.forwards == backend.counters.forwards + 1 and view.tokens_prefilled == backend.tokens_prefilled + 4

@@ -328,6 +328,19 @@ def test_transitive_cascade(backend):
     assert rc.cascade.implied == (b, c) and rc.cascade.reformed == (b, c)
 
 
+def test_a_cascade_reaches_a_chunk_the_recall_is_inserted_before(backend):
+    """Recalled into the middle on a new prefix (its state changes), r cascades to b (now in front
+    of it) and to c, which r is inserted before: c re-forms too (its own decision, a stored patch on
+    its new prefix or else keep, would leave it conditioned on a state of r that is gone)."""
+    win = ContextWindow(backend, rank=2, patch_policy="eager")
+    x, r, b, c = (win.append(token_ids=t) for t in (A, B, C, D))
+    win.evict(r)
+    rc = win.recall(r, at=2)
+    assert win.refs == (x, b, r, c) and rc.cascade.direct == (b, c)
+    assert rc.cascade.reformed == (b, c) and win.stale_refs == ()
+    assert [p.antecedents for p in win.patches(c)] == [(x.chunk_id, b.chunk_id, r.chunk_id)]
+
+
 def test_recall_with_an_identical_fresh_patch_cascades_nothing(backend):
     """Recalled onto the very antecedent states it was conditioned on, the fresh patch equals
     the old conditioning: its dependents are not stale. Exact and recall patches share one store
@@ -617,18 +630,18 @@ def test_image_chunks_never_rerun_the_vision_tower(tiny_backend_factory):
     win = ContextWindow(backend, budget_tokens=200, rank=4, store=store, patch_policy="eager")
     win.append(token_ids=[5, 6, 7, 8])
     ref = win.append(image=img, processor=proc)
-    assert win._ctx.counters["vision_encodes"] == 1
+    assert win._ctx.counters.vision_encodes == 1
     assert win.placement()[-1][0] == ref
     direct = encode_image(backend, img, proc)
     assert ref.chunk_id == direct.id  # same canonical as encoding the image directly
     win.evict(ref)
     win.purge(ref)
-    encodes = win._ctx.counters["encodes"]
+    encodes = win._ctx.counters.encodes
     again = win.append(image=img, processor=proc)
-    assert win._ctx.counters["vision_encodes"] == 1 and win._ctx.counters["encodes"] == encodes
+    assert win._ctx.counters.vision_encodes == 1 and win._ctx.counters.encodes == encodes
     other = ContextWindow(backend, budget_tokens=200, rank=4, store=store, patch_policy="eager")
     other.append(image=img, processor=proc)
-    assert other._ctx.counters.get("vision_encodes", 0) == 0 and other._ctx.counters["encodes"] == 0
+    assert other._ctx.counters.vision_encodes == 0 and other._ctx.counters.encodes == 0
     with pytest.raises(WindowError):
         win.append(image=img)  # no processor
     assert again.chunk_id == ref.chunk_id

@@ -92,12 +92,12 @@ def test_reprs_are_concise(backend):
 def test_overflow_error_refuses_before_encoding(backend):
     win = ContextWindow(backend, rank=2, budget_tokens=6, overflow="error")
     win.append(token_ids=A)
-    before, fwd, enc = state(win), backend.forwards_run, win.context.counters["encodes"]
+    before, fwd, enc = state(win), backend.forwards_run, win.context.counters.encodes
     with pytest.raises(BudgetError, match="budget"):
         win.append(token_ids=[40, 41, 42])
     with pytest.raises(BudgetError, match="budget"):
         win.extend([{"token_ids": [40]}, {"token_ids": [41, 42]}])
-    assert backend.forwards_run == fwd and win.context.counters["encodes"] == enc
+    assert backend.forwards_run == fwd and win.context.counters.encodes == enc
     assert state(win) == before
 
 

@@ -45,10 +45,10 @@ def test_corrupt_canonical_is_quarantined_and_re_encoded(tmp_path, backend, one_
 
     store = store_on(tmp_path / "s")  # a new process's view: nothing in memory
     win = ContextWindow(backend, rank=2, store=store, patch_policy="eager")
-    enc = win.context.counters["encodes"]
+    enc = win.context.counters.encodes
     again = win.append(token_ids=A)
     rec = again.receipt
-    assert win.context.counters["encodes"] == enc + 1
+    assert win.context.counters.encodes == enc + 1
     assert any("quarantined" in r for r in rec.repairs), rec.repairs
     assert any("re-encoded" in r for r in rec.repairs), rec.repairs
     assert "repair" in rec.summary()
@@ -85,9 +85,9 @@ def test_missing_canonical_is_re_encoded_on_recall(tmp_path, backend, one_thread
     key = win.store.chunk_key(a.chunk_id, win.context.fingerprint)
     assert win.store.store.where(key) == ["disk"]
     win.store.store.tier("disk").file_for(key).unlink()  # deleted behind the store's back
-    enc = win.context.counters["encodes"]
+    enc = win.context.counters.encodes
     rec = win.recall(a, at=0)
-    assert win.context.counters["encodes"] == enc + 1
+    assert win.context.counters.encodes == enc + 1
     assert any("re-encoded" in r for r in rec.repairs), rec.repairs
     for (k0, v0), (k1, v1) in zip(page_before, win.kv(a)):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)

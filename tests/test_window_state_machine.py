@@ -393,9 +393,9 @@ def make_machine(backend: HFBackend, pool: list[list[int]], policies: list[str],
             if self.win is None:
                 return
             if self.latency():  # canonicals of new content are computed when healing (once)
-                assert self.win.context.counters["encodes"] <= len(self.contents)
+                assert self.win.context.counters.encodes <= len(self.contents)
             else:
-                assert self.win.context.counters["encodes"] == len(self.contents)
+                assert self.win.context.counters.encodes == len(self.contents)
 
         @invariant()
         def exact_equals_reprefill(self) -> None:

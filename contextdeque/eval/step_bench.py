@@ -41,6 +41,7 @@ from typing import Any, Callable
 import torch
 
 from ..scheduler import ValidPlacement  # noqa: F401  (registers recall_placement="valid")
+from ..core.counters import Counters, adds, shown
 from ..core.metrics import kl_divergence
 from ..kernels.bench_util import copy_bandwidth
 from ..window.placement import END
@@ -51,25 +52,35 @@ STEP_KL_BUDGET = 3e-3  # the "+budget" policies' answer_kl_budget: issue 21's ac
 STEPS = ("slide", "recall", "recall-valid", "look-back", "reorder", "fork+reorder", "append")
 
 
-@dataclass
-class StepRow:
-    policy: str
-    step: str
-    forwards: int
-    step_ms: float
-    ttft_ms: float
-    reprefill_ms: float
-    prefix_cache_ms: float
-    kl_answer: float
-    kl_healed: float
-    heal_ms: float
-    heal_forwards: int
-    kl_vs_eager: float | None
-    deferred: int
-    page_mb: float
-    floor_ms: float
-    served: str = ""  # what the step's receipt says each re-conditioned chunk was served (Receipt.served)
-    placed: str = ""  # for a recall: the index it went to and why (Receipt.placed)
+def _rounded(v: "float | None") -> "float | None":
+    return round(v, 6) if isinstance(v, float) else v
+
+
+@dataclass(kw_only=True)
+class StepRow(Counters):
+    """One step of one policy: the step's receipt's :class:`~contextdeque.core.counters.Counters`
+    (``forwards`` on the critical path, tokens prefilled, encodes, patches formed / reused) beside
+    its measured times and KLs (see the module doc). Rows add like every cost record; a row writes
+    the names it always wrote (of the counts, ``forwards``)."""
+
+    json_omit = frozenset({"tokens_prefilled", "encodes", "patches_formed", "patches_reused"})
+
+    policy: str = shown()
+    step: str = shown()
+    step_ms: float = shown(_rounded, default=0.0)
+    ttft_ms: float = shown(_rounded, default=0.0)
+    reprefill_ms: float = shown(_rounded, default=0.0)
+    prefix_cache_ms: float = shown(_rounded, default=0.0)
+    kl_answer: float = shown(_rounded, default=0.0)
+    kl_healed: float = shown(_rounded, default=0.0)
+    heal_ms: float = shown(_rounded, default=0.0)
+    heal_forwards: int = adds()
+    kl_vs_eager: float | None = shown(_rounded)
+    deferred: int = adds()
+    page_mb: float = shown(_rounded, default=0.0)
+    floor_ms: float = shown(_rounded, default=0.0)
+    served: str = shown(default="")  # what the step's receipt says each re-conditioned chunk was served (Receipt.served)
+    placed: str = shown(default="")  # for a recall: the index it went to and why (Receipt.placed)
 
     @property
     def vs_reprefill(self) -> float:
@@ -79,11 +90,8 @@ class StepRow:
     def vs_prefix_cache(self) -> float:
         return self.prefix_cache_ms / max(self.ttft_ms, 1e-9)
 
-    def as_dict(self) -> dict[str, Any]:
-        out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
-        out["ttft_vs_reprefill"] = round(self.vs_reprefill, 3)
-        out["ttft_vs_prefix_cache"] = round(self.vs_prefix_cache, 3)
-        return out
+    def _derived(self) -> dict[str, Any]:
+        return {"ttft_vs_reprefill": round(self.vs_reprefill, 3), "ttft_vs_prefix_cache": round(self.vs_prefix_cache, 3)}
 
 
 def _window_ids(win: ContextWindow) -> list[int]:
@@ -240,7 +248,7 @@ def run_steps(
             if bandwidth is None:
                 bandwidth = copy_bandwidth(max(page_bytes, 1 << 24), backend.device)
             rows.append(StepRow(
-                policy=policy, step=step, forwards=receipt.forwards, step_ms=step_ms, ttft_ms=ttft_ms,
+                **receipt.counts(), policy=policy, step=step, step_ms=step_ms, ttft_ms=ttft_ms,
                 reprefill_ms=reprefill_ms, prefix_cache_ms=prefix_ms, kl_answer=kl_answer, kl_healed=kl_healed,
                 heal_ms=heal_ms if healed.refs else 0.0, heal_forwards=healed.forwards,
                 kl_vs_eager=kl_vs_eager,

@@ -75,6 +75,7 @@ from ..window import ContextWindow
 from ..window.policy import make_policy
 from ..window.store import WindowStore, default_store
 from .layerwise import LayerPipeline
+from .stats import RuntimeStats
 from .paged import PagedLayout, PromptCut, PromptCutter, paged_layout_for
 from ..patch.rank import DEFAULT_RANK
 
@@ -264,7 +265,7 @@ class Runtime:
         self.rank = int(rank)
         self.encode_on_finish = encode_on_finish
         self.cutter = PromptCutter(self.backend.tokenizer)
-        self.stats: dict[str, float] = defaultdict(float)
+        self.stats = RuntimeStats()  # counted from the scheduler and the loading thread: under its one lock
         self.refused: str | None = None
         self._views: dict[tuple[int, ...], Any] = {}
         self._lock = threading.RLock()
@@ -303,12 +304,12 @@ class Runtime:
                                                     traffic=traffic)
             except ContextDequeError as exc:  # another model's or layout's entry under this key
                 log.warning("contextdeque: stored chunk %s refused (%s); vLLM prefills from there", key[:24], exc)
-                self.stats["refused_entries"] += 1
+                self.stats.count(refused_entries=1)
                 found = None
             if found is None:
                 break
             n += 1
-        self.stats["quarantined"] += len(traffic.quarantined)
+        self.stats.count(quarantined=len(traffic.quarantined))
         return Match(cut, n) if n else None
 
     def encode_missing(self, prompt: Sequence[int]) -> None:
@@ -323,8 +324,7 @@ class Runtime:
                 continue
             chunk = view.encode(token_ids=list(tokens))
             self.window_store.put_chunk(chunk, traffic=TierTraffic())
-            self.stats["encodes"] += 1
-            self.stats["encode_tokens"] += len(tokens)
+            self.stats.count(encodes=1, encode_tokens=len(tokens))
 
     # ------------------------------------------------------------------ worker side
     def window_reader(self, spec: LoadSpec) -> Callable[[int], LayerKV]:
@@ -339,8 +339,7 @@ class Runtime:
             try:
                 for tokens in spec.chunks:
                     rec = win.append(token_ids=list(tokens)).receipt
-                    for k in ("forwards", "tokens_prefilled", "encodes", "patches_formed", "patches_reused"):
-                        self.stats[f"window_{k}"] += float(getattr(rec, k))
+                    self.stats.count(**{f"window_{k}": float(n) for k, n in rec.counts().items()})
                 held = win.tokens_used + len(spec.root)
                 read = win.kv_layer_reader()
             finally:
@@ -363,7 +362,7 @@ class Runtime:
             modality="text", meta={"input_digest": inp.input_digest, "source": "vllm"},
         )
         self.window_store.put_chunk(chunk, traffic=TierTraffic())
-        self.stats["saved_from_vllm"] += 1
+        self.stats.count(saved_from_vllm=1)
 
     def check_root(self, root: Sequence[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Compare the root's KV vLLM cached with contextdeque's (the run-time proof); a mismatch
@@ -373,7 +372,7 @@ class Runtime:
         for (k, v), (k2, v2) in zip(layers, ours):
             for a, b in ((k, k2), (v, v2)):
                 err = max(err, float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)))
-        self.stats["root_check_max_rel_err"] = max(self.stats["root_check_max_rel_err"], err)
+        self.stats.count_max("root_check_max_rel_err", err)
         if not math.isfinite(err) or err > ROOT_KV_TOLERANCE:
             self.refused = (f"vLLM's cached KV of the root differs from contextdeque's (relative error {err:.2e}): "
                             "its rotary or weights are not the ones contextdeque relocates; loading is off")
@@ -452,7 +451,7 @@ class ContextDequeConnector(KVConnectorBase_V1):
         prompt = list(request.prompt_token_ids or [])
         t0 = time.perf_counter()
         match = self.rt.match(prompt)
-        self.stats["match_ms"] += (time.perf_counter() - t0) * 1000.0
+        self.stats.count(match_ms=(time.perf_counter() - t0) * 1000.0)
         if match is None:
             return 0, False
         n = match.n_chunks
@@ -601,22 +600,18 @@ class ContextDequeConnector(KVConnectorBase_V1):
             return
         failed = pipe.join()
         t = pipe.times
-        self.stats["load_prepare_ms"] += t.prepare
-        self.stats["load_layers_ms"] += sum(t.load)
-        self.stats["load_wait_ms"] += sum(t.wait)
-        self.stats["load_compute_ms"] += sum(t.compute)
-        self.stats["load_steps"] += 1
+        self.stats.count(load_prepare_ms=t.prepare, load_layers_ms=sum(t.load), load_wait_ms=sum(t.wait),
+                      load_compute_ms=sum(t.compute), load_steps=1)
         self.last_pipeline = pipe
         for req_id, spec in self._load_specs.items():
             exc = failed.get(req_id)
             if exc is None:
-                self.stats["loads"] += 1
-                self.stats["tokens_loaded"] += spec.end - spec.start
+                self.stats.count(loads=1, tokens_loaded=spec.end - spec.start)
                 continue
             log.warning("contextdeque: load of request %s failed (%s); vLLM recomputes it", req_id, exc)
             first, last = spec.start // self.block_size, (spec.end - 1) // self.block_size
             self._failed_blocks.update(spec.block_ids[first : last + 1])
-            self.stats["load_failures"] += 1
+            self.stats.count(load_failures=1)
         self._load_specs = {}
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:

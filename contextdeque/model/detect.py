@@ -25,6 +25,7 @@ import torch
 import transformers
 
 from ..core import compat
+from ..core.counters import Counters
 from ..core.errors import UnsupportedLayoutError
 from ..core.kv import LayerKV
 from ..core.layout import KVLayout
@@ -353,7 +354,7 @@ def prove_layout(
         if 0 in probe_kv and view is not backend:
             # the root's cache at position 0 is the canonical probe's first token (causal attention)
             view.adopt_root_kv([(k[:, :1].clone(), v[:, :1].clone()) for k, v in probe_kv[0]])
-        view.forwards_run = 0
+        view.counters = Counters()  # the proof's own forwards
         try:
             chunk = view.encode(token_ids=ids[1:])
             reports = check_chunk(view, chunk, offsets, "proof", oracles=oracles)

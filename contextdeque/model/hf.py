@@ -9,6 +9,7 @@ arms and the re-prefill oracle alike.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import weakref
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..core.counters import Counters
 from ..core.chunk import Chunk, check_representable, chunk_id, digest, storage_dtype
 from ..core.args import check_instance, check_str, check_token_ids
 from ..core.errors import ArgumentError, EmptyChunkError, FingerprintMismatchError, ModelLoadError
@@ -152,12 +154,10 @@ class HFBackend:
             raise EmptyChunkError("the window root must hold at least one token")
         self.root_digest = digest(list(self.root_ids))[:16]
         self._root_kv: list[LayerKV] | None = None
-        self.forwards_run = 0
-        self.tokens_prefilled = 0
+        self.counters = Counters()  # every forward this backend ran (forwards, tokens prefilled)
         # the proof at load: relocation vs the model's own shifted forward (cached per fingerprint)
         self.proof = prove_layout(self, probes=probes, behavior=behavior) if verify_at_load else None
-        self.forwards_run = 0
-        self.tokens_prefilled = 0
+        self.counters = Counters()  # (the proof's forwards are not the caller's)
         register_layout(self.layout)
 
     def with_root(self, root_ids: Sequence[int]) -> "HFBackend":
@@ -172,9 +172,20 @@ class HFBackend:
         view.root_ids = ids
         view.root_digest = digest(list(ids))[:16]
         view._root_kv = None
+        view.counters = dataclasses.replace(self.counters)  # the view counts its own forwards
         return view
 
     # ------------------------------------------------------------------ basics
+    def count_forward(self, tokens: int) -> None:
+        """Count one model forward over ``tokens`` new tokens (``forward`` does; so does a caller
+        that runs the model itself: a partial pass, a decode step)."""
+        self.counters.forwards += 1
+        self.counters.tokens_prefilled += int(tokens)
+
+    # what the window's receipts difference (read-only views of ``counters``)
+    forwards_run = property(lambda self: self.counters.forwards, doc="Model forwards this backend has run.")
+    tokens_prefilled = property(lambda self: self.counters.tokens_prefilled, doc="Tokens those forwards processed.")
+
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -240,8 +251,7 @@ class HFBackend:
             self.model, self.n_pos_axes, input_ids=input_ids, inputs_embeds=inputs_embeds, positions=positions,
             past=past, logits=logits,
         )
-        self.forwards_run += 1
-        self.tokens_prefilled += kv[0][0].shape[-2]
+        self.count_forward(kv[0][0].shape[-2])
         return ForwardResult(kv=kv, logits=lg)
 
     def root_kv(self) -> list[LayerKV]:

@@ -176,7 +176,7 @@ class ImagePath:
         """Times pixels were turned into embeddings: the vision tower's runs (counted by the
         window) or the emulation's projections."""
         if self.processor is not None:
-            return int(window.context.counters.get("vision_encodes", 0))
+            return window.context.counters.vision_encodes
         return self.projections
 
 

@@ -1,17 +1,17 @@
-"""The placement cost: what an order of the window costs in patch forms, store hits and staleness.
+"""The placement objective: the window's own plan for a candidate order, priced.
 
-For a candidate order, every chunk is looked at behind its prefix, as the window's default patch
-policy would treat it:
+For a candidate order, every chunk is looked at behind its prefix and the window's patch policy
+(``PlacementView.patch_policy``, the one ``reconcile`` runs) decides what happens to it, over key-only
+slots (``window.plan.KeySlot``) -- no rule of the policy is restated here:
 
-- nothing in front: its canonical is exact (free);
-- an *entering* chunk (append / recall): a stored exact (or recall) patch on exactly this
-  prefix, or an orbit patch on this prefix's set, is a store hit (``hit``); otherwise one
-  conditioned forward forms a patch (``form``). A recall whose new KV differs from the KV it
-  left with (another prefix, or no stored patch) changes its version, and every resident
-  conditioned on it is re-formed (the conditioning graph's recall cascade, ``form`` each);
-- a *resident*: unchanged prefix = still valid (free); a changed prefix is kept as is (the
-  default policy keeps survivors and chunks something was inserted before), paying ``stale`` x
-  its staleness score (``window.staleness``, token-weighted, 0..1);
+- an *entering* chunk (append / recall) is decided with its reason; a ``form`` is a store hit
+  (``Reuse``) where the store holds its patch on exactly this prefix (``view.has_patch``), else a
+  formed patch (``Form``); nothing in front: its canonical. A recall whose new KV differs from
+  the KV it left with changes its version, and every resident conditioned on it is re-formed
+  (the recall cascade: the policy's ``cascade`` decision, a ``Form`` each);
+- a *resident* whose prefix changed is decided as ``"inserted"`` (the default policy: a stored
+  patch on its new prefix, else it keeps its conditioning; at the front, its canonical); one that
+  keeps pays ``stale`` x the staleness it gains (``window.staleness``, token-weighted, 0..1);
 - *divergence* from the order the agent asked for (residents as they stand, entering chunks at
   their ``at`` or the end): every position from the first one where the candidate departs from
   it costs ``diverge``. That is what a later ``reorder`` back to the agent's order re-forms at
@@ -19,15 +19,20 @@ policy would treat it:
   it changes forms): a deviation that saves one form now at the front of a long window would
   cost many at the agent's next comparison reorder, which an online scheduler cannot see coming.
 
-Weights are in units of one patch form.
+The plan's operations are counted by ``Op.counts`` (the counts the window's receipts and the
+replay add up) and priced in units of one patch form: ``form`` per patch formed, ``hit`` per
+patch reused (:meth:`Weights.price`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
+from ..patch.rank import DEFAULT_RANK
 from ..window.placement import PlacementView
+from ..window.plan import ChunkKeys, Clear, Form, Keep, KeySlot, KeySlots, Op, Reuse
+from ..window.policy import Decision, PatchPolicy, make_policy
 from ..window.staleness import staleness_score
 
 Key = Hashable
@@ -41,9 +46,17 @@ class Weights:
     move: float = 1e-3  # a resident whose prefix changes at all (prefers the least churn on ties)
     # a position behind the first departure from the agent's asked order: the share of them a later
     # reorder is expected to re-form (1.0, the worst case of a reorder straight back, never departs
-    # on the generated sets and saves nothing without a budget; 0.5 keeps 215 of 216 generated
-    # traces at or below arrival order, and 356 of 360 held-out ones: docs/replay.md)
+    # on the generated sets and saves nothing without a budget; 0.5 kept 215 of 216 generated
+    # traces at or below arrival order, and 356 of 360 held-out ones: docs/replay.md, measured
+    # before the objective became the window's own plan; tests/test_scheduler.py has today's)
     diverge: float = 0.5
+
+    def price(self, op: "Op | None") -> float:
+        """What a planned operation costs, in patch forms (its ``Op.counts``)."""
+        if op is None:
+            return 0.0
+        n = op.counts()
+        return self.form * n.get("patches_formed", 0) + self.hit * n.get("patches_reused", 0)
 
 
 DEFAULT_WEIGHTS = Weights()
@@ -66,17 +79,65 @@ def asked_order(view: PlacementView, entering: Sequence[tuple[Key, "int | None"]
     return order
 
 
-def entering_cost(view: PlacementView, key: Key, prefix: Sequence[Key], w: Weights) -> tuple[float, bool, bool]:
-    """``(cost, formed, version_changed)`` of an entering chunk behind ``prefix``."""
-    if not prefix:
-        return 0.0, False, bool(view.formed_on.get(key))
-    c = view.content[key]
-    pc = tuple(view.content[k] for k in prefix)
-    if view.has_patch(c, pc):
-        return w.hit, False, tuple(prefix) != tuple(view.formed_on.get(key, ()))
-    if view.has_orbit(c, frozenset(pc)):
-        return w.hit, False, True
-    return w.form, True, True
+def carried_out(decision: Decision, stored: bool) -> Decision | None:
+    """The decision a window carries out (``reconcile.execute``): a store-only ``form`` the store
+    cannot serve (``stored`` False) falls back."""
+    d: Decision | None = decision
+    while d is not None and d.action == "form" and d.reuse_only and not stored:
+        d = d.fallback
+    return d
+
+
+def window_policy(view: PlacementView) -> PatchPolicy:
+    """The patch policy the window runs (its eager one under latency-first: what the heal carries out)."""
+    policy = view.patch_policy if view.patch_policy is not None else _EAGER
+    return getattr(policy, "eager", policy)
+
+
+_EAGER = make_policy("eager")
+
+
+def planned_op(view: PlacementView, key: Key, reason: str, prefix: Sequence[Key], rank: Any = DEFAULT_RANK) -> Op | None:
+    """The operation the window's patch policy plans for ``key`` behind ``prefix`` with ``reason``:
+    ``Reuse`` (its patch on exactly this prefix is stored), ``Form``, ``Keep`` or ``Clear``
+    (``None``: nothing to do)."""
+    formed = view.formed_on.get(key, ())
+    slot_of = _slot_maker(view)
+    valid = len(formed) == len(prefix) and tuple(prefix) == tuple(formed)
+    d = window_policy(view).decide(reason, slot_of(key), KeySlots(prefix, slot_of), valid=valid, rank=rank)
+    c, t = view.content[key], view.tokens[key]
+    if d.action == "form":
+        pc = tuple(view.content[k] for k in prefix)
+        stored = view.has_patch(c, pc)
+        d = carried_out(d, stored)
+        if d is not None and d.action == "form":
+            return Reuse(c, t, kind=d.kind or "exact", antecedents=pc) if stored else Form(c, t, kind=d.kind or "exact", antecedents=pc)
+    if d is None or d.action == "keep":
+        return Keep(c, t)
+    return Clear(c, t) if formed else None
+
+
+def _slot_maker(view: PlacementView):
+    """``key -> KeySlot`` as the patch policy sees a chunk of ``view`` (keys only; carrying a patch
+    when its conditioning was formed on something)."""
+
+    def make(key: Key) -> KeySlot:
+        formed = view.formed_on.get(key, ())
+        return KeySlot(key, ChunkKeys(view.content[key], view.tokens[key]), (), ("patch",) if formed else ())
+    return make
+
+
+def cascade_of(view: PlacementView, key: Key) -> list[Key]:
+    """The residents a recall of ``key`` whose KV changes re-forms (``reconcile``'s cascade): those
+    conditioned on it, and on any of them, transitively."""
+    out: dict[Key, None] = {}
+    frontier = [key]
+    while frontier:
+        for d in view.dependents(frontier.pop()):
+            if d != key and d not in out:
+                out[d] = None
+                frontier.append(d)
+    return list(out)
 
 
 def staleness_of(view: PlacementView, k: Key, prefix: Sequence[Key]) -> float:
@@ -126,12 +187,18 @@ class Scorer:
         v, w = self.view, self.w
         changed, reformed = state
         if k in self.entering:
-            c, formed, vchanged = entering_cost(v, k, prefix, w)
-            forms, hits = int(formed), int((not formed) and bool(prefix))
+            formed = v.formed_on.get(k, ())
+            op = planned_op(v, k, "recall" if formed else "append", prefix)
+            c = w.price(op)
+            n = op.counts() if op is not None else {}
+            forms, hits = n.get("patches_formed", 0), n.get("patches_reused", 0)
+            # its KV changes unless it is served the patch it left with on the same prefix (or the
+            # canonical it had at the front)
+            vchanged = bool(formed) if not prefix else (forms > 0 or tuple(prefix) != tuple(formed))
             if vchanged:
                 changed = changed | {k}
-                new = [d for d in v.dependents(k) if d not in reformed and d not in self.entering]
-                if new:
+                new = [d for d in cascade_of(v, k) if d not in reformed and d not in self.entering]
+                if new:  # the recall cascade: the policy's "cascade" decision forms each (their place is not known yet)
                     reformed = reformed | set(new)
                     c += w.form * len(new)
                     forms += len(new)
@@ -145,41 +212,12 @@ class Scorer:
         i = self.pos.get(k)
         if i == n and tuple(prefix) == tuple(v.order[:i]) and (not changed or not any(a in changed for a in prefix)):
             return 0.0, 0, 0, 0.0, state  # where it stood, behind the same chunks: nothing new
-        s = max(0.0, self.staleness(k, prefix) - (self.stale_now(k) if i is not None else 0.0))
-        action, c = upkeep(v, k, prefix, s, w)
-        if action == "keep":
-            return c, 0, 0, s, state
-        return c, int(action in ("refresh", "removal")), int(action == "refresh-hit"), 0.0, state
-
-
-UPKEEP_ACTIONS = ("keep", "clear", "refresh-hit", "removal", "refresh")
-
-
-def is_subsequence(short: Sequence[Key], long: Sequence[Key]) -> bool:
-    """Whether ``short`` is ``long`` with some items left out (order kept)."""
-    it = iter(long)
-    return all(any(x == y for y in it) for x in short)
-
-
-def upkeep(view: PlacementView, key: Key, prefix: Sequence[Key], gained: float, w: Weights = DEFAULT_WEIGHTS) -> tuple[str, float]:
-    """What a resident whose prefix changed should do with its conditioning, and its cost.
-
-    ``gained``: the staleness it would gain by keeping its patch. The choices (DESIGN §4, the
-    safety envelope's staleness score deciding): ``keep`` (``stale x gained``); ``clear`` (at the
-    front the canonical is exact: free); ``refresh-hit`` (the store holds an exact patch of its
-    content on exactly this prefix: a hit); ``removal`` (only departures from the antecedents it
-    was formed on: a removal patch, one conditioned forward) or ``refresh`` (a new exact patch,
-    one conditioned forward). A move costs ``w.move`` on top whatever is chosen; ties keep.
-    """
-    keep = w.stale * gained + w.move
-    if not prefix:
-        return ("clear", w.move) if view.formed_on.get(key) else ("keep", keep)
-    if view.any_stored(view.content[key]) and view.has_patch(view.content[key], tuple(view.content[a] for a in prefix)):
-        if w.hit + w.move < keep:
-            return "refresh-hit", w.hit + w.move
-    if w.form + w.move < keep:
-        return ("removal" if is_subsequence(prefix, view.formed_on.get(key, ())) else "refresh"), w.form + w.move
-    return "keep", keep
+        op = planned_op(v, k, "inserted", prefix)  # something entered in front of it
+        if isinstance(op, Keep):
+            s = max(0.0, self.staleness(k, prefix) - (self.stale_now(k) if i is not None else 0.0))
+            return w.stale * s + w.move, 0, 0, s, state
+        n_op = op.counts() if op is not None else {}
+        return w.price(op) + w.move, n_op.get("patches_formed", 0), n_op.get("patches_reused", 0), 0.0, state
 
 
 def order_cost(view: PlacementView, order: Sequence[Key], entering: frozenset, w: Weights = DEFAULT_WEIGHTS,

@@ -2,9 +2,9 @@
 
 Each time chunks enter the window it searches for the order of residents + entering chunks
 that keeps stored patches valid and forms the fewest new ones (exact branch-and-bound up to
-``exact_max`` chunks, the insertion heuristic beyond). Residents whose prefix changes keep,
-clear or refresh their conditioning by the staleness they would gain (:meth:`upkeep`, used by the
-replay). Admission under a token budget: online (``offline=False``) the oldest residents leave
+``exact_max`` chunks, the insertion heuristic beyond), pricing each candidate as the window's own
+plan for it (``cost``: its patch policy decides; residents whose prefix changes do what the policy
+says, and what they keep costs the staleness they gain). Admission under a token budget: online (``offline=False``) the oldest residents leave
 first, as under arrival order; offline (``offline=True``, knowing the trace through
 ``PlacementView.future``) the residents the trace never names again leave first, then the
 oldest, and a chunk the agent will reorder before it leaves goes where the agent asked (its
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..window.placement import Key, PlacementPolicy, PlacementView, let_go
-from .cost import DEFAULT_WEIGHTS, Weights, staleness_of, upkeep
+from .cost import DEFAULT_WEIGHTS, Weights
 from .search import EXACT_MAX_CHUNKS, schedule
 
 
@@ -52,13 +52,6 @@ class SchedulerPlacement(PlacementPolicy):
         order, _, how = schedule(view, entering, self.weights, self.exact_max, price=False)
         self.decisions[how] += 1
         return order
-
-    def upkeep(self, view: PlacementView, key: Key, prefix: Sequence[Key], before: Sequence[Key]) -> str:
-        """What resident ``key`` does with its conditioning now that ``prefix`` precedes it instead
-        of ``before``: ``keep`` / ``clear`` / ``refresh-hit`` / ``removal`` / ``refresh``
-        (``cost.upkeep``, decided by the staleness it would gain)."""
-        gained = max(0.0, staleness_of(view, key, prefix) - staleness_of(view, key, before))
-        return upkeep(view, key, prefix, gained, self.weights)[0]
 
     def make_room(self, view: PlacementView, need: int) -> list[Key]:
         if view.budget_tokens is None:

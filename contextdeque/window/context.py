@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..core.cooperative import in_background
+from ..core.counters import Counters, adds
 from ..model.envelope import load_envelope
 from ..patch.alloc import FidelityRule
 from ..patch.rank import FULL, resolve_rank
@@ -35,13 +36,27 @@ PATCH_INDEX_CHUNKS = 4096  # chunks the stored-prefix hint remembers (WindowCont
 PATCH_INDEX_PREFIXES = 32  # prefixes it remembers per chunk
 
 
+@dataclass(kw_only=True)
+class FamilyCounters(Counters):
+    """What a window family counts itself, beside its backend's :class:`~contextdeque.core.counters.Counters`:
+    ``encodes`` (chunks encoded), ``decode_forwards`` / ``decode_tokens`` (forwards the window ran
+    itself for decoding), ``vision_encodes`` (vision tower runs). A family's forwards and tokens are
+    the backend's plus the decode ones (:meth:`WindowContext.total_forwards`); its patches are
+    counted per operation (``Receipt``)."""
+
+    json_omit = frozenset({"forwards", "tokens_prefilled", "patches_formed", "patches_reused"})  # (counted elsewhere)
+
+    decode_forwards: int = adds()
+    decode_tokens: int = adds()
+    vision_encodes: int = adds()
+
+
 @dataclass
 class WindowContext:
     """Shared configuration and counters of a window family (a window and its forks).
 
-    ``counters``: ``encodes`` (chunks encoded by this family), ``decode_forwards`` /
-    ``decode_tokens`` (forwards the window ran itself for decoding, beside the backend's own
-    ``forwards_run`` / ``tokens_prefilled``).
+    ``counters``: what the family counts itself (:class:`FamilyCounters`: encodes, decode forwards
+    and tokens beside the backend's own ``counters``, vision tower runs).
     ``expected_reuse``: ``ref -> float``, how often a chunk is expected to be read again (a
     scheduler may set it; healing order is staleness x expected reuse). None: 1 for every chunk.
 
@@ -54,7 +69,7 @@ class WindowContext:
     store: WindowStore
     policy: PatchPolicy
     config: WindowConfig  # the settings (validated once, when the WindowConfig was made)
-    counters: dict[str, int] = field(default_factory=lambda: {"encodes": 0, "decode_forwards": 0, "decode_tokens": 0})
+    counters: FamilyCounters = field(default_factory=FamilyCounters)
     expected_reuse: Callable[..., float] | None = None
     placement: Any = None  # a window.placement.PlacementPolicy (None: arrival order)
     # where a recall the agent does not pin goes (config.recall_placement; None: as ``placement``)
@@ -120,10 +135,10 @@ class WindowContext:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def total_forwards(self) -> int:
-        return int(self.backend.forwards_run) + self.counters["decode_forwards"]
+        return int(self.backend.forwards_run) + self.counters.decode_forwards
 
     def total_tokens(self) -> int:
-        return int(self.backend.tokens_prefilled) + self.counters["decode_tokens"]
+        return int(self.backend.tokens_prefilled) + self.counters.decode_tokens
 
     @property
     def fidelity_rule(self) -> "FidelityRule | None":

@@ -170,8 +170,8 @@ def generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=to_cache(ctx, layers), **gen_kw
         )
     new_ids = [int(t) for t in out[0, ids.shape[1] :].tolist()]
-    ctx.counters["decode_forwards"] += max(1, len(new_ids))
-    ctx.counters["decode_tokens"] += len(query) + max(0, len(new_ids) - 1)
+    ctx.counters.decode_forwards += max(1, len(new_ids))
+    ctx.counters.decode_tokens += len(query) + max(0, len(new_ids) - 1)
     return new_ids
 
 
@@ -190,8 +190,8 @@ def greedy(
     ``ctx.counters``."""
 
     def count(n: int) -> None:
-        ctx.counters["decode_forwards"] += 1
-        ctx.counters["decode_tokens"] += n
+        ctx.counters.decode_forwards += 1
+        ctx.counters.decode_tokens += n
 
     return greedy_steps(ctx.backend, to_cache(ctx, layers), int(layers[0][0].shape[1]), start, ids, max_new_tokens,
                         eos_ids, count)

@@ -46,7 +46,7 @@ def image_embedding(ctx: WindowContext, image: Any, processor: Any, meter: Meter
     if found is not None:
         return found
     emb = vision.image_embedding(ctx.backend, image, processor)
-    ctx.counters["vision_encodes"] = ctx.counters.get("vision_encodes", 0) + 1
+    ctx.counters.vision_encodes += 1
     meter.notes.append(f"vision tower ran ({emb.embeds.shape[0]} tokens)")
     ctx.store.put_embeds(ctx.fingerprint, emb, traffic=meter.traffic)
     return emb
@@ -168,7 +168,7 @@ def chunk_from_inputs(
 def encode_and_store(ctx: WindowContext, meter: Meter, **inputs: Any) -> Chunk:
     """Encode a canonical (one forward after the root), store it, return the stored copy."""
     encoded = ctx.backend.encode(storage=ctx.storage, **inputs)
-    ctx.counters["encodes"] += 1
+    ctx.counters.encodes += 1
     key = ctx.store.put_chunk(encoded, traffic=meter.traffic)
     meter.plan.add(Encode(encoded.id, encoded.n_tokens, tier=ctx.store.tier_of(key) or "none", nbytes=encoded.nbytes))
     stored = ctx.store.get_chunk(key, fingerprint=ctx.fingerprint, layout=ctx.layout.signature, traffic=meter.traffic)

@@ -50,7 +50,8 @@ class PlacementView:
     token budget (None: none). ``may_hit(c)``: whether any patch of ``c`` is stored (default: from
     ``stored_prefixes``). ``conditioning``: False for windows that carry no patches (blind or
     recompute arms), where order changes no cost. ``future``: offline knowledge, ``key -> index of its next
-    reference`` (None: online).
+    reference`` (None: online). ``patch_policy``: the window's patch policy, whose decisions a
+    placement's objective prices (None: the default eager policy).
     """
 
     order: Sequence[Key]
@@ -65,6 +66,7 @@ class PlacementView:
     conditioning: bool = True
     budget_tokens: int | None = None
     future: Mapping[Key, int] | None = None
+    patch_policy: Any = None  # the window's patch policy (what its plan for an order is decided by); None: eager
 
     def any_stored(self, content: str) -> bool:
         """Whether the store holds any patch (exact, recall or orbit) of ``content``."""
@@ -165,6 +167,7 @@ def window_index(ctx: Any, graph: Any, slots: Sequence[Any], entering: Any, at: 
         stored_prefixes=ctx.patch_index.stored_prefixes,
         dependents=lambda k: [d for d in graph.dependents(k) if d in resident],
         budget_tokens=ctx.budget_tokens,
+        patch_policy=ctx.policy,
     )
     order = policy.place(view, [(entering.ref, at)])
     rest = [k for k in order if k != entering.ref]

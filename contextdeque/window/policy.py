@@ -62,6 +62,16 @@ class Decision:
         if self.action not in ("keep", "clear", "form"):
             raise ValueError(f"unknown decision action {self.action!r}")
 
+    @property
+    def may_keep(self) -> bool:
+        """Whether carrying this out can leave the slot's conditioning as it is, on the critical
+        path: a ``keep``, or a store-only patch that falls back to one when the store has none
+        (not a ``deferred`` keep: that one is queued for the heal)."""
+        d: Decision | None = self
+        while d is not None and d.action == "form" and d.reuse_only:
+            d = d.fallback
+        return d is None or (d.action == "keep" and not d.deferred)
+
 
 KEEP = Decision("keep")
 CLEAR = Decision("clear")

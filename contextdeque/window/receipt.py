@@ -225,7 +225,7 @@ class Meter:
         self.plan = Plan()  # what this operation executed (window.plan)
         self._fw0 = ctx.total_forwards()
         self._tok0 = ctx.total_tokens()
-        self._enc0 = ctx.counters["encodes"]
+        self._enc0 = ctx.counters.encodes
         self._t0 = time.perf_counter()
 
     def page(self, nbytes: int) -> None:
@@ -256,7 +256,7 @@ class Meter:
             op=self.op,
             forwards=self.ctx.total_forwards() - self._fw0,
             tokens_prefilled=self.ctx.total_tokens() - self._tok0,
-            encodes=self.ctx.counters["encodes"] - self._enc0,
+            encodes=self.ctx.counters.encodes - self._enc0,
             patches_formed=self.patches_formed,
             patches_reused=self.patches_reused,
             pages_written=self.pages_written,

@@ -263,7 +263,9 @@ def reconcile(
                 elif a in implied or (behind and a in cascade_candidates):
                     in_cascade = True
         decision = policy.decide(reason, slot, prefix, valid=valid, rank=ctx.rank)
-        if in_cascade and ctx.cascade_policy == "reform" and decision.action == "keep" and not decision.deferred:
+        # a chunk in the cascade re-forms where its own decision could leave its conditioning as it
+        # is (a keep, or an inserted chunk's store-only patch falling back to keep)
+        if in_cascade and ctx.cascade_policy == "reform" and decision.may_keep:
             reason = "cascade"
             decision = policy.decide(reason, slot, prefix, valid=False, rank=ctx.rank)
         redone = None

@@ -394,7 +394,7 @@ def save_window(window: "ContextWindow", path: str | os.PathLike[str]) -> Receip
         chunks=tables.chunks,
         patches=tables.patches,
         receipts=_summary(window.receipts),
-        counters={k: int(v) for k, v in ctx.counters.items()},
+        counters=ctx.counters.as_dict(),
     )
     data = encode_entry(_KEY, StoreEntry(tables.tensors, {_META: manifest.model_dump_json()}), 0)
     _atomic_write(Path(path), data)

@@ -146,8 +146,7 @@ def masked_forward(
     finally:
         if hook is not None:
             hook.remove()
-    backend.forwards_run += 1
-    backend.tokens_prefilled += n
+    backend.count_forward(n)
     last = n_layers - 1 if stop_after is None else min(stop_after, n_layers - 1)
     out = []
     for l in range(last + 1):

@@ -243,8 +243,7 @@ def query_logits(backend: Any, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], 
     out = backend.model(input_ids=ids, position_ids=backend.position_ids(backend.text_positions(start, n)),
                         past_key_values=cache, attention_mask=torch.ones(1, past + n, dtype=torch.long, device=dev),
                         use_cache=True, logits_to_keep=1)
-    backend.forwards_run += 1
-    backend.tokens_prefilled += n
+    backend.count_forward(n)
     return out.logits[0, -1].to(torch.float32)
 
 

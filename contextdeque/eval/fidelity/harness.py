@@ -139,8 +139,7 @@ def score_query(
     eos = getattr(backend.tokenizer, "eos_token_id", None) if backend.tokenizer is not None else None
 
     def count(n: int) -> None:
-        backend.forwards_run += 1
-        backend.tokens_prefilled += n
+        backend.count_forward(n)
 
     # the window's one decoding loop; it always decodes one token: n_decode=0 keeps none of them
     first, answer = greedy_steps(backend, cache, kv[0][0].shape[1], start, [int(t) for t in query_ids],
