@@ -32,7 +32,7 @@ from itertools import count
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..window.anticipate_reorder import note_reorder, plan_reorders
-from ..window.anticipation import note_hint, plan_recalls
+from ..window.anticipation import fulfil_hints, fulfil_orders, note_hint, note_order, plan_recalls, reorder_after
 from ..window.placement import END
 from ..window.plan import ChunkKeys, KeySlot
 from ..window.predictor import make_predictor
@@ -110,6 +110,7 @@ class AnticipationMirror:
         self.predictor = make_predictor(predictor)  # per window family: a fork shares it
         self.reorders_seen: Counter = Counter()
         self.expected: dict[tuple[ChunkRef, ...], Any] = {}  # the current window's hints
+        self.expected_orders: list[tuple[ChunkRef, ...]] = []  # ... and its order hints
         self.evicted: dict[str, None] = {}  # evicted keys, in eviction order
         self._owes: set[str] = set()  # evicted with no canonical computed (``EvictedEntry.owes_encode``)
         self._key_of: dict[ChunkRef, str] = {}
@@ -140,6 +141,10 @@ class AnticipationMirror:
         lets it (heal and anticipation steps are not the agent's: the session predictor skips them)."""
         if not self._anticipating:
             return
+        if op == "recall":  # (``WindowAnticipation._observe``: a recall fulfils its hints, a reorder its order)
+            self.expected = fulfil_hints(self.expected, tuple(map(self.ref_of, keys)))
+        elif op == "reorder" and self.expected_orders:
+            self.expected_orders = fulfil_orders(self.expected_orders, tuple(map(self.ref_of, self.order)))
         self.predictor.observe(Seen(op, tuple(map(self.ref_of, keys)), tuple(map(self.ref_of, left))), KeyState(self))
 
     def note_reorder(self, before: Sequence[str], after: Sequence[str]) -> None:
@@ -150,8 +155,16 @@ class AnticipationMirror:
         if key in self.evicted:
             note_hint(self.expected, (self.ref_of(key),), END if at is None else at)
 
+    def expect_order(self, order: Sequence[str]) -> None:
+        """A trace's ``expect`` event with an order (``ContextWindow.expect_order``, as the trace
+        executor asks it: the named chunks the window holds or will recall, then any others)."""
+        known = set(self.order) | set(self.evicted)
+        named = [c for c in order if c in known]
+        rest = [c for c in self.order if c not in set(named)]
+        note_order(self.expected_orders, tuple(map(self.ref_of, named + rest)))
+
     def _anticipation_token(self) -> tuple:
-        return (self._generation, tuple(self.expected.items()))
+        return (self._generation, tuple(self.expected.items()), tuple(self.expected_orders))
 
     @property
     def anticipation_due(self) -> bool:
@@ -159,13 +172,13 @@ class AnticipationMirror:
 
     def _fork_anticipation(self) -> tuple:
         """A fork: its own hints and anticipation (the parent's, returned, come back after it)."""
-        saved = (self.expected, self._anticipated_for, self._generation)
-        self.expected, self._anticipated_for = {}, None
+        saved = (self.expected, self.expected_orders, self._anticipated_for, self._generation)
+        self.expected, self.expected_orders, self._anticipated_for = {}, [], None
         self._changed()
         return saved
 
     def _end_fork_anticipation(self, saved: tuple, committed: bool) -> None:
-        self.expected, self._anticipated_for, self._generation = saved
+        self.expected, self.expected_orders, self._anticipated_for, self._generation = saved
         if committed:  # the parent now holds the fork's state
             self._changed()
 
@@ -183,8 +196,11 @@ class AnticipationMirror:
             if self._anticipate_slide():
                 self._changed()
             for prediction in plan_recalls(self.predictor, KeyState(self), self.expected, budgeted=False):
-                self._simulated(self._simulate_recalls, prediction.recalls)
-            for order in plan_reorders(self.eager, self.reorders_seen, (), KeyState(self).slots):
+                # with the reorder the agent named right after the chain, then without it
+                then = reorder_after(KeyState(self), prediction.recalls, self.expected_orders)
+                for orders in ((self.expected_orders, ()) if then else ((),)):
+                    self._simulated(self._simulate_recalls, (prediction.recalls, orders))
+            for order in plan_reorders(self.eager, self.reorders_seen, self.expected_orders, KeyState(self).slots):
                 self._simulated(self._simulate_reorder, [self._key_of[ref] for ref in order])
         finally:
             self._healing = healing
@@ -230,14 +246,20 @@ class AnticipationMirror:
                 setattr(self.r, name, value)
             self._formed_set = {}
 
-    def _simulate_recalls(self, recalls: Sequence[tuple[ChunkRef, Any]]) -> None:
+    def _simulate_recalls(self, chain: tuple) -> None:
         """``anticipation.anticipate_recalls``: each recall on the arrangement the ones before it
-        leave (a recall of a chunk no longer evicted ends the chain)."""
+        leave (a recall of a chunk no longer evicted ends the chain), then the first of the order
+        hints that reorders the arrangement the chain leaves."""
+        recalls, orders = chain
         for ref, at in recalls:
             key = self._key_of[ref]
             if key not in self.evicted:
-                return
+                break
             self._admit(-1, [(key, at if isinstance(at, int) else None)], True)
+        refs = tuple(map(self.ref_of, self.order))
+        then = next((o for o in orders if set(o) == set(refs) and tuple(o) != refs), None)
+        if then is not None:
+            self._simulate_reorder([self._key_of[r] for r in then])
 
     def _simulate_reorder(self, order: list[str]) -> None:
         """``anticipate_reorder.anticipate_reorder``: the eager policy's decisions on the order."""

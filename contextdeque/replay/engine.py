@@ -256,6 +256,11 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
     def _has_heal_work(self) -> bool:
         return bool(self._defers and (self._pending_canon or self._pending_form or self._canon_due or self._leave_canon))
 
+    def _has_pending(self) -> bool:
+        """In-window work queued for the heal (``ContextWindow.pending_refs``: what makes the
+        trace executor heal at a step; chunks that left unhealed wait for a heal called anyway)."""
+        return bool(self._defers and (self._pending_canon or self._pending_form or self._canon_due))
+
     def heal(self) -> None:
         """Latency-first: the idle-time work queued since the last heal, on the window as it stands
         (canonicals of provisional chunks, whose patch is their difference: no second forward; the
@@ -407,7 +412,8 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
                 if d.action == "keep":  # (the common answer: nothing to price)
                     self.r.stale_keeps += bool(self.formed.get(k))
                     continue
-                self._not_kept.add(k)
+                if not d.may_keep:  # (the recall cascade does not re-decide it: ``reconcile``)
+                    self._not_kept.add(k)
                 if self.carry_out(k, order[:j], d) == "keep" and self.formed.get(k):
                     self.r.stale_keeps += 1
             return
@@ -415,19 +421,23 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
         for j in range(i, len(self.order)):
             self._resident_upkeep(view, self.order[j], self.order[:j], before[:j + 1])
 
-    def _resident_upkeep(self, view: PlacementView, key: str, prefix: list[str], before: list[str]) -> None:
+    def _resident_upkeep(self, view: PlacementView, key: str, prefix: list[str], before: list[str],
+                         cascade: bool = False) -> None:
         """A resident whose prefix changed: the placement policy's upkeep decision (the scheduler's
         staleness rule), else keep (the default patch policy: survivors keep their KV)."""
         r = self.r
         if self._upkeep is None or self._simulating:  # the patch policy's answer for a resident something was inserted before
             d = self.decide("inserted", key, prefix)
-            if d.action != "keep":
-                self._not_kept.add(key)
+            if cascade and d.may_keep:  # in the recall's cascade: re-formed instead (``reconcile``)
+                self._cascade_reform(len(prefix), key)
+                return
             if self.carry_out(key, prefix, d) == "keep":
                 r.stale_keeps += 1
             return
         action = self._upkeep(view, key, prefix, before)
-        if action == "keep":
+        if action == "keep" and cascade:
+            self._cascade_reform(len(prefix), key)
+        elif action == "keep":
             r.stale_keeps += 1
         elif action == "clear":
             if key in self._no_canon:
@@ -506,8 +516,9 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
             # the asked index in the window before the budget's slide (``ContextWindow.recall``)
             pos = max(0, min(at, len(self.order) + len(self._left)) - len(self._left))
             new_order = self.order[:pos] + [key] + self.order[pos:]
-        else:
-            new_order = self.placement.place(self.view(index), entering)
+        else:  # (a trace's recall without an index is pinned at the end, as the trace executor asks it)
+            new_order = self.placement.place(self.view(index), [(k, len(self.order) if recall and a is None else a)
+                                                                for k, a in entering])
         old_order = self.order
         old_pos = {k: i for i, k in enumerate(old_order)}
         ent = {k for k, _ in entering}
@@ -520,8 +531,12 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
         # reconcile: entering chunks get conditioning; residents behind an insertion keep theirs
         # (or, under the scheduler, whatever its staleness rule decides)
         changed: dict[str, bool] = {}
-        cascades: dict[str, dict] = {}
+        recalled = next(iter(ent)) if recall and len(ent) == 1 else None
+        run = self._cascade_run(recalled) if recalled is not None else None
         for i, k in enumerate(new_order):
+            # the cascade, slot by slot in window order as ``reconcile`` runs it (a slot in front of
+            # the recalled chunk is implied whatever its KV: the recalled chunk sits behind it)
+            member = run is not None and self._in_cascade(run, i, k, recalled, changed.get(recalled, True))
             if k in ent:
                 prefix = new_order[:i]
                 before = self.formed.get(k, ())
@@ -533,11 +548,9 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
                 if recall:
                     changed[k] = self.formed[k] != before
             elif old_pos.get(k, -1) != i:
-                self._resident_upkeep(view, k, new_order[:i], old_order[:old_pos[k]])
-            # the cascade, slot by slot in window order as ``reconcile`` runs it (a slot in front of
-            # the recalled chunk is implied whatever its KV: the recalled chunk sits behind it)
-            for r in ent if recall else ():
-                cascades[r] = self._cascade(r, changed.get(r, True), ent, i, i + 1, cascades.get(r))
+                self._resident_upkeep(view, k, new_order[:i], old_order[:old_pos[k]], cascade=member)
+            elif member and k not in self._not_kept:  # (its own decision: a keep)
+                self._cascade_reform(i, k)
 
     def _cascade(self, recalled: str, changed: bool, entering: set[str], lo: int = 0, hi: int | None = None,
                  run: dict | None = None) -> dict:
@@ -547,42 +560,52 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
         or on a dependent that now sits behind it. Looks at ``order[lo:hi]``; ``run``: what an
         earlier call of the same cascade found (returned, to go on with the next slots)."""
         if run is None:
-            before = self._before_op if self._before_op is not None else self.formed
-            run = {"before": before, "candidates": self._descendants(recalled, before), "implied": set()}
-        before, candidates, implied = run["before"], run["candidates"], run["implied"]
-        if not candidates:
+            run = self._cascade_run(recalled)
+        if not run["candidates"]:
             return run
-        pos = {k: i for i, k in enumerate(self.order)}
+        for i in range(lo, len(self.order) if hi is None else hi):
+            d = self.order[i]
+            if self._in_cascade(run, i, d, recalled, changed) and d not in entering and d not in self._not_kept:
+                self._cascade_reform(i, d)
+        return run
+
+    def _cascade_run(self, recalled: str) -> dict:
+        """A recall cascade's bookkeeping: the conditioning it is judged on, its candidates (the
+        residents that transitively depend on ``recalled``), the chunks implied so far."""
+        before = self._before_op if self._before_op is not None else self.formed
+        return {"before": before, "candidates": self._descendants(recalled, before), "implied": set(),
+                "pos": {k: i for i, k in enumerate(self.order)}}
+
+    def _in_cascade(self, run: dict, i: int, d: str, recalled: str, changed: bool) -> bool:
+        """Whether ``d`` at index ``i`` is in the cascade (``reconcile``'s ``in_cascade``; noted as
+        implied): conditioned on ``recalled`` whose KV ``changed`` or now sits behind it, on an
+        implied chunk, or on a candidate that now sits behind it."""
+        if d not in run["candidates"]:
+            return False
+        pos, implied, candidates = run["pos"], run["implied"], run["candidates"]
+        for a in run["before"].get(d, ()):
+            ia = pos.get(a)
+            if ia is None:
+                continue
+            behind = ia > i
+            if (a == recalled and (behind or changed)) or a in implied or (behind and a in candidates):
+                implied.add(d)
+                return True
+        return False
+
+    def _cascade_reform(self, i: int, d: str) -> None:
+        """``d`` (at index ``i``) re-formed by the cascade: the eager policy's ``cascade`` decision."""
+        if i == 0:  # at the front its canonical is exact: nothing to re-form
+            if not (self._simulating and d in self._no_canon):  # (a provisional one keeps its KV)
+                self._set_formed(d, ())
+            return
+        if not self._defers:  # (latency-first: counted when the heal re-forms it)
+            self.r.cascade_reforms += 1
         self._cascading = True
         try:
-            for i in range(lo, len(self.order) if hi is None else hi):
-                d = self.order[i]
-                if d not in candidates:
-                    continue
-                hit = False
-                for a in before.get(d, ()):
-                    ia = pos.get(a)
-                    if ia is None:
-                        continue
-                    behind = ia > i
-                    if (a == recalled and (behind or changed)) or a in implied or (behind and a in candidates):
-                        hit = True
-                        break
-                if not hit:
-                    continue
-                implied.add(d)
-                if d in entering or d in self._not_kept:
-                    continue
-                if i == 0:  # at the front its canonical is exact: nothing to re-form
-                    if not (self._simulating and d in self._no_canon):  # (a provisional one keeps its KV)
-                        self._set_formed(d, ())
-                    continue
-                if not self._defers:  # (latency-first: counted when the heal re-forms it)
-                    self.r.cascade_reforms += 1
-                self.carry_out(d, self.order[:i], self.decide("cascade", d, self.order[:i]), reason="cascade")
+            self.carry_out(d, self.order[:i], self.decide("cascade", d, self.order[:i]), reason="cascade")
         finally:
             self._cascading = False
-        return run
 
     def _descendants(self, key: str, formed: dict[str, tuple[str, ...]] | None = None) -> set[str]:
         """Residents that transitively depend on ``key`` (through evicted chunks too: the
@@ -699,11 +722,13 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
                 self.logical = [k for k in ev.order if k in set(self.order)]
                 self._reorder(list(ev.order))
                 self._observe("reorder", self.order)
+            elif op == "expect" and getattr(ev, "order", None) is not None:
+                self.expect_order(ev.order)
             elif op == "expect":
                 self.expect(ev.id, ev.at)
             elif op == "step":
                 r.steps += 1
-                if self._has_heal_work() or self.anticipation_due:  # the agent's idle time
+                if self._has_pending() or self.anticipation_due:  # the agent's idle time
                     self.heal()
                     self.anticipate()
                 if self.on_step is not None:
@@ -738,7 +763,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
                 self.order, self.logical, self.formed, self.window_tokens = order, logical, formed, wt
                 self._formed_set = {}
                 self.pool.pinned = pinned
-        if self._has_heal_work():  # what is still queued when the trace ends is healed in the idle after it
+        if self._has_pending():  # what is still queued when the trace ends is healed in the idle after it
             self.heal()
             self.anticipate()
         sched = getattr(self.placement, "decisions", None)

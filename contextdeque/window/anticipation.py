@@ -82,6 +82,38 @@ def plan_recalls(predictor: RecallPredictor, state: Any, expected: dict, budgete
     return rank_predictions(predictor.predict(state, expected))[: MAX_PREDICTIONS if budgeted else ANTICIPATED_RECALLS]
 
 
+def fulfil_hints(expected: dict, recalled: Sequence[ChunkRef]) -> dict:
+    """``expected`` less the recalled refs (the hints, :meth:`WindowAnticipation.expect`): a hint
+    names the *next* re-read, so once it happened it says nothing more (left in, a chunk evicted
+    again later would come back to the head of the hinted chain and put every prediction built on
+    the hints in a wrong arrangement). A group's later members stay hinted, following the
+    recalled one (at the next index). ``expected`` itself when nothing in it was recalled."""
+    done = set(recalled)
+    if not done or not any(r in done for group in expected for r in group):
+        return expected
+    kept: dict[tuple[ChunkRef, ...], int | None] = {}
+    for group, at in expected.items():
+        rest = tuple(r for r in group if r not in done)
+        if rest:
+            first = group.index(rest[0])
+            kept[rest] = at + first if isinstance(at, int) else at
+    return kept
+
+
+def fulfil_orders(orders: list, refs: Sequence[ChunkRef]) -> list:
+    """The order hints (:meth:`WindowAnticipation.expect_order`) less the one the window now holds."""
+    now = tuple(refs)
+    return [o for o in orders if o != now]
+
+
+def note_order(orders: list, order: tuple) -> None:
+    """Record ``expect_order(order)`` in ``orders`` (the latest :data:`ANTICIPATED_REORDERS` count)."""
+    if order in orders:
+        orders.remove(order)
+    orders.append(order)
+    del orders[:-ANTICIPATED_REORDERS]
+
+
 def note_hint(expected: dict, group: tuple, at: "int | str | None") -> None:
     """Record ``expect(group, at)`` in ``expected`` (the latest :data:`MAX_HINTS` hints count; a
     group named again moves to the end)."""
@@ -238,29 +270,10 @@ class WindowAnticipation:
         """Let the recall predictor learn from a finished operation; a recall fulfils the hints
         that named its chunk."""
         if receipt.op == "recall":
-            self._fulfil(receipt.refs)
+            self.__dict__["_expected"] = fulfil_hints(self.expected, receipt.refs)
         elif receipt.op == "reorder" and self.expected_orders:  # an order hint is fulfilled once the window takes it
-            refs = tuple(self._state.refs)
-            self.__dict__["_expected_orders"] = [o for o in self.expected_orders if o != refs]
+            self.__dict__["_expected_orders"] = fulfil_orders(self.expected_orders, self._state.refs)
         self.recall_predictor.observe(receipt, self._state)
-
-    def _fulfil(self, recalled: Sequence[ChunkRef]) -> None:
-        """Drop the recalled refs from the hints (:meth:`expect`): a hint names the *next* re-read,
-        so once it happened it says nothing more (left in, a chunk evicted again later would
-        come back to the head of the hinted chain and put every prediction built on the hints
-        in a wrong arrangement). A group's later members stay hinted, following the recalled
-        one (at the next index)."""
-        done = set(recalled)
-        hints = self.expected
-        if not done or not any(r in done for group in hints for r in group):
-            return
-        kept: dict[tuple[ChunkRef, ...], int | None] = {}
-        for group, at in hints.items():
-            rest = tuple(r for r in group if r not in done)
-            if rest:
-                first = group.index(rest[0])
-                kept[rest] = at + first if isinstance(at, int) else at
-        self.__dict__["_expected"] = kept
 
     @property
     def expected_orders(self) -> list[tuple[ChunkRef, ...]]:
@@ -286,11 +299,7 @@ class WindowAnticipation:
                 any(r not in self._state.evicted for r in extra):
             raise WindowError(f"expect_order needs each of the window's {len(self._state.refs)} refs exactly once "
                               "(and evicted refs it will recall first)")
-        hints = self.expected_orders
-        if order in hints:
-            hints.remove(order)
-        hints.append(order)
-        del hints[:-ANTICIPATED_REORDERS]  # the latest hints count
+        note_order(self.expected_orders, order)  # the latest hints count
 
     @property
     def anticipation_due(self) -> bool:
