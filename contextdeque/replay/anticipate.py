@@ -26,7 +26,7 @@ the window's recall placement: priced at the end, where a trace's recalls go).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from itertools import count
 from typing import TYPE_CHECKING, Any, Sequence
@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ..window.anticipate_reorder import note_reorder, plan_reorders
 from ..window.anticipation import fulfil_hints, fulfil_orders, note_hint, note_order, plan_recalls, reorder_after
 from ..window.placement import END
-from ..window.plan import ChunkKeys, KeySlot
+from ..window.plan import ChunkKeys, Forward, KeySlot, Prepared
+from ..window.prepared import MAX_ENTRIES
 from ..window.predictor import make_predictor
 from ..window.ref import ChunkRef
 
@@ -118,6 +119,8 @@ class AnticipationMirror:
         self._generation = 0  # changes with the window (``WindowState`` identity and generation)
         self._anticipated_for: tuple | None = None
         self._simulating = False
+        # prepared re-forwards (``window.prepared``): (content, antecedent states) -> None, oldest first
+        self._prepared: OrderedDict[tuple, None] = OrderedDict()
 
     # ------------------------------------------------------------------ bookkeeping
     def _changed(self) -> None:
@@ -225,6 +228,29 @@ class AnticipationMirror:
             self._difference(key, prefix)
         self._set_formed(key, ())
         self.carry_out(key, prefix, self.decide("append", key, prefix))
+        return True
+
+    def _reforward_prepared(self, key: str, prefix: Sequence[str]) -> bool:
+        """A provisional chunk the latency-first policy would defer to the heal's re-forward behind
+        ``prefix`` (``reconcile``'s ``prepared``): in a simulation the forward runs now and is kept
+        (``"run"``); in a window operation the one kept for exactly these antecedent states is taken
+        (``"take"``: no forward, nothing queued). Returns whether it was handled."""
+        if not (self._defers and self._lazy and self._anticipating) or not prefix or key not in self._no_canon:
+            return False
+        states = (self.content[key], tuple(map(self._kv_state, prefix)))
+        if self._simulating:
+            self.do(Forward(self.content[key], self.tokens[key], context=sum(map(self.tokens.__getitem__, prefix))))
+            self._prepared.pop(states, None)
+            self._prepared[states] = None
+            while len(self._prepared) > MAX_ENTRIES:
+                self._prepared.popitem(last=False)
+        elif states in self._prepared:
+            self.do(Prepared(self.content[key], self.tokens[key], antecedents=tuple(self.content[p] for p in prefix)))
+            for queue in (self._pending_form, self._pending_reason):
+                queue.pop(key, None)
+        else:
+            return False
+        self._set_formed(key, tuple(prefix), "inline")
         return True
 
     def _simulated(self, body: Any, arg: Any) -> None:

@@ -599,6 +599,8 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
             if not (self._simulating and d in self._no_canon):  # (a provisional one keeps its KV)
                 self._set_formed(d, ())
             return
+        if self._reforward_prepared(d, self.order[:i]):
+            return
         if not self._defers:  # (latency-first: counted when the heal re-forms it)
             self.r.cascade_reforms += 1
         self._cascading = True
@@ -669,8 +671,8 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
                     self._set_formed(k, ())
                 continue
             if k in self._no_canon:  # no canonical for a stored patch to serve: re-forwarded at the heal
-                if not self._simulating:  # (anticipation keeps it as it is: ``HealPolicy``)
-                    self._form(k, prefix, reason="reorder")
+                if not self._reforward_prepared(k, prefix) and not self._simulating:  # (prepared, or
+                    self._form(k, prefix, reason="reorder")  # anticipation keeps it: ``HealPolicy``)
                 continue
             self.carry_out(k, prefix, self.decide("reorder", k, prefix), reason="reorder")
 
