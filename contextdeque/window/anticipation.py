@@ -377,7 +377,7 @@ class WindowAnticipation:
                 complete = False
                 continue  # too dear for what is left
             receipt = self._run("anticipate", body, mutates=mutates)[0]
-            if receipt.refs:
+            if receipt.refs or receipt.forwards:  # (prepared re-forwards form no patch but ran forwards)
                 steps.append(receipt)
         if complete:
             self.__dict__["_anticipated_for"] = self._anticipation_token()
