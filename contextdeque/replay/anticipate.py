@@ -9,7 +9,7 @@ queued work is healed, runs the window's three anticipation passes in the window
    difference of its forward's KV: no second forward), as ``anticipation.anticipate_slide``;
 2. **recalls**: the window's recall predictor (the same registered class, fed the same steps:
    :meth:`AnticipationMirror._observe`) predicts over a key-level view of the window
-   (:class:`KeyState`: what a predictor may read of a ``WindowState``); the predictions are
+   (:class:`key_state`: what a predictor may read of a ``WindowState``); the predictions are
    ranked and cut by ``anticipation.plan_recalls``, and each recall chain is simulated on a
    snapshot of the replay's window with the eager policy's decisions, keeping only what it
    formed and stored (canonicals owed, patches);
@@ -38,6 +38,7 @@ from ..window.plan import ChunkKeys, Forward, KeySlot, Prepared
 from ..window.prepared import MAX_ENTRIES
 from ..window.predictor import make_predictor
 from ..window.ref import ChunkRef
+from ..window.state import WindowState
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Replayer
@@ -81,26 +82,13 @@ class KeyGraph:
         return tuple(r for r in order if eng._key_of[r] in reach)
 
 
-class KeyState:
-    """The replay's window as a recall predictor and the reorder planner read a ``WindowState``:
-    ``slots`` (key-only, in order), ``evicted`` (eviction order), ``refs``, ``index``,
-    ``tokens_used`` and ``graph.preview_cascade``."""
-
-    def __init__(self, eng: "Replayer") -> None:
-        self.slots = tuple(eng.anticipation_slot(k) for k in eng.order)
-        self.evicted = {eng.ref_of(k): EvictedKeys(eng.tokens[k], k in eng._owes) for k in eng.evicted}
-        self.graph = KeyGraph(eng)
-
-    @property
-    def refs(self) -> tuple[ChunkRef, ...]:
-        return tuple(s.ref for s in self.slots)
-
-    @property
-    def tokens_used(self) -> int:
-        return sum(s.n_tokens for s in self.slots)
-
-    def index(self, ref: ChunkRef) -> int:
-        return self.refs.index(ref)
+def key_state(eng: "Replayer") -> WindowState:
+    """The replay's window as a recall predictor and the reorder planner read it: a
+    ``WindowState`` of key-only slots (in order), the evicted chunks (eviction order) and the
+    replay's conditioning as its graph (``preview_cascade``)."""
+    return WindowState(slots=tuple(eng.anticipation_slot(k) for k in eng.order),  # type: ignore[arg-type]
+                       evicted={eng.ref_of(k): EvictedKeys(eng.tokens[k], k in eng._owes) for k in eng.evicted},  # type: ignore[misc]
+                       graph=KeyGraph(eng))  # type: ignore[arg-type]
 
 
 class AnticipationMirror:
@@ -132,7 +120,7 @@ class AnticipationMirror:
         return ref
 
     def anticipation_slot(self, key: str) -> KeySlot:
-        """``key`` as a slot of :class:`KeyState` (provisional: latency-first content with no
+        """``key`` as a slot of :class:`key_state` (provisional: latency-first content with no
         canonical yet)."""
         formed = self.formed.get(key, ())
         provisional = key in self._no_canon or key in self._pending_canon or key in self._provisional
@@ -148,7 +136,7 @@ class AnticipationMirror:
             self.expected = fulfil_hints(self.expected, tuple(map(self.ref_of, keys)))
         elif op == "reorder" and self.expected_orders:
             self.expected_orders = fulfil_orders(self.expected_orders, tuple(map(self.ref_of, self.order)))
-        self.predictor.observe(Seen(op, tuple(map(self.ref_of, keys)), tuple(map(self.ref_of, left))), KeyState(self))
+        self.predictor.observe(Seen(op, tuple(map(self.ref_of, keys)), tuple(map(self.ref_of, left))), key_state(self))
 
     def note_reorder(self, before: Sequence[str], after: Sequence[str]) -> None:
         note_reorder(self.reorders_seen, before, after)
@@ -192,25 +180,21 @@ class AnticipationMirror:
         if not self.anticipation_due or not self.arm.patches:
             self._anticipated_for = self._anticipation_token()
             return
-        r = self.r
-        tok0, fw0, est0 = r.tokens_prefilled, r.forwards, r.est_seconds
+        idle = self._idle_start()
         healing, self._healing = self._healing, True
         try:
             if self._anticipate_slide():
                 self._changed()
-            for prediction in plan_recalls(self.predictor, KeyState(self), self.expected, budgeted=False):
+            for prediction in plan_recalls(self.predictor, key_state(self), self.expected, budgeted=False):
                 # with the reorder the agent named right after the chain, then without it
-                then = reorder_after(KeyState(self), prediction.recalls, self.expected_orders)
+                then = reorder_after(key_state(self), prediction.recalls, self.expected_orders)
                 for orders in ((self.expected_orders, ()) if then else ((),)):
                     self._simulated(self._simulate_recalls, (prediction.recalls, orders))
-            for order in plan_reorders(self.eager, self.reorders_seen, self.expected_orders, KeyState(self).slots):
+            for order in plan_reorders(self.eager, self.reorders_seen, self.expected_orders, key_state(self).slots):
                 self._simulated(self._simulate_reorder, [self._key_of[ref] for ref in order])
         finally:
             self._healing = healing
-        r.heal_tokens += r.tokens_prefilled - tok0
-        r.heal_forwards += r.forwards - fw0
-        r.heal_seconds += r.est_seconds - est0
-        r.est_seconds = est0
+        self._idle_end(idle)
         self._anticipated_for = self._anticipation_token()
 
     def _anticipate_slide(self) -> bool:

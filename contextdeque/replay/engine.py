@@ -271,7 +271,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
             return
         self._changed()
         r = self.r
-        tok0, fw0, est0 = r.tokens_prefilled, r.forwards, r.est_seconds
+        idle = self._idle_start()
         self._healing = True
         try:
             resident = set(self.order)
@@ -345,6 +345,15 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror):
             self._pending_reason.clear()
         finally:
             self._healing = False
+        self._idle_end(idle)
+
+    def _idle_start(self) -> tuple[int, int, float]:
+        return self.r.tokens_prefilled, self.r.forwards, self.r.est_seconds
+
+    def _idle_end(self, start: tuple[int, int, float]) -> None:
+        """What ran since ``start`` (``_idle_start``) was idle time: ``heal_*``, not ``est_seconds``."""
+        r = self.r
+        tok0, fw0, est0 = start
         r.heal_tokens += r.tokens_prefilled - tok0
         r.heal_forwards += r.forwards - fw0
         r.heal_seconds += r.est_seconds - est0
