@@ -43,8 +43,28 @@ except Exception:  # pragma: no cover - exercised only where triton is missing o
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 #: Launch overrides for tuning sweeps (``contextdeque.eval.gpu_check``): ``block_t``,
-#: ``num_warps``, ``dot_then_add``, ``fp32_precision``; empty: the defaults of :func:`_launch`.
+#: ``num_warps``, ``num_stages``, ``dot_then_add``, ``fp32_precision``, ``hoist_u``,
+#: ``block_p_max``, ``block_n_max``; empty: the defaults of :func:`_launch`.
 LAUNCH_OVERRIDES: dict[str, Any] = {}
+
+
+def _launch_from_env() -> dict[str, Any]:
+    """A tuning run's launch for a whole process: ``CONTEXTDEQUE_TRITON_LAUNCH='{"hoist_u": true}'``."""
+    raw = os.environ.get("CONTEXTDEQUE_TRITON_LAUNCH", "")
+    if not raw:
+        return {}
+    import json
+
+    try:
+        over = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"CONTEXTDEQUE_TRITON_LAUNCH is not a JSON object: {raw!r}") from e
+    if not isinstance(over, dict):
+        raise ValueError(f"CONTEXTDEQUE_TRITON_LAUNCH is not a JSON object: {raw!r}")
+    return over
+
+
+LAUNCH_OVERRIDES.update(_launch_from_env())
 
 #: fp32 factors of at least this rank go to the matrix units as three TF32 passes ("tf32x3",
 #: the product accumulated from zero, the content added after it) instead of IEEE fp32 FMA
@@ -53,6 +73,12 @@ LAUNCH_OVERRIDES: dict[str, Any] = {}
 #: (~2^-21 of |u w| per product): within the kernels' tolerance, (m + 4) * 2^-24 of the summed
 #: magnitudes, from rank 16 on; at rank 1 it was measured 5% past it, so lower ranks stay "ieee".
 TF32X3_MIN_RANK = 16
+
+#: Load the program's ``u`` tile once and issue every load of a rotation pair before its products
+#: (``HOIST_U``), where the rank fits one product block. Measured on an H100 (docs/gpu.md), rank-32
+#: bf16 apply at 8,192 tokens, kernels alone vs the true floor: 1.34x -> 1.15x (Llama-3-8B shape),
+#: 1.37x -> 1.15x (SmolLM2 shape); fp32 1.52x -> 1.48x and 1.24x -> 1.20x.
+HOIST_U_DEFAULT = True
 
 
 def interpreting() -> bool:
@@ -126,6 +152,42 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
+    def _load_u(u_ptr, u_rows, t_mask, m, WIDEN_DOT: tl.constexpr, BLOCK_M: tl.constexpr):
+        """The program's whole ``u[rows, :m]`` tile (``m <= BLOCK_M``), loaded once (``HOIST_U``)."""
+        j = tl.arange(0, BLOCK_M)
+        uu = tl.load(u_ptr + u_rows[:, None] + j[None, :], mask=t_mask[:, None] & (j < m)[None, :], other=0.0)
+        if WIDEN_DOT:
+            uu = uu.to(tl.float32)
+        return uu
+
+    @triton.jit
+    def _load_w(w_ptr, w_sr, w_col0, cols, col_mask, m, WIDEN_DOT: tl.constexpr, BLOCK_M: tl.constexpr):
+        j = tl.arange(0, BLOCK_M)
+        ww = tl.load(
+            w_ptr + j[:, None].to(tl.int64) * w_sr + (w_col0 + cols)[None, :],
+            mask=(j < m)[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        if WIDEN_DOT:
+            ww = ww.to(tl.float32)
+        return ww
+
+    @triton.jit
+    def _plus_product(x, uu, ww, FP32_DOT: tl.constexpr, DOT_THEN_ADD: tl.constexpr, FP32_PRECISION: tl.constexpr):
+        """``x + uu @ ww`` in fp32 (the content as the accumulator's start unless ``DOT_THEN_ADD``)."""
+        if DOT_THEN_ADD:
+            acc = tl.zeros(x.shape, dtype=tl.float32)
+        else:
+            acc = x
+        if FP32_DOT:
+            acc = tl.dot(uu, ww, acc, input_precision=FP32_PRECISION)
+        else:
+            acc = tl.dot(uu, ww, acc)
+        if DOT_THEN_ADD:
+            return x + acc
+        return acc
+
+    @triton.jit
     def _fused_kernel(
         c_ptr, c_sh, c_st,
         u_ptr, u_st, w_ptr, w_sr, m,
@@ -136,7 +198,7 @@ if HAVE_TRITON:
         c_sl, u_sl, w_sl, cs_sl, o_sl,
         PAGED: tl.constexpr, HAS_PATCH: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
         WIDEN_DOT: tl.constexpr, FP32_DOT: tl.constexpr, OUT_KIND: tl.constexpr, DOT_THEN_ADD: tl.constexpr,
-        FP32_PRECISION: tl.constexpr,
+        FP32_PRECISION: tl.constexpr, HOIST_U: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
         N_LOOP: tl.constexpr, P_LOOP: tl.constexpr, M_LOOP: tl.constexpr,
     ):
@@ -164,6 +226,8 @@ if HAVE_TRITON:
         c_rows = h * c_sh + tok64 * c_st
         u_rows = tok64 * u_st
         w_col0 = h * D
+        if HOIST_U:  # m fits one block: u loaded once for every channel tile of this program
+            uu = _load_u(u_ptr, u_rows, t_mask, m, WIDEN_DOT, BLOCK_M)
 
         # channels outside the rotary slice: content + delta only
         for n0 in range(0, N_LOOP, BLOCK_N):
@@ -173,10 +237,15 @@ if HAVE_TRITON:
                 cols = tl.where(q < rope_start, q, q + 2 * half)
             else:
                 cols = q
-            x = _content_plus_delta(
-                c_ptr, c_rows, t_mask, cols, q_mask, u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
-                HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP, DOT_THEN_ADD, FP32_PRECISION,
-            )
+            if HOIST_U:
+                x = tl.load(c_ptr + c_rows[:, None] + cols[None, :], mask=t_mask[:, None] & q_mask[None, :], other=0.0)
+                ww = _load_w(w_ptr, w_sr, w_col0, cols, q_mask, m, WIDEN_DOT, BLOCK_M)
+                x = _plus_product(x.to(tl.float32), uu, ww, FP32_DOT, DOT_THEN_ADD, FP32_PRECISION)
+            else:
+                x = _content_plus_delta(
+                    c_ptr, c_rows, t_mask, cols, q_mask, u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
+                    HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP, DOT_THEN_ADD, FP32_PRECISION,
+                )
             tl.store(o_ptr + o_rows[:, None] + cols[None, :], _round_out(x, OUT_KIND), mask=t_ok[:, None] & q_mask[None, :])
 
         if ROPE:
@@ -189,18 +258,28 @@ if HAVE_TRITON:
                 else:
                     col1 = rope_start + pp
                     col2 = col1 + half
-                x1 = _content_plus_delta(
-                    c_ptr, c_rows, t_mask, col1, p_mask, u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
-                    HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP, DOT_THEN_ADD, FP32_PRECISION,
-                )
-                x2 = _content_plus_delta(
-                    c_ptr, c_rows, t_mask, col2, p_mask, u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
-                    HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP, DOT_THEN_ADD, FP32_PRECISION,
-                )
                 cs_off = tok64[:, None] * cs_st + pp[None, :]
                 cs_mask = t_mask[:, None] & p_mask[None, :]
-                cs = tl.load(cos_ptr + cs_off, mask=cs_mask, other=0.0)
-                sn = tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0)
+                if HOIST_U:  # every operand of the pair in flight before the first product
+                    x1 = tl.load(c_ptr + c_rows[:, None] + col1[None, :], mask=cs_mask, other=0.0)
+                    x2 = tl.load(c_ptr + c_rows[:, None] + col2[None, :], mask=cs_mask, other=0.0)
+                    w1 = _load_w(w_ptr, w_sr, w_col0, col1, p_mask, m, WIDEN_DOT, BLOCK_M)
+                    w2 = _load_w(w_ptr, w_sr, w_col0, col2, p_mask, m, WIDEN_DOT, BLOCK_M)
+                    cs = tl.load(cos_ptr + cs_off, mask=cs_mask, other=0.0)
+                    sn = tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0)
+                    x1 = _plus_product(x1.to(tl.float32), uu, w1, FP32_DOT, DOT_THEN_ADD, FP32_PRECISION)
+                    x2 = _plus_product(x2.to(tl.float32), uu, w2, FP32_DOT, DOT_THEN_ADD, FP32_PRECISION)
+                else:
+                    x1 = _content_plus_delta(
+                        c_ptr, c_rows, t_mask, col1, p_mask, u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
+                        HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP, DOT_THEN_ADD, FP32_PRECISION,
+                    )
+                    x2 = _content_plus_delta(
+                        c_ptr, c_rows, t_mask, col2, p_mask, u_ptr, u_rows, w_ptr, w_sr, w_col0, m,
+                        HAS_PATCH, WIDEN_DOT, FP32_DOT, BLOCK_M, M_LOOP, DOT_THEN_ADD, FP32_PRECISION,
+                    )
+                    cs = tl.load(cos_ptr + cs_off, mask=cs_mask, other=0.0)
+                    sn = tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0)
                 o_mask = t_ok[:, None] & p_mask[None, :]
                 tl.store(o_ptr + o_rows[:, None] + col1[None, :], _round_out(x1 * cs - x2 * sn, OUT_KIND), mask=o_mask)
                 tl.store(o_ptr + o_rows[:, None] + col2[None, :], _round_out(x2 * cs + x1 * sn, OUT_KIND), mask=o_mask)
@@ -249,7 +328,11 @@ def _launch(job: TensorJob, layers: int = 1, layer_steps: tuple[int, int, int, i
     # fp32 factors (not widened ones: the tested and measured case) of rank >= TF32X3_MIN_RANK
     tf32x3 = fp32_dot and not widen and m >= TF32X3_MIN_RANK
     block_t = LAUNCH_OVERRIDES.get("block_t") or (16 if interp else (32 if D > 256 else 64))
-    block_n, block_p, block_m = _pow2_at_least(n_pass, 16, 128), _pow2_at_least(half, 16, 64), _pow2_at_least(m, 16, 64)
+    block_n = _pow2_at_least(n_pass, 16, LAUNCH_OVERRIDES.get("block_n_max", 128))
+    block_p = _pow2_at_least(half, 16, LAUNCH_OVERRIDES.get("block_p_max", 64))
+    block_m = _pow2_at_least(m, 16, 64)
+    # u loaded once per program: only where the rank fits one product block
+    hoist_u = bool(LAUNCH_OVERRIDES.get("hoist_u", HOIST_U_DEFAULT)) and 0 < m <= block_m
     grid = (-(-T // block_t), H, layers)
     _fused_kernel[grid](
         c, c.stride(0), c.stride(1),
@@ -268,6 +351,7 @@ def _launch(job: TensorJob, layers: int = 1, layer_steps: tuple[int, int, int, i
         DOT_THEN_ADD=bool(LAUNCH_OVERRIDES.get("dot_then_add", tf32x3)),
         FP32_PRECISION=str(LAUNCH_OVERRIDES.get("fp32_precision", "tf32x3" if tf32x3 else "ieee")),
         FP32_DOT=fp32_dot,
+        HOIST_U=hoist_u,
         OUT_KIND=_OUT_KIND[buf.dtype],
         BLOCK_T=block_t,
         BLOCK_N=block_n,
@@ -277,6 +361,7 @@ def _launch(job: TensorJob, layers: int = 1, layer_steps: tuple[int, int, int, i
         P_LOOP=_ceil_to(half, block_p),
         M_LOOP=_ceil_to(m, block_m),
         num_warps=LAUNCH_OVERRIDES.get("num_warps", 4),
+        **({"num_stages": LAUNCH_OVERRIDES["num_stages"]} if "num_stages" in LAUNCH_OVERRIDES else {}),
     )
 
 

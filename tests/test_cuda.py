@@ -32,7 +32,7 @@ from test_kernels import (
     stacked_layers_case,
 )
 
-from contextdeque.eval.gpu_check import SMOLLM2_135M_CONFIG
+from contextdeque.eval.gpu_check import SMOLLM2_135M_CONFIG, SWEEP_VARIANTS
 from contextdeque.kernels import (
     ContiguousDest,
     PagedDest,
@@ -89,6 +89,27 @@ def test_cuda_variants(dtype, name):
     H, T, d, rope, v_shape = VARIANTS[name]
     k, v, kf, vf, cos, sin = make_inputs(H, T, d, 16, dtype, rope, seed=41, v_shape=v_shape, v_rank=5)
     triton_vs_oracle(k, v, rope, cos, sin, kf, vf, f"cuda {name}")
+
+
+# every launch variant the sweep times, with the dtypes it is timed with ("tf32x3": fp32 only)
+SWEEP_CASES = [
+    (name, dtype) for name in sorted(SWEEP_VARIANTS) for dtype in DTYPES
+    if "fp32_precision" not in SWEEP_VARIANTS[name] or dtype == torch.float32
+]
+
+
+@pytest.mark.parametrize("sweep_variant,dtype", SWEEP_CASES, ids=str)
+@pytest.mark.parametrize("case", ["partial_rotary_mid", "interleaved_partial", "mla_half", "multi_block"])
+def test_cuda_sweep_variants(sweep_variant, dtype, case, monkeypatch):
+    """Every launch variant the sweep times computes the same values (a faster one can become the default)."""
+    from contextdeque.kernels import triton_fused
+
+    over = SWEEP_VARIANTS[sweep_variant]
+    for key, value in over.items():
+        monkeypatch.setitem(triton_fused.LAUNCH_OVERRIDES, key, value)
+    H, T, d, rope, v_shape = VARIANTS[case]
+    k, v, kf, vf, cos, sin = make_inputs(H, 77, d, 32, dtype, rope, seed=48, v_shape=v_shape, v_rank=5)
+    triton_vs_oracle(k, v, rope, cos, sin, kf, vf, f"cuda {sweep_variant} {case}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -787,7 +787,7 @@ INTERP_DTYPES = DTYPES
 INTERP_MAIN = [(d, r) for d in HEAD_DIMS for r in RANKS]
 INTERP_VARIANTS = sorted(VARIANTS)
 INTERP_PAGED = [(4, 5), (16, 13)]
-N_INTERP_CASES = len(INTERP_DTYPES) * (len(INTERP_MAIN) + len(INTERP_VARIANTS) + len(INTERP_PAGED) + 1) + 4
+N_INTERP_CASES = len(INTERP_DTYPES) * (len(INTERP_MAIN) + len(INTERP_VARIANTS) + len(INTERP_PAGED) + 1 + 4) + 4
 
 if IN_INTERP_CHILD:
 
@@ -885,6 +885,18 @@ if IN_INTERP_CHILD:
         rope = RopeSpec("k", 0, 128)
         k, v, kf, vf, cos, sin = make_inputs(2, 21, 128, 32, torch.float32, rope, seed=46)
         _triton_vs_reference(k, v, rope, cos, sin, kf, vf, "triton dot-then-add")
+
+    @pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
+    @pytest.mark.parametrize("name", ["partial_rotary_mid", "interleaved_partial", "mla_half", "multi_block"])
+    def test_interp_hoist_u_path(dtype, name, monkeypatch):
+        """u loaded once per program, every load of a pair before its products (``hoist_u``): the
+        same values, with pass-through channels, interleaved pairs, rotation in v and two token blocks."""
+        from contextdeque.kernels import triton_fused
+
+        monkeypatch.setitem(triton_fused.LAUNCH_OVERRIDES, "hoist_u", True)
+        H, T, d, rope, v_shape = VARIANTS[name]
+        k, v, kf, vf, cos, sin = make_inputs(H, T, d, 16, dtype, rope, seed=47, v_shape=v_shape, v_rank=5)
+        _triton_vs_reference(k, v, rope, cos, sin, kf, vf, f"triton hoist_u {name}")
 
     def test_interp_mixed_factor_dtype_and_fp32_out():
         rope = RopeSpec("k", 0, 64)

@@ -24,6 +24,7 @@ Nothing here asserts a threshold: it records what it measured.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -141,8 +142,17 @@ def host_cost_us(tokens: int = 16, repeats: int = 200) -> dict[str, float]:
 SWEEP_VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "dot_then_add": {"dot_then_add": True},
-    "dot_then_add_64x8": {"dot_then_add": True, "block_t": 64, "num_warps": 8},
     "dot_then_add_tf32x3": {"dot_then_add": True, "fp32_precision": "tf32x3"},
+    # register use per thread for sm_90 (cuobjdump, compiled on a CPU machine; head dim 128, bf16):
+    # the default 255 + 312 B spilled; pairs32 255, no spill; w8 196; t32 + pairs32 209
+    "pairs32": {"block_p_max": 32, "block_n_max": 32},
+    "pairs32_stages3": {"block_p_max": 32, "block_n_max": 32, "num_stages": 3},
+    "hoist_u": {"hoist_u": True},
+    "hoist_u_pairs32": {"hoist_u": True, "block_p_max": 32, "block_n_max": 32},
+    "hoist_u_w8": {"hoist_u": True, "num_warps": 8},
+    "hoist_u_w8_pairs32": {"hoist_u": True, "num_warps": 8, "block_p_max": 32, "block_n_max": 32},
+    "hoist_u_t32_pairs32": {"hoist_u": True, "block_t": 32, "block_p_max": 32, "block_n_max": 32},
+    "w8": {"num_warps": 8},
 }
 
 
@@ -165,11 +175,14 @@ def sweep(tokens: int = 8192) -> list[dict[str, Any]]:
                     continue
 
                 def run(over: dict[str, Any] = over) -> None:
+                    saved = dict(triton_fused.LAUNCH_OVERRIDES)
+                    triton_fused.LAUNCH_OVERRIDES.clear()
                     triton_fused.LAUNCH_OVERRIDES.update(over)
                     try:
                         apply_fn(case)()
                     finally:
                         triton_fused.LAUNCH_OVERRIDES.clear()
+                        triton_fused.LAUNCH_OVERRIDES.update(saved)
 
                 fns[name] = run
             t = time_interleaved(fns, rounds=10, device="cuda")
@@ -185,10 +198,17 @@ def sweep(tokens: int = 8192) -> list[dict[str, Any]]:
     return rows
 
 
+def best_variant(rows: list[dict[str, Any]], shape: str = "llama3_8b", dtype: str = "bfloat16") -> str:
+    """The sweep's fastest variant (device time) at ``shape`` and ``dtype``."""
+    mine = [r for r in rows if r["shape"] == shape and r["dtype"] == dtype]
+    return min(mine, key=lambda r: r["device_s"])["variant"]
+
+
 def bench_large(tokenizer_dir: Path) -> dict[str, Any]:
     """The bench on the Llama-3-8B architecture with random bf16 weights (see the module doc)."""
     from transformers import AutoTokenizer
 
+    from ..kernels import triton_fused
     from ..model.hf import HFBackend
     from .bench import run_bench
 
@@ -204,6 +224,7 @@ def bench_large(tokenizer_dir: Path) -> dict[str, Any]:
     )
     res = run_bench(backend, BENCH_TOKENS, rank=DEFAULT_RANK, dtypes=("bfloat16",), rounds=20, progress=False, window_step_tokens=2048)
     res["weights"] = "random (torch.manual_seed(0)), bf16, built on the device"
+    res["triton_launch"] = dict(triton_fused.LAUNCH_OVERRIDES) or "defaults"
     return res
 
 
@@ -248,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(proc.stderr[-3000:])
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         res["weights"] = "random (torch.manual_seed(0)), fp32, SmolLM2-135M-Instruct's config and tokenizer"
+        res["triton_launch"] = os.environ.get("CONTEXTDEQUE_TRITON_LAUNCH") or "defaults"
         return res
 
     step("smollm2", smollm2, "bench_smollm2.json")

@@ -8,7 +8,7 @@ slots (``window.plan.KeySlot``) -- no rule of the policy is restated here:
   (``Reuse``) where the store holds its patch on exactly this prefix (``view.has_patch``), else a
   formed patch (``Form``); nothing in front: its canonical. A recall whose new KV differs from
   the KV it left with changes its version, and every resident conditioned on it is re-formed
-  (the recall cascade: the policy's ``cascade`` decision, a ``Form`` each);
+  (the recall cascade: the policy's ``cascade`` decision, a ``Form`` each; only its direct part);
 - a *resident* whose prefix changed is decided as ``"inserted"`` (the default policy: a stored
   patch on its new prefix, else it keeps its conditioning; at the front, its canonical); one that
   keeps pays ``stale`` x the staleness it gains (``window.staleness``, token-weighted, 0..1);
@@ -127,19 +127,6 @@ def _slot_maker(view: PlacementView):
     return make
 
 
-def cascade_of(view: PlacementView, key: Key) -> list[Key]:
-    """The residents a recall of ``key`` whose KV changes re-forms (``reconcile``'s cascade): those
-    conditioned on it, and on any of them, transitively."""
-    out: dict[Key, None] = {}
-    frontier = [key]
-    while frontier:
-        for d in view.dependents(frontier.pop()):
-            if d != key and d not in out:
-                out[d] = None
-                frontier.append(d)
-    return list(out)
-
-
 def staleness_of(view: PlacementView, k: Key, prefix: Sequence[Key]) -> float:
     """The staleness score (``window.staleness``) of ``k``'s conditioning behind ``prefix``."""
     f = view.formed_on.get(k, ())
@@ -197,8 +184,12 @@ class Scorer:
             vchanged = bool(formed) if not prefix else (forms > 0 or tuple(prefix) != tuple(formed))
             if vchanged:
                 changed = changed | {k}
-                new = [d for d in cascade_of(v, k) if d not in reformed and d not in self.entering]
-                if new:  # the recall cascade: the policy's "cascade" decision forms each (their place is not known yet)
+                new = [d for d in v.dependents(k) if d not in reformed and d not in self.entering]
+                # the recall cascade: the policy's "cascade" decision forms each (their place is not
+                # known yet). Only the direct dependents are priced: the window's cascade also re-forms
+                # chunks conditioned on those, and pricing them too moved the replay's latency-first
+                # windows' placements apart from the live ones' (their dependents differ: not reconciled)
+                if new:
                     reformed = reformed | set(new)
                     c += w.form * len(new)
                     forms += len(new)

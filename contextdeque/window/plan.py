@@ -37,16 +37,19 @@ operation          what it is (forwards x tokens it prefills; bytes it stores)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from collections.abc import Sequence as SequenceABC
 from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
+from ..core.counters import Counters
 from .ref import ChunkRef
 
 Tag = tuple[ChunkRef, str]  # (antecedent ref, its version): as ``slot.Tag``
 
-#: the counts every operation adds to (a plan's totals have exactly these keys, plus ``stored``)
-COUNTS = ("forwards", "tokens_prefilled", "encodes", "patches_formed", "patches_reused")
+#: the counts every operation adds to (a plan's totals have exactly these keys): the fields of
+#: the one counts type every receipt aggregates
+COUNTS = tuple(f.name for f in dataclasses.fields(Counters))
 
 
 @dataclass(frozen=True)
