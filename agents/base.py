@@ -18,6 +18,7 @@ Accounting, the same for every agent:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 from contextvars import ContextVar
@@ -64,8 +65,9 @@ class AgentConfig:
     """How an agent drives its window.
 
     ``budget_tokens``: the window's token budget (smaller than the document / site / video).
-    ``rank``: patch rank m; ``fidelity_target``: adaptive rank target where the window supports
-    it (``ContextWindow(fidelity_target=)``), else refused. ``patch_policy``: ``default``,
+    ``rank``: patch rank m (None: the agent's own ``default_rank``, :meth:`with_default_rank`; the
+    DocAgent's is measured for its pages, the others' is ``DEFAULT_RANK``). ``fidelity_target``:
+    adaptive rank target where the window supports it (``ContextWindow(fidelity_target=)``), else refused. ``patch_policy``: ``default``,
     ``exact``, ``none`` or another registered name. ``cascade_policy``: see ``ContextWindow``.
     ``placement``: where the window puts appended and recalled chunks (``"arrival"``,
     ``"scheduler"``; see ``ContextWindow``). ``max_new_tokens``: answer length. ``measure``: at
@@ -84,7 +86,7 @@ class AgentConfig:
     """
 
     budget_tokens: int = 640
-    rank: int = DEFAULT_RANK
+    rank: int | None = None
     fidelity_target: float | None = None
     patch_policy: Any = "default"
     cascade_policy: str = "reform"
@@ -110,10 +112,15 @@ class AgentConfig:
             return cls("eager", survivor_staleness=self.survivor_staleness)
         return self.patch_policy
 
+    def with_default_rank(self, rank: int) -> "AgentConfig":
+        """This config, with ``rank`` where it names none (an agent's own default rank)."""
+        return self if self.rank is not None else dataclasses.replace(self, rank=int(rank))
+
     def window_config(self) -> WindowConfig:
         """The agent window's settings, validated once (the store is handed to the window beside them)."""
         return WindowConfig(
-            budget_tokens=self.budget_tokens, rank=self.rank, patch_policy=self.policy(),
+            budget_tokens=self.budget_tokens, rank=DEFAULT_RANK if self.rank is None else self.rank,
+            patch_policy=self.policy(),
             cascade_policy=self.cascade_policy, placement=self.placement, fidelity_target=self.fidelity_target,
             anticipate=self.anticipate,
         )
@@ -190,7 +197,7 @@ class AgentRun:
     def __init__(self, backend: Any, config: AgentConfig, *, generator: str, agent: str,
                  on_step: Callable[[Step], None] | None = None) -> None:
         self.backend = backend
-        self.config = config
+        self.config = config = config.with_default_rank(DEFAULT_RANK)  # (the agents resolve theirs first)
         self.window = ContextWindow.from_config(backend, config.window_config(), store=config.store)
         self.trace = TraceBuilder(TraceHeader(generator=generator, agent=agent, seed=config.seed,
                                               meta={"model": str(getattr(backend, "name", "")),

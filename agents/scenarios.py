@@ -63,3 +63,15 @@ def run_video(backend: Any, config: AgentConfig, on_step: Callable[[Step], None]
 
 
 AGENTS = ("doc", "web", "video")
+
+
+def default_rank(agent: str) -> int:
+    """The patch rank ``agent`` (one of :data:`AGENTS`) uses when its config names none: its
+    class's ``default_rank``."""
+    if agent == "doc":
+        from .doc import DocAgent as cls
+    elif agent == "web":
+        from .web import WebAgent as cls  # type: ignore[assignment]
+    else:
+        from .video import VideoAgent as cls  # type: ignore[assignment]
+    return int(cls.default_rank)

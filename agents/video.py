@@ -55,6 +55,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from contextdeque.core.errors import AgentInputError, BudgetError, MediaError, MediaTypeError
+from contextdeque.window import DEFAULT_RANK
 
 from .base import AgentConfig, AgentRun, Step, chunk_hash
 from .media import ImagePath, build_clip, decode_video, emulation_grid, load_image, pixel_digest
@@ -124,6 +125,7 @@ class VideoAgent:
     """
 
     kind = "video"
+    default_rank = DEFAULT_RANK  # (its config's rank=None)
 
     def __init__(self, backend: Any, config: AgentConfig | None = None, *, processor: Any = None,
                  frames_per_segment: int = 3, segments_in_window: int = 2, lookback_every: int = 2,
@@ -131,7 +133,7 @@ class VideoAgent:
         if frames_per_segment < 1 or segments_in_window < 1 or lookback_every < 0:
             raise AgentInputError("frames_per_segment and segments_in_window must be >= 1, lookback_every >= 0")
         self.backend = backend
-        self.config = config or AgentConfig()
+        self.config = (config or AgentConfig()).with_default_rank(self.default_rank)
         self.images = ImagePath(backend, processor=processor, max_tokens=image_tokens)
         self.frames_per_segment = int(frames_per_segment)
         self.segments_in_window = int(segments_in_window)

@@ -39,6 +39,7 @@ from typing import Any, Callable
 from urllib.parse import urljoin, urlsplit
 
 from contextdeque.core.errors import AgentInputError, BudgetError, ContentTypeError, FetchError
+from contextdeque.window import DEFAULT_RANK
 
 from .base import AgentConfig, AgentRun, Step, chunk_hash
 
@@ -188,6 +189,7 @@ class WebAgent:
     """
 
     kind = "web"
+    default_rank = DEFAULT_RANK  # (its config's rank=None)
 
     def __init__(self, backend: Any, config: AgentConfig | None = None, *, pages_in_window: int = 3,
                  max_page_tokens: int | None = 160, timeout: float = 10.0,
@@ -195,7 +197,7 @@ class WebAgent:
         import httpx
 
         self.backend = backend
-        self.config = config or AgentConfig()
+        self.config = (config or AgentConfig()).with_default_rank(self.default_rank)
         self.pages_in_window = int(pages_in_window)
         self.max_page_tokens = max_page_tokens
         self.client = httpx.Client(timeout=timeout)

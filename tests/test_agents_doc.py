@@ -154,3 +154,42 @@ def test_demo_command_runs_and_reports(tmp_path, capsys, one_thread):
                  "--no-measure", "--trace", str(tmp_path / "b.jsonl")]) == 0
     text = capsys.readouterr().out
     assert "summary" in text and "prefill" in text and "replay trace:" in text and text.count("verdict:") == 1
+
+
+def test_the_doc_agent_uses_its_measured_rank_unless_told(chat_backend):
+    """AgentConfig(rank=None) is the agent's own default: the DocAgent's measured DOC_RANK, the
+    others' DEFAULT_RANK (the demo's --rank default too); a rank the config names is honoured."""
+    from contextdeque.agents.doc import DOC_RANK
+    from contextdeque.agents.scenarios import default_rank
+    from contextdeque.window import DEFAULT_RANK
+
+    assert DOC_RANK > DEFAULT_RANK
+    agent = DocAgent(chat_backend, AgentConfig(budget_tokens=300, max_new_tokens=1, measure=False))
+    assert agent.config.rank == DOC_RANK
+    run = agent.answer(["first page of text about pass.", "second page about break."], ["What does pass do?"])
+    assert run.window._ctx.rank == DOC_RANK and run.summary()["rank"] == DOC_RANK
+    assert DocAgent(chat_backend, AgentConfig(rank=8)).config.rank == 8
+    assert AgentConfig().window_config().rank == DEFAULT_RANK  # an AgentRun of no agent: the window's default
+    assert (default_rank("doc"), default_rank("web"), default_rank("video")) == (DOC_RANK, DEFAULT_RANK, DEFAULT_RANK)
+
+
+@pytest.mark.slow
+def test_doc_rank_keeps_the_first_questions_window_within_the_demo_floor(default_backend, one_thread):
+    """The arrangement the demo's first question is answered on (the front page, two survivors and
+    the recalled page, each patched on what precedes it: what the eager policy and a healed,
+    anticipated latency-first window hold) at the DocAgent's rank answers within the issue's 5e-3
+    nats of a re-prefill at the next token; at rank 32 it did not (6.6e-3)."""
+    from contextdeque.agents.base import query_ids
+    from contextdeque.agents.doc import DOC_RANK
+    from contextdeque.agents.measure import reprefill_first_token, window_first_token
+    from contextdeque.core.metrics import kl_divergence
+    from contextdeque.window import ContextWindow
+
+    pages = {p.label: p for p in paginate(demo_document(), default_backend, 160)}
+    q = query_ids(default_backend, DOC_QUESTIONS[0])
+    win = ContextWindow(default_backend, budget_tokens=640, rank=DOC_RANK, patch_policy="eager")
+    for label in ("p15", "p16", "p17", "p3"):
+        win.append(token_ids=list(pages[label].token_ids))
+    assert [len(s.stack) for s in win._state.slots] == [0, 1, 1, 1]  # three patched pages behind the front one
+    kl = kl_divergence(reprefill_first_token(win, q).logits, window_first_token(win, q).logits)
+    assert kl <= 5e-3

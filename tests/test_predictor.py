@@ -125,14 +125,20 @@ def test_the_idle_budget_is_tokens_and_deterministic(backend):
     assert a == b
 
 
-def recall_trace(idle: float):
-    """task, a, b, c arrive; c leaves; idle; c comes back (a recall at the end: nothing depends on
-    it); then a leaves; idle; a comes back in front (a look-back: b and c were conditioned on it)."""
+def four_chunk_trace() -> TraceBuilder:
+    """The opening of the traces below: task, a, b, c arrive and the agent asks."""
     b = TraceBuilder(TraceHeader(generator="test"))
     b.step(t=0.0, idle=0.0)
     for name in ("task", "a", "b", "c"):
         b.arrive(name, len(PAGES[name]), name)
     b.query(4, 1)
+    return b
+
+
+def recall_trace(idle: float):
+    """task, a, b, c arrive; c leaves; idle; c comes back (a recall at the end: nothing depends on
+    it); then a leaves; idle; a comes back in front (a look-back: b and c were conditioned on it)."""
+    b = four_chunk_trace()
     b.evict("c")
     b.step(idle=idle)
     b.recall("c")
@@ -270,11 +276,7 @@ def test_a_budget_too_small_for_the_hinted_chain_prepares_its_first_recalls(back
 def reaccess_trace(order_hint: bool):
     """task, a, b, c arrive; a and b leave; the agent announces their recall and the reorder it
     then runs (a and b next to the task); idle; they come back and the window is reordered."""
-    b = TraceBuilder(TraceHeader(generator="test"))
-    b.step(t=0.0, idle=0.0)
-    for name in ("task", "a", "b", "c"):
-        b.arrive(name, len(PAGES[name]), name)
-    b.query(4, 1)
+    b = four_chunk_trace()
     b.evict("a")
     b.evict("b")
     b.expect("a")

@@ -28,7 +28,7 @@ from typing import Any
 from contextdeque.agents.base import AgentConfig, Step
 from contextdeque.cli.model_spec import add_threads_argument
 from contextdeque.cli.window_options import add_window_arguments
-from contextdeque.agents.scenarios import AGENTS, DOC_QUESTIONS, DOC_TOPICS, run_doc, run_video, run_web
+from contextdeque.agents.scenarios import AGENTS, DOC_QUESTIONS, DOC_TOPICS, default_rank, run_doc, run_video, run_web
 
 
 def default_trace_path(agent: str) -> Path:
@@ -39,7 +39,8 @@ def default_trace_path(agent: str) -> Path:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", choices=AGENTS, default="doc", help="which agent to run (default: doc)")
     p.add_argument("--budget", type=int, default=None, help="window budget in tokens (default: the agent's)")
-    add_window_arguments(p)
+    add_window_arguments(p, rank=None, rank_help="patch rank m (default: the agent's own: doc 64, measured for its "
+                                                  "pages; web and video 32)")
     p.add_argument("--questions", type=int, default=None, help="answer only the first N questions")
     p.add_argument("--topics", type=int, default=None,
                    help="doc: use only the first N sections of the document; web: visit N topic pages (default 3)")
@@ -333,7 +334,8 @@ def run(args: argparse.Namespace) -> int:
     backend = load_backend(args.model, chat=True, threads=args.threads)
     load_s = time.perf_counter() - t0
     config = AgentConfig(
-        budget_tokens=args.budget or 640, rank=args.rank, patch_policy=args.patch_policy,
+        budget_tokens=args.budget or 640, rank=args.rank if args.rank is not None else default_rank(args.agent),
+        patch_policy=args.patch_policy,
         max_new_tokens=args.max_new_tokens, measure=not args.no_measure, placement=args.placement,
     )
     rows: list[dict[str, Any]] = []

@@ -185,11 +185,15 @@ class AnticipationMirror:
         try:
             if self._anticipate_slide():
                 self._changed()
+            done: set[tuple] = set()  # chains prepared in this pass (their starts are stored)
             for prediction in plan_recalls(self.predictor, key_state(self), self.expected, budgeted=False):
                 # with the reorder the agent named right after the chain, then without it
                 then = reorder_after(key_state(self), prediction.recalls, self.expected_orders)
                 for orders in ((self.expected_orders, ()) if then else ((),)):
+                    if not orders and any(chain[: len(prediction.recalls)] == prediction.recalls for chain in done):
+                        continue
                     self._simulated(self._simulate_recalls, (prediction.recalls, orders))
+                    done.add(prediction.recalls)
             for order in plan_reorders(self.eager, self.reorders_seen, self.expected_orders, key_state(self).slots):
                 self._simulated(self._simulate_reorder, [self._key_of[ref] for ref in order])
         finally:
@@ -222,12 +226,13 @@ class AnticipationMirror:
         if not (self._defers and self._lazy and self._anticipating) or not prefix or key not in self._no_canon:
             return False
         states = (self.content[key], tuple(map(self._kv_state, prefix)))
-        if self._simulating:
+        if self._simulating and states not in self._prepared:  # (one kept already: nothing to run)
             self.do(Forward(self.content[key], self.tokens[key], context=sum(map(self.tokens.__getitem__, prefix))))
-            self._prepared.pop(states, None)
             self._prepared[states] = None
             while len(self._prepared) > MAX_ENTRIES:
                 self._prepared.popitem(last=False)
+        elif self._simulating:
+            pass
         elif states in self._prepared:
             self.do(Prepared(self.content[key], self.tokens[key], antecedents=tuple(self.content[p] for p in prefix)))
             for queue in (self._pending_form, self._pending_reason):

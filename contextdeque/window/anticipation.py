@@ -75,11 +75,19 @@ def recall_candidates(win: "ContextWindow", state: WindowState) -> list[Predicti
 
 def plan_recalls(predictor: RecallPredictor, state: Any, expected: dict, budgeted: bool) -> list[Prediction]:
     """The recall predictions one idle period prepares, in order: the predictor's, ranked by
-    benefit per token, the best :data:`ANTICIPATED_RECALLS` (:data:`MAX_PREDICTIONS` under a budget,
-    which then decides how many are formed). ``state``: a :class:`~.state.WindowState` or what the
-    replay shows a predictor over keys (``replay/anticipate.py``: ``slots``, ``evicted``, ``refs``,
-    ``index``, ``graph.preview_cascade``). The planning the window and the replay share."""
-    return rank_predictions(predictor.predict(state, expected))[: MAX_PREDICTIONS if budgeted else ANTICIPATED_RECALLS]
+    benefit per token; under a budget the best :data:`MAX_PREDICTIONS` (the budget decides how many
+    are formed), without one the best :data:`ANTICIPATED_RECALLS` chains that are not the start of
+    one chosen before (shorter prefixes serve a budget). ``state``: a :class:`~.state.WindowState`
+    (the replay's is one of key-only slots, ``replay/anticipate.py``). The planning the window and
+    the replay share."""
+    ranked = rank_predictions(predictor.predict(state, expected))
+    if budgeted:
+        return ranked[:MAX_PREDICTIONS]
+    chosen: list[Prediction] = []
+    for p in ranked:
+        if len(chosen) < ANTICIPATED_RECALLS and not any(c.recalls[: len(p.recalls)] == p.recalls for c in chosen):
+            chosen.append(p)
+    return chosen
 
 
 def fulfil_hints(expected: dict, recalled: Sequence[ChunkRef]) -> dict:
@@ -333,11 +341,16 @@ class WindowAnticipation:
                 predictions = plan_recalls(self.recall_predictor, self._state, self.expected, budgeted)  # (as it now stands)
         done: dict[tuple, int] = {}  # chains prepared in this pass -> their estimated cost
 
+        def covered(recalls: tuple) -> bool:  # the start of a chain prepared in this pass: all stored
+            return any(chain[: len(recalls)] == recalls for chain in done)
+
         for prediction in predictions:
 
             then = reorder_after(self._state, prediction.recalls, self.expected_orders)
             # with the reorder the agent named right after the chain, else (too dear) without it
             for orders in ((self.expected_orders, ()) if then else ((),)):
+                if covered(prediction.recalls) and not orders:
+                    continue
                 cost = prediction.cost_tokens + (then if orders else 0)
 
                 def recall_body(state: WindowState, meter: Meter, p: Prediction = prediction, cost: int = cost,

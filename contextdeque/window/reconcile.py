@@ -18,6 +18,7 @@ from ..patch.rank import FULL, is_full
 from ..core.cooperative import checkpoint
 from .context import WindowContext
 from .graph import Cascade
+from .ingest import reforward
 from .kvstate import antecedent_states
 from .plan import Clear, Form, Keep, Prepared, Reuse
 from .prepared import prepared_key
@@ -196,18 +197,18 @@ def _defers_reforward(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], re
 
 def _prepared(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], mode: str, meter: Meter) -> Slot | None:
     """Provisional ``slot`` conditioned anew behind ``prefix`` (``reconcile``'s ``prepared``):
-    ``"run"``: the conditioned forward now, kept for the step that lands here; ``"take"``: the
-    one kept for exactly this prefix (None: none)."""
+    ``"run"``: the conditioned forward now (unless one is kept for this prefix already), kept
+    for the step that lands here; ``"take"``: the one kept for exactly this prefix (None: none)."""
     key = prepared_key(slot.chunk.id, prefix)
-    if mode == "run":
-        from .ingest import reforward  # (ingest builds on this module's neighbours)
-
+    found = ctx.prepared.get(key)
+    if found is None and mode == "run":
         out = reforward(ctx, slot, prefix, meter)
         ctx.prepared.put(key, out.chunk)
         return out
-    found = ctx.prepared.get(key)
     if found is None:
         return None
+    if mode == "run":  # prepared before (another prediction through this arrangement): nothing to run
+        return Slot(ref=slot.ref, chunk=found, inline_on=tuple((s.ref, s.version) for s in prefix))
     meter.served[slot.ref] = "anticipated"
     meter.plan.add(Prepared(slot.chunk.id, slot.n_tokens, antecedents=tuple(s.chunk.id for s in prefix)))
     return Slot(ref=slot.ref, chunk=found, inline_on=tuple((s.ref, s.version) for s in prefix))
