@@ -99,18 +99,10 @@ def _check(backend, kind: str, rule: str, placement: str, budget: int | None = N
     assert live.forwards > 0 and stored_bytes(live.plan).get("device", 0) > 0
 
 
-# Not equal yet (known gaps, each must still fail: strict): latency-shared under the scheduler and
-# "valid" placements since k22b's placement objective met this branch's replay fixes (a recall the
-# scheduler places differently on the two sides: doc 118 live vs 115 priced forwards, queued-only),
-# and "valid" placement with anticipation (its appends land in front of residents, which the
-# simulated recalls do not follow yet).
-KNOWN_GAPS = {
-    ("doc", "patch", "valid", True), ("doc", "patch-latency-shared", "scheduler", False),
-    ("doc", "patch-latency-shared", "valid", True), ("web", "patch-latency-shared", "scheduler", False),
-    ("web", "patch-latency-shared", "scheduler", True), ("web", "patch-latency-shared", "valid", False),
-    ("web", "patch-latency-shared", "valid", True), ("video", "patch", "valid", True),
-    ("video", "patch-latency-shared", "valid", True),
-}
+# Not equal yet (known gaps, each must still fail: strict): the eager and latency-shared policies
+# under the "valid" placement with anticipation on, on the doc trace (valid places appends in front
+# of residents; the simulated recalls of anticipation then part from the live window's).
+KNOWN_GAPS = {("doc", "patch", "valid", True), ("doc", "patch-latency-shared", "valid", True)}
 
 
 @pytest.mark.parametrize("anticipate", [False, True], ids=["queued-only", "anticipating"])
