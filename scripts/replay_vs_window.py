@@ -28,7 +28,7 @@ for kind in kinds:
     from contextdeque.replay.reuse import REUSE_COSTS
     policy = win._ctx.policy.name
     rule = next(n for n, c in REUSE_COSTS.items() if c.window_policy == policy)
-    r = Replayer(trace, "arrival", "lru", rule, cost, ReplayConfig(rank=rank)).run()
+    r = Replayer(trace, "arrival", "lru", rule, cost, ReplayConfig(rank=rank, anticipate=win._ctx.config.anticipate)).run()
     q = [e for e in trace.events if e.op == "query"]
     pred = {"forwards": r.forwards - len(q), "tokens_prefilled": r.tokens_prefilled - sum(x.tokens for x in q), "encodes": r.encodes, "stored": dict(r.stored)}
     got = {"forwards": live.forwards, "tokens_prefilled": live.tokens_prefilled, "encodes": live.encodes, "stored": stored_bytes(live.plan)}
