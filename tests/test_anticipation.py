@@ -6,40 +6,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import micro_llama, window_answer_logits
+from helpers import POOL, build_pool_window, micro_llama_backend_fixture, pool_answer_logits
 
 from contextdeque.core.errors import WindowError, WindowTypeError
 from contextdeque.core.metrics import kl_divergence
-from contextdeque.model.hf import HFBackend
 from contextdeque.window import ContextWindow
 from contextdeque.window.anticipation import recall_candidates
 from contextdeque.window.config import WindowConfig
 
-POOL = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15], [20, 21, 22, 23], [30, 31, 32, 33, 34, 35, 36], [40, 41, 42],
-        [44, 45, 46, 47]]
-QUERY = [50, 51, 52]
-
-
-@pytest.fixture(scope="module")
-def backend(one_thread):
-    return HFBackend(micro_llama(7), None, root_ids=[1, 3], name="tiny-anticipation-llama")
-
-
-def answer_logits(backend: HFBackend, win: ContextWindow) -> torch.Tensor:
-    return window_answer_logits(backend, win, QUERY)
+backend = micro_llama_backend_fixture(7, "tiny-anticipation-llama")
+answer_logits = pool_answer_logits
 
 
 def build(backend, policy, *, anticipate=False, provisional=False, budget=22):
-    """Five pages through a budget of four (the first slides out), healed after each append:
-    known content (canonicals exist) unless ``provisional`` (new content: latency-first appends
-    it with one conditioned forward and no canonical)."""
-    settings = {} if anticipate is None else {"anticipate": anticipate}  # None: the default
-    win = ContextWindow(backend, budget_tokens=budget, rank=2, patch_policy=policy, **settings)
-    refs = []
-    for p in POOL[:5]:
-        refs.append(win.append(token_ids=p) if provisional else win.append(chunk=backend.encode(token_ids=p)))
-        win.heal()
-    assert refs[0] not in win.refs  # slid out: the recall candidate
+    """:func:`helpers.build_pool_window`: the first page slid out (the recall candidate)."""
+    win, refs = build_pool_window(backend, policy, anticipate=anticipate, provisional=provisional, budget=budget)
+    assert refs[0] not in win.refs
     return win, refs
 
 
@@ -76,12 +58,26 @@ def test_anticipation_off_heals_as_before(backend):
     policy serves it without anticipation; the window equals one built with heal's queued work
     only (``max_steps`` bounded to it). On is the default: the same recall is served prepared."""
     off, refs_o = build(backend, "latency", anticipate=False)
-    queued, refs_q = build(backend, "latency", anticipate=False)
+    # the oracle: anticipation on, but every heal bounded to the queued work (one step at a time,
+    # the last leaves anticipation no step), so nothing is ever prepared ahead
+    queued = ContextWindow(backend, budget_tokens=22, rank=2, patch_policy="latency", anticipate=True)
+    refs_q = []
+    for p in POOL[:5]:
+        refs_q.append(queued.append(chunk=backend.encode(token_ids=p)))
+        while queued.pending_refs:
+            queued.heal(max_steps=1)
     assert not off._ctx.anticipated_keys and not any(r.op == "anticipate" for r in off.receipts)
+    assert not queued._ctx.anticipated_keys
+    assert torch.equal(answer_logits(backend, queued), answer_logits(backend, off))
     r_off, r_q = off.recall(refs_o[0], at="end"), queued.recall(refs_q[0], at="end")
     assert r_off.forwards == r_q.forwards == 0
     assert r_off.deferred and [d[1:] for d in r_off.deferred] == [d[1:] for d in r_q.deferred]
     assert {what for _, what in r_off.served} <= {"blind", "stale"}
+    assert torch.equal(answer_logits(backend, queued), answer_logits(backend, off))
+    h_off = off.heal()  # the queued work only: no anticipation step
+    while queued.pending_refs:
+        queued.heal(max_steps=1)
+    assert h_off.forwards > 0 and not any(r.op == "anticipate" for r in off.receipts)
     assert torch.equal(answer_logits(backend, queued), answer_logits(backend, off))
     assert WindowConfig().anticipate is True
     on, refs_on = build(backend, "latency", anticipate=None)  # the default
@@ -224,3 +220,61 @@ def test_a_budget_prepares_the_likely_recall_not_a_slide_that_never_comes(backen
     assert win._state.slots[1].provisional  # no canonical formed for a slide
     r = win.recall(refs[3], at="end")
     assert r.forwards == 0 and r.answered_fresh
+
+
+def test_a_stored_patch_anticipation_only_found_is_recurring(backend):
+    """Anticipation that finds a patch already stored (formed by an operation's heal) does not
+    relabel it: a later step served it as "recurring"; what it formed itself is "anticipated"."""
+    win = ContextWindow(backend, budget_tokens=22, rank=2, patch_policy="latency", anticipate=True)
+    refs = []
+    for p in POOL[:5]:  # as build(), but no heal anticipates yet
+        refs.append(win.append(chunk=backend.encode(token_ids=p)))
+        win.heal(anticipate=False)
+    assert not win._ctx.anticipated_keys
+    sibling = win.fork()
+    sibling.recall(refs[0], at="end")
+    healed = sibling.heal(anticipate=False)  # the eager policy's patches for that arrangement
+    assert healed.patches_formed > 0
+    sibling.discard()
+    win.heal()  # anticipation: the recall at the end is the likeliest; its patches are stored already
+    assert any(r.op == "anticipate" and r.patches_reused > 0 for r in win.receipts)  # (it found them)
+    r = win.fork().recall(refs[0], at="end")
+    assert r.forwards == 0 and not r.deferred and r.served
+    assert {what for _, what in r.served} == {"recurring"}
+
+
+def test_the_slide_anticipation_counts_the_patch_it_forms(backend):
+    """New content: the canonical the next slide brings to the front comes with the patch that keeps
+    the chunk where it stands (the difference to its provisional KV, no forward): counted in
+    ``patches_formed`` like every patch in the receipt's plan, and remembered as anticipated."""
+    from contextdeque.window.plan import Difference, Form
+
+    win = ContextWindow(backend, budget_tokens=22, rank=2, patch_policy="latency", anticipate=True)
+    for p in POOL[:3]:  # no slide: the second page still stands behind what it ran after
+        win.append(token_ids=p)
+    win.heal()
+    slide = [r for r in win.receipts if r.op == "anticipate" and r.refs == (win.refs[1],)]
+    assert slide and any(isinstance(op, Difference) for op in slide[0].plan)
+    for r in win.receipts:
+        assert r.patches_formed == sum(isinstance(op, (Form, Difference)) for op in r.plan), r
+    assert win._ctx.anticipated_keys
+
+
+def test_heal_without_anticipation_does_the_queued_work_only(backend):
+    """``heal(anticipate=False)`` on a window with anticipation on: the queued work, nothing
+    prepared ahead (the window equals one whose heals never anticipated); a later ``heal()``
+    anticipates."""
+    on, refs_on = build(backend, "latency", anticipate=True)
+    off, refs_off = build(backend, "latency", anticipate=False)
+    for win in (on, off):  # known content appended: its patch is queued (nothing anticipated an append)
+        win.append(chunk=backend.encode(token_ids=POOL[5]))
+    n = len(on.receipts)
+    h = on.heal(anticipate=False)
+    assert h.forwards > 0 and not any(r.op == "anticipate" for r in list(on.receipts)[n:])
+    off.heal()
+    assert torch.equal(answer_logits(backend, on), answer_logits(backend, off))
+    assert on.anticipation_due
+    on.heal()
+    assert any(r.op == "anticipate" for r in list(on.receipts)[n:])
+    with pytest.raises(WindowTypeError):
+        on.heal(anticipate=1)

@@ -212,6 +212,15 @@ def test_cli_fidelity_target_reports_eta_ranks_bytes_and_misses(capsys, tmp_path
     printed = capsys.readouterr().out
     assert "fidelity envelope of tiny-llama" in printed and str(tmp_path) in printed
     assert "map η (q0.25)" in printed and "sensitivity per layer" not in printed  # opt-in, not measured here
+    assert main(["calibrate", "--model", "tiny:llama", "--only-envelope", "--sensitivity", "--threads", "1",
+                 "--max-chunk-tokens", "12", "--image-grid", "2x2"]) == 0
+    printed = capsys.readouterr().out
+    assert "sensitivity per layer, K:" in printed and "sensitivity per layer, V:" in printed
+    from contextdeque.model.envelope import load_envelope
+
+    assert load_envelope(out["fidelity_envelope"]["fingerprint"]).sensitivity_k  # cached with them
+    assert main(["calibrate", "--model", "tiny:llama", "--sensitivity"]) == 2  # no envelope asked for
+    assert "--only-envelope" in capsys.readouterr().err
 
 
 def test_a_failing_arm_is_reported_and_the_run_completes(capsys, monkeypatch):

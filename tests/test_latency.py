@@ -218,8 +218,9 @@ def test_append_costs_one_forward_like_a_prefix_cache(backend):
     assert kl_divergence(reprefill_logits(backend, win), next_token_logits(backend, win)) <= 1e-6
 
 
-def test_full_rank_latency_heals_to_reprefill(backend):
-    win = ContextWindow(backend, budget_tokens=22, rank=64, patch_policy="latency:exact")
+@pytest.mark.parametrize("anticipate", [True, False], ids=["anticipation", "no-anticipation"])
+def test_full_rank_latency_heals_to_reprefill(backend, anticipate):
+    win = ContextWindow(backend, budget_tokens=22, rank=64, patch_policy="latency:exact", anticipate=anticipate)
     refs = [win.append(token_ids=p) for p in POOL]
     win.reorder(list(reversed(win.refs)))
     win.recall(refs[0], at=1)

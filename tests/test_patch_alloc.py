@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from contextdeque.core.errors import CorruptEntryError, PatchError
-from contextdeque.core.operator import relocate
 from contextdeque.patch import FidelityRule, allocate_ranks, fidelity_report, form_patch
 from contextdeque.patch.alloc import direction_bytes, layer_spectra, relative_weights
 from contextdeque.patch.base import Patch
 from contextdeque.patch.ops import cut_patch, truncate_patch
+from helpers import assert_relocates_as_dense
 
 
 def spectra(seed: int, L: int, r: int, zero_layer: int | None = None) -> torch.Tensor:
@@ -212,17 +212,7 @@ def test_per_layer_patch_through_the_kernel_equals_the_dense_correction(full_pat
     be, _, b, full = full_patch
     L = len(full.layers)
     cut = cut_patch(full, [0] + [3] * (L - 1), [2] + [0] * (L - 2) + [4])
-    got = relocate(b, 50, layout=be.layout, patch=cut)
-    dense = dataclasses.replace(b, keys=b.keys.clone(), values=b.values.clone())
-    for l in range(L):
-        dk, dv = cut.layer_delta(l)
-        if dk is not None:
-            dense.keys[l] += dk.to(dense.keys.dtype)
-            dense.values[l] += dv.to(dense.values.dtype)
-    want = relocate(dense, 50, layout=be.layout)
-    for (k, v), (k2, v2) in zip(got, want):
-        torch.testing.assert_close(k, k2, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(v, v2, rtol=1e-5, atol=1e-5)
+    assert_relocates_as_dense(be, b, cut)
 
 
 def test_rule_records_its_decision_and_honours_on_miss(full_patch):

@@ -5,10 +5,12 @@ as the eager one does on every re-read; after an append it keeps its one forward
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import micro_llama, seeded_ids
 
 from contextdeque.eval.step_bench import STEPS, run_steps, window_step_ttft
 from contextdeque.model.hf import HFBackend
+from contextdeque.window.receipt import PREPARED_SERVED
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +39,60 @@ def test_latency_rows_heal_to_the_eager_rows(backend):
         assert abs(latency.kl_healed - eager.kl_healed) <= 1e-6, step
         # nothing on the critical path, the eager policy's forming work when healing
         assert latency.forwards == 0 and latency.heal_forwards == eager.forwards, step
+
+
+@pytest.mark.parametrize("idle", [True, False], ids=["idle", "no-idle"])
+def test_anticipation_rows_heal_to_the_eager_rows_under_the_same_settings(backend, idle):
+    """The window's defaults (latency-first, anticipation on): every re-read step heals to the
+    eager window with anticipation on too (``kl_vs_eager``, KL <= 1e-6), and with idle time before
+    them the re-reads of the page that left and of a middle page (recall, look-back) run no forward
+    and are served what idle time prepared or stored; without idle time nothing was prepared (what
+    a miss costs, not healed)."""
+    n_pages = 4
+    pages = [seeded_ids(6, seed, vocab=60).tolist() for seed in range(n_pages + 2)]
+    rows = run_steps(backend, pages, [50, 51, 52], policies=("eager+anticipate", "default"), rank=2,
+                     n_pages=n_pages, idle=idle, heal_after=idle)
+    by = {(r.policy, r.step): r for r in rows}
+    for step in STEPS:
+        row = by["default", step]
+        assert row.idle == idle and (row.forwards == 0) == (step != "append"), step
+        if not idle:
+            assert row.kl_vs_eager is None and row.heal_forwards == 0
+            continue
+        if step != "append":  # (new content keeps its one forward's KV: see the test above)
+            assert row.kl_vs_eager is not None and row.kl_vs_eager <= 1e-6, step
+    if idle:
+        for step in ("recall", "look-back"):
+            row = by["default", step]
+            assert row.deferred == 0 and set(row.served.split(",")) <= set(PREPARED_SERVED), step
+    else:
+        assert by["default", "recall"].deferred > 0
+
+
+def test_oracles_are_computed_once_per_arrangement(backend):
+    """The re-prefill references are shared: the same ids run one forward, whichever row asks;
+    the time given is the median of the re-prefills of that length."""
+    from contextdeque.eval.step_bench import Oracles
+
+    oracles = Oracles(backend)
+    a, b = seeded_ids(12, 1, vocab=60).tolist(), seeded_ids(12, 2, vocab=60).tolist()
+    n0 = backend.forwards_run
+    la, ms_a = oracles.reprefill(a)
+    lb, ms_b = oracles.reprefill(b)
+    la2, ms_a2 = oracles.reprefill(a)
+    assert backend.forwards_run - n0 == 2 and la2 is la and not torch.equal(la, lb)
+    assert ms_a2 == ms_b > 0  # (the median of the two samples of length 12)
+    oracles.prefix_cache_ms(a, b)
+    oracles.prefix_cache_ms(a, b)
+    assert oracles.forwards == 3
+    from contextdeque.eval.step_bench import StepRow
+
+    early = StepRow(policy="p", step="s", forwards=0, step_ms=1.0, ttft_ms=1.0, reprefill_ms=ms_a, prefix_cache_ms=1.0,
+                    kl_answer=0.0, kl_healed=0.0, heal_ms=0.0, heal_forwards=0, kl_vs_eager=None, deferred=0,
+                    page_mb=0.0, floor_ms=0.0, tokens=12)
+    oracles.reprefill(seeded_ids(12, 3, vocab=60).tolist())  # a third sample of that length
+    oracles.settle([early])
+    assert early.reprefill_ms == sorted(oracles._ms[12])[1]  # the median of all three
 
 
 def test_window_step_ttft_rows(backend):

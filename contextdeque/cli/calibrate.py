@@ -7,6 +7,7 @@ cached beside the layout proofs and keyed by the weights' fingerprint, which a w
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also measure the model's fidelity envelope (energy -> η on a few probe items; minutes "
                              "on a CPU) and cache it beside the layout proofs, measured afresh even when cached")
     parser.add_argument("--only-envelope", action="store_true", help="the fidelity envelope only (no cost model)")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="the envelope also measures per-layer K/V sensitivities and weighs the allocation by them "
+                             "(opt-in: measured worse than equal weights on SmolLM2 and Gemma 3, docs/fidelity.md)")
     parser.add_argument("--max-chunk-tokens", type=int, default=512, help="the envelope's probe chunks are cut to this (test models)")
     parser.add_argument("--image-grid", default=None, metavar="RxC", help="the envelope's image spans' grid (test models)")
 
@@ -50,6 +54,10 @@ def print_envelope(env: Any, out: Any = print) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sensitivity and not (args.envelope or args.only_envelope):
+        print("contextdeque calibrate: --sensitivity is part of the fidelity envelope: give --envelope or --only-envelope",
+              file=sys.stderr)
+        return 2
     # a model that cannot be loaded, a cache directory that cannot be written or a model with
     # nothing to calibrate η on: one line, exit 2 (contextdeque.cli.main)
     backend = load_backend(args.model, threads=args.threads)
@@ -64,5 +72,6 @@ def run(args: argparse.Namespace) -> int:
         from ..eval.fidelity.envelope import ensure_envelope
 
         grid = None if not args.image_grid else tuple(int(x) for x in args.image_grid.lower().split("x"))
-        print_envelope(ensure_envelope(backend, refresh=True, max_chunk_tokens=args.max_chunk_tokens, image_grid=grid))
+        print_envelope(ensure_envelope(backend, refresh=True, max_chunk_tokens=args.max_chunk_tokens, image_grid=grid,
+                                       sensitivity=args.sensitivity))
     return 0

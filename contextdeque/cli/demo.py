@@ -28,6 +28,7 @@ from typing import Any
 from contextdeque.agents.base import AgentConfig, Step
 from contextdeque.cli.model_spec import add_threads_argument
 from contextdeque.cli.window_options import add_window_arguments
+from contextdeque.window.receipt import PREPARED_SERVED
 from contextdeque.agents.scenarios import AGENTS, DOC_QUESTIONS, DOC_TOPICS, default_rank, run_doc, run_video, run_web
 
 
@@ -203,8 +204,9 @@ def fidelity_speed_table(summary: dict[str, Any]) -> Any:
     re = summary.get("rereads")
     if re and re["recalls"]:
         served = re["served"]
-        ahead = served.get("anticipated", 0) + served.get("stored", 0) + served.get("canonical", 0)
-        others = ", ".join(f"{n} {k}" for k, n in sorted(served.items()) if k not in ("anticipated", "stored", "canonical"))
+        prepared = (*PREPARED_SERVED, "canonical")  # (canonical: nothing in front, exact)
+        ahead = sum(served.get(k, 0) for k in prepared)
+        others = ", ".join(f"{n} {k}" for k, n in sorted(served.items()) if k not in prepared)
         t.add_row(f"re-reads ({re['recalls']})", f"{ahead} prepared ahead" + (f", {others}" if others else ""),
                   f"{re['forwards']} forwards in the step")
     return t

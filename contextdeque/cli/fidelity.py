@@ -253,6 +253,9 @@ def run(args: argparse.Namespace) -> int:
         note = f"fidelity envelope: {envelope.summary()}"
     cfg.fidelity_targets, cfg.envelope = tuple(args.fidelity_target), envelope
     cfg.max_patch_fraction, cfg.on_miss = float(args.max_patch_fraction), args.on_miss
+    from ..patch.factors import DEFAULT_PATCH_PRECISIONS
+
+    cfg.patch_precisions = tuple(args.patch_precisions or DEFAULT_PATCH_PRECISIONS)  # as a window's target
     items = probe_set(args.items)
     with Progress(TextColumn("[bold]fidelity"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=err, transient=False) as progress:

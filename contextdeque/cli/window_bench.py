@@ -24,13 +24,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_threads_argument(parser)
     parser.add_argument("--no-steps", action="store_true", help="skip the per-step re-read table")
-    parser.add_argument("--step-policies", default="eager,latency,latency+anticipate",
-                        help="policies for the per-step table (name+anticipate: with anticipate=True)")
+    parser.add_argument("--step-policies", default="eager,latency,default",
+                        help="policies for the per-step table (default: the window's defaults, anticipation on; "
+                             "any other name runs with anticipate=False, name+anticipate with anticipate=True)")
     parser.add_argument("--steps", default=None,
                         help="per-step table: which steps, comma-separated (default: all of slide, recall, "
                              "recall-valid, look-back, reorder, fork+reorder, append)")
     parser.add_argument("--no-idle", action="store_true",
                         help="per-step table: no heal() while its window is built (what a miss costs)")
+    parser.add_argument("--and-no-idle", action="store_true",
+                        help="per-step table: then the same steps with no idle time (what a miss costs; latency-first "
+                             "policies only), sharing the re-prefill references")
     parser.add_argument("--no-healer", action="store_true", help="skip the idle healer's interference probe")
     parser.add_argument("--append-chunks", type=int, default=8,
                         help="append-only flow vs a prefix cache: chunks appended (0 skips it)")
@@ -52,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     result = run_window_bench(
         backend, n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
         policy=args.patch_policy, rank=args.rank, step_policies=policies, step_idle=not args.no_idle,
-        healer=not args.no_healer,
+        healer=not args.no_healer, step_miss=args.and_no_idle,
+        progress=lambda what: print(f"window-bench: {what}", file=sys.stderr, flush=True),
         step_names=None if args.steps is None else tuple(s.strip() for s in args.steps.split(",") if s.strip()),
     )
     steps, healer = result["steps"], result["healer"]
@@ -146,10 +151,17 @@ def _print_flow(args: argparse.Namespace, flow: list[Any]) -> None:
 
 
 def _print_steps(steps: list[Any]) -> None:
+    for idle in (True, False):
+        rows = [r for r in steps if r.idle == idle]
+        if rows:
+            _print_step_table(rows, "heal() before each step (idle time)" if idle else "no idle time (a miss)")
+
+
+def _print_step_table(steps: list[Any], when: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="re-read steps: step + first answer token vs re-prefill and prefix cache of the same window")
+    table = Table(title=f"re-read steps, {when}: step + first answer token vs re-prefill and prefix cache of the same window")
     for col in ("policy", "step", "fwd", "step ms", "floor ms", "TTFT ms", "re-prefill ms", "x re-prefill",
                 "prefix-cache ms", "x prefix", "KL answer", "KL healed", "KL vs eager", "heal ms", "served", "placed"):
         table.add_column(col, justify="right" if col not in ("policy", "step") else "left")

@@ -30,6 +30,16 @@ def fraction(text: str) -> float:
     return val
 
 
+def precisions(text: str) -> tuple[str, ...]:
+    """``--patch-precisions``: comma-separated names of ``contextdeque.patch.factors.PRECISIONS``."""
+    from ..patch.factors import check_precisions
+
+    try:
+        return check_precisions([p.strip() for p in text.split(",") if p.strip()])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def targets(text: str) -> tuple[float, ...]:
     """Comma-separated η targets in (0, 1]."""
     vals = tuple(fraction(x) for x in text.split(",") if x.strip())
@@ -71,13 +81,20 @@ def add_fidelity_target_arguments(parser: argparse.ArgumentParser, target_help: 
     parser.add_argument("--on-miss", choices=ON_MISS, default=DEFAULT_ON_MISS,
                         help=f"what a patch the cap cannot fit the target into does (default {DEFAULT_ON_MISS}): report "
                              f"the miss, exceed_budget, or recompute (the exact conditioning)")
+    parser.add_argument("--patch-precisions", type=precisions, default=None, metavar="P[,P...]",
+                        help="storage precisions the target's allocation may give a kept direction (default "
+                             "hi,bf16,int8,int4: bytes allocated, not only rank; hi alone: the page's dtype, rank only; "
+                             "docs/fidelity.md)")
 
 
 def window_options(args: argparse.Namespace) -> dict[str, Any]:
     """The fidelity-target settings the options name (none without a single ``--fidelity-target``)."""
     if getattr(args, "fidelity_target", None) is None:
         return {}
-    return dict(fidelity_target=args.fidelity_target, max_patch_fraction=args.max_patch_fraction, on_miss=args.on_miss)
+    named = dict(fidelity_target=args.fidelity_target, max_patch_fraction=args.max_patch_fraction, on_miss=args.on_miss)
+    if getattr(args, "patch_precisions", None) is not None:
+        named["patch_precisions"] = tuple(args.patch_precisions)
+    return named
 
 
 def named_settings(args: argparse.Namespace) -> dict[str, Any]:

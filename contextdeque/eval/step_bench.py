@@ -9,7 +9,8 @@ page was seen earlier and slid out (it is in the store). For each patch policy a
 - ``recall``: ``recall(old page, at="end")`` (the budget slides the oldest page out);
 - ``recall-valid``: ``recall(old page)``: the window chooses where (``recall_placement``, default
   ``"valid"``: where a stored patch stays valid, or the front; the receipt's ``placed`` says);
-- ``look-back``: ``recall(old page, at=0)``: the old page goes back in front;
+- ``look-back``: a middle page is evicted (with ``idle``, ``heal()`` runs then: the agent's idle
+  time between the two), then ``recall(page, at=its old index)``: it comes back where it stood;
 - ``reorder``: the window reversed;
 - ``fork+reorder``: ``fork()`` then the child's first two pages swapped (an order no earlier
   step stored a patch for);
@@ -25,8 +26,9 @@ with the window before the step, attending to that cached prefix. ``kl_answer``:
 KL(re-prefill || window) at answer time; ``kl_healed``: the same after ``heal()`` (latency
 policies; eager windows have nothing to heal); ``kl_vs_eager``: next-token KL(eager || this
 policy) after healing, both windows having run the same step on the same content (the
-latency-first promise: 0 up to float noise; ``None`` when ``"eager"`` is not among the
-policies). The step's own ``step_ms`` is reported beside
+latency-first promise: 0 up to float noise), the eager policy under the same anticipation
+setting where ``"eager+anticipate"`` is among the policies, else plain ``"eager"`` (``None`` when
+neither is). The step's own ``step_ms`` is reported beside
 the floor of the bytes it must place (page bytes ÷ measured copy bandwidth): pages are placed
 lazily, so a re-read step itself is O(chunks) and the rotation is paid once, in ``materialize``.
 """
@@ -44,6 +46,7 @@ from ..scheduler import ValidPlacement  # noqa: F401  (registers recall_placemen
 from ..core.counters import Counters, adds, shown
 from ..core.metrics import kl_divergence
 from ..kernels.bench_util import copy_bandwidth
+from ..window.config import WindowConfig
 from ..window.placement import END
 from ..window.window import ContextWindow
 from ..patch.rank import DEFAULT_RANK
@@ -81,6 +84,8 @@ class StepRow(Counters):
     floor_ms: float = shown(_rounded, default=0.0)
     served: str = shown(default="")  # what the step's receipt says each re-conditioned chunk was served (Receipt.served)
     placed: str = shown(default="")  # for a recall: the index it went to and why (Receipt.placed)
+    idle: bool = shown(default=True)  # heal() ran before the step (run_steps' ``idle``)
+    tokens: int = shown(default=0)  # root + window + question after the step (what the re-prefill runs)
 
     @property
     def vs_reprefill(self) -> float:
@@ -151,6 +156,60 @@ def _prefix_cache_ms(backend: Any, before: list[int], after: list[int]) -> float
     return ms
 
 
+class Oracles:
+    """The re-prefill and prefix-cache references of a step table, computed once per window
+    arrangement and shared by every policy's row and both idle modes (the same ids give the same
+    logits and cost the same forward; under load they were most of the bench's time).
+
+    ``reprefill(ids)`` is ``(logits, ms)``: the logits of the one forward run for that arrangement,
+    and as its time the median of the re-prefills timed so far over the same number of tokens
+    (arrangements of one length cost the same forward, so the median of their samples is a
+    steadier denominator on a loaded machine than any one of them); :meth:`settle` gives every
+    row the median of all of them once the table is done. ``prefix_cache_ms(before, after)`` is
+    timed once per pair."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self._logits: dict[tuple[int, ...], torch.Tensor] = {}
+        self._ms: dict[int, list[float]] = {}  # tokens -> one sample per arrangement of that length
+        self._prefix: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
+
+    def reprefill(self, ids: list[int]) -> tuple[torch.Tensor, float]:
+        key = tuple(ids)
+        if key not in self._logits:
+            self._logits[key], ms = _reprefill(self.backend, ids)
+            self._ms.setdefault(len(ids), []).append(ms)
+        return self._logits[key], statistics.median(self._ms[len(ids)])
+
+    def prefix_cache_ms(self, before: list[int], after: list[int]) -> float:
+        key = (tuple(before), tuple(after))
+        if key not in self._prefix:
+            self._prefix[key] = _prefix_cache_ms(self.backend, before, after)
+        return self._prefix[key]
+
+    def settle(self, rows: "list[StepRow]") -> None:
+        """Give each row the median re-prefill time of its window's length over the whole run
+        (a row measured early saw fewer samples)."""
+        for r in rows:
+            if r.tokens in self._ms:
+                r.reprefill_ms = statistics.median(self._ms[r.tokens])
+
+    @property
+    def forwards(self) -> int:
+        """Reference forwards run (re-prefills and prefix-cache forwards)."""
+        return len(self._logits) + len(self._prefix)
+
+
+def _anticipates(policy: str) -> bool:
+    """Whether the step table's ``policy`` runs with anticipation (see :func:`run_steps`)."""
+    name, *extras = policy.split("+")
+    return "anticipate" in extras or (name == "default" and WindowConfig().anticipate)
+
+
+LOOK_BACK_INDEX = 1
+"""``look-back`` evicts the window's page at this index (a middle page) and recalls it there."""
+
+
 def run_steps(
     backend: Any,
     pages: list[list[int]],
@@ -162,16 +221,27 @@ def run_steps(
     n_pages: int = 4,
     progress: Callable[[str], None] | None = None,
     idle: bool = True,
+    heal_after: bool = True,
+    oracles: Oracles | None = None,
 ) -> list[StepRow]:
     """Measure every ``steps`` x ``policies`` (see the module doc). ``pages`` needs
     ``n_pages + 2`` pages (an old one, the window, the page ``append`` adds).
 
     A policy named ``"<name>+anticipate"`` runs ``<name>`` with ``anticipate=True``
-    (``window.anticipation``: ``heal()`` also prepares the next likely re-reads); ``"+budget"``
+    (``window.anticipation``: ``heal()`` also prepares the next likely re-reads), any other
+    ``<name>`` with ``anticipate=False`` but ``"default"``: the window's defaults (latency-first,
+    anticipation as ``WindowConfig`` says: on); ``"+budget"``
     with ``answer_kl_budget=STEP_KL_BUDGET`` (``window.budget``: a step whose estimate is above it
     forms the one patch that matters most); both may be given (``latency+anticipate+budget``).
-    ``idle=False``: no ``heal()`` while the window is built (no idle time before the step: what
-    a miss costs); the healed columns still heal after the step."""
+
+    ``idle=True``: the window is built page by page with its queued work healed after each append
+    and one full ``heal()`` (anticipation included) before the steps, and the look-back's eviction
+    is followed by a full ``heal()`` too: the idle time an agent has between steps. (Anticipation
+    runs once, on the window the steps start from: what it would prepare for the windows on the way
+    is never served there, its keys name other KV states.) ``idle=False``: no ``heal()`` before the
+    step at all (what a miss costs). ``heal_after``: also heal the step's queued work afterwards
+    (``kl_healed``, ``kl_vs_eager``; without it those are the answer-time values and None).
+    ``oracles``: the re-prefill references to share with other calls (one is made otherwise)."""
     unknown = [s for s in steps if s not in STEPS]
     if unknown:
         raise ValueError(f"unknown step(s) {unknown}; known: {', '.join(STEPS)}")
@@ -179,36 +249,51 @@ def run_steps(
     need = n_pages + 2
     if len(pages) < need:
         raise ValueError(f"need {need} pages, got {len(pages)}")
+    if "look-back" in steps and n_pages <= LOOK_BACK_INDEX + 1:
+        raise ValueError(f"look-back evicts page {LOOK_BACK_INDEX} from the middle: it needs more than "
+                         f"{LOOK_BACK_INDEX + 1} pages")
+    oracles = oracles if oracles is not None else Oracles(backend)
     # every policy appends the same new page: its rows must describe the same window
     old, window_pages, new_page = pages[0], pages[1 : n_pages + 1], pages[n_pages + 1]
+    canonicals = [backend.encode(token_ids=p) for p in [old, *window_pages]]  # the store has seen them: encoded once
     bandwidth = None
     rows: list[StepRow] = []
-    eager_healed: dict[str, torch.Tensor] = {}  # step -> the eager window's answer logits
-    for policy in sorted(policies, key=lambda p: p != "eager"):  # eager first: the others compare to it
+    eager_healed: dict[tuple[bool, str], torch.Tensor] = {}  # (anticipate, step) -> the eager window's answer logits
+    for policy in sorted(policies, key=lambda p: p.split("+")[0] != "eager"):  # eager first: the others compare to it
         # one store per policy: the eager window must not serve the latency one (or back)
         name, *extras = policy.split("+")
         unknown = set(extras) - {"anticipate", "budget"}
         if unknown:
             raise ValueError(f"unknown policy option(s) {sorted(unknown)} in {policy!r}: anticipate, budget")
+        anticipate = _anticipates(policy)
+        # compared with the eager policy under the same anticipation setting where that ran, else plain eager
+        eager_ran = {_anticipates(p) for p in policies if p.split("+")[0] == "eager"}
+        same = anticipate if anticipate in eager_ran else False
         base = ContextWindow(backend, budget_tokens=n_pages * size, rank=rank, patch_policy=name,
-                             anticipate="anticipate" in extras,
+                             anticipate=anticipate,
                              answer_kl_budget=STEP_KL_BUDGET if "budget" in extras else None)
         # pages the store has seen (their canonicals exist): what a re-read reads
-        old_ref = base.append(chunk=backend.encode(token_ids=old))
+        old_ref = base.append(chunk=canonicals[0])
+        for chunk in canonicals[1:]:
+            if idle:
+                base.heal(anticipate=False)
+            base.append(chunk=chunk)  # built step by step: the eager policy's window
         if idle:
             base.heal()
-        for p in window_pages:
-            base.append(chunk=backend.encode(token_ids=p))
-            if idle:
-                base.heal()  # built step by step: the eager policy's window
         for step in steps:
             if progress:
-                progress(f"{policy}: {step}")
+                progress(f"{policy}{'' if idle else ' (no idle)'}: {step}")
             win = base.fork()
-            before = _window_ids(win) + question
             target = win
             if step == "fork+reorder":
                 target = win.fork()
+            looked_back = None
+            if step == "look-back":  # a middle page leaves (idle time follows), then comes back where it stood
+                looked_back = win.refs[LOOK_BACK_INDEX]
+                win.evict(looked_back)
+                if idle:
+                    win.heal()
+            before = _window_ids(win) + question
 
             def do_step() -> Any:
                 if step == "slide":
@@ -218,7 +303,7 @@ def run_steps(
                 if step == "recall-valid":  # the window chooses (recall_placement)
                     return target.recall(old_ref)
                 if step == "look-back":
-                    return target.recall(old_ref, at=0)
+                    return target.recall(looked_back, at=LOOK_BACK_INDEX)
                 if step == "reorder":
                     return target.reorder(list(reversed(target.refs)))
                 if step == "fork+reorder":  # another order than ``reorder``'s: no patch of it is stored
@@ -235,32 +320,40 @@ def run_steps(
             sync(backend.device)
             ttft_ms = (time.perf_counter() - t0) * 1000.0
             after = _window_ids(target) + question
-            ref_logits, reprefill_ms = _reprefill(backend, after)
-            prefix_ms = _prefix_cache_ms(backend, before, after)
+            ref_logits, reprefill_ms = oracles.reprefill(after)
+            prefix_ms = oracles.prefix_cache_ms(before, after)
             kl_answer = kl_divergence(ref_logits, logits)
-            healed, heal_ms = _timed(target.heal, backend.device)
-            healed_logits = _answer_logits(target, question) if healed.refs else logits
-            kl_healed = kl_divergence(ref_logits, healed_logits) if healed.refs else kl_answer
-            if policy == "eager":
-                eager_healed[step] = healed_logits
-            kl_vs_eager = kl_divergence(eager_healed[step], healed_logits) if step in eager_healed else None
+            healed_logits, kl_healed, heal_ms, heal_forwards = logits, kl_answer, 0.0, 0
+            if heal_after:
+                healed, heal_ms = _timed(lambda: target.heal(anticipate=False), backend.device)
+                if healed.refs:
+                    healed_logits = _answer_logits(target, question)
+                    kl_healed, heal_forwards = kl_divergence(ref_logits, healed_logits), healed.forwards
+                else:
+                    heal_ms = 0.0
+                if name == "eager" and "budget" not in extras:
+                    eager_healed[same, step] = healed_logits
+            reference = eager_healed.get((same, step)) if heal_after else None
+            kl_vs_eager = None if reference is None else kl_divergence(reference, healed_logits)
             page_bytes = int(receipt.bytes_moved.get("pages", 0))
             if bandwidth is None:
                 bandwidth = copy_bandwidth(max(page_bytes, 1 << 24), backend.device)
             rows.append(StepRow(
                 **receipt.counts(), policy=policy, step=step, step_ms=step_ms, ttft_ms=ttft_ms,
                 reprefill_ms=reprefill_ms, prefix_cache_ms=prefix_ms, kl_answer=kl_answer, kl_healed=kl_healed,
-                heal_ms=heal_ms if healed.refs else 0.0, heal_forwards=healed.forwards,
+                heal_ms=heal_ms, heal_forwards=heal_forwards,
                 kl_vs_eager=kl_vs_eager,
                 deferred=len(receipt.deferred), page_mb=page_bytes / 1e6,
                 floor_ms=page_bytes / bandwidth * 1000.0,
                 served=",".join(sorted({what for _, what in receipt.served})),
                 placed=";".join(f"@{i}: {why}" for _, i, why in receipt.placed),
+                idle=idle, tokens=len(after),
             ))
             if target is not win:
                 target.discard()
             win.discard()
         base.close()
+    oracles.settle(rows)
     return rows
 
 

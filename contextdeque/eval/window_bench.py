@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -73,11 +73,16 @@ def run_window_bench(
     step_idle: bool = True,
     healer: bool = True,
     step_names: tuple[str, ...] | None = None,
+    step_miss: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Measure everything the module docstring lists on a window of ``n_chunks`` chunks of
     ``chunk_tokens`` tokens (``step_policies=()`` skips the per-step table; ``step_idle``: heal
     between the steps that build its window, see ``step_bench.run_steps``; ``step_names``: which step
-    types (default: every one of ``step_bench.STEPS``); ``healer=False`` skips
+    types (default: every one of ``step_bench.STEPS``); ``step_miss``: also the same steps with no
+idle time (what a miss costs; the latency-first policies only: an eager window has nothing to
+heal, its rows would repeat), sharing the re-prefill references; ``progress``: told each step
+as it starts; ``healer=False`` skips
     the idle healer's interference probe). Returns one dict,
     JSON-able but for ``steps`` (the per-step rows; each row's ``as_dict()`` is)."""
     from ..window import ContextWindow
@@ -124,11 +129,18 @@ def run_window_bench(
 
     steps, healer = [], None
     if step_policies:
-        from .step_bench import healer_interference, run_steps
+        from .step_bench import Oracles, healer_interference, run_steps
 
         pages = _chunks(backend, n_chunks + 2, chunk_tokens)
+        oracles = Oracles(backend)
+        which = {} if step_names is None else {"steps": step_names}
         steps = run_steps(backend, pages, _question(backend), policies=step_policies, rank=rank, n_pages=n_chunks,
-                          idle=step_idle, **({} if step_names is None else {"steps": step_names}))
+                          idle=step_idle, oracles=oracles, progress=progress, **which)
+        lazy = tuple(p for p in step_policies if p.split("+")[0] != "eager")
+        if step_miss and step_idle and lazy:  # the healed columns are the idle table's: not again
+            steps += run_steps(backend, pages, _question(backend), policies=lazy, rank=rank, n_pages=n_chunks,
+                               idle=False, heal_after=False, oracles=oracles, progress=progress, **which)
+            oracles.settle(steps)  # (the first table's rows: the medians over both)
         healer = healer_interference(backend, pages[:n_chunks], rank=rank) if healer else None
 
     last = slide_receipts[-1]

@@ -32,6 +32,12 @@ the allocation captures at least the optimum of B minus one direction's bytes (w
 directions cost the same: exactly the fewest bytes, exactly the optimum). Layers with a
 negligible deficit get rank 0.
 
+:func:`allocate_precision` allocates bytes, not only rank: each kept direction also gets a storage
+precision (:mod:`contextdeque.patch.factors`: the patch's dtype, bf16, int8 or int4), its captured
+energy the direction's energy less its measured quantization error — reverse water-filling over
+bits, the leading directions kept finely and the tail coarsely (docs/fidelity.md has what it
+gains on the default model).
+
 :class:`FidelityRule` turns a window's ``fidelity_target`` (an η, through the model's calibrated
 envelope, :mod:`contextdeque.model.envelope`) into an energy, allocates under the byte cap, and
 says what a miss does (``on_miss``). What it decided is recorded in ``patch.meta["fidelity"]``
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +56,8 @@ import torch
 
 from ..core.errors import PatchError
 from .base import Patch
-from .ops import cut_patch
+from .factors import PRECISIONS, check_precisions, direction_cost, direction_errors
+from .ops import cut_patch, mix_patch
 
 ON_MISS = ("report", "exceed_budget", "recompute")
 """What a patch does when the byte cap cannot meet the target: ``report`` keeps the best patch
@@ -73,6 +81,10 @@ class Allocation:
     energy_v: float
     nbytes: int
     k_share: float = 0.5  # K's weight in ``energy``
+    # per layer, each kept direction's storage precision (contextdeque.patch.factors); empty: the
+    # allocation keeps every direction at the patch's storage dtype (the plain factor form)
+    precisions_k: tuple[tuple[str, ...], ...] = ()
+    precisions_v: tuple[tuple[str, ...], ...] = ()
 
     @property
     def energy(self) -> float:
@@ -85,6 +97,37 @@ def direction_bytes(n_tokens: int, width: int, element_size: int) -> int:
     """Bytes one kept direction of a ``[n_tokens, width]`` Δ costs: a ``U S`` column and a
     ``V^T`` row."""
     return (int(n_tokens) + int(width)) * int(element_size)
+
+
+def _objective(who: str, s2_k: torch.Tensor, s2_v: torch.Tensor, target: float | None, budget: int | None,
+               weight_k: torch.Tensor | None, weight_v: torch.Tensor | None, kv_share: float | None
+               ) -> tuple[int, list[torch.Tensor], list[torch.Tensor], list[float], list[float]]:
+    """The allocations' shared inputs, checked: ``(L, s2 [K, V] float64 >= 0, per-layer weights
+    [K, V] ([L], 1 where None), weighted totals [K, V], shares [K, V])``; with ``kv_share=None``
+    each tensor's share is its part of the (weighted) total (one pool).
+
+    Raises:
+        PatchError: no target and no budget, a target outside (0, 1], malformed spectra or weights."""
+    if target is None and budget is None:
+        raise PatchError(f"{who} needs a target energy, a byte budget or both")
+    if target is not None and not 0.0 < float(target) <= 1.0:
+        raise PatchError(f"target energy must be in (0, 1], got {target}")
+    if s2_k.dim() != 2 or s2_v.dim() != 2 or s2_k.shape[0] != s2_v.shape[0]:
+        raise PatchError(f"spectra must be [L, r] for K and V with one L, got {tuple(s2_k.shape)} and {tuple(s2_v.shape)}")
+    L = s2_k.shape[0]
+    s2 = [s2_k.to(torch.float64).clamp_min(0.0), s2_v.to(torch.float64).clamp_min(0.0)]
+    weights = []
+    for wt in (weight_k, weight_v):
+        if wt is not None and (wt.shape != (L,) or bool((wt < 0).any())):
+            raise PatchError(f"per-layer weights must be [L={L}] and non-negative, got {tuple(wt.shape)}")
+        weights.append(torch.ones(L, dtype=torch.float64) if wt is None else wt.to(torch.float64))
+    totals = [float((s2[t] * weights[t].view(L, 1)).sum()) for t in (0, 1)]
+    if kv_share is None:
+        both = totals[0] + totals[1]
+        share = [totals[0] / both, totals[1] / both] if both > 0 else [0.5, 0.5]
+    else:
+        share = [float(kv_share), 1.0 - float(kv_share)]
+    return L, s2, weights, totals, share
 
 
 def allocate_ranks(
@@ -116,27 +159,10 @@ def allocate_ranks(
     Raises:
         PatchError: no target and no budget, a target outside (0, 1], or malformed spectra.
     """
-    if target is None and budget is None:
-        raise PatchError("allocate_ranks needs a target energy, a byte budget or both")
-    if target is not None and not 0.0 < float(target) <= 1.0:
-        raise PatchError(f"target energy must be in (0, 1], got {target}")
-    if s2_k.dim() != 2 or s2_v.dim() != 2 or s2_k.shape[0] != s2_v.shape[0]:
-        raise PatchError(f"spectra must be [L, r] for K and V with one L, got {tuple(s2_k.shape)} and {tuple(s2_v.shape)}")
     if min(bytes_k, bytes_v) <= 0:
         raise PatchError(f"a direction costs a positive number of bytes, got K {bytes_k} and V {bytes_v}")
-    L = s2_k.shape[0]
-    s2 = [s2_k.to(torch.float64).clamp_min(0.0), s2_v.to(torch.float64).clamp_min(0.0)]
-    for t, wt in ((0, weight_k), (1, weight_v)):
-        if wt is not None:
-            if wt.shape != (L,) or bool((wt < 0).any()):
-                raise PatchError(f"per-layer weights must be [L={L}] and non-negative, got {tuple(wt.shape)}")
-            s2[t] = s2[t] * wt.to(torch.float64).view(L, 1)
-    totals = [float(x.sum()) for x in s2]
-    if kv_share is None:  # one pool: each tensor's share is its part of the (weighted) total
-        both = totals[0] + totals[1]
-        share = [totals[0] / both, totals[1] / both] if both > 0 else [0.5, 0.5]
-    else:
-        share = [float(kv_share), 1.0 - float(kv_share)]
+    L, s2, weights, totals, share = _objective("allocate_ranks", s2_k, s2_v, target, budget, weight_k, weight_v, kv_share)
+    s2 = [s2[t] * weights[t].view(L, 1) for t in (0, 1)]
     costs = (int(bytes_k), int(bytes_v))
     # candidate directions: (value per byte, value, tensor, layer); zero-energy ones are never taken
     values, tensor_ids, layer_ids = [], [], []
@@ -175,6 +201,111 @@ def allocate_ranks(
                 break
     frac = [1.0 if totals[t] <= 0.0 or share[t] <= 0.0 else min(1.0, captured[t] / share[t]) for t in (0, 1)]
     return Allocation(tuple(ranks[0]), tuple(ranks[1]), frac[0], frac[1], spent, share[0])
+
+
+def allocate_precision(
+    s2_k: torch.Tensor,
+    s2_v: torch.Tensor,
+    *,
+    costs_k: dict[str, int],
+    costs_v: dict[str, int],
+    errors_k: dict[str, torch.Tensor],
+    errors_v: dict[str, torch.Tensor],
+    target: float | None = None,
+    budget: int | None = None,
+    weight_k: torch.Tensor | None = None,
+    weight_v: torch.Tensor | None = None,
+    kv_share: float | None = 0.5,
+) -> Allocation:
+    """Per-layer K and V ranks *and* each kept direction's storage precision, by greedy marginal
+    energy per byte (reverse water-filling over bits: a leading direction's energy pays for full
+    precision, a tail direction's only for a coarse copy).
+
+    Each direction ``j`` of a (layer, K/V) has options: dropped (0 bytes, 0 energy) or stored at
+    precision ``p`` (``costs[p]`` bytes, :func:`contextdeque.patch.factors.direction_cost`;
+    captured energy ``s²_j − errors[p][l, j]``, its measured error energy taken off). The options'
+    upper concave hull turns a direction into a chain of upgrades with falling energy per byte;
+    the chains are taken greedily by that ratio (each direction's upgrades in order, a layer's
+    directions top-down: a ratio is capped at its predecessors' so order is kept). The energy is
+    measured as :func:`allocate_ranks` measures it (per-layer ``weight``, ``kv_share``). With
+    the one precision ``hi`` at zero error this is :func:`allocate_ranks`.
+
+    Args:
+        s2_k, s2_v: ``[L, r]`` squared singular values per layer, descending in each row.
+        costs_k, costs_v: bytes of one direction at each precision considered (keys: the
+            precisions, a subset of ``factors.PRECISIONS``).
+        errors_k, errors_v: ``[L, r]`` error energy of each direction at each precision (same
+            keys; 0 where exact).
+        target, budget, weight_k, weight_v, kv_share: as in :func:`allocate_ranks`.
+
+    Returns the :class:`Allocation` with ``precisions_k`` / ``precisions_v``.
+    Raises:
+        PatchError: no target and no budget, a target outside (0, 1], malformed spectra, costs
+            or errors.
+    """
+    L, s2, weights, totals, share = _objective("allocate_precision", s2_k, s2_v, target, budget, weight_k, weight_v,
+                                               kv_share)
+    costs, errors = (costs_k, costs_v), (errors_k, errors_v)
+    for t in (0, 1):
+        if not costs[t] or set(costs[t]) != set(errors[t]) or any(int(c) <= 0 for c in costs[t].values()):
+            raise PatchError("one positive byte cost and one [L, r] error table per precision are needed")
+        if any(tuple(e.shape) != tuple(s2[t].shape) for e in errors[t].values()):
+            raise PatchError(f"error tables must match the spectra's shape {tuple(s2[t].shape)}")
+    # the options of every direction, cheapest first, and each (t, l)'s chain of hull steps
+    steps: list[tuple[float, int, int, int, int, str, int, float]] = []
+    for t in (0, 1):
+        if totals[t] <= 0.0:
+            continue
+        order = sorted(costs[t], key=lambda p: int(costs[t][p]))
+        scale = share[t] / totals[t]
+        vals = {p: ((s2[t] - errors[t][p].to(torch.float64)).clamp_min(0.0) * weights[t].view(L, 1) * scale).tolist()
+                for p in order}
+        for l in range(L):
+            cap = math.inf  # the previous direction's first-step ratio: a later one never outranks it
+            for j in range(s2[t].shape[1]):
+                hull = [(0, 0.0, "")]
+                for p in order:
+                    c, v = int(costs[t][p]), vals[p][l][j]
+                    if v <= hull[-1][1]:
+                        continue
+                    while len(hull) > 1 and ((v - hull[-1][1]) * (hull[-1][0] - hull[-2][0])
+                                             >= (hull[-1][1] - hull[-2][1]) * (c - hull[-1][0])):
+                        hull.pop()
+                    hull.append((c, v, p))
+                if len(hull) == 1:
+                    break  # nothing to capture here (the spectrum descends: nor further down)
+                prev = cap
+                for k in range(1, len(hull)):
+                    dc, dv = hull[k][0] - hull[k - 1][0], hull[k][1] - hull[k - 1][1]
+                    prev = min(prev, dv / dc)
+                    if k == 1:
+                        cap = prev
+                    steps.append((prev, t, l, j, k, hull[k][2], dc, dv))
+    steps.sort(key=lambda x: (-x[0], x[1], x[2], x[3], x[4]))
+    level = [[[0] * s2[t].shape[1] for _ in range(L)] for t in (0, 1)]  # hull steps taken per direction
+    chosen = [[[""] * s2[t].shape[1] for _ in range(L)] for t in (0, 1)]
+    captured, spent = [0.0, 0.0], 0
+    base = sum(share[t] for t in (0, 1) if totals[t] <= 0.0)  # a zero Δ is captured at rank 0
+    energy = base
+    need = None if target is None else float(target) - 1e-12
+    for ratio, t, l, j, k, p, dc, dv in steps:
+        if need is not None and energy >= need:
+            break
+        lv = level[t][l]
+        if lv[j] != k - 1 or (k == 1 and j > 0 and lv[j - 1] == 0):
+            continue  # its predecessor was not taken (it did not fit)
+        if budget is not None and spent + dc > budget:
+            continue
+        lv[j], chosen[t][l][j] = k, p
+        spent += dc
+        captured[t] += dv
+        energy += dv
+    precisions: list[tuple[tuple[str, ...], ...]] = []
+    for t in (0, 1):
+        precisions.append(tuple(tuple(p for p in chosen[t][l] if p) for l in range(L)))
+    ranks = [tuple(len(row) for row in precisions[t]) for t in (0, 1)]
+    frac = [1.0 if totals[t] <= 0.0 or share[t] <= 0.0 else min(1.0, captured[t] / share[t]) for t in (0, 1)]
+    return Allocation(ranks[0], ranks[1], frac[0], frac[1], spent, share[0], precisions[0], precisions[1])
 
 
 def relative_weights(chunk: Any, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,13 +386,37 @@ def layer_spectra(patch: Patch) -> tuple[torch.Tensor, torch.Tensor]:
     return out[0], out[1]
 
 
+def precision_tables(patch: Patch, precisions: tuple[str, ...]) -> tuple[dict[str, int], dict[str, int],
+                                                                        dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """What each direction of ``patch`` costs and loses at each of ``precisions``:
+    ``(costs_k, costs_v, errors_k, errors_v)``, costs in bytes per direction
+    (:func:`contextdeque.patch.factors.direction_cost`, ``hi`` at the patch's dtype) and errors
+    ``[n, r]`` float64 error energies (:func:`contextdeque.patch.factors.direction_errors`),
+    shaped like :func:`layer_spectra`'s rows."""
+    hi = patch.k_u.dtype
+    elem = patch.k_u.element_size()
+    costs, errors = [], []
+    for which, ranks in zip(("k", "v"), patch.layer_ranks):
+        costs.append({p: direction_cost(p, patch.n_tokens, patch._width(which), elem) for p in precisions})
+        table = {p: torch.zeros(len(patch.layers), max(ranks, default=0), dtype=torch.float64) for p in precisions}
+        for i in range(len(patch.layers)):
+            u, w = patch.layer_factors(which, i)
+            for p in precisions:
+                table[p][i, : u.shape[1]] = direction_errors(u, w, p, hi)
+        errors.append(table)
+    return costs[0], costs[1], errors[0], errors[1]
+
+
 @dataclass(frozen=True)
 class FidelityRule:
     """What a fidelity target asks of every patch a window forms.
 
     ``energy``: the energy to capture (from ``eta_target`` through ``envelope``, or the target
     itself read as an energy when the model has no calibrated envelope); ``max_patch_fraction``:
-    the byte cap, patch bytes over the page's (None: no cap); ``on_miss``: see :data:`ON_MISS`.
+    the byte cap, patch bytes over the page's (None: no cap); ``on_miss``: see :data:`ON_MISS`;
+    ``precisions``: the storage precisions a kept direction may take (``("hi",)``: the patch's
+    storage dtype only, the plain factor form; more: each direction's precision is allocated
+    with its rank, :func:`allocate_precision`, and the patch is stored mixed).
     """
 
     energy: float
@@ -270,8 +425,10 @@ class FidelityRule:
     eta_target: float | None = None
     envelope: Any = None  # a model.envelope.FidelityEnvelope (energy -> η), or None
     sensitivity: LayerSensitivity | None = None  # the model's measured per-layer weights (None: equal)
+    precisions: tuple[str, ...] = ("hi",)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "precisions", check_precisions(self.precisions))
         if not 0.0 < float(self.energy) <= 1.0:
             raise PatchError(f"target energy must be in (0, 1], got {self.energy}")
         if self.max_patch_fraction is not None and not 0.0 < float(self.max_patch_fraction) <= 1.0:
@@ -281,20 +438,26 @@ class FidelityRule:
 
     @classmethod
     def for_target(cls, eta_target: float, envelope: Any = None, max_patch_fraction: float | None = None,
-                   on_miss: str = DEFAULT_ON_MISS) -> "FidelityRule":
+                   on_miss: str = DEFAULT_ON_MISS, precisions: tuple[str, ...] = ("hi",)) -> "FidelityRule":
         """The rule for an η target: the energy the model's ``envelope`` says reaches it (the
         target itself, read as an energy, when there is no envelope)."""
         energy = float(eta_target) if envelope is None else envelope.energy_for(float(eta_target))
         return cls(energy=energy, max_patch_fraction=max_patch_fraction, on_miss=on_miss,
                    eta_target=float(eta_target), envelope=envelope,
-                   sensitivity=LayerSensitivity.from_envelope(envelope))
+                   sensitivity=LayerSensitivity.from_envelope(envelope), precisions=tuple(precisions))
+
+    @property
+    def mixed(self) -> bool:
+        """Whether directions may be stored below the patch's dtype (a mixed-precision patch)."""
+        return self.precisions != ("hi",)
 
     def key_parts(self) -> list[str]:
         """What this rule adds to a patch's store key (a patch formed under another rule differs)."""
         cap = "none" if self.max_patch_fraction is None else f"{float(self.max_patch_fraction):.6g}"
         weights = "equal" if self.sensitivity is None else self.sensitivity.key()
-        return [f"fidelity-v{FIDELITY_RULE_VERSION}", f"energy:{float(self.energy):.6g}", f"cap:{cap}",
-                f"on-miss:{self.on_miss}", f"weights:{weights}"]
+        parts = [f"fidelity-v{FIDELITY_RULE_VERSION}", f"energy:{float(self.energy):.6g}", f"cap:{cap}",
+                 f"on-miss:{self.on_miss}", f"weights:{weights}"]
+        return parts + ([f"precisions:{','.join(self.precisions)}"] if self.mixed else [])
 
     def estimate_eta(self, energy: float) -> float | None:
         """η the envelope expects at ``energy`` (None without an envelope)."""
@@ -307,19 +470,28 @@ class FidelityRule:
         s2_k, s2_v = layer_spectra(full)
         w_k, w_v, kv_share = rule_weights(chunk, full.layers, self.sensitivity)
         elem = full.k_u.element_size()
-        costs = dict(bytes_k=direction_bytes(full.n_tokens, full._width("k"), elem),
-                     bytes_v=direction_bytes(full.n_tokens, full._width("v"), elem), weight_k=w_k, weight_v=w_v,
-                     kv_share=kv_share)
+        plain = dict(bytes_k=direction_bytes(full.n_tokens, full._width("k"), elem),
+                     bytes_v=direction_bytes(full.n_tokens, full._width("v"), elem))
+        weighting = dict(weight_k=w_k, weight_v=w_v, kv_share=kv_share)
+        if self.mixed:
+            ck, cv, ek, ev = precision_tables(full, self.precisions)
+
+            def allocate(**cap: Any) -> Allocation:
+                return allocate_precision(s2_k, s2_v, costs_k=ck, costs_v=cv, errors_k=ek, errors_v=ev,
+                                          target=self.energy, **cap, **weighting)
+        else:
+            def allocate(**cap: Any) -> Allocation:
+                return allocate_ranks(s2_k, s2_v, target=self.energy, **cap, **plain, **weighting)
         budget = None if self.max_patch_fraction is None else int(float(self.max_patch_fraction) * chunk.nbytes)
-        alloc = allocate_ranks(s2_k, s2_v, target=self.energy, budget=budget, **costs)
+        alloc = allocate(budget=budget)
         short = alloc.energy < self.energy - 1e-9
         action = "within-budget"
         if short and self.on_miss == "exceed_budget":
-            alloc, action = allocate_ranks(s2_k, s2_v, target=self.energy, **costs), "exceeded-budget"
-        elif short and self.on_miss == "recompute":
+            alloc, action = allocate(), "exceeded-budget"
+        elif short and self.on_miss == "recompute":  # every direction at the patch's own dtype
             have_k, have_v = full.layer_ranks
             alloc = Allocation(tuple(have_k), tuple(have_v), 1.0, 1.0,
-                               sum(have_k) * int(costs["bytes_k"]) + sum(have_v) * int(costs["bytes_v"]), alloc.k_share)
+                               sum(have_k) * int(plain["bytes_k"]) + sum(have_v) * int(plain["bytes_v"]), alloc.k_share)
             action = "recomputed"
         elif short:
             action = "reported"
@@ -334,9 +506,15 @@ class FidelityRule:
                 "calibrated": self.envelope is not None, "bytes": alloc.nbytes, "budget_bytes": budget,
                 "miss": alloc.energy < self.energy - 1e-9, "shortfall": short, "action": action,
                 "weights": "equal" if self.sensitivity is None else "sensitivity",
+                "precisions": {p: sum(row.count(p) for rows in (alloc.precisions_k, alloc.precisions_v) for row in rows)
+                               for p in PRECISIONS} if alloc.precisions_k else None,
             }, sort_keys=True),
         })
-        return dataclasses.replace(cut_patch(full, alloc.ranks_k, alloc.ranks_v), meta=meta)
+        if alloc.precisions_k:
+            shaped = mix_patch(full, alloc.precisions_k, alloc.precisions_v)
+        else:
+            shaped = cut_patch(full, alloc.ranks_k, alloc.ranks_v)
+        return dataclasses.replace(shaped, meta=meta)
 
 
 def fidelity_report(patch: Any) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ from ..core.errors import ArgumentTypeError, CorruptEntryError, FingerprintMisma
 from ..core.kv import LayerKV, concat_kv, tensor_nbytes
 from ..core.operator import relocate, to_content_frame
 from ..core.registry import Registered, Registry
+from .factors import TENSOR_PREFIX, MixedFactors
 from .keys import patch_signature
 from .rank import DEFAULT_RANK, is_full, resolve_rank
 
@@ -44,6 +45,10 @@ class Patch:
     factors are flat 1-D buffers: layer i's ``[T, m_i]`` block of ``U S`` followed by layer i+1's,
     likewise ``[m_i, F]`` for ``V^T`` (each block contiguous, as the kernels take it). Empty
     ``ranks_k`` / ``ranks_v``: every layer has ``rank_k`` / ``rank_v`` (the stacked form above).
+
+    Mixed precision (:mod:`contextdeque.patch.factors`): ``mixed`` holds every kept direction at
+    its own precision (bf16/fp16, int8 or int4 with per-vector scales); the four factor tensors
+    are then empty, per-layer ranks are always recorded, and :meth:`layer_factors` dequantizes.
     """
 
     chunk_id: str
@@ -66,6 +71,7 @@ class Patch:
     meta: dict[str, str] = field(default_factory=dict)
     ranks_k: tuple[int, ...] = ()
     ranks_v: tuple[int, ...] = ()
+    mixed: MixedFactors | None = None
 
     def __post_init__(self) -> None:
         # the one finite check of a patch's factors: where they enter (formed, loaded from a store
@@ -83,8 +89,9 @@ class Patch:
     @property
     def id(self) -> str:
         per_layer = (self.ranks_k, self.ranks_v) if self.per_layer else ()
+        mixed = ("mixed", self.mixed.key()) if self.mixed is not None else ()
         return digest(self.chunk_id, self.antecedent_signature, self.kind, self.rank_k, self.rank_v, self.layers,
-                      *per_layer)[:32]
+                      *per_layer, *mixed)[:32]
 
     @property
     def per_layer(self) -> bool:
@@ -103,11 +110,17 @@ class Patch:
         (the maxima, and how many layers carry a correction)."""
         if not self.per_layer:
             return f"{self.rank_k}/{self.rank_v}"
-        return f"K<={self.rank_k} V<={self.rank_v} on {len(self.layers)} layers"
+        label = f"K<={self.rank_k} V<={self.rank_v} on {len(self.layers)} layers"
+        if self.mixed is not None:
+            label += " (" + " ".join(f"{p} {n}" for p, n in self.mixed.counts().items() if n) + ")"
+        return label
 
     @property
     def nbytes(self) -> int:
-        """Bytes this patch stores (a shared basis is amortized elsewhere and not counted)."""
+        """Bytes this patch stores (a shared basis is amortized elsewhere and not counted; a
+        mixed-precision patch: its codes, scales and rows, exactly)."""
+        if self.mixed is not None:
+            return self.mixed.nbytes
         parts = (self.k_u, self.v_u) if self.basis_id is not None else (self.k_u, self.v_u, self.k_w, self.v_w)
         return sum(tensor_nbytes(t) for t in parts)
 
@@ -130,7 +143,9 @@ class Patch:
 
     def layer_factors(self, which: str, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(u [T, m_i], w [m_i, F])`` of ``which`` ("k" / "v") at index ``i`` into ``layers``
-        (contiguous views in either factor form)."""
+        (contiguous views in either factor form; a mixed-precision patch's dequantized to fp32)."""
+        if self.mixed is not None:
+            return self.mixed.layer(which, i)
         u, w = (self.k_u, self.k_w) if which == "k" else (self.v_u, self.v_w)
         if not self.per_layer:
             return u[i], w[i]
@@ -157,7 +172,9 @@ class Patch:
 
     def to_entry(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         tensors = {"k_u": self.k_u, "v_u": self.v_u}
-        if self.basis_id is None:
+        if self.mixed is not None:
+            tensors = dict(self.mixed.tensors)
+        elif self.basis_id is None:
             tensors.update(k_w=self.k_w, v_w=self.v_w)
         meta = {
             "kind": "patch",
@@ -177,8 +194,10 @@ class Patch:
             "content_digest": self.id,
             "extra": json.dumps(self.meta, sort_keys=True),
         }
-        if self.per_layer:
+        if self.per_layer or self.mixed is not None:
             meta["ranks_k"], meta["ranks_v"] = (json.dumps(list(r)) for r in self.layer_ranks)
+        if self.mixed is not None:
+            meta["mixed"] = "1"
         return tensors, meta
 
     @classmethod
@@ -193,7 +212,20 @@ class Patch:
                 layers = json.loads(meta["layers"])
                 k_w = torch.stack([basis.k_w[l][: int(meta["rank_k"])] for l in layers])
                 v_w = torch.stack([basis.v_w[l][: int(meta["rank_v"])] for l in layers])
-            else:
+            mixed = None
+            if meta.get("mixed"):
+                if basis_id is not None:
+                    raise CorruptEntryError("stored mixed-precision patch entry references a shared basis")
+                (hk, dk), (hv, dv) = json.loads(meta["k_shape"]), json.loads(meta["v_shape"])
+                mixed = MixedFactors(
+                    int(meta["n_tokens"]), {"k": int(hk) * int(dk), "v": int(hv) * int(dv)},
+                    {"k": tuple(int(r) for r in json.loads(meta["ranks_k"])),
+                     "v": tuple(int(r) for r in json.loads(meta["ranks_v"]))},
+                    {n: t for n, t in tensors.items() if n.startswith(TENSOR_PREFIX)})
+                empty = torch.zeros(0, dtype=mixed.hi_dtype)
+                tensors = {"k_u": empty, "v_u": empty}
+                k_w = v_w = empty
+            elif basis_id is None:
                 k_w, v_w = tensors["k_w"], tensors["v_w"]
             patch = cls(
                 chunk_id=meta["chunk_id"],
@@ -216,6 +248,7 @@ class Patch:
                 meta=json.loads(meta.get("extra", "{}")),
                 ranks_k=tuple(int(r) for r in json.loads(meta.get("ranks_k", "[]"))),
                 ranks_v=tuple(int(r) for r in json.loads(meta.get("ranks_v", "[]"))),
+                mixed=mixed,
             )
             patch._check_consistent()
             return patch
@@ -234,6 +267,9 @@ class Patch:
             if isinstance(r, bool) or r < 0:
                 raise CorruptEntryError(f"stored patch entry records {what} = {r}")
         n = len(self.layers)
+        if self.mixed is not None:
+            self._check_mixed()
+            return
         if self.per_layer:
             self._check_per_layer()
             return
@@ -246,6 +282,20 @@ class Patch:
                     f"stored patch entry records {n} layers, {self.n_tokens} tokens, {name} rank {m} and "
                     f"{name} shape {(h, d)}, but holds {name}_u {tuple(u.shape)} and {name}_w {tuple(w.shape)}"
                 )
+
+    def _check_mixed(self) -> None:
+        """A mixed-precision patch's checks: its ranks, token count and widths are the recorded
+        ones (its tensors are checked against them where :class:`MixedFactors` is built)."""
+        n = len(self.layers)
+        for name, ranks, top in (("k", self.ranks_k, self.rank_k), ("v", self.ranks_v, self.rank_v)):
+            if (len(ranks) != n or tuple(ranks) != tuple(self.mixed.ranks[name]) or max(ranks, default=0) != top
+                    or self.mixed.widths[name] != self._width(name)):
+                raise CorruptEntryError(
+                    f"stored mixed patch entry records {n} layers and {name} ranks {list(ranks)} (maximum {top}), "
+                    f"but its factors hold ranks {list(self.mixed.ranks[name])} of width {self.mixed.widths[name]}")
+        if self.mixed.n_tokens != self.n_tokens:
+            raise CorruptEntryError(f"stored mixed patch entry records {self.n_tokens} tokens, its factors "
+                                    f"{self.mixed.n_tokens}")
 
     def _check_per_layer(self) -> None:
         """The flat form's checks: one non-negative rank per layer, maxima as recorded, and flat
@@ -286,6 +336,7 @@ def new_patch(
     basis_id: str | None = None,
     meta: dict[str, str] | None = None,
     layer_ranks: tuple[Sequence[int], Sequence[int]] | None = None,
+    mixed: MixedFactors | None = None,
 ) -> Patch:
     """The one construction of a :class:`Patch` from factors: the chunk's identity (id, model
     fingerprint, layout signature, token count) comes from ``source`` (the chunk, or a patch of
@@ -293,7 +344,8 @@ def new_patch(
     ``(k_u, k_w, v_u, v_w)`` are cast to ``dtype`` (the chunk's storage dtype; float16 factors
     that would overflow stay float32: :func:`factor_dtype`). Non-finite factors raise
     ``NumericsError`` (:meth:`Patch.__post_init__`). ``layer_ranks``: ``(K ranks, V ranks)`` per
-    layer of the flat factor form (``ranks`` are then their maxima)."""
+    layer of the flat factor form (``ranks`` are then their maxima). ``mixed``: the factors at
+    mixed precision (``factors`` are then empty and ``layer_ranks`` required)."""
     if isinstance(source, Patch):
         chunk_id, n_tokens, k_shape, v_shape = source.chunk_id, source.n_tokens, source.k_shape, source.v_shape
     else:
@@ -324,6 +376,7 @@ def new_patch(
         meta=dict(meta or {}),
         ranks_k=() if layer_ranks is None else tuple(int(r) for r in layer_ranks[0]),
         ranks_v=() if layer_ranks is None else tuple(int(r) for r in layer_ranks[1]),
+        mixed=mixed,
     )
 
 

@@ -13,6 +13,7 @@ from ..core.errors import FingerprintMismatchError, PatchError
 from ..core.kv import LayerKV
 from ..core.operator import to_content_frame
 from .base import PATCH_KINDS, FormContext, Patch, new_patch, truncated_svd
+from .factors import mix_factors
 from .keys import antecedent_signature
 from .rank import is_full, rank_cap, resolve_rank
 
@@ -66,6 +67,13 @@ def cut_patch(patch: Patch, ranks_k: Sequence[int], ranks_v: Sequence[int]) -> P
             raise PatchError(f"{what} ranks {list(want)} must be within what the patch holds per layer ({list(have)})")
     keep = [i for i in range(n) if ranks_k[i] or ranks_v[i]]
     rk, rv = [int(ranks_k[i]) for i in keep], [int(ranks_v[i]) for i in keep]
+    if patch.mixed is not None:  # each kept direction stays at the precision it was stored at
+        empty = torch.zeros(0, dtype=patch.k_u.dtype)
+        return new_patch(
+            patch, kind=patch.kind, antecedents=patch.antecedents, signature=patch.antecedent_signature,
+            ranks=(max(rk, default=0), max(rv, default=0)), layers=[patch.layers[i] for i in keep],
+            factors=(empty, empty, empty, empty), meta=patch.meta, layer_ranks=(rk, rv),
+            mixed=patch.mixed.cut(keep, rk, rv))
     blocks: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"k": [], "v": []}
     for i in keep:
         for which, m in (("k", ranks_k[i]), ("v", ranks_v[i])):
@@ -87,6 +95,39 @@ def cut_patch(patch: Patch, ranks_k: Sequence[int], ranks_v: Sequence[int]) -> P
         factors=(factors[0], factors[1], factors[2], factors[3]), basis_id=patch.basis_id, meta=patch.meta,
         layer_ranks=None if uniform else (rk, rv),
     )
+
+
+def mix_patch(patch: Patch, precisions_k: Sequence[Sequence[str]], precisions_v: Sequence[Sequence[str]]) -> Patch:
+    """``patch`` cut to its top ``len(precisions_k[i])`` K / ``len(precisions_v[i])`` V directions
+    per layer (index ``i`` into ``patch.layers``), each stored at the precision named
+    (:mod:`contextdeque.patch.factors`: ``hi`` is the patch's own dtype, ``int8`` / ``int4``
+    quantized with per-vector scales). Layers left with no direction are dropped.
+
+    Raises:
+        PatchError: a shared-basis or already mixed patch, or precisions that do not fit it."""
+    if patch.basis_id is not None or patch.mixed is not None:
+        raise PatchError("mix_patch takes a patch with plain factors (not a shared-basis or mixed one)")
+    n = len(patch.layers)
+    if len(precisions_k) != n or len(precisions_v) != n:
+        raise PatchError(f"need K and V precisions for each of the {n} layers, got {len(precisions_k)} and {len(precisions_v)}")
+    have_k, have_v = patch.layer_ranks
+    if any(len(p) > h for p, h in zip(precisions_k, have_k)) or any(len(p) > h for p, h in zip(precisions_v, have_v)):
+        raise PatchError("more precisions than the patch holds directions in a layer")
+    keep = [i for i in range(n) if precisions_k[i] or precisions_v[i]]
+    blocks: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"k": [], "v": []}
+    chosen: dict[str, list[Sequence[str]]] = {"k": [], "v": []}
+    for i in keep:
+        for which, prec in (("k", precisions_k[i]), ("v", precisions_v[i])):
+            u, w = patch.layer_factors(which, i)
+            blocks[which].append((u[:, :len(prec)], w[:len(prec)]))
+            chosen[which].append(list(prec))
+    mixed = mix_factors(blocks, chosen, patch.k_u.dtype, patch.n_tokens, {"k": patch._width("k"), "v": patch._width("v")})
+    empty = torch.zeros(0, dtype=patch.k_u.dtype)
+    rk, rv = list(mixed.ranks["k"]), list(mixed.ranks["v"])
+    return new_patch(
+        patch, kind=patch.kind, antecedents=patch.antecedents, signature=patch.antecedent_signature,
+        ranks=(max(rk, default=0), max(rv, default=0)), layers=[patch.layers[i] for i in keep],
+        factors=(empty, empty, empty, empty), meta=patch.meta, layer_ranks=(rk, rv), mixed=mixed)
 
 
 def combine_patches(

@@ -29,6 +29,7 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING, Hashable, Sequence
 
+from .plan import Forward
 from .policy_latency import HealPolicy
 from .receipt import Meter
 from .reconcile import reconcile
@@ -163,9 +164,7 @@ def anticipate_reorder(win: "ContextWindow", state: WindowState, order: Sequence
     by_ref = {s.ref: s for s in state.slots}
     slots = [by_ref[r] for r in order]
     eager = getattr(ctx.policy, "eager", ctx.policy)
-    before = meter.patches_formed
-    placed, _ = reconcile(ctx, slots, {r: "reorder" for r in order}, meter, policy=HealPolicy(eager), prepared="run")
-    for new, old in zip(placed, slots):
-        if new.stack is not old.stack:
-            ctx.anticipated_keys.update(cond.key for cond in new.stack if cond.key)
-    return meter.patches_formed > before
+    before, ops = len(meter.formed_keys), len(meter.plan.ops)
+    reconcile(ctx, slots, {r: "reorder" for r in order}, meter, policy=HealPolicy(eager), prepared="run")
+    ctx.anticipated_keys.update(meter.formed_keys[before:])  # what it formed (a stored patch it reused is not its own)
+    return len(meter.formed_keys) > before or any(isinstance(op, Forward) for op in meter.plan.ops[ops:])

@@ -31,8 +31,9 @@ exactly where the KV in front of the chunk is the KV it was formed on. A pass th
 marks the window anticipated until it changes (:attr:`WindowAnticipation.anticipation_due`); the
 idle healer (``window.healer``) runs the same passes in the background.
 
-The keys of anticipated patches are remembered per window family, so receipts can say a chunk
-was served ``"anticipated"`` (see ``reconcile.obtain``).
+The keys of the patches anticipation formed are remembered per window family, so receipts can say
+a chunk was served ``"anticipated"`` (see ``reconcile.obtain``); a stored patch an anticipation
+only found (formed earlier by an operation or a heal) keeps saying ``"recurring"`` / ``"orbit"``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 from ..core.errors import ArgumentTypeError, WindowError
 from . import ingest
 from .placement import END, recall_chooser, window_index
+from .plan import Forward
 from .anticipate_reorder import ANTICIPATED_REORDERS, anticipate_reorder, reorder_candidates
 from .policy_latency import HealPolicy
 from .predictor import Prediction, RecallPredictor, make_predictor, rank_predictions
@@ -140,8 +142,10 @@ def anticipate_slide(win: "ContextWindow", state: WindowState, meter: Meter) -> 
     eager = getattr(ctx.policy, "eager", ctx.policy)
     slots = list(state.slots)
     slot = slots[1]
+    before = len(meter.formed_keys)
     slots[1] = win._canonicalize(slot, slots[:1], "append", eager, meter)
     state.slots, _ = reconcile(ctx, slots, {slot.ref: "append"}, meter, policy=HealPolicy(eager))
+    ctx.anticipated_keys.update(meter.formed_keys[before:])
     return slot.ref
 
 
@@ -211,17 +215,15 @@ def _simulate_recall(win: "ContextWindow", sim: WindowState, ref: ChunkRef, at: 
     for later in slots[pos + 1:]:
         reasons[later.ref] = "inserted"
     eager = getattr(ctx.policy, "eager", ctx.policy)
-    before = meter.patches_formed
+    before, ops = len(meter.formed_keys), len(meter.plan.ops)
     # the eager policy's decisions on the simulated arrangement, as the recall would run them:
     # the survivors, the recalled chunk's patch, the cascade it implies (formed and stored)
-    placed, _ = reconcile(ctx, slots, reasons, meter, recalled=ref, cascade_candidates=candidates - set(left),
-                          policy=HealPolicy(eager), prepared="run")
-    for new, old in zip(placed, slots):
-        if new.stack is not old.stack:
-            ctx.anticipated_keys.update(cond.key for cond in new.stack if cond.key)
-    sim.slots = placed
+    sim.slots, _ = reconcile(ctx, slots, reasons, meter, recalled=ref, cascade_candidates=candidates - set(left),
+                             policy=HealPolicy(eager), prepared="run")
+    # receipts say "anticipated" for what anticipation formed; a stored patch it found stays what it was
+    ctx.anticipated_keys.update(meter.formed_keys[before:])
     sim.graph.sync(sim.slots, sim.evicted)
-    return formed or meter.patches_formed > before
+    return formed or len(meter.formed_keys) > before or any(isinstance(op, Forward) for op in meter.plan.ops[ops:])
 
 
 def reorder_after(state: WindowState, recalls: Sequence[tuple[ChunkRef, int | str | None]],

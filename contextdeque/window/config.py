@@ -19,6 +19,7 @@ from ..core.args import check_float, check_int, check_str
 from ..core.chunk import storage_dtype
 from ..core.errors import BudgetError, WindowError, WindowTypeError
 from ..patch.alloc import DEFAULT_ON_MISS, ON_MISS
+from ..patch.factors import DEFAULT_PATCH_PRECISIONS, check_precisions
 from .budget import DEFAULT_BLIND_KL
 from ..patch.rank import DEFAULT_RANK  # (re-exported: the one default rank, written in patch/rank.py)
 from .graph import CASCADE_POLICIES
@@ -56,6 +57,7 @@ class WindowConfig:
     fidelity_target: float | None = None
     max_patch_fraction: float = 0.25
     on_miss: str = DEFAULT_ON_MISS
+    patch_precisions: "tuple[str, ...] | list[str]" = DEFAULT_PATCH_PRECISIONS
     kv_selection: SelectionPolicy | None = None
     beyond_trained: bool = False
     chunk_template: str = "{text}"
@@ -112,6 +114,12 @@ class WindowConfig:
             kl_budget_ms=check_float("kl_budget_ms", self.kl_budget_ms, minimum=0.0, none_ok=True, error=WindowError),
             blind_kl=check_float("blind_kl", self.blind_kl, minimum=0.0, open_min=True, error=WindowError),
         )
+        if isinstance(self.patch_precisions, str) or not isinstance(self.patch_precisions, (tuple, list)):
+            raise WindowTypeError(f"patch_precisions must be a tuple of precision names, got {type(self.patch_precisions).__name__}")
+        try:
+            checked["patch_precisions"] = check_precisions(self.patch_precisions)
+        except ValueError as exc:
+            raise WindowError(str(exc)) from exc
         for name, value in checked.items():  # normalized once (frozen: set through object.__setattr__)
             object.__setattr__(self, name, value)
 

@@ -150,7 +150,8 @@ class WindowContext:
             return None
         if self._fidelity_rule is None:
             self._fidelity_rule = FidelityRule.for_target(
-                float(self.fidelity_target), load_envelope(self.fingerprint), float(self.max_patch_fraction), self.on_miss)
+                float(self.fidelity_target), load_envelope(self.fingerprint), float(self.max_patch_fraction), self.on_miss,
+                precisions=tuple(self.patch_precisions))
         return self._fidelity_rule
 
     def formation_ranks(self, rank: int | str, n_tokens: int) -> tuple[int, int]:

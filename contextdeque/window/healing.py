@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..core.args import check_float, check_int
-from ..core.errors import WindowError
+from ..core.errors import WindowError, WindowTypeError
 from ..patch import form_patch
 from . import ingest
 from .plan import Difference
@@ -42,7 +42,8 @@ class WindowHealing:
         reuse = self._ctx.expected_reuse(ref) if self._ctx.expected_reuse is not None else 1.0
         return staleness(slots[idx], slots[:idx]) * float(reuse)
 
-    def heal(self, max_ms: float | None = None, *, max_steps: int | None = None, max_tokens: int | None = None) -> Receipt:
+    def heal(self, max_ms: float | None = None, *, max_steps: int | None = None, max_tokens: int | None = None,
+             anticipate: bool = True) -> Receipt:
         """Carry out the conditioning a latency-first policy deferred, most urgent first.
 
         Each step takes the pending chunk of highest :meth:`heal_priority` and heals it together
@@ -54,7 +55,8 @@ class WindowHealing:
         between steps: a deterministic idle budget, where ``max_ms`` depends on the machine). With
         ``anticipate=True``, what is left of the budget then prepares the next likely re-reads,
         the recall predictor's best by expected benefit per token (``window.anticipation``;
-        ``max_tokens=0``: nothing). Returns one receipt for all steps
+        ``max_tokens=0``: nothing; ``anticipate=False``: only the queued work, what the eager policy
+        owes the window as it stands). Returns one receipt for all steps
         (``op="heal"``; each step is also in ``receipts``). Under an eager policy nothing is
         ever pending and this is a no-op.
         """
@@ -62,6 +64,8 @@ class WindowHealing:
         check_float("max_ms", max_ms, minimum=0.0, none_ok=True, error=WindowError)
         check_int("max_steps", max_steps, minimum=0, none_ok=True, error=WindowError)
         check_int("max_tokens", max_tokens, minimum=0, none_ok=True, error=WindowError)
+        if not isinstance(anticipate, bool):
+            raise WindowTypeError(f"anticipate must be a bool, got {type(anticipate).__name__}")
         t0 = time.perf_counter()
         deadline = None if max_ms is None else t0 + float(max_ms) / 1000.0
         steps: list[Receipt] = []
@@ -77,7 +81,7 @@ class WindowHealing:
             if max_tokens is not None and tokens_left() <= 0:
                 break
             steps.append(self._heal_step())
-        if not self._state.pending and (deadline is None or time.perf_counter() < deadline):
+        if anticipate and not self._state.pending and (deadline is None or time.perf_counter() < deadline):
             left = None if max_steps is None else int(max_steps) - len(steps)
             budget = tokens_left()
             # (window.anticipation; nothing unless anticipate=True)
@@ -164,6 +168,8 @@ class WindowHealing:
                     failed = ctx.store.put_patch(key, patch, traffic=meter.traffic)
                     if failed:
                         meter.notes.append(failed)
+                    meter.patches_formed += 1  # (from the KV it holds: no forward, but a patch formed all the same)
+                    meter.formed_keys.append(key)
                     meter.plan.add(Difference(canonical.id, canonical.n_tokens, antecedents=tuple(p.chunk.id for p in prefix),
                                               tier=ctx.store.tier_of(key) or "none", nbytes=patch.nbytes))
         return blind

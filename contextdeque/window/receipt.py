@@ -37,6 +37,9 @@ class LoadFallback:
 
 DEFERRED_SERVED = ("stale", "blind", "conditioned")
 """What a latency-first policy serves a chunk it defers (``Receipt.served``): not fresh."""
+PREPARED_SERVED = ("anticipated", "recurring", "orbit")
+"""What ``Receipt.served`` says of a valid patch the store held before the step: formed by
+anticipation in idle time, or earlier for this arrangement (recurring) or its set (orbit)."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,7 @@ class Meter:
         # "fresh" (formed now), "recurring" / "orbit" / "anticipated" (a valid stored patch; anticipated: formed
         # ahead in idle time, window.anticipation), "stale" / "blind" / "conditioned" (deferred)
         self.served: dict["ChunkRef", str] = {}
+        self.formed_keys: list[str] = []  # store keys of the patches formed (anticipation remembers its own)
         self.repairs: list[str] = []  # rebuilt from source (quarantines come from the traffic)
         self.fidelity_misses: list[FidelityMiss] = []
         self.plan = Plan()  # what this operation executed (window.plan)

@@ -126,6 +126,7 @@ def obtain(
         if PATCH_KINDS[kind].exact_on_prefix:  # what the placement scheduler may aim for
             ctx.note_stored_prefix(slot.chunk.id, tuple(s.chunk.id for s in prefix))
         meter.patches_formed += 1
+        meter.formed_keys.append(key)
         if healed:
             meter.repairs.append(f"re-formed the {kind} patch of #{slot.ref.key} (its stored copy was corrupt)")
     else:

@@ -175,6 +175,7 @@ class ConfigModel(_Model):
     max_patch_fraction: float
     max_evicted: int | None = DEFAULT_MAX_EVICTED  # absent in sessions saved before it was recorded
     on_miss: str = DEFAULT_ON_MISS  # absent in sessions saved before it was recorded
+    patch_precisions: list[str] = ["hi"]  # (the same: those sessions formed their patches at the page dtype)
     anticipate: bool = False  # (the same)
     # (the same; sessions saved before issue 21 part C recalled at the end: None there would be the
     # old rule, but a reopened window takes today's default like a new one)

@@ -10,7 +10,11 @@ directions they keep:
 - ``energy-{e}``: the allocation (``contextdeque.patch.alloc``: per layer and K/V, greedy energy
   per byte) capturing energy e, no byte cap — the calibration's points;
 - ``target-{t}``: a window's rule for η target t (through the model's envelope) under the byte
-  cap ``max_patch_fraction`` of each page, misses reported.
+  cap ``max_patch_fraction`` of each page, misses reported;
+- ``fixed-r{m}-{p}``: rank m on every layer, every direction stored at precision p (int8 /
+  int4: :mod:`contextdeque.patch.factors`) — the fair baseline of a mixed-precision arm;
+- ``...-mixed``: an energy or target arm whose rule allocates each direction's precision with
+  its rank (``--precisions hi,int8,int4``).
 
 Each variant's next-token KL against re-prefill gives η (items with a measurable blind gap only).
 
@@ -18,6 +22,8 @@ Each variant's next-token KL against re-prefill gives η (items with a measurabl
         --targets 0.95,0.97,0.98,0.99,0.995 --max-patch-fraction 0.25 --json out.json
     python -m contextdeque.eval.fidelity.envelope --arch qwen2   # a tiny random non-llama family
     python -m contextdeque.eval.fidelity.envelope --model DIR_OR_GGUF   # another checkpoint
+    python -m contextdeque.eval.fidelity.envelope --uniform-precisions hi,int8 \
+        --precisions "hi;hi,int8,int4" --energies 0.9,0.95,0.99   # bytes allocated, not only rank
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ from ...core.metrics import kl_divergence, kl_divergence_tensor
 from ...model.envelope import CURVE_QUANTILE, ENVELOPE_VERSION, FidelityEnvelope, load_envelope, save_envelope
 from ...patch import FidelityRule, LayerSensitivity, Patch, fidelity_report, form_patch
 from ...patch.alloc import layer_spectra, rule_weights
-from ...patch.ops import cut_patch, truncate_patch
+from ...patch.factors import PRECISIONS, check_precisions
+from ...patch.ops import cut_patch, mix_patch, truncate_patch
 from ..arms import BlindArm, PatchArm, ReprefillArm, ReuseRequest
 from .harness import score_query
 from .metrics import DEFAULT_MIN_GAP, eta, percentile
@@ -128,6 +135,7 @@ class Variant:
     layers: list[int] = field(default_factory=list)  # per patch: layers carrying a correction
     misses: int = 0
     estimated: list[float] = field(default_factory=list)  # per patch: the rule's estimated η
+    precisions: dict[str, int] = field(default_factory=dict)  # directions kept at each precision
     sensitivity: LayerSensitivity | None = None  # the weights ``energy`` is measured in
 
     def measure(self, backend: Any, base: ItemBase, min_gap: float) -> None:
@@ -143,6 +151,9 @@ class Variant:
             self.ranks_k.append(sum(rk))
             self.ranks_v.append(sum(rv))
             self.layers.append(sum(1 for a, b in zip(rk, rv) if a or b))
+            counts = q.mixed.counts() if q.mixed is not None else {"hi": sum(rk) + sum(rv)}
+            for prec, n in counts.items():
+                self.precisions[prec] = self.precisions.get(prec, 0) + n
             energies.append(captured(p, q, chunk, self.sensitivity))
             weights.append(chunk.n_tokens)
             rep = fidelity_report(q)
@@ -170,22 +181,46 @@ class Variant:
             "mean_rank_v": sum(self.ranks_v) / max(1, sum(self.layers)) if n else None,
             "mean_layers": sum(self.layers) / n if n else None,
             "median_estimated_eta": statistics.median(self.estimated) if self.estimated else None,
+            "directions_by_precision": dict(self.precisions),
         }
 
 
+def layer_energies(full: Patch, cut: Patch, which: str) -> dict[int, tuple[float, float]]:
+    """Per layer of ``full``: ``(‖Δ‖², ‖Δ − Δ_cut‖²)`` of ``which`` (``"k"`` / ``"v"``), Δ being
+    ``full``'s product of factors and ``Δ_cut`` ``cut``'s (dequantized), from the factors' Gram
+    matrices (no dense Δ): exact whatever ``cut`` dropped or stored coarsely."""
+
+    def gram(u1: torch.Tensor, w1: torch.Tensor, u2: torch.Tensor, w2: torch.Tensor) -> float:
+        u1, w1, u2, w2 = (x.to(torch.float64) for x in (u1, w1, u2, w2))
+        return float(((u1.T @ u2) * (w1 @ w2.T)).sum())
+
+    at = {l: i for i, l in enumerate(cut.layers)}
+    out = {}
+    for i, l in enumerate(full.layers):
+        u, w = full.layer_factors(which, i)
+        total = gram(u, w, u, w)
+        if l not in at:
+            out[l] = (total, total)
+            continue
+        cu, cw = cut.layer_factors(which, at[l])
+        out[l] = (total, max(0.0, total - 2.0 * gram(u, w, cu, cw) + gram(cu, cw, cu, cw)))
+    return out
+
+
 def captured(full: Patch, cut: Patch, chunk: Chunk, sensitivity: LayerSensitivity | None = None) -> float:
-    """Energy of ``full``'s Δ that ``cut`` holds, in the rule's measure (each layer's deficit
-    relative to ``chunk``'s KV, weighed by ``sensitivity`` with K and V pooled, or K and V weighed
-    equally without it: :func:`contextdeque.patch.alloc.rule_weights`), from the factors' column
-    norms — independent of the allocation that chose ``cut``."""
+    """Energy of ``full``'s Δ that ``cut`` captures, ``1 − ‖Δ − Δ_cut‖² / ‖Δ‖²`` in the rule's
+    measure (each layer's deficit relative to ``chunk``'s KV, weighed by ``sensitivity`` with K
+    and V pooled, or K and V weighed equally without it:
+    :func:`contextdeque.patch.alloc.rule_weights`), from the residual of the dequantized factors
+    (:func:`layer_energies`) — independent of the allocation that chose ``cut`` and of its own
+    accounting of what a precision loses."""
     w_k, w_v, kv_share = rule_weights(chunk, full.layers, sensitivity)
     weights = {"k": dict(zip(full.layers, w_k.tolist())), "v": dict(zip(full.layers, w_v.tolist()))}
-
-    def kept(p: Patch, which: str) -> float:
-        return sum(weights[which][l] * float(p.layer_factors(which, i)[0].pow(2).sum()) for i, l in enumerate(p.layers))
-
-    got = {t: kept(cut, t) for t in ("k", "v")}
-    tot = {t: kept(full, t) for t in ("k", "v")}
+    tot, got = {}, {}
+    for t in ("k", "v"):
+        per = layer_energies(full, cut, t)
+        tot[t] = sum(weights[t][l] * e for l, (e, _) in per.items())
+        got[t] = sum(weights[t][l] * (e - r) for l, (e, r) in per.items())
     if kv_share is None:
         both = tot["k"] + tot["v"]
         return 1.0 if both <= 0 else (got["k"] + got["v"]) / both
@@ -193,19 +228,39 @@ def captured(full: Patch, cut: Patch, chunk: Chunk, sensitivity: LayerSensitivit
     return kv_share * frac["k"] + (1.0 - kv_share) * frac["v"]
 
 
-def fixed_variant(rank: int) -> Variant:
-    return Variant(f"fixed-r{rank}", "fixed", rank, lambda p, c: truncate_patch(p, min(rank, p.rank_k), min(rank, p.rank_v)))
+def fixed_variant(rank: int, precision: str = "hi") -> Variant:
+    """Rank ``rank`` on every layer, K and V; every direction at ``precision`` (``hi``: the
+    patch's storage dtype)."""
+    def cut(p: Patch, c: Chunk) -> Patch:
+        q = truncate_patch(p, min(rank, p.rank_k), min(rank, p.rank_v))
+        if precision == "hi":
+            return q
+        rk, rv = q.layer_ranks
+        return mix_patch(q, [[precision] * m for m in rk], [[precision] * m for m in rv])
+
+    name = f"fixed-r{rank}" + ("" if precision == "hi" else f"-{precision}")
+    return Variant(name, "fixed" if precision == "hi" else f"fixed-{precision}", rank, cut)
 
 
-def energy_variant(energy: float, sensitivity: LayerSensitivity | None = None) -> Variant:
-    rule = FidelityRule(energy=energy, sensitivity=sensitivity)
-    return Variant(f"energy-{energy:g}", "energy", energy, lambda p, c: rule.shape(p, c), sensitivity=sensitivity)
+def mixed_suffix(precisions: Sequence[str]) -> str:
+    """A variant name's suffix for a rule's precision set (none for the plain one)."""
+    return "" if tuple(precisions) == ("hi",) else "-mixed" if set(precisions) == set(PRECISIONS) \
+        else "-" + "+".join(precisions)
+
+
+def energy_variant(energy: float, sensitivity: LayerSensitivity | None = None,
+                   precisions: Sequence[str] = ("hi",)) -> Variant:
+    rule = FidelityRule(energy=energy, sensitivity=sensitivity, precisions=tuple(precisions))
+    suffix = mixed_suffix(rule.precisions)
+    return Variant(f"energy-{energy:g}{suffix}", "energy" + suffix, energy, lambda p, c: rule.shape(p, c),
+                   sensitivity=sensitivity)
 
 
 def target_variant(target: float, envelope: FidelityEnvelope | None, max_patch_fraction: float | None,
-                   on_miss: str = "report", name: str | None = None) -> Variant:
-    rule = FidelityRule.for_target(target, envelope, max_patch_fraction, on_miss)
-    return Variant(name or f"target-{target:g}", "target", target, lambda p, c: rule.shape(p, c),
+                   on_miss: str = "report", name: str | None = None, precisions: Sequence[str] = ("hi",)) -> Variant:
+    rule = FidelityRule.for_target(target, envelope, max_patch_fraction, on_miss, precisions=tuple(precisions))
+    suffix = mixed_suffix(rule.precisions)
+    return Variant((name or f"target-{target:g}") + suffix, "target" + suffix, target, lambda p, c: rule.shape(p, c),
                    sensitivity=rule.sensitivity)
 
 
@@ -411,7 +466,9 @@ def plot_envelope(summary: dict[str, Any], path: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for kind, style in (("fixed", "o-"), ("energy", "^:"), ("target", "s-")):
+    styles = ("o-", "^:", "s-", "d--", "v-.", "x:")
+    kinds = list(dict.fromkeys(r["kind"] for r in summary["variants"]))
+    for kind, style in zip(kinds, styles * 4):
         rows = [r for r in summary["variants"] if r["kind"] == kind and r["median_eta"] is not None]
         if not rows:
             continue
@@ -440,6 +497,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantile", type=float, default=None,
                     help="read the target map at this quantile of the calibration items' η (default: the envelope's)")
     ap.add_argument("--ranks", default=",".join(map(str, FIXED_RANKS)))
+    ap.add_argument("--uniform-precisions", default="hi",
+                    help="the fixed-rank arms at each of these precisions (hi, int8, int4), comma-separated")
+    ap.add_argument("--precisions", default="hi",
+                    help="precision sets of the target (and --energies) arms, ';'-separated, each comma-separated "
+                         "(e.g. 'hi;hi,int8,int4': the plain rule and the mixed-precision one)")
+    ap.add_argument("--energies", default="",
+                    help="uncapped energy arms (the allocation at these energies, per precision set)")
     ap.add_argument("--targets", default=",".join(map(str, TARGETS)))
     ap.add_argument("--max-patch-fraction", default="0.25",
                     help="the targets' byte caps, comma-separated ('none': no cap); one target arm per target and cap")
@@ -464,14 +528,18 @@ def main(argv: list[str] | None = None) -> int:
                           max_chunk_tokens=args.max_chunk_tokens, image_grid=grid)
     if args.quantile is not None:
         env = dataclasses.replace(env, quantile=float(args.quantile))
-    variants = [fixed_variant(int(r)) for r in args.ranks.split(",") if r]
+    sets = [check_precisions([p.strip() for p in g.split(",") if p.strip()]) for g in args.precisions.split(";") if g.strip()]
+    variants = [fixed_variant(int(r), p.strip()) for p in args.uniform_precisions.split(",") if p.strip()
+                for r in args.ranks.split(",") if r]
     caps = [None if c.strip() == "none" else float(c) for c in args.max_patch_fraction.split(",") if c.strip()]
     misses = [m.strip() for m in args.on_miss.split(",") if m.strip()]
-    for t in (float(x) for x in args.targets.split(",") if x):
-        for cap in caps:
-            for m in misses:
-                name = f"target-{t:g}" if len(caps) == len(misses) == 1 else f"target-{t:g}@{cap}-{m}"
-                variants.append(target_variant(t, env, cap, m, name))
+    for prec in sets:
+        variants += [energy_variant(float(e), precisions=prec) for e in args.energies.split(",") if e.strip()]
+        for t in (float(x) for x in args.targets.split(",") if x):
+            for cap in caps:
+                for m in misses:
+                    name = f"target-{t:g}" if len(caps) == len(misses) == 1 else f"target-{t:g}@{cap}-{m}"
+                    variants.append(target_variant(t, env, cap, m, name, prec))
     s = run_variants(be, probe_set(args.items), variants, max_chunk_tokens=args.max_chunk_tokens, image_grid=grid)
     s["model"] = getattr(be, "name", str(args.arch))
     s["envelope"] = env.as_dict()

@@ -90,6 +90,7 @@ class HarnessConfig:
     envelope: Any = None
     max_patch_fraction: float | None = 0.25
     on_miss: str = "report"
+    patch_precisions: tuple[str, ...] = ("hi",)  # the targets' storage precisions (contextdeque.patch.factors)
 
 
 @dataclass
@@ -225,7 +226,8 @@ def _main_group(mat: MaterializedItem, cfg: HarnessConfig, n_decode: int, ulps: 
         res.report.compile_forwards = compile_fw
         add("patch-full", res)
         for t in cfg.fidelity_targets:
-            rule = FidelityRule.for_target(t, cfg.envelope, cfg.max_patch_fraction, cfg.on_miss)
+            rule = FidelityRule.for_target(t, cfg.envelope, cfg.max_patch_fraction, cfg.on_miss,
+                                           precisions=cfg.patch_precisions)
             res = PatchArm("full", label=f"target-{t:g}", fidelity=rule).run(preq)
             res.report.compile_forwards = compile_fw
             add(f"target-{t:g}", res)
