@@ -104,13 +104,13 @@ def test_probabilities_learn_from_the_family_and_hints_come_first(backend):
     win, _ = build(backend, "latency", anticipate=False)
     refs = list(win.refs)
     swap_middle = (0, 2, 1, 3)
-    before = order_probabilities(win._ctx, 4)[swap_middle]
+    before = order_probabilities(win._ctx.reorders_seen, 4)[swap_middle]
     assert set(prior_orders(4)) >= {(3, 2, 1, 0), (1, 0, 2, 3), (1, 2, 3, 0)} and (0, 1, 2, 3) not in prior_orders(4)
     assert abs(sum(prior_orders(4).values()) - 1.0) < 1e-9
     child = win.fork()
     child.reorder([refs[0], refs[2], refs[1], refs[3]])  # the family reorders so once
-    after = order_probabilities(win._ctx, 4)[swap_middle]
-    assert after > before and after == max(order_probabilities(win._ctx, 4).values())
+    after = order_probabilities(win._ctx.reorders_seen, 4)[swap_middle]
+    assert after > before and after == max(order_probabilities(win._ctx.reorders_seen, 4).values())
     with pytest.raises(WindowError):
         win.expect_order(refs[:3])
 

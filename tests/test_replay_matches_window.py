@@ -8,6 +8,12 @@ trace executor (``replay/live.py``) and heals at every step, as the cost model a
 are the replay's own charges (one forward of the query's tokens each): the window does not run
 them, so they are not part of the replay's plan.
 
+With anticipation on (the window's default, ``WindowConfig.anticipate``) every step is also the
+idle time in which the window prepares what comes next (the next slide's canonical, the recall
+predictor's chains, likely reorders: ``window.anticipation``); the replay plans the same work with
+the window's own predictor and planners over keys (``replay/anticipate.py``) and must price
+exactly what the live window formed.
+
 Both sides record their decisions as one key-only plan (``window.plan``): the window on its
 receipts (what it executed), the replay as it prices them. The plans' totals are computed by the
 same code, and bytes per tier are the KV each stores (canonicals encoded, patches formed) in the
@@ -46,17 +52,18 @@ SCALE = 1 / 64
 BUDGET = 94  # tokens of the scaled traces (about 6,000 of the generated ones)
 
 
-def _window_receipt(backend, trace, placement: str, policy: str, budget: int | None = None):
-    # anticipate=False: the cost model prices the heal's queued work, not idle-time anticipation
+def _window_receipt(backend, trace, placement: str, policy: str, budget: int | None = None, anticipate: bool = False):
     win = ContextWindow(backend, rank=RANK, placement=placement, patch_policy=policy, beyond_trained=True,
-                        budget_tokens=budget, store=[MemoryTier("cpu", None, name="device")], anticipate=False)
+                        budget_tokens=budget, store=[MemoryTier("cpu", None, name="device")], anticipate=anticipate)
     return drive_window(win, trace, lambda ev: chunk_ids(backend, ev.hash, ev.tokens))
 
 
-def _replay_plan(backend, trace, placement: str, rule: str, budget: int | None = None) -> tuple[Plan, dict]:
+def _replay_plan(backend, trace, placement: str, rule: str, budget: int | None = None,
+                 anticipate: bool = False) -> tuple[Plan, dict]:
     cost = CostModel.geometry_of(backend, storage_bytes=4, rank=RANK)
     plan = Plan()
-    r = Replayer(trace, placement, "lru", rule, cost, ReplayConfig(rank=RANK, budget_tokens=budget), plan=plan).run()
+    config = ReplayConfig(rank=RANK, budget_tokens=budget, anticipate=anticipate)
+    r = Replayer(trace, placement, "lru", rule, cost, config, plan=plan).run()
     queries = [e for e in trace.events if e.op == "query"]
     totals = {"forwards": r.forwards - len(queries), "tokens_prefilled": r.tokens_prefilled - sum(q.tokens for q in queries),
               "encodes": r.encodes}
@@ -75,11 +82,12 @@ def test_the_rules_and_placements_cover_the_window():
     assert ONLINE_PLACEMENTS == ["arrival", "scheduler", "valid"]
 
 
-def _check(backend, kind: str, rule: str, placement: str, budget: int | None = None) -> None:
+def _check(backend, kind: str, rule: str, placement: str, budget: int | None = None, anticipate: bool = False,
+           seed: int = 0) -> None:
     backend.root_kv()  # the root's one prefill is the backend's, not the trace's
-    trace = scaled_trace(generate(kind, seed=0), SCALE, minimum=2)
-    live = _window_receipt(backend, trace, placement, REUSE_COSTS[rule].window_policy, budget)
-    plan, predicted = _replay_plan(backend, trace, placement, rule, budget)
+    trace = scaled_trace(generate(kind, seed=seed), SCALE, minimum=2)
+    live = _window_receipt(backend, trace, placement, REUSE_COSTS[rule].window_policy, budget, anticipate)
+    plan, predicted = _replay_plan(backend, trace, placement, rule, budget, anticipate)
     executed = plan_totals(live.plan)
     # the window's plan is what it ran: its totals are the backend's own counters
     assert {k: executed[k] for k in ("forwards", "tokens_prefilled", "encodes")} == {
@@ -91,19 +99,44 @@ def _check(backend, kind: str, rule: str, placement: str, budget: int | None = N
     assert live.forwards > 0 and stored_bytes(live.plan).get("device", 0) > 0
 
 
+# Not equal yet (known gaps, each must still fail: strict): the eager and latency-shared policies
+# under the "valid" placement with anticipation on, on the doc trace (valid places appends in front
+# of residents; the simulated recalls of anticipation then part from the live window's).
+KNOWN_GAPS = {("doc", "patch", "valid", True), ("doc", "patch-latency-shared", "valid", True)}
+
+
+@pytest.mark.parametrize("anticipate", [False, True], ids=["queued-only", "anticipating"])
 @pytest.mark.parametrize("placement", ONLINE_PLACEMENTS)
 @pytest.mark.parametrize("rule", WINDOW_RULES)
 @pytest.mark.parametrize("kind", ["doc", "web", "video"])
-def test_replay_predicts_the_live_windows_forwards_and_tokens(tiny_backend_factory, one_thread, kind, rule, placement):
-    _check(tiny_backend_factory("llama"), kind, rule, placement)
+def test_replay_predicts_the_live_windows_forwards_and_tokens(tiny_backend_factory, one_thread, kind, rule, placement,
+                                                               anticipate, request):
+    """``anticipating``: the window's default settings (``anticipate=True``, the session predictor)."""
+    if (kind, rule, placement, anticipate) in KNOWN_GAPS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="known gap: see KNOWN_GAPS"))
+    _check(tiny_backend_factory("llama"), kind, rule, placement, anticipate=anticipate)
 
 
+@pytest.mark.parametrize("seed", [0, 2, 3])
+@pytest.mark.parametrize("rule", ["patch", "patch-latency", "patch-latency-shared"])
 @pytest.mark.parametrize("kind", ["doc", "web", "video"])
-def test_replay_predicts_the_live_eager_window_under_a_token_budget(tiny_backend_factory, one_thread, kind):
-    """A budget slides the oldest chunks out (survivors left at the front drop their patches, and a
-    recall's cascade spares them): the replay's window does what the live one does. (Latency-first
-    windows under a budget are not priced exactly yet: docs/replay.md.)"""
-    _check(tiny_backend_factory("llama"), kind, "patch", "arrival", BUDGET)
+def test_replay_predicts_the_live_window_under_a_token_budget(tiny_backend_factory, one_thread, kind, rule, seed):
+    """A budget slides the oldest chunks out (survivors left at the front drop their patches, a
+    recall's cascade is judged on the conditioning before that slide, a fork's discard gives the
+    parent back its owed front canonicals): the replay's window does what the live one does, eager
+    or latency-first. (Seeds 2 and 3 held the cases the replay once got wrong: an identity reorder
+    of stale survivors, a cascade through a cleared front survivor, a discarded fork.)"""
+    _check(tiny_backend_factory("llama"), kind, rule, "arrival", BUDGET, seed=seed)
+
+
+@pytest.mark.parametrize("kind", [pytest.param("doc", marks=pytest.mark.xfail(strict=True, reason="known gap")),
+                                  pytest.param("web", marks=pytest.mark.xfail(strict=True, reason="known gap")), "video"])
+def test_replay_predicts_the_live_anticipating_window_under_a_token_budget(tiny_backend_factory, one_thread, kind):
+    """Anticipation under a budget: each simulated recall slides the window as the recall would.
+    (Known gap on doc and web: a chain under the budget's slide where the live window prepares
+    re-forwards of provisional residents that the replay's simulation does not reach; doc seed 0,
+    the third hinted chain of step 29: 5 re-forwards, 86 tokens.)"""
+    _check(tiny_backend_factory("llama"), kind, "patch-latency", "arrival", BUDGET, anticipate=True)
 
 
 def _built(steps) -> "Trace":

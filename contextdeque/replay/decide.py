@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..patch import PATCH_KINDS
 from ..window.plan import ChunkKeys, KeySlot, KeySlots
-from ..window.policy import Decision
+from ..window.policy import KEEP, Decision
 from ..window.ref import ChunkRef
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,10 +46,20 @@ class PolicyDecisions:
     def decide(self, reason: str, key: str, prefix: Sequence[str], stop: int | None = None) -> Decision:
         """The window's own (eager) patch policy's decision for ``key`` behind ``prefix`` (its
         first ``stop`` keys, when given: no copy of the window's order per survivor)."""
+        if self._simulating and key in self._no_canon:
+            return KEEP  # anticipation keeps a provisional slot as it is (``HealPolicy``)
+        n = len(prefix) if stop is None else stop
+        valid = self.valid(key, prefix, n)
+        return self.eager.decide(reason, self.key_slot(key), KeySlots(prefix, self.key_slot, n), valid=valid, rank=self.rank)
+
+    def valid(self, key: str, prefix: Sequence[str], stop: int | None = None) -> bool:
+        """Whether ``key``'s conditioning was formed on exactly ``prefix[:stop]`` *in their current
+        KV states* (the window compares ``(ref, version)`` tags: an antecedent re-conditioned
+        since makes it stale)."""
         formed = self.formed.get(key, ())
         n = len(prefix) if stop is None else stop
-        valid = len(formed) == n and tuple(prefix[:n]) == formed
-        return self.eager.decide(reason, self.key_slot(key), KeySlots(prefix, self.key_slot, n), valid=valid, rank=self.rank)
+        return len(formed) == n and tuple(prefix[:n]) == formed and self._formed_states.get(key, ()) == tuple(
+            map(self._kv_state, formed))
 
     def carry_out(self, key: str, prefix: Sequence[str], decision: Decision, ctx: int | None = None, reason: str | None = None) -> str:
         """Price ``decision`` for ``key`` behind ``prefix`` as ``reconcile.execute`` carries it out:

@@ -26,7 +26,9 @@ from ..window.policy_default import ORBIT_MAX_ANTECEDENTS, ORBIT_MAX_ORDERINGS
 from ..patch import PATCH_KINDS
 from ..window.policy import make_policy
 from ..window.placement import ArrivalPlacement, PlacementPolicy, PlacementView, make_placement
-from ..window.plan import Difference, Encode, Form, Forward, KeySlot, Load, Op, Plan, Reuse
+from ..window.plan import Encode, Form, Forward, KeySlot, Load, Op, Plan, Reuse
+from .anticipate import AnticipationMirror
+from .heal import HealMirror
 from .cost import CostModel
 from .decide import PolicyDecisions, Refs
 from .kvstates import KVStateMirror
@@ -36,7 +38,7 @@ from .reuse import ReuseCost, make_reuse
 __all__ = ["Replayer", "ReplayConfig", "ReplayResult", "Pool"]
 
 
-class Replayer(PolicyDecisions, KVStateMirror):
+class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
     """Runs one trace under one policy combination (see the module doc)."""
 
     def __init__(self, trace: Trace, placement: "str | PlacementPolicy" = "arrival", eviction: "str | PoolEvictionPolicy" = "lru",
@@ -106,6 +108,13 @@ class Replayer(PolicyDecisions, KVStateMirror):
         self._pending_form: dict[str, bool] = {}  # key -> re-form even where its prefix is unchanged (cascade)
         self._pending_reason: dict[str, str] = {}  # key -> why it was first deferred (what the heal decides on)
         self._cascading = False
+        self._before_op: dict[str, tuple[str, ...]] | None = None  # ``formed`` before a recall (its cascade)
+        self._left: list[str] = []  # what the budget's slide let go in the current admission
+        # residents the current admission decided on with more than a plain keep (a store lookup, a
+        # form, a deferral): the recall cascade does not re-decide them (``reconcile``)
+        self._not_kept: set[str] = set()
+        # idle-time anticipation (replay.anticipate), for rules that price a window policy
+        self._init_anticipation(bool(self.cfg.anticipate and self.arm.window_policy), self.cfg.recall_predictor)
 
     # ------------------------------------------------------------------ charges
     def do(self, op: Op, *, window_op: bool = True) -> None:
@@ -234,117 +243,6 @@ class Replayer(PolicyDecisions, KVStateMirror):
         t = self.tokens[key]
         self.do(Encode(self.content[key], t, tier="device", nbytes=self.arm.canonical_bytes(t, self.kv_bpt)))
 
-    def heal(self) -> None:
-        """Latency-first: the idle-time work queued since the last heal, on the window as it stands
-        (canonicals of provisional chunks, whose patch is their difference: no second forward; the
-        eager policy's conditioning for chunks that waited, store hits first; the recall cascade of
-        those that were recalled). Counted in ``tokens_prefilled`` and ``heal_*``, not in
-        ``est_seconds``."""
-        if not (self._pending_canon or self._pending_form or self._canon_due or self._leave_canon):
-            return
-        r = self.r
-        tok0, fw0, est0 = r.tokens_prefilled, r.forwards, r.est_seconds
-        self._healing = True
-        try:
-            resident = set(self.order)
-            for key in self._leave_canon:
-                if key not in resident:
-                    self._encode(key)
-            self._leave_canon.clear()
-            front = self.order[0] if self.order else None
-            for key in sorted(self._canon_due & resident, key=self.order.index):
-                if key not in self._no_canon:
-                    continue
-                i = self.order.index(key)
-                if i == 0:  # its forward's KV is stale at the front, where the canonical is exact
-                    del self._no_canon[key]
-                    self._encode(key)
-                    self._set_formed(key, ())
-                else:  # something came in front of it meanwhile: re-forwarded behind that
-                    self._form(key, self.order[:i])
-            self._canon_due.clear()
-            # a forward's KV differs from its canonical + patch once the chunks it ran after are
-            # healed themselves (their KV changes): the difference is then no patch for the window
-            # as it stands, and the eager policy forms one anew (what ContextWindow.heal does)
-            healed_before: set[str] = set()
-            anew: set[str] = set()
-            queued = set(self._pending_canon) | set(self._pending_form)
-            for key in self.order:
-                if key in self._pending_canon and healed_before:
-                    anew.add(key)
-                if key in queued:
-                    healed_before.add(key)
-            for key, pc in self._pending_canon.items():
-                if key not in resident:  # gone with a discarded fork: its canonical is never made
-                    k = ("c", self.content[key])
-                    if k not in self.pool.pinned:
-                        self.pool.drop(k)
-                    continue
-                if key != front and self._lazy:
-                    # kept as forwarded, or (queued to re-form) re-forwarded behind its new prefix:
-                    # either way no canonical until a stored patch could serve it
-                    self._no_canon[key] = None
-                    continue
-                self._encode(key)
-                if key == front:  # at the front the canonical is exact: its KV from now on
-                    self._set_formed(key, ())
-                elif pc and key not in anew and self._prefix_content(key) == pc:  # latency-shared: the patch is the difference
-                    t = self.tokens[key]
-                    pb = self.cost.patch_bytes(t, self.rank)
-                    self.do(Difference(self.content[key], t, antecedents=pc, tier="device", nbytes=pb))
-                    r.patch_bytes += pb
-                    r.bytes["device"] += pb
-                    self.graph.add(self.content[key], pc, "exact")
-                    self._store(key, self.order[: self.order.index(key)], "exact")
-                    self._set_formed(key, tuple(self.order[: self.order.index(key)]))
-                else:  # moved since its forward, or what it ran after was healed: the eager policy forms anew
-                    self._pending_form.setdefault(key, False)
-                    anew.add(key)
-            self._pending_canon.clear()
-            pos = {k: i for i, k in enumerate(self.order)}
-            for key, force in sorted(self._pending_form.items(), key=lambda kv: pos.get(kv[0], -1)):
-                i = pos.get(key)
-                if i is None:
-                    continue
-                prefix = self.order[:i]
-                if not prefix:
-                    self._set_formed(key, ())
-                elif force or key in anew or tuple(prefix) != self.formed.get(key, ()):
-                    if force:
-                        self.r.cascade_reforms += 1
-                    reason = "cascade" if force else self._pending_reason.get(key)
-                    if key in anew or key in self._no_canon or reason is None:
-                        self._form(key, prefix)
-                    else:  # the eager policy's decision on the slot as it was deferred (what it carried)
-                        self.carry_out(key, prefix, self.decide(reason, key, prefix))
-            self._pending_form.clear()
-            self._pending_reason.clear()
-        finally:
-            self._healing = False
-        r.heal_tokens += r.tokens_prefilled - tok0
-        r.heal_forwards += r.forwards - fw0
-        r.heal_seconds += r.est_seconds - est0
-        r.est_seconds = est0
-
-    def _leave(self, key: str) -> None:
-        self.window_tokens -= self.tokens[key]
-        if not self.arm.canonicals:
-            return
-        k = ("c", self.content[key])
-        pinned = self.pool.pinned
-        pinned[k] -= 1
-        if pinned[k] <= 0:
-            del pinned[k]
-        if self._defers:
-            self._pending_form.pop(key, None)
-            self._pending_reason.pop(key, None)
-            self._canon_due.discard(key)
-            was_provisional = self._provisional.pop(key, "x") is None
-            forwarded = self._pending_canon.pop(key, None) is not None or self._no_canon.pop(key, "x") is None
-            if forwarded and not self._lazy and k not in pinned:
-                self._leave_canon[key] = None  # latency-shared: its canonical at the heal all the same
-            elif (was_provisional or forwarded) and k not in pinned:
-                self.pool.drop(k)  # its canonical was never computed: nothing of it stays
 
     # ------------------------------------------------------------------ operations
     def view(self, index: int) -> PlacementView:
@@ -366,6 +264,9 @@ class Replayer(PolicyDecisions, KVStateMirror):
         self.order = before[:i] + before[i + 1:]
         if key in self.logical:
             self.logical.remove(key)
+        self.evicted.pop(key, None)
+        self.evicted[key] = None  # (eviction order: the last one left most recently)
+        self._changed()
         self._leave(key)
         if i == 0 and self.order and self.order[0] in self._no_canon:
             self._canon_due.add(self.order[0])
@@ -373,7 +274,7 @@ class Replayer(PolicyDecisions, KVStateMirror):
             self._set_formed(self.order[0], ())  # a survivor at the front drops its patches: the canonical
         if not self.arm.patches or i >= len(self.order):
             return
-        if self._upkeep is None:  # survivors behind the departed chunk: what the patch policy says
+        if self._upkeep is None or self._simulating:  # survivors behind the departed chunk: what the patch policy says
             order = self.order
             for j in range(i, len(order)):
                 k = order[j]
@@ -382,23 +283,33 @@ class Replayer(PolicyDecisions, KVStateMirror):
                 d = self.decide("survivor", k, order, j)
                 if d.action == "keep":  # (the common answer: nothing to price)
                     self.r.stale_keeps += bool(self.formed.get(k))
-                elif self.carry_out(k, order[:j], d) == "keep" and self.formed.get(k):
+                    continue
+                if not d.may_keep:  # (the recall cascade does not re-decide it: ``reconcile``)
+                    self._not_kept.add(k)
+                if self.carry_out(k, order[:j], d) == "keep" and self.formed.get(k):
                     self.r.stale_keeps += 1
             return
         view = self.view(index)  # survivors behind the departed chunk: keep, clear or refresh
         for j in range(i, len(self.order)):
             self._resident_upkeep(view, self.order[j], self.order[:j], before[:j + 1])
 
-    def _resident_upkeep(self, view: PlacementView, key: str, prefix: list[str], before: list[str]) -> None:
+    def _resident_upkeep(self, view: PlacementView, key: str, prefix: list[str], before: list[str],
+                         cascade: bool = False) -> None:
         """A resident whose prefix changed: the placement policy's upkeep decision (the scheduler's
         staleness rule), else keep (the default patch policy: survivors keep their KV)."""
         r = self.r
-        if self._upkeep is None:  # the patch policy's answer for a resident something was inserted before
-            if self.carry_out(key, prefix, self.decide("inserted", key, prefix)) == "keep":
+        if self._upkeep is None or self._simulating:  # the patch policy's answer for a resident something was inserted before
+            d = self.decide("inserted", key, prefix)
+            if cascade and d.may_keep:  # in the recall's cascade: re-formed instead (``reconcile``)
+                self._cascade_reform(len(prefix), key)
+                return
+            if self.carry_out(key, prefix, d) == "keep":
                 r.stale_keeps += 1
             return
         action = self._upkeep(view, key, prefix, before)
-        if action == "keep":
+        if action == "keep" and cascade:
+            self._cascade_reform(len(prefix), key)
+        elif action == "keep":
             r.stale_keeps += 1
         elif action == "clear":
             if key in self._no_canon:
@@ -420,6 +331,15 @@ class Replayer(PolicyDecisions, KVStateMirror):
         est0, load0 = self.r.est_seconds, self.r.load_seconds
         try:
             self._recalling = recall
+            # the conditioning before the operation: what the recall cascade is judged on (the
+            # window's reconcile reads each slot's conditioning as it was, before the budget's slide
+            # dropped a front survivor's patches)
+            self._before_op = dict(self.formed) if recall else None
+            self._left, self._not_kept = [], set()
+            for k, _ in entering:
+                self.evicted.pop(k, None)
+                self._owes.discard(k)
+            self._changed()
             self._admit_inner(index, entering, recall)
             if self._provisional:  # at the front or a store hit: its canonical is needed now
                 for k in list(self._provisional):
@@ -427,6 +347,7 @@ class Replayer(PolicyDecisions, KVStateMirror):
                     self._encode(k)
         finally:
             self._recalling = False
+            self._before_op = None
             if self.cfg.overlap_loads:
                 # loads ran beside this admission's model work: it costs the longer of the two
                 load = self.r.load_seconds - load0
@@ -442,29 +363,34 @@ class Replayer(PolicyDecisions, KVStateMirror):
             for k in self.placement.make_room(self.view(index), need):
                 if k in self.order:
                     self._remove(k, index)
+                    self._left.append(k)
                     self.r.window_evictions += 1
-        if self._fast and entering[0][1] is None:
+        # arrival order, or a simulated recall (anticipation places it where the prediction says,
+        # as ``anticipation.simulate_recall`` does: the placement is not asked)
+        direct = self._fast or self._simulating
+        if direct and entering[0][1] is None:
             # arrival order at the end: only the entering chunk is looked at
             key = entering[0][0]
             self._enter(key)
             self.order.append(key)
             if self.arm.patches:
-                before = self.formed.get(key, ())
+                if recall:  # (in window order: the residents it implies, all in front of it, first)
+                    self._cascade(key, True, {key}, hi=len(self.order) - 1)
                 prefix = self.order[:-1]
                 if prefix:
                     why = "recall" if recall else "append"
                     self.carry_out(key, prefix, self.decide(why, key, prefix), ctx=self.window_tokens - self.tokens[key], reason=why)
                 else:
                     self._set_formed(key, ())
-                if recall:
-                    self._cascade(key, self.formed[key] != before, {key})
             return
-        if self._fast:
+        if direct:
             key, at = entering[0]
-            pos = min(at, len(self.order))
+            # the asked index in the window before the budget's slide (``ContextWindow.recall``)
+            pos = max(0, min(at, len(self.order) + len(self._left)) - len(self._left))
             new_order = self.order[:pos] + [key] + self.order[pos:]
-        else:
-            new_order = self.placement.place(self.view(index), entering)
+        else:  # (a trace's recall without an index is pinned at the end, as the trace executor asks it)
+            new_order = self.placement.place(self.view(index), [(k, len(self.order) if recall and a is None else a)
+                                                                for k, a in entering])
         old_order = self.order
         old_pos = {k: i for i, k in enumerate(old_order)}
         ent = {k for k, _ in entering}
@@ -477,7 +403,12 @@ class Replayer(PolicyDecisions, KVStateMirror):
         # reconcile: entering chunks get conditioning; residents behind an insertion keep theirs
         # (or, under the scheduler, whatever its staleness rule decides)
         changed: dict[str, bool] = {}
+        recalled = next(iter(ent)) if recall and len(ent) == 1 else None
+        run = self._cascade_run(recalled) if recalled is not None else None
         for i, k in enumerate(new_order):
+            # the cascade, slot by slot in window order as ``reconcile`` runs it (a slot in front of
+            # the recalled chunk is implied whatever its KV: the recalled chunk sits behind it)
+            member = run is not None and self._in_cascade(run, i, k, recalled, changed.get(recalled, True))
             if k in ent:
                 prefix = new_order[:i]
                 before = self.formed.get(k, ())
@@ -489,58 +420,82 @@ class Replayer(PolicyDecisions, KVStateMirror):
                 if recall:
                     changed[k] = self.formed[k] != before
             elif old_pos.get(k, -1) != i:
-                self._resident_upkeep(view, k, new_order[:i], old_order[:old_pos[k]])
-        for k, kv_changed in changed.items():
-            self._cascade(k, kv_changed, ent)
+                self._resident_upkeep(view, k, new_order[:i], old_order[:old_pos[k]], cascade=member)
+            elif member and k not in self._not_kept:  # (its own decision: a keep)
+                self._cascade_reform(i, k)
 
-    def _cascade(self, recalled: str, changed: bool, entering: set[str]) -> None:
+    def _cascade(self, recalled: str, changed: bool, entering: set[str], lo: int = 0, hi: int | None = None,
+                 run: dict | None = None) -> dict:
         """The recall cascade, as ``window.reconcile`` decides it: in window order, a resident that
         transitively depends on ``recalled`` re-forms when it was conditioned on ``recalled`` and
         that chunk's KV ``changed`` or now sits behind it, or on a chunk already in the cascade,
-        or on a dependent that now sits behind it."""
-        candidates = self._descendants(recalled)
-        if not candidates:
+        or on a dependent that now sits behind it. Looks at ``order[lo:hi]``; ``run``: what an
+        earlier call of the same cascade found (returned, to go on with the next slots)."""
+        if run is None:
+            run = self._cascade_run(recalled)
+        if not run["candidates"]:
+            return run
+        for i in range(lo, len(self.order) if hi is None else hi):
+            d = self.order[i]
+            if self._in_cascade(run, i, d, recalled, changed) and d not in entering and d not in self._not_kept:
+                self._cascade_reform(i, d)
+        return run
+
+    def _cascade_run(self, recalled: str) -> dict:
+        """A recall cascade's bookkeeping: the conditioning it is judged on, its candidates (the
+        residents that transitively depend on ``recalled``), the chunks implied so far."""
+        before = self._before_op if self._before_op is not None else self.formed
+        return {"before": before, "candidates": self._descendants(recalled, before), "implied": set(),
+                "pos": {k: i for i, k in enumerate(self.order)}}
+
+    def _in_cascade(self, run: dict, i: int, d: str, recalled: str, changed: bool) -> bool:
+        """Whether ``d`` at index ``i`` is in the cascade (``reconcile``'s ``in_cascade``; noted as
+        implied): conditioned on ``recalled`` whose KV ``changed`` or now sits behind it, on an
+        implied chunk, or on a candidate that now sits behind it."""
+        if d not in run["candidates"]:
+            return False
+        pos, implied, candidates = run["pos"], run["implied"], run["candidates"]
+        for a in run["before"].get(d, ()):
+            ia = pos.get(a)
+            if ia is None:
+                continue
+            behind = ia > i
+            if (a == recalled and (behind or changed)) or a in implied or (behind and a in candidates):
+                implied.add(d)
+                return True
+        return False
+
+    def _cascade_reform(self, i: int, d: str) -> None:
+        """``d`` (at index ``i``) re-formed by the cascade: the eager policy's ``cascade`` decision."""
+        if i == 0:  # at the front its canonical is exact: nothing to re-form
+            if not (self._simulating and d in self._no_canon):  # (a provisional one keeps its KV)
+                self._set_formed(d, ())
             return
-        pos = {k: i for i, k in enumerate(self.order)}
-        implied: set[str] = set()
+        if self._reforward_prepared(d, self.order[:i]):
+            return
+        if not self._defers:  # (latency-first: counted when the heal re-forms it)
+            self.r.cascade_reforms += 1
         self._cascading = True
         try:
-            for i, d in enumerate(list(self.order)):
-                if d not in candidates:
-                    continue
-                hit = False
-                for a in self.formed.get(d, ()):
-                    ia = pos.get(a)
-                    if ia is None:
-                        continue
-                    behind = ia > i
-                    if (a == recalled and (behind or changed)) or a in implied or (behind and a in candidates):
-                        hit = True
-                        break
-                if not hit:
-                    continue
-                implied.add(d)
-                if d in entering:
-                    continue
-                if i == 0:  # at the front its canonical is exact: nothing to re-form
-                    self._set_formed(d, ())
-                    continue
-                if not self._defers:  # (latency-first: counted when the heal re-forms it)
-                    self.r.cascade_reforms += 1
-                self.carry_out(d, self.order[:i], self.decide("cascade", d, self.order[:i]), reason="cascade")
+            self.carry_out(d, self.order[:i], self.decide("cascade", d, self.order[:i]), reason="cascade")
         finally:
             self._cascading = False
 
-    def _descendants(self, key: str) -> set[str]:
+    def _descendants(self, key: str, formed: dict[str, tuple[str, ...]] | None = None) -> set[str]:
         """Residents that transitively depend on ``key`` (through evicted chunks too: the
         conditioning graph keeps what an evicted chunk was formed on)."""
         out: set[str] = set()
         frontier = [key]
-        keys = list(self.formed)
+        if formed is None or formed is self.formed:
+            formed_of = self._formed_of
+        else:
+            sets = {d: frozenset(f) for d, f in formed.items()}
+            formed_of = sets.__getitem__
+        keys = list(self.formed if formed is None else formed)
         while frontier:
             a = frontier.pop()
             for d in keys:
-                if d not in out and d != key and a in self._formed_of(d):
+                if d not in out and d != key and a in formed_of(d):
                     out.add(d)
                     frontier.append(d)
         resident = set(self.order)
@@ -560,12 +515,27 @@ class Replayer(PolicyDecisions, KVStateMirror):
         new_order = present + rest
         old = self.order
         self.order = new_order
+        self.note_reorder(old, new_order)  # (reorder anticipation learns from these)
         if not self.arm.patches:
+            if new_order != old:
+                self._changed()
             return
+        # a reorder that changes no slot leaves the window as it was, its deferrals included
+        # (``window._same_state``: nothing is installed, so nothing is queued)
+        before = (dict(self.formed), dict(self._state), dict(self._pending_form), dict(self._pending_reason),
+                  set(self._canon_due))
+        self._reorder_slots(new_order)
+        if new_order == old and before[:2] == (self.formed, self._state):
+            self._pending_form, self._pending_reason, self._canon_due = before[2], before[3], before[4]
+        else:
+            self._changed()
+
+    def _reorder_slots(self, new_order: list[str]) -> None:
         for i, k in enumerate(new_order):
             prefix = new_order[:i]
-            if tuple(prefix) == self.formed.get(k, ()) or (i < len(old) and old[:i + 1] == new_order[:i + 1]):
-                continue
+            if self.valid(k, prefix):
+                continue  # (valid: the policy keeps it; a slot that did not move but carries stale
+                # conditioning is decided like any other, as ``window.reorder`` asks about every slot)
             if not prefix:
                 if k in self._no_canon:
                     self._canon_due.add(k)
@@ -573,7 +543,8 @@ class Replayer(PolicyDecisions, KVStateMirror):
                     self._set_formed(k, ())
                 continue
             if k in self._no_canon:  # no canonical for a stored patch to serve: re-forwarded at the heal
-                self._form(k, prefix, reason="reorder")
+                if not self._reforward_prepared(k, prefix) and not self._simulating:  # (prepared, or
+                    self._form(k, prefix, reason="reorder")  # anticipation keeps it: ``HealPolicy``)
                 continue
             self.carry_out(k, prefix, self.decide("reorder", k, prefix), reason="reorder")
 
@@ -607,6 +578,7 @@ class Replayer(PolicyDecisions, KVStateMirror):
                     continue
                 self.logical.insert(len(self.logical) if ev.at is None else min(ev.at, len(self.logical)), ev.id)
                 self._admit(idx, [(ev.id, ev.at)], op == "recall")
+                self._observe("recall" if op == "recall" else "append", (ev.id,), self._left)
             elif op == "query":
                 r.queries += 1
                 self.arm.query(self, ev.tokens, ev.output_tokens)
@@ -615,31 +587,49 @@ class Replayer(PolicyDecisions, KVStateMirror):
             elif op == "evict":
                 if ev.id in self.order:
                     self._remove(ev.id, idx)  # survivors keep their KV (relocation only) unless the placement refreshes them
+                    self._observe("evict", (ev.id,), (ev.id,))
             elif op == "slide":  # the agent's n oldest, wherever placement put them
                 for k in self.logical[: ev.n]:
                     self._remove(k, idx)
+                    self._observe("evict", (k,), (k,))
             elif op == "reorder":
                 self.logical = [k for k in ev.order if k in set(self.order)]
                 self._reorder(list(ev.order))
+                self._observe("reorder", self.order)
+            elif op == "expect" and getattr(ev, "order", None) is not None:
+                self.expect_order(ev.order)
+            elif op == "expect":
+                self.expect(ev.id, ev.at)
             elif op == "step":
                 r.steps += 1
-                if self._defers:
+                if self._has_pending() or self.anticipation_due:  # the agent's idle time
                     self.heal()
+                    self.anticipate()
                 if self.on_step is not None:
                     self.on_step()
             elif op == "fork":
                 stack.append((list(self.order), list(self.logical), dict(self.formed), self.window_tokens,
                               Counter(self.pool.pinned), dict(self._no_canon), dict(self._pending_form),
-                              dict(self._pending_canon), dict(self._state), dict(self._formed_states)))
+                              dict(self._pending_canon), dict(self._state), dict(self._formed_states), set(self._canon_due),
+                              dict(self.evicted), set(self._owes), self._fork_anticipation()))
+                self._observe("fork", self.order)
+                self._observe("fork", self.order)  # (recorded by the parent and by the fork)
             elif op == "commit":
-                stack.pop()
+                self._end_fork_anticipation(stack.pop()[-1], committed=True)
+                self._observe("commit", self.order)
+                self._observe("commit", self.order)
             elif op == "discard":
-                order, logical, formed, wt, pinned, no_canon, pending_form, pending_canon, states, formed_states = stack.pop()
+                self._observe("discard", self.order)
+                (order, logical, formed, wt, pinned, no_canon, pending_form, pending_canon, states, formed_states,
+                 canon_due, evicted, owes, anticipation) = stack.pop()
+                self.evicted, self._owes = evicted, owes
+                self._end_fork_anticipation(anticipation, committed=False)
                 self._state, self._formed_states = states, formed_states  # the parent's KV states as they were
                 # the parent's slots as they were, less the canonicals the fork computed (they stay stored)
                 in_fork = set(self.order)
                 self._no_canon = {k: None for k in no_canon if k in self._no_canon or k not in in_fork}
-                self._canon_due &= set(order)
+                # the parent's front-canonicals owed, as they were (the fork's own went with it)
+                self._canon_due = {k for k in canon_due if k in self._no_canon}
                 # the parent's queued work as it was (its pending chunks are back); what the fork
                 # forwarded stays queued so the heal knows its canonical is never made
                 self._pending_form = pending_form
@@ -647,8 +637,9 @@ class Replayer(PolicyDecisions, KVStateMirror):
                 self.order, self.logical, self.formed, self.window_tokens = order, logical, formed, wt
                 self._formed_set = {}
                 self.pool.pinned = pinned
-        if self._defers:
-            self.heal()  # what is still queued when the trace ends is healed in the idle after it
+        if self._has_pending():  # what is still queued when the trace ends is healed in the idle after it
+            self.heal()
+            self.anticipate()
         sched = getattr(self.placement, "decisions", None)
         if sched:
             r.scheduler = dict(sched)

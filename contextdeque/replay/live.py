@@ -121,8 +121,8 @@ def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
                 budget = int(idle_tokens(gaps[i]))
                 if budget > 0:
                     receipts.append(win.heal(max_tokens=budget))
-            elif win.pending_refs:  # the agent's tool time: heal, as the cost model does
-                receipts.append(win.heal())
+            elif win.pending_refs or win.anticipation_due:  # the agent's tool time: heal (and with
+                receipts.append(win.heal())  # anticipate=True prepare what comes next), as the replay does
             continue
         elif op == "query" and on_query is not None:
             on_query(i, ev, win, step)

@@ -10,6 +10,7 @@ from typing import Any, Callable, Hashable
 
 from ..core.counters import Counters, shown
 from ..scheduler.eviction import PoolEvictionPolicy
+from ..window.config import WindowConfig
 from ..window.plan import Load, Op
 from .cost import CostModel
 
@@ -23,13 +24,17 @@ class ReplayConfig:
     cost model's). ``overlap_loads``: canonicals read from host or disk load in parallel with the
     model's work of the same operation (encodes of misses, patch forms), as
     ``ContextWindow.extend`` does (MPIC): an admission then costs ``max(load, compute)`` instead of
-    ``load + compute``."""
+    ``load + compute``. ``anticipate`` / ``recall_predictor``: price the window's idle-time
+    anticipation (``replay/anticipate.py``; off by default: the replay's tables price the queued
+    work only, as before; a window's default is on, ``WindowConfig.anticipate``)."""
 
     budget_tokens: int | None = None
     device_bytes: int = 16 * GiB
     host_bytes: int = 64 * GiB
     rank: int | None = None
     overlap_loads: bool = False
+    anticipate: bool = False
+    recall_predictor: str = WindowConfig.recall_predictor  # type: ignore[assignment]
 
 
 def _seconds(v: float) -> float:

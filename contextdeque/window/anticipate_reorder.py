@@ -26,7 +26,8 @@ orbit patch serves every ordering of its set of settled antecedents).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from collections import Counter
+from typing import TYPE_CHECKING, Hashable, Sequence
 
 from .plan import Forward
 from .policy_latency import HealPolicy
@@ -37,7 +38,7 @@ from .slot import Slot
 from .state import WindowState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .context import WindowContext
+    from .plan import KeySlot
     from .window import ContextWindow
 
 ANTICIPATED_REORDERS = 4
@@ -57,12 +58,13 @@ PRIOR_WEIGHT = 4.0
 Perm = tuple[int, ...]
 
 
-def note_reorder(ctx: "WindowContext", before: Sequence[ChunkRef], after: Sequence[ChunkRef]) -> None:
-    """Count the reorder ``before`` -> ``after`` (an index permutation) in the family's statistics."""
+def note_reorder(seen: "Counter[Perm]", before: Sequence[Hashable], after: Sequence[Hashable]) -> None:
+    """Count the reorder ``before`` -> ``after`` (an index permutation) in ``seen``, a window
+    family's statistics (``WindowContext.reorders_seen``; the replay keeps its own)."""
     index = {r: i for i, r in enumerate(before)}
     perm = tuple(index[r] for r in after)
     if perm != tuple(range(len(perm))):
-        ctx.reorders_seen[perm] += 1
+        seen[perm] += 1
 
 
 def prior_orders(n: int) -> dict[Perm, float]:
@@ -85,10 +87,10 @@ def prior_orders(n: int) -> dict[Perm, float]:
     return out
 
 
-def order_probabilities(ctx: "WindowContext", n: int) -> dict[Perm, float]:
+def order_probabilities(reorders_seen: "Counter[Perm]", n: int) -> dict[Perm, float]:
     """``perm -> p``: the prior mixed with the family's observed reorders of ``n`` slots."""
     prior = prior_orders(n)
-    seen = {p: c for p, c in ctx.reorders_seen.items() if len(p) == n}
+    seen = {p: c for p, c in reorders_seen.items() if len(p) == n}
     total = sum(seen.values())
     out = {p: PRIOR_WEIGHT * q / (total + PRIOR_WEIGHT) for p, q in prior.items()}
     for p, c in seen.items():
@@ -96,7 +98,7 @@ def order_probabilities(ctx: "WindowContext", n: int) -> dict[Perm, float]:
     return out
 
 
-def estimated_cost(slots: Sequence[Slot], eager: object) -> tuple[int, int, int] | None:
+def estimated_cost(slots: "Sequence[Slot | KeySlot]", eager: object) -> tuple[int, int, int] | None:
     """``(forwards, tokens formed, tokens fixed)`` the eager policy would spend on ``slots`` (the
     window in its new order), without running anything: a slot whose antecedents (by id, in
     order) are unchanged and all in front of it unchanged keeps its KV; the front slot takes its
@@ -127,17 +129,24 @@ def estimated_cost(slots: Sequence[Slot], eager: object) -> tuple[int, int, int]
 
 def reorder_candidates(win: "ContextWindow", state: WindowState) -> list[list[ChunkRef]]:
     """The orders worth preparing, most valuable first (see the module doc), at most
-    :data:`ANTICIPATED_REORDERS`."""
+    :data:`ANTICIPATED_REORDERS` (:func:`plan_reorders` over the window's slots)."""
     ctx = win._ctx
-    eager = getattr(ctx.policy, "eager", ctx.policy)
-    refs = list(state.refs)
-    probs = order_probabilities(ctx, len(refs))
-    for order in win.expected_orders:
+    return plan_reorders(getattr(ctx.policy, "eager", ctx.policy), ctx.reorders_seen, win.expected_orders, state.slots)
+
+
+def plan_reorders(eager: object, reorders_seen: "Counter[Perm]", expected_orders: Sequence[Sequence[ChunkRef]],
+                  slots: "Sequence[Slot | KeySlot]") -> list[list[ChunkRef]]:
+    """The reorders of ``slots`` (the window in order: :class:`~.slot.Slot` or, in the replay,
+    key-only :class:`~.plan.KeySlot` objects) worth preparing, most valuable first, at most
+    :data:`ANTICIPATED_REORDERS`: the planning both the window and the replay run."""
+    refs = [s.ref for s in slots]
+    probs = order_probabilities(reorders_seen, len(refs))
+    for order in expected_orders:
         if sorted(order, key=lambda r: r.key) == sorted(refs, key=lambda r: r.key):
             probs[tuple(refs.index(r) for r in order)] = 1.0
     scored: list[tuple[float, int, Perm]] = []
     for i, (perm, p) in enumerate(probs.items()):
-        cost = estimated_cost([state.slots[j] for j in perm], eager)
+        cost = estimated_cost([slots[j] for j in perm], eager)
         if cost is None or not cost[0]:
             continue  # nothing to form (or nothing can be)
         _, formed, fixed = cost

@@ -75,6 +75,64 @@ def recall_candidates(win: "ContextWindow", state: WindowState) -> list[Predicti
     return rank_predictions(win.recall_predictor.predict(state, win.expected))
 
 
+def plan_recalls(predictor: RecallPredictor, state: Any, expected: dict, budgeted: bool) -> list[Prediction]:
+    """The recall predictions one idle period prepares, in order: the predictor's, ranked by
+    benefit per token; under a budget the best :data:`MAX_PREDICTIONS` (the budget decides how many
+    are formed), without one the best :data:`ANTICIPATED_RECALLS` chains that are not the start of
+    one chosen before (shorter prefixes serve a budget). ``state``: a :class:`~.state.WindowState`
+    (the replay's is one of key-only slots, ``replay/anticipate.py``). The planning the window and
+    the replay share."""
+    ranked = rank_predictions(predictor.predict(state, expected))
+    if budgeted:
+        return ranked[:MAX_PREDICTIONS]
+    chosen: list[Prediction] = []
+    for p in ranked:
+        if len(chosen) < ANTICIPATED_RECALLS and not any(c.recalls[: len(p.recalls)] == p.recalls for c in chosen):
+            chosen.append(p)
+    return chosen
+
+
+def fulfil_hints(expected: dict, recalled: Sequence[ChunkRef]) -> dict:
+    """``expected`` less the recalled refs (the hints, :meth:`WindowAnticipation.expect`): a hint
+    names the *next* re-read, so once it happened it says nothing more (left in, a chunk evicted
+    again later would come back to the head of the hinted chain and put every prediction built on
+    the hints in a wrong arrangement). A group's later members stay hinted, following the
+    recalled one (at the next index). ``expected`` itself when nothing in it was recalled."""
+    done = set(recalled)
+    if not done or not any(r in done for group in expected for r in group):
+        return expected
+    kept: dict[tuple[ChunkRef, ...], int | None] = {}
+    for group, at in expected.items():
+        rest = tuple(r for r in group if r not in done)
+        if rest:
+            first = group.index(rest[0])
+            kept[rest] = at + first if isinstance(at, int) else at
+    return kept
+
+
+def fulfil_orders(orders: list, refs: Sequence[ChunkRef]) -> list:
+    """The order hints (:meth:`WindowAnticipation.expect_order`) less the one the window now holds."""
+    now = tuple(refs)
+    return [o for o in orders if o != now]
+
+
+def note_order(orders: list, order: tuple) -> None:
+    """Record ``expect_order(order)`` in ``orders`` (the latest :data:`ANTICIPATED_REORDERS` count)."""
+    if order in orders:
+        orders.remove(order)
+    orders.append(order)
+    del orders[:-ANTICIPATED_REORDERS]
+
+
+def note_hint(expected: dict, group: tuple, at: "int | str | None") -> None:
+    """Record ``expect(group, at)`` in ``expected`` (the latest :data:`MAX_HINTS` hints count; a
+    group named again moves to the end)."""
+    expected.pop(group, None)
+    expected[group] = at
+    while len(expected) > MAX_HINTS:
+        del expected[next(iter(expected))]
+
+
 def anticipate_slide(win: "ContextWindow", state: WindowState, meter: Meter) -> ChunkRef | None:
     """Give the provisional slot a slide would bring to the front its canonical (see the module
     doc, 1.). Returns its ref, or None when there is nothing to do."""
@@ -207,10 +265,7 @@ class WindowAnticipation:
             raise WindowError("expect: name each chunk of a re-read once (at least one)")
         for r in group:
             self._state.check_known(r)
-        self.expected.pop(group, None)
-        self.expected[group] = at
-        while len(self.expected) > MAX_HINTS:  # the latest hints count
-            del self.expected[next(iter(self.expected))]
+        note_hint(self.expected, group, at)
 
     @property
     def recall_predictor(self) -> RecallPredictor:
@@ -225,29 +280,10 @@ class WindowAnticipation:
         """Let the recall predictor learn from a finished operation; a recall fulfils the hints
         that named its chunk."""
         if receipt.op == "recall":
-            self._fulfil(receipt.refs)
+            self.__dict__["_expected"] = fulfil_hints(self.expected, receipt.refs)
         elif receipt.op == "reorder" and self.expected_orders:  # an order hint is fulfilled once the window takes it
-            refs = tuple(self._state.refs)
-            self.__dict__["_expected_orders"] = [o for o in self.expected_orders if o != refs]
+            self.__dict__["_expected_orders"] = fulfil_orders(self.expected_orders, self._state.refs)
         self.recall_predictor.observe(receipt, self._state)
-
-    def _fulfil(self, recalled: Sequence[ChunkRef]) -> None:
-        """Drop the recalled refs from the hints (:meth:`expect`): a hint names the *next* re-read,
-        so once it happened it says nothing more (left in, a chunk evicted again later would
-        come back to the head of the hinted chain and put every prediction built on the hints
-        in a wrong arrangement). A group's later members stay hinted, following the recalled
-        one (at the next index)."""
-        done = set(recalled)
-        hints = self.expected
-        if not done or not any(r in done for group in hints for r in group):
-            return
-        kept: dict[tuple[ChunkRef, ...], int | None] = {}
-        for group, at in hints.items():
-            rest = tuple(r for r in group if r not in done)
-            if rest:
-                first = group.index(rest[0])
-                kept[rest] = at + first if isinstance(at, int) else at
-        self.__dict__["_expected"] = kept
 
     @property
     def expected_orders(self) -> list[tuple[ChunkRef, ...]]:
@@ -273,11 +309,7 @@ class WindowAnticipation:
                 any(r not in self._state.evicted for r in extra):
             raise WindowError(f"expect_order needs each of the window's {len(self._state.refs)} refs exactly once "
                               "(and evicted refs it will recall first)")
-        hints = self.expected_orders
-        if order in hints:
-            hints.remove(order)
-        hints.append(order)
-        del hints[:-ANTICIPATED_REORDERS]  # the latest hints count
+        note_order(self.expected_orders, order)  # the latest hints count
 
     @property
     def anticipation_due(self) -> bool:
@@ -299,7 +331,7 @@ class WindowAnticipation:
             ref = anticipate_slide(self, state, meter)
             return {"refs": () if ref is None else (ref,)}, None
 
-        predictions = recall_candidates(self, self._state)
+        predictions = plan_recalls(self.recall_predictor, self._state, self.expected, budgeted)
         slots = self._state.slots
         if len(slots) >= 2 and slots[1].provisional:
             # the slide first: it changes the window (a canonical), which the other patches' keys
@@ -308,19 +340,13 @@ class WindowAnticipation:
             top = predictions[0].probability if predictions else 0.0
             if not budgeted or self.recall_predictor.p_front_leaves() >= top:
                 yield slide_body, True, slots[1].n_tokens
-                predictions = recall_candidates(self, self._state)  # (on the window as it now stands)
+                predictions = plan_recalls(self.recall_predictor, self._state, self.expected, budgeted)  # (as it now stands)
         done: dict[tuple, int] = {}  # chains prepared in this pass -> their estimated cost
 
         def covered(recalls: tuple) -> bool:  # the start of a chain prepared in this pass: all stored
             return any(chain[: len(recalls)] == recalls for chain in done)
 
-        if not budgeted:  # no budget: the best few chains, not the shorter prefixes of one (they serve a budget)
-            chosen: list[Prediction] = []
-            for p in predictions:
-                if len(chosen) < ANTICIPATED_RECALLS and not any(c.recalls[: len(p.recalls)] == p.recalls for c in chosen):
-                    chosen.append(p)
-            predictions = chosen
-        for prediction in predictions[:MAX_PREDICTIONS]:
+        for prediction in predictions:
 
             then = reorder_after(self._state, prediction.recalls, self.expected_orders)
             # with the reorder the agent named right after the chain, else (too dear) without it
@@ -366,7 +392,7 @@ class WindowAnticipation:
                 complete = False
                 continue  # too dear for what is left
             receipt = self._run("anticipate", body, mutates=mutates)[0]
-            if receipt.refs:
+            if receipt.refs or receipt.forwards:  # (prepared re-forwards form no patch but ran forwards)
                 steps.append(receipt)
         if complete:
             self.__dict__["_anticipated_for"] = self._anticipation_token()

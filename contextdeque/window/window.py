@@ -620,7 +620,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             slots = [by_ref[r] for r in refs]
             reasons = {r: "reorder" for r in refs}
             state.slots, _ = reconcile(self._ctx, slots, reasons, meter, prepared="take")  # (provisional: what anticipation prepared)
-            note_reorder(self._ctx, current, refs)  # (reorder anticipation learns from these)
+            note_reorder(self._ctx.reorders_seen, current, refs)  # (reorder anticipation learns from these)
             return {"refs": tuple(refs)}, None
 
         return self._run("reorder", body)[0]

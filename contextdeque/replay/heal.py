@@ -1,0 +1,154 @@
+"""The replay's latency-first bookkeeping: the heal at a step boundary (the conditioning the
+latency-first policy deferred, the canonicals owed, the recall cascade's re-forms), what a chunk
+leaving the window before it was healed leaves behind, and the idle-time accounting. A mixin of
+:class:`~.engine.Replayer`, which owns the queues it reads (``_pending_canon``, ``_pending_form``,
+``_pending_reason``, ``_canon_due``, ``_no_canon``, ``_leave_canon``, ``_provisional``)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..window.plan import Difference
+
+
+class HealMirror:
+    """The heal of :class:`~.engine.Replayer` (see the module doc)."""
+
+    def _difference(self, key: str, prefix: Sequence[str]) -> None:
+        """The patch of ``key`` on ``prefix`` taken from its provisional forward (an SVD, no
+        forward: ``Difference``), stored."""
+        t, pc = self.tokens[key], tuple(self.content[p] for p in prefix)
+        pb = self.cost.patch_bytes(t, self.rank)
+        self.do(Difference(self.content[key], t, antecedents=pc, tier="device", nbytes=pb))
+        self.r.patch_bytes += pb
+        self.r.bytes["device"] += pb
+        self.graph.add(self.content[key], pc, "exact")
+        self._store(key, prefix, "exact")
+
+    def _has_heal_work(self) -> bool:
+        return bool(self._defers and (self._pending_canon or self._pending_form or self._canon_due or self._leave_canon))
+
+    def _has_pending(self) -> bool:
+        """In-window work queued for the heal (``ContextWindow.pending_refs``: what makes the
+        trace executor heal at a step; chunks that left unhealed wait for a heal called anyway)."""
+        return bool(self._defers and (self._pending_canon or self._pending_form or self._canon_due))
+
+    def heal(self) -> None:
+        """Latency-first: the idle-time work queued since the last heal, on the window as it stands
+        (canonicals of provisional chunks, whose patch is their difference: no second forward; the
+        eager policy's conditioning for chunks that waited, store hits first; the recall cascade of
+        those that were recalled). Counted in ``tokens_prefilled`` and ``heal_*``, not in
+        ``est_seconds``."""
+        if not self._has_heal_work():
+            return
+        self._changed()
+        r = self.r
+        idle = self._idle_start()
+        self._healing = True
+        try:
+            resident = set(self.order)
+            for key in self._leave_canon:
+                if key not in resident:
+                    self._encode(key)
+                    self._owes.discard(key)
+            self._leave_canon.clear()
+            front = self.order[0] if self.order else None
+            for key in sorted(self._canon_due & resident, key=self.order.index):
+                if key not in self._no_canon:
+                    continue
+                i = self.order.index(key)
+                if i == 0:  # its forward's KV is stale at the front, where the canonical is exact
+                    del self._no_canon[key]
+                    self._encode(key)
+                    self._set_formed(key, ())
+                elif key not in self._pending_form:  # something came in front of it meanwhile: re-forwarded
+                    self._form(key, self.order[:i])  # behind that (once: a queued re-form does it below)
+            self._canon_due.clear()
+            # a forward's KV differs from its canonical + patch once the chunks it ran after are
+            # healed themselves (their KV changes): the difference is then no patch for the window
+            # as it stands, and the eager policy forms one anew (what ContextWindow.heal does)
+            healed_before: set[str] = set()
+            anew: set[str] = set()
+            queued = set(self._pending_canon) | set(self._pending_form)
+            for key in self.order:
+                if key in self._pending_canon and healed_before:
+                    anew.add(key)
+                if key in queued:
+                    healed_before.add(key)
+            for key, pc in self._pending_canon.items():
+                if key not in resident:  # gone with a discarded fork: its canonical is never made
+                    k = ("c", self.content[key])
+                    if k not in self.pool.pinned:
+                        self.pool.drop(k)
+                    continue
+                if key != front and self._lazy:
+                    # kept as forwarded, or (queued to re-form) re-forwarded behind its new prefix:
+                    # either way no canonical until a stored patch could serve it
+                    self._no_canon[key] = None
+                    continue
+                self._encode(key)
+                if key == front:  # at the front the canonical is exact: its KV from now on
+                    self._set_formed(key, ())
+                elif pc and key not in anew and self._prefix_content(key) == pc:  # latency-shared: the patch is the difference
+                    prefix = tuple(self.order[: self.order.index(key)])
+                    self._difference(key, prefix)
+                    self._set_formed(key, prefix)
+                else:  # moved since its forward, or what it ran after was healed: the eager policy forms anew
+                    self._pending_form.setdefault(key, False)
+                    anew.add(key)
+            self._pending_canon.clear()
+            pos = {k: i for i, k in enumerate(self.order)}
+            for key, force in sorted(self._pending_form.items(), key=lambda kv: pos.get(kv[0], -1)):
+                i = pos.get(key)
+                if i is None:
+                    continue
+                prefix = self.order[:i]
+                if not prefix:
+                    self._set_formed(key, ())
+                elif force or key in anew or tuple(prefix) != self.formed.get(key, ()):
+                    if force:
+                        self.r.cascade_reforms += 1
+                    reason = "cascade" if force else self._pending_reason.get(key)
+                    if key in anew or key in self._no_canon or reason is None:
+                        self._form(key, prefix)
+                    else:  # the eager policy's decision on the slot as it was deferred (what it carried)
+                        self.carry_out(key, prefix, self.decide(reason, key, prefix))
+            self._pending_form.clear()
+            self._pending_reason.clear()
+        finally:
+            self._healing = False
+        self._idle_end(idle)
+
+    def _idle_start(self) -> tuple[int, int, float]:
+        return self.r.tokens_prefilled, self.r.forwards, self.r.est_seconds
+
+    def _idle_end(self, start: tuple[int, int, float]) -> None:
+        """What ran since ``start`` (``_idle_start``) was idle time: ``heal_*``, not ``est_seconds``."""
+        r = self.r
+        tok0, fw0, est0 = start
+        r.heal_tokens += r.tokens_prefilled - tok0
+        r.heal_forwards += r.forwards - fw0
+        r.heal_seconds += r.est_seconds - est0
+        r.est_seconds = est0
+
+    def _leave(self, key: str) -> None:
+        self.window_tokens -= self.tokens[key]
+        if not self.arm.canonicals:
+            return
+        k = ("c", self.content[key])
+        pinned = self.pool.pinned
+        pinned[k] -= 1
+        if pinned[k] <= 0:
+            del pinned[k]
+        if self._defers:
+            self._pending_form.pop(key, None)
+            self._pending_reason.pop(key, None)
+            self._canon_due.discard(key)
+            was_provisional = self._provisional.pop(key, "x") is None
+            forwarded = self._pending_canon.pop(key, None) is not None or self._no_canon.pop(key, "x") is None
+            if (was_provisional or forwarded) and k not in pinned:
+                self._owes.add(key)  # (a recall or the heal encodes it: ``EvictedEntry.owes_encode``)
+            if forwarded and not self._lazy and k not in pinned:
+                self._leave_canon[key] = None  # latency-shared: its canonical at the heal all the same
+            elif (was_provisional or forwarded) and k not in pinned and not self._simulating:
+                self.pool.drop(k)  # its canonical was never computed: nothing of it stays
