@@ -64,13 +64,13 @@ class Decision:
 
     @property
     def may_keep(self) -> bool:
-        """Whether carrying this out can leave the slot's conditioning as it is, on the critical
-        path: a ``keep``, or a store-only patch that falls back to one when the store has none
-        (not a ``deferred`` keep: that one is queued for the heal)."""
-        d: Decision | None = self
-        while d is not None and d.action == "form" and d.reuse_only:
-            d = d.fallback
-        return d is None or (d.action == "keep" and not d.deferred)
+        """Whether the recall cascade re-decides this slot: a plain ``keep`` (not a ``deferred``
+        one: that is queued for the heal). A store-only patch that falls back to keep (a chunk a
+        recall is inserted before: ``reason == "inserted"``) is carried out as decided: its
+        stored patch on the new prefix where the store has one, else it keeps what it carries,
+        as a survivor does (the seed paper: near-lossless; re-forming it instead cost the
+        look-back its 0-forward step: 2 chunks deferred blind, tests/test_step_bench.py)."""
+        return self.action == "keep" and not self.deferred
 
 
 KEEP = Decision("keep")
