@@ -123,7 +123,7 @@ def test_window_bench_rows_backend_and_family_counters_are_counters():
     d = (a + b).as_dict()
     assert set(d) == {"policy", "step", "forwards", "step_ms", "ttft_ms", "reprefill_ms", "prefix_cache_ms",
                       "kl_answer", "kl_healed", "heal_ms", "heal_forwards", "kl_vs_eager", "deferred", "page_mb",
-                      "floor_ms", "served", "placed", "ttft_vs_reprefill", "ttft_vs_prefix_cache"}
+                      "floor_ms", "served", "placed", "idle", "tokens", "ttft_vs_reprefill", "ttft_vs_prefix_cache"}
     assert (d["policy"], d["forwards"], d["heal_forwards"], d["deferred"]) == ("eager", 3, 1, 2)
     assert d["kl_answer"] == 0.123457 and d["ttft_vs_reprefill"] == 1.5 and d["kl_vs_eager"] is None
     assert (a + b).counts()["tokens_prefilled"] == 10 and isinstance(a, Counters)

@@ -144,6 +144,8 @@ def run_soak(
                 "store": tiers, "evicted_refs": len(win.evicted_refs), "in_window": len(win),
                 "tokens": win.tokens_used, "forwards": backend.forwards_run - forwards0,
                 "graph_nodes": len(win.graph), "patch_index": win.context.patch_index.contents(), "receipts": len(win.receipts),
+                # anticipation's prepared re-forwards (bounded by their own caps, window/prepared.py)
+                "prepared": len(win.context.prepared), "prepared_bytes": win.context.prepared.nbytes,
             }
             if count_tensors:
                 row["tensor_bytes"] = live_tensor_bytes()
