@@ -33,12 +33,13 @@ class IdleUseRow:
     forwards: int
     tokens: int
     hit_rate: float | None
+    own_hit_rate: float | None
     formed: Counter = field(default_factory=Counter)  # anticipated patches formed, by kind
     served: int = 0  # chunk placements served an anticipated patch or prepared re-forward
 
     def as_dict(self) -> dict[str, Any]:
         return {"trace": self.trace, "anticipate": self.anticipate, "forwards": self.forwards, "tokens": self.tokens,
-                "hit_rate": self.hit_rate, "formed": dict(self.formed), "served": self.served}
+                "hit_rate": self.hit_rate, "own_hit_rate": self.own_hit_rate, "formed": dict(self.formed), "served": self.served}
 
 
 def _kind_of(key: str) -> str:
@@ -67,7 +68,8 @@ def idle_use(backend: Any, trace: Trace, *, policy: str = "latency", anticipate:
     total = drive_window(win, trace, lambda ev: chunk_ids(backend, ev.hash, max(MIN_TOKENS, int(round(ev.tokens * scale)))),
                          on_step=on_step)
     formed = Counter(_kind_of(k) for k in win._ctx.anticipated_keys)
-    row = IdleUseRow(trace.name, anticipate, total.forwards, total.tokens_prefilled, hits.rate(), formed, served)
+    row = IdleUseRow(trace.name, anticipate, total.forwards, total.tokens_prefilled, hits.rate(), hits.rate(own=True), formed,
+                     served)
     win.close()
     return row
 
