@@ -210,7 +210,7 @@ def test_an_orbit_patch_is_priced_by_every_order_it_serves(backend):
     eager = win._ctx.policy
     swap_front = patch_needs([slots[1], slots[0], slots[2], slots[3]], eager)
     swap_middle = patch_needs([slots[0], slots[2], slots[1], slots[3]], eager)
-    orbit = [n for n, _, _ in swap_front if n[0] == "orbit" and n[1] == slots[3].chunk.id]
+    orbit = [n for n, _, _ in swap_front if n[0] == "orbit" and n[1] == slots[3].ref.chunk_id]
     assert orbit and orbit[0] in {n for n, _, _ in swap_middle}
     assert [f for n, f, _ in swap_front if n in orbit] == [6]  # one forward per ordering of its three antecedents
     assert estimated_cost([slots[1], slots[0], slots[2], slots[3]], eager)[0] == sum(f for _, f, _ in swap_front)

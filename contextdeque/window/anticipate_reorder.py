@@ -139,12 +139,12 @@ def patch_needs(slots: "Sequence[Slot | KeySlot]", eager: object) -> list[tuple[
         changed_in_front = True
         if not before:
             continue  # the canonical: exact at the front, free
-        ids = tuple(s.chunk.id for s in slots[:i])
+        ids = tuple(r.chunk_id for r in before)
         if sorted(r.chunk_id for r in carried) == sorted(ids) and len(before) <= orbit_max:
-            needs.append((("orbit", slot.chunk.id, frozenset(ids)), min(math.factorial(len(before)), max_orderings),
+            needs.append((("orbit", slot.ref.chunk_id, frozenset(ids)), min(math.factorial(len(before)), max_orderings),
                           slot.n_tokens))
         else:
-            needs.append((("exact", slot.chunk.id, ids), 1, slot.n_tokens))
+            needs.append((("exact", slot.ref.chunk_id, ids), 1, slot.n_tokens))
     return needs
 
 
