@@ -22,13 +22,7 @@ if IN_INTERP_CHILD:  # must precede the first triton import in this process
     os.environ["TRITON_INTERPRET"] = "1"
 
 from contextdeque.kernels import (  # noqa: E402
-    ContiguousDest,
-    PagedDest,
-    RopeSpec,
-    fused_apply,
-    fused_apply_layers,
-    select_backend,
-    slot_mapping_from_block_table,
+    ContiguousDest, PagedDest, RopeSpec, fused_apply, fused_apply_layers, select_backend, slot_mapping_from_block_table,
 )
 from kernel_oracle import (  # noqa: E402
     DTYPES,

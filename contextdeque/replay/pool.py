@@ -12,7 +12,7 @@ from ..core.counters import Counters, shown
 from ..scheduler.eviction import PoolEvictionPolicy
 from ..window.config import WindowConfig
 from ..window.plan import Load, Op
-from .cost import CostModel
+from ..scheduler.cost_model import CostModel
 
 GiB = 1 << 30
 
@@ -126,6 +126,10 @@ class Pool:
         r.bytes["device"] += size
         self.policy.touch(key, size, i)
         return where
+
+    def holds(self, key: Hashable) -> bool:
+        """Whether any tier holds ``key`` (no access: nothing moves, nothing is counted)."""
+        return key in self.device or key in self.host or key in self.disk
 
     def drop(self, key: Hashable) -> None:
         """Forget ``key``'s device copy (KV that was never made: a latency-first chunk's canonical
