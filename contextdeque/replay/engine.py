@@ -104,7 +104,6 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
         # before the heal (queued here; a recall before the heal encodes it then)
         self._lazy = self.arm.lazy_canonicals
         self._leave_canon: dict[str, None] = {}
-        self._recall_owes = False  # the recall being admitted re-enters owing its canonical
         self._canon_due: set[str] = set()  # no-canonical chunks to turn blind (at the front): canonical at heal
         self._pending_form: dict[str, bool] = {}  # key -> re-form even where its prefix is unchanged (cascade)
         self._pending_reason: dict[str, str] = {}  # key -> why it was first deferred (what the heal decides on)
@@ -337,8 +336,6 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
             # dropped a front survivor's patches)
             self._before_op = dict(self.formed) if recall else None
             self._left, self._not_kept = [], set()
-            # a recall of a chunk that left owing its canonical (``EvictedEntry.owes_encode``)
-            self._recall_owes = recall and any(k in self._owes for k, _ in entering)
             for k, _ in entering:
                 self.evicted.pop(k, None)
                 self._owes.discard(k)
@@ -370,9 +367,8 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
                     self.r.window_evictions += 1
         # arrival order, or a simulated recall (anticipation places it where the prediction says,
         # as ``anticipation.simulate_recall`` does: the placement is not asked)
-        provisional = self._provisional_append(entering, recall)
-        direct = self._fast or self._simulating or provisional
-        if direct and (entering[0][1] is None or (provisional and not recall)):  # (an append: last)
+        direct = self._fast or self._simulating
+        if direct and entering[0][1] is None:
             # arrival order at the end: only the entering chunk is looked at
             key = entering[0][0]
             self._enter(key)
@@ -427,22 +423,6 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
                 self._resident_upkeep(view, k, new_order[:i], old_order[:old_pos[k]], cascade=member)
             elif member and k not in self._not_kept:  # (its own decision: a keep)
                 self._cascade_reform(i, k)
-
-    def _provisional_append(self, entering: list[tuple[str, int | None]], recall: bool) -> bool:
-        """New content a latency-first window appends provisionally (no canonical anywhere), or a
-        chunk it recalls that left owing its canonical: its KV is one forward behind the chunks in
-        front, so the window does not ask its placement where it goes (``window_index``): an
-        append goes last, a recall where the agent asked (the end when it did not say)."""
-        if not self._defers or self._healing or len(entering) != 1 or not self.arm.canonicals or not self.order:
-            return False  # (into an empty window its canonical is encoded: not provisional)
-        if recall:  # one forward where it re-enters, unless at the front (``ContextWindow.recall``)
-            return self._recall_owes and self._lazy and entering[0][1] != 0
-        c = self.content[entering[0][0]]
-        if not self.pool.holds(("c", c)):
-            return True
-        # in the pool but never computed (a provisional or healed chunk without its canonical yet)
-        waiting = (*self._provisional, *self._pending_canon, *self._no_canon, *self._leave_canon)
-        return any(self.content[k] == c for k in waiting)
 
     def _cascade(self, recalled: str, changed: bool, entering: set[str], lo: int = 0, hi: int | None = None,
                  run: dict | None = None) -> dict:

@@ -127,10 +127,6 @@ class Pool:
         self.policy.touch(key, size, i)
         return where
 
-    def holds(self, key: Hashable) -> bool:
-        """Whether any tier holds ``key`` (no access: nothing moves, nothing is counted)."""
-        return key in self.device or key in self.host or key in self.disk
-
     def drop(self, key: Hashable) -> None:
         """Forget ``key``'s device copy (KV that was never made: a latency-first chunk's canonical
         when it leaves the window before healing computed it)."""

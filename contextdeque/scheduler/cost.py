@@ -89,9 +89,9 @@ class Weights:
 
 DEFAULT_WEIGHTS = Weights()
 #: the scheduler priced by the cost model (seconds; see ``diverge``). Not the default yet: its
-#: decisions part the live latency-first windows from the replay's under the scheduler and valid
-#: placements (tests/test_replay_matches_window.py: 4 cases), through differences between the two
-#: windows that the forms pricing never reaches (docs/replay.md)
+#: decisions part the live windows from the replay's under the scheduler and valid placements
+#: (tests/test_replay_matches_window.py: 18 cases), through differences between their placement
+#: views the forms pricing never reaches (docs/replay.md)
 SECONDS_WEIGHTS = Weights(cost=DEFAULTS, diverge=0.35)
 
 

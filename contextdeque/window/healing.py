@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from ..core.args import check_float, check_int
 from ..core.errors import WindowError, WindowTypeError
-from ..patch import PATCH_KINDS, form_patch
+from ..patch import form_patch
 from . import ingest
 from .plan import Difference
 from .policy import PatchPolicy
@@ -172,8 +172,6 @@ class WindowHealing:
                     meter.formed_keys.append(key)
                     meter.plan.add(Difference(canonical.id, canonical.n_tokens, antecedents=tuple(p.chunk.id for p in prefix),
                                               tier=ctx.store.tier_of(key) or "none", nbytes=patch.nbytes))
-                    if PATCH_KINDS[wanted.kind].exact_on_prefix:  # what the placement scheduler may aim for
-                        ctx.note_stored_prefix(canonical.id, tuple(p.chunk.id for p in prefix))
         return blind
 
     def start_healing(self, idle_ms: float = 20.0) -> "Healer":

@@ -159,10 +159,7 @@ def window_index(ctx: Any, graph: Any, slots: Sequence[Any], entering: Any, at: 
     resident = {s.ref for s in slots}
     view = PlacementView(
         order=[s.ref for s in slots],
-        # (with the antecedents' tokens, also of chunks that left: a conditioning's staleness counts
-        # them, as the window's own staleness and the replay's view do)
-        tokens={**{a: a.n_tokens for s in (*slots, entering) for a, _ in s.conditioned_on}, **{a: a.n_tokens for a, _ in formed_on},
-                **{k: s.n_tokens for k, s in by_key.items()}},
+        tokens={k: s.n_tokens for k, s in by_key.items()},
         content={k: s.chunk.id for k, s in by_key.items()},
         formed_on={**{s.ref: tuple(a for a, _ in s.conditioned_on) for s in slots},
                    entering.ref: tuple(a for a, _ in formed_on)},
