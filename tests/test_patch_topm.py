@@ -103,6 +103,7 @@ CASES = _cases()
 def test_top_factors_match_the_float64_svd(name, method, rank):
     delta = CASES[name]
     us, vt = truncated_svd(delta, rank, method=method)
+    assert us.is_contiguous() and vt.is_contiguous()  # stored and multiplied as laid out
     assert_top_factors(delta, rank, us, vt)
 
 

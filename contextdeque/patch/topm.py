@@ -78,7 +78,10 @@ def truncated_svd(delta: torch.Tensor, rank: int, *, method: Method = "auto") ->
         us.append(u), vt.append(w)
     u, w = (torch.cat(us), torch.cat(vt)) if len(us) > 1 else (us[0], vt[0])
     u, w = _fix_signs(u, w)
-    return u.to(torch.float32).reshape(*batch, T, m), w.to(torch.float32).reshape(*batch, m, F)
+    # contiguous: the Gram route's V_mᵀ is a transposed view, and a factor's layout decides the
+    # summation order (bit-equality) of every product it enters
+    return (u.to(torch.float32).contiguous().reshape(*batch, T, m),
+            w.to(torch.float32).contiguous().reshape(*batch, m, F))
 
 
 def gram_serves(n_tokens: int, width: int, rank: int) -> bool:
