@@ -13,7 +13,7 @@ import contextdeque.patch.base as patch_base
 from contextdeque.core.errors import PatchError
 from contextdeque.core.metrics import kl_divergence
 from contextdeque.patch import form_patch
-from contextdeque.patch.base import FormContext, _normalize_antecedents
+from contextdeque.patch.base import FormContext
 from contextdeque.patch.ops import combine_patches
 from contextdeque.patch.alloc import layer_spectra
 from contextdeque.patch.topm import gram_serves, truncated_svd
@@ -200,7 +200,7 @@ def test_the_checker_fails_on_a_wrong_routine(wrong):
 def _real_deltas(backend, a_ids, b_ids):
     a = backend.encode(token_ids=a_ids)
     b = backend.encode(token_ids=b_ids)
-    ctx = FormContext(backend, b, _normalize_antecedents([a], None, backend), {})
+    ctx = FormContext(backend, b, [(a, [])], {})
     dk, dv = patch_base.PATCH_KINDS["exact"]().target(ctx)
     return a, b, dk, dv
 

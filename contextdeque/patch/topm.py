@@ -47,12 +47,16 @@ METHODS: tuple[str, ...] = ("auto", "gram", "svd")
 GROUP_BYTES = 64 << 20
 
 
-def truncated_svd(delta: torch.Tensor, rank: int, *, method: Method = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def truncated_svd(
+    delta: torch.Tensor, rank: int, *, method: Method = "auto", eig_device: "torch.device | str | None" = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``rank`` factors of ``delta [..., T, F]`` (one Δ or a batch, e.g. one per layer):
     ``(U_m S_m [..., T, m], V_mᵀ [..., m, F])`` fp32 on ``delta``'s device, ``m = min(rank, T, F)``.
 
     ``method``: ``"auto"`` (the Gram route where it is exact to float32, the float64 SVD where it
     is not: see the module docstring), ``"gram"`` or ``"svd"`` (forced; ``"svd"`` is the oracle).
+    ``eig_device``: where the Gram route's small eigenproblems run (None: ``delta``'s device; e.g.
+    ``"cpu"`` for a CUDA Δ, the Gram then crosses as ``[F, F]`` per item and ``V_m`` comes back).
 
     Raises:
         PatchError: ``delta`` is not at least 2-D, ``rank < 0`` or an unknown ``method``.
@@ -74,7 +78,7 @@ def truncated_svd(delta: torch.Tensor, rank: int, *, method: Method = "auto") ->
     for start in range(0, flat.shape[0], group):
         if start:
             checkpoint()  # background formation gives way to foreground work between groups
-        u, w = _factor(flat[start:start + group].to(torch.float64), m, method)
+        u, w = _factor(flat[start:start + group].to(torch.float64), m, method, eig_device)
         us.append(u), vt.append(w)
     u, w = (torch.cat(us), torch.cat(vt)) if len(us) > 1 else (us[0], vt[0])
     u, w = _fix_signs(u, w)
@@ -92,7 +96,7 @@ def gram_serves(n_tokens: int, width: int, rank: int) -> bool:
     return n_tokens >= width or 2 * min(rank, n_tokens) <= n_tokens
 
 
-def _factor(x: torch.Tensor, m: int, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _factor(x: torch.Tensor, m: int, method: str, eig_device: "torch.device | str | None") -> tuple[torch.Tensor, torch.Tensor]:
     """``x [B, T, F]`` float64 -> float64 ``(U_m S_m [B, T, m], V_mᵀ [B, m, F])``, descending."""
     T, F = x.shape[-2:]
     if method == "svd" or (method == "auto" and not gram_serves(T, F, m)):
@@ -100,15 +104,19 @@ def _factor(x: torch.Tensor, m: int, method: str) -> tuple[torch.Tensor, torch.T
     if method == "auto" and not bool(torch.isfinite(x).all()):
         return _exact(x, m)  # the SVD's own behaviour on a non-finite Δ, unchanged
     if T >= F:
-        _, V = torch.linalg.eigh(x.mT @ x)  # ascending eigenvalues
-        Vm = V[..., -m:].flip(-1)  # [B, F, m]
+        Vm = _top_eigenvectors(x.mT @ x, m, eig_device)  # [B, F, m]
         return x @ Vm, Vm.mT
-    _, U = torch.linalg.eigh(x @ x.mT)  # [B, T, T]
-    Um = U[..., -m:].flip(-1)  # [B, T, m]
+    Um = _top_eigenvectors(x @ x.mT, m, eig_device)  # [B, T, m]
     # U_mᵀ Δ [m, F] has orthogonal rows of norms s; its small SVD gives orthonormal V_mᵀ rows
     # (also where s is zero) and sorts the directions
     A, S, Wh = torch.linalg.svd(Um.mT @ x, full_matrices=False)
     return (Um @ A) * S.unsqueeze(-2), Wh
+
+
+def _top_eigenvectors(gram: torch.Tensor, m: int, eig_device: "torch.device | str | None") -> torch.Tensor:
+    """The top-``m`` eigenvectors of symmetric ``gram [B, n, n]``, descending: ``[B, n, m]``."""
+    _, vecs = torch.linalg.eigh(gram if eig_device is None else gram.to(eig_device))  # ascending
+    return vecs[..., -m:].flip(-1).to(gram.device)
 
 
 def _exact(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
