@@ -53,8 +53,9 @@ def truncated_svd(
     """Top-``rank`` factors of ``delta [..., T, F]`` (one Δ or a batch, e.g. one per layer):
     ``(U_m S_m [..., T, m], V_mᵀ [..., m, F])`` fp32 on ``delta``'s device, ``m = min(rank, T, F)``.
 
-    ``method``: ``"auto"`` (the Gram route where it is exact to float32, the float64 SVD where it
-    is not: see the module docstring), ``"gram"`` or ``"svd"`` (forced; ``"svd"`` is the oracle).
+    ``method``: ``"auto"`` (the Gram route where it pays, :func:`gram_serves`, the float64 SVD
+    elsewhere; the two agree to float32 rounding: see the module docstring), ``"gram"`` or
+    ``"svd"`` (forced; ``"svd"`` is the oracle the tests hold the others to).
     ``eig_device``: where the Gram route's small eigenproblems run (None: ``delta``'s device; e.g.
     ``"cpu"`` for a CUDA Δ, the Gram then crosses as ``[F, F]`` per item and ``V_m`` comes back).
 
