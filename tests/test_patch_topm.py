@@ -287,10 +287,14 @@ def test_a_patched_windows_kl_is_the_svds(default_backend, one_thread, monkeypat
     pages = [ids[i * 200:(i + 1) * 200] for i in range(3)]
     query = ids[700:708]
 
+    def drop_top(d, r):  # a wrong routine: the top direction zeroed
+        us, vt = truncated_svd(d, r)
+        return torch.cat([us[..., 1:], us[..., :1] * 0], -1), vt
+
     def kl_after_reverse(method: str) -> float:
         calls = []
-        monkeypatch.setattr(patch_base, "truncated_svd",
-                            lambda d, r: calls.append(r) or truncated_svd(d, r, method=method))
+        routine = drop_top if method == "drop-top" else (lambda d, r: truncated_svd(d, r, method=method))
+        monkeypatch.setattr(patch_base, "truncated_svd", lambda d, r: calls.append(r) or routine(d, r))
         store = TieredStore([MemoryTier("cpu", None, name="device")])  # nothing formed by the other run
         win = ContextWindow(be, store=store, rank=32, patch_policy="eager", anticipate=False)
         refs = [win.append(chunk=be.encode(token_ids=p)) for p in pages]
@@ -307,3 +311,4 @@ def test_a_patched_windows_kl_is_the_svds(default_backend, one_thread, monkeypat
           f"difference {abs(kl_new - kl_old):.1e}")
     assert abs(kl_new - kl_old) <= 1e-6, (kl_new, kl_old)
     assert kl_new < 0.05  # a patched window, not a blind one
+    assert kl_after_reverse("drop-top") > 2 * kl_new  # the patches' factors decide the window's KL
