@@ -19,9 +19,11 @@ queued work is healed, runs the window's three anticipation passes in the window
 The trace's ``expect`` events are the agent's hints (``ContextWindow.expect``). A pass runs when
 the window changed since the last one (``WindowAnticipation.anticipation_due``: its state, its
 hints; a fork has its own). Idle-time work is counted in ``tokens_prefilled`` and ``heal_*``, not
-in ``est_seconds``. Not modelled: an idle budget (``heal(max_tokens=)``: the replay heals and
-anticipates to completion at every step) and recall predictions without an index (``at=None``,
-the window's recall placement: priced at the end, where a trace's recalls go).
+in ``est_seconds``. Given an idle rate (``Replayer(idle_tokens=)``), each step's idle gap is a
+``healing.HealBudget`` the heal and then these passes draw on, as ``heal(max_tokens=)`` spends it;
+without one, the replay heals and anticipates to completion at every step. Not modelled: recall
+predictions without an index (``at=None``, the window's recall placement: priced at the end,
+where a trace's recalls go).
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from itertools import count
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..window.anticipate_reorder import note_reorder, plan_reorders
 from ..window.anticipation import fulfil_hints, fulfil_orders, note_hint, note_order, plan_recalls, reorder_after
+from ..window.healing import HealBudget
 from ..window.placement import END
 from ..window.plan import ChunkKeys, Forward, KeySlot, Prepared
 from ..window.prepared import MAX_ENTRIES
@@ -174,32 +177,60 @@ class AnticipationMirror:
             self._changed()
 
     # ------------------------------------------------------------------ the passes
-    def anticipate(self) -> None:
-        """The window's anticipation passes once nothing is queued (see the module doc); charged
-        as idle-time work (``heal_*``)."""
+    def anticipate(self, budget: HealBudget | None = None) -> None:
+        """The window's anticipation passes once nothing is queued (see the module doc), on what is
+        left of ``budget`` (an idle gap: ``healing.HealBudget``, the rule the window's ``heal``
+        spends it by: a preparation whose estimated cost does not fit is skipped, and the pass is
+        then not complete); charged as idle-time work (``heal_*``)."""
         if not self.anticipation_due or not self.arm.patches:
             self._anticipated_for = self._anticipation_token()
             return
+        budget = budget if budget is not None else HealBudget()
         idle = self._idle_start()
         healing, self._healing = self._healing, True
+        complete = True
         try:
-            if self._anticipate_slide():
-                self._changed()
-            done: set[tuple] = set()  # chains prepared in this pass (their starts are stored)
-            for prediction in plan_recalls(self.predictor, key_state(self), self.expected, budgeted=False):
-                # with the reorder the agent named right after the chain, then without it
-                then = reorder_after(key_state(self), prediction.recalls, self.expected_orders)
-                for orders in ((self.expected_orders, ()) if then else ((),)):
-                    if not orders and any(chain[: len(prediction.recalls)] == prediction.recalls for chain in done):
-                        continue
-                    self._simulated(self._simulate_recalls, (prediction.recalls, orders))
-                    done.add(prediction.recalls)
-            for order in plan_reorders(self.eager, self.reorders_seen, self.expected_orders, key_state(self).slots):
-                self._simulated(self._simulate_reorder, [self._key_of[ref] for ref in order])
+            for run, cost in self._anticipation_tasks(budget.bounded):
+                if not budget.fits(cost):
+                    complete = False
+                    continue  # too dear for what is left
+                tokens = self.r.tokens_prefilled
+                run()
+                if self.r.tokens_prefilled > tokens:
+                    budget.spend(self.r.tokens_prefilled - tokens)
         finally:
             self._healing = healing
         self._idle_end(idle)
-        self._anticipated_for = self._anticipation_token()
+        if complete:
+            self._anticipated_for = self._anticipation_token()
+
+    def _anticipation_tasks(self, budgeted: bool) -> Iterator[tuple[Callable[[], Any], int | None]]:
+        """``WindowAnticipation._anticipation_tasks`` over the replay's keys: ``(run, cost_tokens)``,
+        most valuable first (the next slide, the recall predictions, the reorders)."""
+        predictions = plan_recalls(self.predictor, key_state(self), self.expected, budgeted)
+        if len(self.order) >= 2 and self.order[1] in self._no_canon:
+            top = predictions[0].probability if predictions else 0.0
+            if not budgeted or self.predictor.p_front_leaves() >= top:
+                yield (lambda: self._anticipate_slide() and self._changed()), self.tokens[self.order[1]]
+                predictions = plan_recalls(self.predictor, key_state(self), self.expected, budgeted)  # (as it now stands)
+        done: dict[tuple, int] = {}  # chains prepared in this pass -> their estimated cost
+        for prediction in predictions:
+            # with the reorder the agent named right after the chain, then without it
+            then = reorder_after(key_state(self), prediction.recalls, self.expected_orders)
+            for orders in ((self.expected_orders, ()) if then else ((),)):
+                if not orders and any(chain[: len(prediction.recalls)] == prediction.recalls for chain in done):
+                    continue
+                cost = prediction.cost_tokens + (then if orders else 0)
+
+                def run(recalls: tuple = prediction.recalls, orders: Sequence = orders, cost: int = cost) -> None:
+                    self._simulated(self._simulate_recalls, (recalls, orders))
+                    done[recalls] = max(cost, done.get(recalls, 0))
+
+                # a chain that extends one prepared in this pass finds that part stored: it costs the rest
+                head = max((c for chain, c in done.items() if prediction.recalls[: len(chain)] == chain), default=0)
+                yield run, max(0, cost - head)
+        for order in plan_reorders(self.eager, self.reorders_seen, self.expected_orders, key_state(self).slots):
+            yield (lambda order=order: self._simulated(self._simulate_reorder, [self._key_of[ref] for ref in order])), None
 
     def _anticipate_slide(self) -> bool:
         """``anticipation.anticipate_slide``: the provisional slot at index 1 gets its canonical

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 from ..core.errors import BudgetError
 from ..scheduler.eviction import PoolEvictionPolicy, make_eviction
 from ..window.graph import PatchGraph
-from ..traces.io import Trace
+from ..traces.io import Trace, idle_gaps
+from ..window.healing import HealBudget
 from ..window.policy_default import ORBIT_MAX_ANTECEDENTS, ORBIT_MAX_ORDERINGS
 from ..patch import PATCH_KINDS
 from ..window.policy import make_policy
@@ -43,8 +44,11 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
 
     def __init__(self, trace: Trace, placement: "str | PlacementPolicy" = "arrival", eviction: "str | PoolEvictionPolicy" = "lru",
                  arm: "str | ReuseCost" = "patch", cost: CostModel | None = None, config: ReplayConfig | None = None,
-                 plan: Plan | None = None) -> None:
+                 plan: Plan | None = None, idle_tokens: Callable[[float], int] | None = None) -> None:
         self.trace = trace
+        #: the heal budget of a step's idle gap, in prefilled tokens (``replay.live.drive_window``'s
+        #: ``idle_tokens``, the same budget the live window heals within); None: heal to completion
+        self.idle_tokens = idle_tokens
         #: the window operations this replay decides (``window.plan``), recorded when given
         self.plan = plan
         self.placement = make_placement(placement)
@@ -76,6 +80,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
         self.tokens: dict[str, int] = {cid: a.tokens for cid, a in trace.chunks.items()}
         self.content: dict[str, str] = {cid: a.hash for cid, a in trace.chunks.items()}
         self._refs = Refs(self.content, self.tokens)
+        self._key_by_content: dict[str, str] | None = None  # (built when a placement first asks)
         self._key_slots: dict[str, tuple[tuple[str, ...], KeySlot]] = {}
         self.formed: dict[str, tuple[str, ...]] = {}
         self._init_kv_states()  # (replay.kvstates: the live window's KV states, mirrored)
@@ -109,6 +114,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
         self._pending_reason: dict[str, str] = {}  # key -> why it was first deferred (what the heal decides on)
         self._cascading = False
         self._before_op: dict[str, tuple[str, ...]] | None = None  # ``formed`` before a recall (its cascade)
+        self._before_states: dict[str, tuple[str, ...]] | None = None  # ... and the KV states it was formed on
         self._left: list[str] = []  # what the budget's slide let go in the current admission
         # residents the current admission decided on with more than a plain keep (a store lookup, a
         # form, a deferral): the recall cascade does not re-decide them (``reconcile``)
@@ -239,17 +245,29 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
         pool.pinned[("c", c)] += 1  # resident in the window: not evictable
 
     def _encode(self, key: str) -> None:
-        """One forward of ``key``'s tokens alone: its canonical."""
+        """One forward of ``key``'s tokens alone: its canonical (held by the pool from now on)."""
         t = self.tokens[key]
-        self.do(Encode(self.content[key], t, tier="device", nbytes=self.arm.canonical_bytes(t, self.kv_bpt)))
+        nbytes = self.arm.canonical_bytes(t, self.kv_bpt)
+        self.do(Encode(self.content[key], t, tier="device", nbytes=nbytes))
+        pool, k = self.pool, ("c", self.content[key])
+        if self.arm.canonicals and k not in pool.device and k not in pool.host and k not in pool.disk:
+            # its place was given up while it had no canonical (it left a fork that was then
+            # discarded, giving the parent its provisional slot back): the canonical takes it again
+            pool._make_room(nbytes)
+            pool.device[k] = nbytes
+            pool.used += nbytes
+            pool.policy.touch(k, nbytes, pool.i)
 
 
     # ------------------------------------------------------------------ operations
-    def view(self, index: int) -> PlacementView:
+    def view(self, index: int, entering: Sequence[str] = ()) -> PlacementView:
+        """What the placement sees (``placement.window_index``): the residents and the ``entering``
+        chunks (their tokens: an antecedent that left counts for no staleness, as in the window)."""
         order = self.order
+        tokens = {k: self.tokens[k] for k in (*order, *entering)}
         return PlacementView(
-            order=list(order), tokens=self.tokens, content=self.content, formed_on=self.formed,
-            has_patch=self.graph.has_patch if self.arm.patches else (lambda c, p: False),
+            order=list(order), tokens=tokens, content=self.content, formed_on=self.formed,
+            has_patch=self._has_valid_patch(order) if self.arm.patches else (lambda c, p: False),
             has_orbit=self.graph.has_orbit if self.arm.patches else (lambda c, s: False),
             stored_prefixes=self.graph.stored_prefixes if self.arm.patches else (lambda c: ()),
             dependents=self.dependents if self.arm.patches else (lambda k: []),
@@ -257,6 +275,20 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
             budget_tokens=self.cfg.budget_tokens,
             future=_FutureView(self._next_ref, index, self._ops) if self._next_ref is not None else None,
         )
+
+    def _has_valid_patch(self, order: Sequence[str]):
+        """``view.has_patch`` as the window answers it (``placement.window_index``): whether the store
+        holds an exact patch of the content on that prefix of residents *in their KV states now*
+        (a patch formed on the same contents in other states serves nothing)."""
+        resident = {self.content[k]: k for k in order}
+        if self._key_by_content is None:
+            self._key_by_content = {c: k for k, c in self.content.items()}
+        any_key = self._key_by_content
+
+        def has_patch(content: str, prefix: tuple[str, ...]) -> bool:
+            keys = [resident.get(c) for c in prefix]
+            return content in any_key and None not in keys and self._is_stored(any_key[content], keys, "exact")
+        return has_patch
 
     def _remove(self, key: str, index: int = -1) -> None:
         before = self.order
@@ -335,6 +367,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
             # window's reconcile reads each slot's conditioning as it was, before the budget's slide
             # dropped a front survivor's patches)
             self._before_op = dict(self.formed) if recall else None
+            self._before_states = dict(self._formed_states) if recall else None
             self._left, self._not_kept = [], set()
             for k, _ in entering:
                 self.evicted.pop(k, None)
@@ -347,7 +380,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
                     self._encode(k)
         finally:
             self._recalling = False
-            self._before_op = None
+            self._before_op = self._before_states = None
             if self.cfg.overlap_loads:
                 # loads ran beside this admission's model work: it costs the longer of the two
                 load = self.r.load_seconds - load0
@@ -389,8 +422,8 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
             pos = max(0, min(at, len(self.order) + len(self._left)) - len(self._left))
             new_order = self.order[:pos] + [key] + self.order[pos:]
         else:  # (a trace's recall without an index is pinned at the end, as the trace executor asks it)
-            new_order = self.placement.place(self.view(index), [(k, len(self.order) if recall and a is None else a)
-                                                                for k, a in entering])
+            new_order = self.placement.place(self.view(index, [k for k, _ in entering]),
+                                             [(k, len(self.order) if recall and a is None else a) for k, a in entering])
         old_order = self.order
         old_pos = {k: i for i, k in enumerate(old_order)}
         ent = {k for k, _ in entering}
@@ -445,21 +478,27 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
         """A recall cascade's bookkeeping: the conditioning it is judged on, its candidates (the
         residents that transitively depend on ``recalled``), the chunks implied so far."""
         before = self._before_op if self._before_op is not None else self.formed
-        return {"before": before, "candidates": self._descendants(recalled, before), "implied": set(),
+        states = self._before_states if self._before_op is not None else self._formed_states
+        return {"before": before, "states": states, "candidates": self._descendants(recalled, before), "implied": set(),
                 "pos": {k: i for i, k in enumerate(self.order)}}
 
     def _in_cascade(self, run: dict, i: int, d: str, recalled: str, changed: bool) -> bool:
         """Whether ``d`` at index ``i`` is in the cascade (``reconcile``'s ``in_cascade``; noted as
-        implied): conditioned on ``recalled`` whose KV ``changed`` or now sits behind it, on an
-        implied chunk, or on a candidate that now sits behind it."""
+        implied): conditioned on ``recalled`` whose KV now differs from the KV ``d`` was formed on
+        (``reconcile`` compares the versions; ``changed``: where ``d``'s states are not known) or
+        that now sits behind it, on an implied chunk, or on a candidate that now sits behind it."""
         if d not in run["candidates"]:
             return False
         pos, implied, candidates = run["pos"], run["implied"], run["candidates"]
-        for a in run["before"].get(d, ()):
+        formed_on = run["before"].get(d, ())
+        states = run["states"].get(d, ())
+        for j, a in enumerate(formed_on):
             ia = pos.get(a)
             if ia is None:
                 continue
             behind = ia > i
+            if a == recalled and not behind and len(states) == len(formed_on):
+                changed = states[j] != self._kv_state(a)  # (in front of d: its new KV is settled)
             if (a == recalled and (behind or changed)) or a in implied or (behind and a in candidates):
                 implied.add(d)
                 return True
@@ -566,9 +605,20 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
         self._next_ref = refs
         self._ops = [ev.op for ev in self.trace.events]
 
+    def _idle_step(self, max_tokens: int) -> None:
+        """``heal(max_tokens=)`` at a step (nothing when the gap affords no token): the queued work
+        and then, once none is left, anticipation, on one budget (``healing.HealBudget``)."""
+        if max_tokens <= 0:
+            return
+        budget = HealBudget(max_tokens=max_tokens)
+        self.heal(budget)
+        if not self._pending_keys():
+            self.anticipate(budget)
+
     def _run(self) -> None:
         r = self.r
         cost = self.cost
+        gaps = idle_gaps(self.trace) if self.idle_tokens is not None else {}
         stack: list[tuple] = []
         for idx, ev in enumerate(self.trace.events):
             r.events += 1
@@ -602,7 +652,9 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
                 self.expect(ev.id, ev.at)
             elif op == "step":
                 r.steps += 1
-                if self._has_pending() or self.anticipation_due:  # the agent's idle time
+                if self.idle_tokens is not None:  # the idle gap the trace records, as the window spends it
+                    self._idle_step(int(self.idle_tokens(gaps[idx])))
+                elif self._has_pending() or self.anticipation_due:  # the agent's idle time
                     self.heal()
                     self.anticipate()
                 if self.on_step is not None:
@@ -680,7 +732,8 @@ def _access_log(eng: Replayer) -> list[Hashable]:
     eviction policy: what is read is decided by the trace and the placement)."""
     from ..scheduler.eviction_lru import LRUEviction
 
-    probe = Replayer(eng.trace, type(eng.placement)(), LRUEviction(), eng.arm.copy(), eng.cost, eng.cfg)
+    probe = Replayer(eng.trace, type(eng.placement)(), LRUEviction(), eng.arm.copy(), eng.cost, eng.cfg,
+                     idle_tokens=eng.idle_tokens)
     probe.pool.log = []
     probe._prepare_future()
     probe._run()

@@ -43,6 +43,7 @@ from typing import Any, Sequence
 import torch
 
 from ..scheduler.eviction import PolicyError
+from ..core.errors import TraceError
 from ..traces.io import Trace, read_trace
 from .hits import HitRate
 from .live import drive_window
@@ -71,6 +72,28 @@ def chunk_ids(backend: Any, content_hash: str, n: int) -> list[int]:
         return torch.randint(4, vocab, (n,), generator=g).tolist()
     start = h % max(1, len(corpus) - n)
     return list(corpus[start : start + n])
+
+
+_DISTINCT_TRIES = 1000
+
+
+def trace_chunk_ids(backend: Any, trace: Trace) -> dict[str, list[int]]:
+    """Token ids for every chunk of ``trace`` (:func:`chunk_ids` of its content hash), distinct for
+    distinct contents: the window names a chunk by its tokens, so two contents whose ids happened
+    to be equal (short chunks cut from real text repeat) would be one chunk to it, one canonical
+    stored, where the trace and its replay hold two. Such a collision takes the next derived hash."""
+    out: dict[str, list[int]] = {}
+    owner: dict[tuple[int, ...], str] = {}  # token ids -> the content hash they stand for
+    for cid, chunk in trace.chunks.items():
+        for attempt in range(_DISTINCT_TRIES):
+            ids = chunk_ids(backend, chunk.hash if not attempt else f"{chunk.hash}:{attempt}", chunk.tokens)
+            if owner.setdefault(tuple(ids), chunk.hash) == chunk.hash:
+                break
+        else:
+            raise TraceError(f"chunk {cid!r}: no {chunk.tokens} token ids found that no other content of the trace "
+                             f"has after {_DISTINCT_TRIES} tries (the corpus repeats too much for chunks this short)")
+        out[cid] = ids
+    return out
 
 
 def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

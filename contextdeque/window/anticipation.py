@@ -38,7 +38,6 @@ only found (formed earlier by an operation or a heal) keeps saying ``"recurring"
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..core.errors import ArgumentTypeError, WindowError
@@ -46,6 +45,7 @@ from . import ingest
 from .placement import END, recall_chooser, window_index
 from .plan import Forward
 from .anticipate_reorder import ANTICIPATED_REORDERS, anticipate_reorder, reorder_candidates
+from .healing import HealBudget
 from .policy_latency import HealPolicy
 from .predictor import Prediction, RecallPredictor, make_predictor, rank_predictions
 from .receipt import Meter, Receipt
@@ -372,28 +372,29 @@ class WindowAnticipation:
 
             yield reorder_body, False, None
 
-    def _anticipate(self, max_steps: int | None, max_tokens: int | None = None,
-                    deadline: float | None = None) -> list[Receipt]:
+    def _anticipate(self, budget: "HealBudget | None" = None) -> list[Receipt]:
         """The anticipation steps ``heal()`` (or the idle healer) runs once nothing is queued (see
-        the module doc), until ``max_steps`` formed something or ``deadline`` (``time.perf_counter``)
-        passed, checked between steps; under ``max_tokens`` a recall prediction whose estimated
-        cost does not fit what is left is skipped (a cheaper one further down may fit). A run that
-        completes marks the window as anticipated (:attr:`anticipation_due` turns False until it
-        changes); an interruption leaves the steps done so far (each a whole transaction)."""
+        the module doc), on what is left of ``budget`` (``healing.HealBudget``, checked between
+        steps: its ``max_steps`` count the steps that formed something; a recall prediction whose
+        estimated cost does not fit its ``max_tokens`` is skipped, a cheaper one further down may
+        fit). A run that completes marks the window as anticipated (:attr:`anticipation_due` turns
+        False until it changes); an interruption leaves the steps done so far (each a whole
+        transaction)."""
+        budget = budget if budget is not None else HealBudget()
         steps: list[Receipt] = []
-        if not self.anticipation_due or (max_steps is not None and max_steps <= 0):
+        if not self.anticipation_due or (budget.max_steps is not None and budget.steps >= budget.max_steps):
             return steps
         complete = True
-        for body, mutates, cost in self._anticipation_tasks(max_tokens is not None or deadline is not None):
-            if (max_steps is not None and len(steps) >= max_steps) or (deadline is not None and time.perf_counter() >= deadline):
+        for body, mutates, cost in self._anticipation_tasks(budget.bounded):
+            if (budget.max_steps is not None and budget.steps >= budget.max_steps) or budget.timed_out():
                 return steps
-            spent = sum(r.tokens_prefilled for r in steps)
-            if max_tokens is not None and (spent + (cost or 0) > max_tokens or spent >= max_tokens):
+            if not budget.fits(cost):
                 complete = False
                 continue  # too dear for what is left
             receipt = self._run("anticipate", body, mutates=mutates)[0]
             if receipt.refs or receipt.forwards:  # (prepared re-forwards form no patch but ran forwards)
                 steps.append(receipt)
+                budget.spend(receipt.tokens_prefilled)
         if complete:
             self.__dict__["_anticipated_for"] = self._anticipation_token()
         return steps
