@@ -71,6 +71,16 @@ class HealMirror:
             self._heal_pass(departed)
         self._canon_due &= resident
 
+    def _idle_step(self, max_tokens: int) -> None:
+        """``heal(max_tokens=)`` at a step (nothing when the gap affords no token): the queued work
+        and then, once none is left, anticipation, on one budget (``healing.HealBudget``)."""
+        if max_tokens <= 0:
+            return
+        budget = HealBudget(max_tokens=max_tokens)
+        self.heal(budget)
+        if not self._pending_keys():
+            self.anticipate(budget)
+
     def _pending_keys(self) -> set[str]:
         """The window's ``state.pending``, over keys: resident chunks queued for the heal."""
         resident = set(self.order)
