@@ -37,6 +37,7 @@ from contextdeque.traces.events import TraceHeader
 from contextdeque.traces.io import Trace
 from contextdeque.stores import MemoryTier
 from contextdeque.window import ContextWindow
+from contextdeque.window.healing import HealBudget, heal_batch
 from contextdeque.window.plan import Plan, plan_totals, stored_bytes
 import contextdeque.scheduler  # noqa: F401  (registers the scheduler's placements)
 from contextdeque.window.placement import PLACEMENT_POLICIES, make_placement
@@ -222,3 +223,20 @@ def test_a_trace_s_distinct_contents_get_distinct_tokens(tiny_backend_factory, o
     short.arrive("a2", 3, content_hash("a"))  # the same content again: the same tokens
     got = trace_chunk_ids(Periodic, short.build("periodic"))
     assert len({tuple(v) for k, v in got.items() if k != "a2"}) == 4 and got["a2"] == got["a"]
+
+
+def test_heal_planning_is_over_keys():
+    """``heal_batch`` / ``HealBudget``: the one plan both executors follow. A step heals the stalest
+    pending chunk (the frontmost of equal ones) with the pending ones in front of it; the budget
+    is checked between steps (the step that crosses it completes) and a preparation must fit."""
+    order = ["a", "b", "c", "d", "e"]
+    stale = {"b": 0.5, "c": 1.0, "d": 0.2, "e": 1.0}
+    assert heal_batch(order, {"b", "c", "d", "e"}, stale.__getitem__) == ["b", "c"]
+    assert heal_batch(order, {"d", "e"}, stale.__getitem__) == ["d", "e"]
+    assert heal_batch(order, {"b", "e"}, stale.__getitem__, target="b") == ["b"]
+    assert heal_batch(order, set(), stale.__getitem__) == []
+    budget = HealBudget(max_tokens=10)
+    assert budget.allows_step() and budget.fits(10) and not budget.fits(11) and budget.fits(None)
+    budget.spend(12)  # a step may overshoot: the next one is refused, and nothing more fits
+    assert not budget.allows_step() and not budget.fits(0) and budget.bounded
+    assert HealBudget(max_steps=1).allows_step() and not HealBudget(max_steps=1).bounded
