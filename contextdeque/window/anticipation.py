@@ -39,15 +39,15 @@ only found (formed earlier by an operation or a heal) keeps saying ``"recurring"
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from ..core.errors import ArgumentTypeError, WindowError
 from . import ingest
 from .placement import END, recall_chooser, window_index
-from .plan import Forward
+from .plan import Difference, Form, Forward
 from .anticipate_reorder import ANTICIPATED_REORDERS, anticipate_reorder, reorder_candidates
 from .policy_latency import HealPolicy
-from .predictor import Prediction, RecallPredictor, make_predictor, rank_predictions
+from .predictor import Prediction, RecallPredictor, factorized_tokens, make_predictor, rank_predictions
 from .receipt import Meter, Receipt
 from .reconcile import reconcile
 from .ref import ChunkRef
@@ -66,6 +66,19 @@ MAX_PREDICTIONS = 64
 
 MAX_HINTS = 16
 """Hints (:meth:`WindowAnticipation.expect`) a window keeps: the latest ones."""
+
+
+def idle_spent(receipts: Iterable[Receipt], factorization_cost: float) -> float:
+    """What ``receipts`` (heal and anticipation steps) cost a heal's token budget
+    (``heal(max_tokens=...)``): the tokens their forwards prefilled, plus ``factorization_cost``
+    (``WindowConfig.factorization_cost``) per token a patch factorized (a ``Form``'s SVD, once
+    whatever its forwards, or a ``Difference`` taken from a forward already run)."""
+    spent = 0.0
+    for r in receipts:
+        spent += r.tokens_prefilled
+        if factorization_cost:
+            spent += factorization_cost * sum(op.tokens for op in r.plan if isinstance(op, (Form, Difference)))
+    return spent
 
 
 def recall_candidates(win: "ContextWindow", state: WindowState) -> list[Prediction]:
@@ -332,14 +345,15 @@ class WindowAnticipation:
             return {"refs": () if ref is None else (ref,)}, None
 
         predictions = plan_recalls(self.recall_predictor, self._state, self.expected, budgeted)
+        svd = float(self._ctx.config.factorization_cost)
         slots = self._state.slots
         if len(slots) >= 2 and slots[1].provisional:
             # the slide first: it changes the window (a canonical), which the other patches' keys
             # name. Under a budget only when the front leaving is at least as likely as the best
             # recall prediction (agents that keep their task in front never slide it out)
             top = predictions[0].probability if predictions else 0.0
-            if not budgeted or self.recall_predictor.p_front_leaves() >= top:
-                yield slide_body, True, slots[1].n_tokens
+            if not budgeted or self.recall_predictor.p_front_leaves() >= top:  # (its canonical; its patch an SVD)
+                yield slide_body, True, slots[1].n_tokens * (1.0 + svd)
                 predictions = plan_recalls(self.recall_predictor, self._state, self.expected, budgeted)  # (as it now stands)
         done: dict[tuple, int] = {}  # chains prepared in this pass -> their estimated cost
 
@@ -353,7 +367,9 @@ class WindowAnticipation:
             for orders in ((self.expected_orders, ()) if then else ((),)):
                 if covered(prediction.recalls) and not orders:
                     continue
-                cost = prediction.cost_tokens + (then if orders else 0)
+                cost = prediction.cost_tokens + (then if orders else 0) * (1.0 + svd)
+                if svd:  # the budget's price of a forming: its forward and its factorization
+                    cost += svd * factorized_tokens(self._state, prediction.recalls)
 
                 def recall_body(state: WindowState, meter: Meter, p: Prediction = prediction, cost: int = cost,
                                 orders: Sequence = orders) -> tuple[dict[str, Any], None]:
@@ -387,7 +403,7 @@ class WindowAnticipation:
         for body, mutates, cost in self._anticipation_tasks(max_tokens is not None or deadline is not None):
             if (max_steps is not None and len(steps) >= max_steps) or (deadline is not None and time.perf_counter() >= deadline):
                 return steps
-            spent = sum(r.tokens_prefilled for r in steps)
+            spent = idle_spent(steps, self._ctx.config.factorization_cost)
             if max_tokens is not None and (spent + (cost or 0) > max_tokens or spent >= max_tokens):
                 complete = False
                 continue  # too dear for what is left

@@ -13,6 +13,7 @@ from ..patch import form_patch
 from . import ingest
 from .plan import Difference
 from .policy import PatchPolicy
+from .anticipation import idle_spent
 from .policy_latency import HealPolicy
 from .receipt import Meter, Receipt
 from .reconcile import patch_store_key, reconcile
@@ -70,8 +71,8 @@ class WindowHealing:
         deadline = None if max_ms is None else t0 + float(max_ms) / 1000.0
         steps: list[Receipt] = []
 
-        def tokens_left() -> int | None:
-            return None if max_tokens is None else int(max_tokens) - sum(r.tokens_prefilled for r in steps)
+        def tokens_left() -> float | None:  # (forwards and, at factorization_cost, the patches' SVDs)
+            return None if max_tokens is None else int(max_tokens) - idle_spent(steps, self._ctx.config.factorization_cost)
 
         while self._state.pending or self._unhealed_evicted():
             if max_steps is not None and len(steps) >= int(max_steps):
