@@ -125,6 +125,27 @@ def test_the_idle_budget_is_tokens_and_deterministic(backend):
     assert a == b
 
 
+def test_the_idle_budget_charges_the_factorization(backend):
+    """With ``factorization_cost`` a forming costs the budget its forward and its SVD (issue 21,
+    the honest budget): the budget that paid the forwards of a whole anticipation at cost 0 pays
+    less of it at cost 1, and what it spent, SVDs included, stays within the budget."""
+    from contextdeque.window.anticipation import idle_spent
+
+    def run(budget, cost):
+        win, refs = window(backend, factorization_cost=cost)
+        for name in ("a", "b", "c"):
+            win.evict(refs[name])
+        return win.heal(max_tokens=budget)
+
+    free = run(None, 0.0)
+    assert free.tokens_prefilled > 0 and idle_spent([free], 1.0) > free.tokens_prefilled  # (patches factorized)
+    honest = run(free.tokens_prefilled, 1.0)
+    assert idle_spent([honest], 1.0) <= free.tokens_prefilled
+    assert honest.tokens_prefilled < free.tokens_prefilled
+    with pytest.raises(WindowError, match="factorization_cost"):
+        WindowConfig(factorization_cost=-1.0)
+
+
 def four_chunk_trace() -> TraceBuilder:
     """The opening of the traces below: task, a, b, c arrive and the agent asks."""
     b = TraceBuilder(TraceHeader(generator="test"))

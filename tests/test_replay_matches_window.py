@@ -59,19 +59,21 @@ def _idle_tokens(rate: float | None):
 
 
 def _window_receipt(backend, trace, placement: str, policy: str, budget: int | None = None, anticipate: bool = False,
-                    idle_rate: float | None = None):
+                    idle_rate: float | None = None, factorization_cost: float = 0.0):
     win = ContextWindow(backend, rank=RANK, placement=placement, patch_policy=policy, beyond_trained=True,
-                        budget_tokens=budget, store=[MemoryTier("cpu", None, name="device")], anticipate=anticipate)
+                        budget_tokens=budget, store=[MemoryTier("cpu", None, name="device")], anticipate=anticipate,
+                        factorization_cost=factorization_cost)
     ids = trace_chunk_ids(backend, trace)
     return drive_window(win, trace, lambda ev: ids[ev.id], idle_tokens=_idle_tokens(idle_rate))
 
 
 def _replay_plan(backend, trace, placement: str, rule: str, budget: int | None = None,
-                 anticipate: bool = False, idle_rate: float | None = None) -> tuple[Plan, dict]:
+                 anticipate: bool = False, idle_rate: float | None = None, factorization_cost: float = 0.0) -> tuple[Plan, dict]:
     cost = CostModel.geometry_of(backend, storage_bytes=4, rank=RANK)
     plan = Plan()
     config = ReplayConfig(rank=RANK, budget_tokens=budget, anticipate=anticipate)
-    r = Replayer(trace, placement, "lru", rule, cost, config, plan=plan, idle_tokens=_idle_tokens(idle_rate)).run()
+    r = Replayer(trace, placement, "lru", rule, cost, config, plan=plan, idle_tokens=_idle_tokens(idle_rate),
+                 factorization_cost=factorization_cost).run()
     queries = [e for e in trace.events if e.op == "query"]
     totals = {"forwards": r.forwards - len(queries), "tokens_prefilled": r.tokens_prefilled - sum(q.tokens for q in queries),
               "encodes": r.encodes}
@@ -91,11 +93,12 @@ def test_the_rules_and_placements_cover_the_window():
 
 
 def _check(backend, kind: str, rule: str, placement: str, budget: int | None = None, anticipate: bool = False,
-           seed: int = 0, idle_rate: float | None = None) -> None:
+           seed: int = 0, idle_rate: float | None = None, factorization_cost: float = 0.0) -> None:
     backend.root_kv()  # the root's one prefill is the backend's, not the trace's
     trace = scaled_trace(generate(kind, seed=seed), SCALE, minimum=2)
-    live = _window_receipt(backend, trace, placement, REUSE_COSTS[rule].window_policy, budget, anticipate, idle_rate)
-    plan, predicted = _replay_plan(backend, trace, placement, rule, budget, anticipate, idle_rate)
+    live = _window_receipt(backend, trace, placement, REUSE_COSTS[rule].window_policy, budget, anticipate, idle_rate,
+                           factorization_cost)
+    plan, predicted = _replay_plan(backend, trace, placement, rule, budget, anticipate, idle_rate, factorization_cost)
     executed = plan_totals(live.plan)
     # the window's plan is what it ran: its totals are the backend's own counters
     assert {k: executed[k] for k in ("forwards", "tokens_prefilled", "encodes")} == {
@@ -147,7 +150,11 @@ def test_replay_predicts_the_live_anticipating_window_under_a_token_budget(tiny_
 IDLE_CASES = [("patch", True), *((rule, a) for rule in ("patch-latency", "patch-latency-shared") for a in (False, True))]
 
 
-@pytest.mark.parametrize("rate", [0.05, 0.5], ids=["tight", "roomy"])
+# (tokens per ms of idle gap, what the budget charges per token a patch factorizes)
+IDLE_RATES = {"tight": (0.05, 0.0), "roomy": (0.5, 0.0), "priced": (0.5, 0.5)}
+
+
+@pytest.mark.parametrize("rate", sorted(IDLE_RATES))
 @pytest.mark.parametrize(("rule", "anticipate"), IDLE_CASES, ids=[f"{r}-{'anticipating' if a else 'queued-only'}" for r, a in IDLE_CASES])
 @pytest.mark.parametrize("kind", ["doc", "web", "video"])
 def test_replay_heals_within_the_trace_s_idle_gaps_as_the_window_does(tiny_backend_factory, one_thread, kind, rule,
@@ -156,8 +163,12 @@ def test_replay_heals_within_the_trace_s_idle_gaps_as_the_window_does(tiny_backe
     (``healing.HealBudget``): the window's heal steps in ``heal_batch``'s order (the stalest pending
     chunk and those in front of it) until the budget is spent, then anticipation on what is left
     (under a budget the predictions ranked by cost, a too-dear one skipped); the replay prices the
-    same steps. (An eager window queues nothing: only its anticipation draws on the budget.)"""
-    _check(tiny_backend_factory("llama"), kind, rule, "arrival", anticipate=anticipate, idle_rate=rate)
+    same steps. (An eager window queues nothing: only its anticipation draws on the budget.)
+    ``priced``: the budget also charges each patch's factorization (``factorization_cost``, l21b),
+    in the steps' costs and in anticipation's estimates."""
+    idle_rate, svd = IDLE_RATES[rate]
+    _check(tiny_backend_factory("llama"), kind, rule, "arrival", anticipate=anticipate, idle_rate=idle_rate,
+           factorization_cost=svd)
 
 
 def _built(steps) -> "Trace":

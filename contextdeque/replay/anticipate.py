@@ -34,7 +34,8 @@ from itertools import count
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..window.anticipate_reorder import note_reorder, plan_reorders
-from ..window.anticipation import fulfil_hints, fulfil_orders, note_hint, note_order, plan_recalls, reorder_after
+from ..window.anticipation import (fulfil_hints, fulfil_orders, note_hint, note_order, plan_recalls, recall_cost,
+                                   reorder_after, slide_cost)
 from ..window.healing import HealBudget
 from ..window.placement import END
 from ..window.plan import ChunkKeys, Forward, KeySlot, Prepared
@@ -194,10 +195,10 @@ class AnticipationMirror:
                 if not budget.fits(cost):
                     complete = False
                     continue  # too dear for what is left
-                tokens = self.r.tokens_prefilled
+                tokens, factorized = self.r.tokens_prefilled, self.factorized_tokens
                 run()
-                if self.r.tokens_prefilled > tokens:
-                    budget.spend(self.r.tokens_prefilled - tokens)
+                if self.r.tokens_prefilled > tokens or self.factorized_tokens > factorized:
+                    budget.spend(self.r.tokens_prefilled - tokens, self.factorized_tokens - factorized)
         finally:
             self._healing = healing
         self._idle_end(idle)
@@ -207,11 +208,12 @@ class AnticipationMirror:
     def _anticipation_tasks(self, budgeted: bool) -> Iterator[tuple[Callable[[], Any], int | None]]:
         """``WindowAnticipation._anticipation_tasks`` over the replay's keys: ``(run, cost_tokens)``,
         most valuable first (the next slide, the recall predictions, the reorders)."""
+        svd = self.factorization_cost
         predictions = plan_recalls(self.predictor, key_state(self), self.expected, budgeted)
         if len(self.order) >= 2 and self.order[1] in self._no_canon:
             top = predictions[0].probability if predictions else 0.0
             if not budgeted or self.predictor.p_front_leaves() >= top:
-                yield (lambda: self._anticipate_slide() and self._changed()), self.tokens[self.order[1]]
+                yield (lambda: self._anticipate_slide() and self._changed()), slide_cost(self.tokens[self.order[1]], svd)
                 predictions = plan_recalls(self.predictor, key_state(self), self.expected, budgeted)  # (as it now stands)
         done: dict[tuple, int] = {}  # chains prepared in this pass -> their estimated cost
         for prediction in predictions:
@@ -220,7 +222,7 @@ class AnticipationMirror:
             for orders in ((self.expected_orders, ()) if then else ((),)):
                 if not orders and any(chain[: len(prediction.recalls)] == prediction.recalls for chain in done):
                     continue
-                cost = prediction.cost_tokens + (then if orders else 0)
+                cost = recall_cost(key_state(self), prediction, then if orders else 0, svd)
 
                 def run(recalls: tuple = prediction.recalls, orders: Sequence = orders, cost: int = cost) -> None:
                     self._simulated(self._simulate_recalls, (recalls, orders))

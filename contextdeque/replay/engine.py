@@ -26,7 +26,7 @@ from ..window.policy_default import ORBIT_MAX_ANTECEDENTS, ORBIT_MAX_ORDERINGS
 from ..patch import PATCH_KINDS
 from ..window.policy import make_policy
 from ..window.placement import ArrivalPlacement, PlacementPolicy, PlacementView, make_placement
-from ..window.plan import Encode, Form, Forward, KeySlot, Load, Op, Plan, Reuse
+from ..window.plan import Difference, Encode, Form, Forward, KeySlot, Load, Op, Plan, Reuse
 from .anticipate import AnticipationMirror
 from .cascade import CascadeMirror
 from .heal import HealMirror
@@ -44,11 +44,16 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
 
     def __init__(self, trace: Trace, placement: "str | PlacementPolicy" = "arrival", eviction: "str | PoolEvictionPolicy" = "lru",
                  arm: "str | ReuseCost" = "patch", cost: CostModel | None = None, config: ReplayConfig | None = None,
-                 plan: Plan | None = None, idle_tokens: Callable[[float], int] | None = None) -> None:
+                 plan: Plan | None = None, idle_tokens: Callable[[float], int] | None = None,
+                 factorization_cost: float = 0.0) -> None:
         self.trace = trace
         #: the heal budget of a step's idle gap, in prefilled tokens (``replay.live.drive_window``'s
-        #: ``idle_tokens``, the same budget the live window heals within); None: heal to completion
+        #: ``idle_tokens``, the same budget the live window heals within); None: heal to completion;
+        #: ``factorization_cost``: what that budget charges per token a patch factorizes (the
+        #: window's ``WindowConfig.factorization_cost``, ``healing.HealBudget``)
         self.idle_tokens = idle_tokens
+        self.factorization_cost = float(factorization_cost)
+        self.factorized_tokens = 0  # tokens of the patches formed or differenced so far (what it charges for)
         #: the window operations this replay decides (``window.plan``), recorded when given
         self.plan = plan
         self.placement = make_placement(placement)
@@ -135,6 +140,8 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             r.encodes += counts.get("encodes", 0)
             r.patch_forms += counts.get("patches_formed", 0)
             r.patch_hits += counts.get("patches_reused", 0)
+        if isinstance(op, (Form, Difference)):
+            self.factorized_tokens += op.tokens
         stored = op.stored()
         if stored is not None and stored[1]:
             r.stored[stored[0]] = r.stored.get(stored[0], 0) + stored[1]
@@ -622,7 +629,7 @@ def _access_log(eng: Replayer) -> list[Hashable]:
     from ..scheduler.eviction_lru import LRUEviction
 
     probe = Replayer(eng.trace, type(eng.placement)(), LRUEviction(), eng.arm.copy(), eng.cost, eng.cfg,
-                     idle_tokens=eng.idle_tokens)
+                     idle_tokens=eng.idle_tokens, factorization_cost=eng.factorization_cost)
     probe.pool.log = []
     probe._prepare_future()
     probe._run()

@@ -24,6 +24,8 @@ Idle gaps (``idle_rate``, trace tokens the model prefills per idle second): each
 time (``traces.idle_gaps``) becomes a deterministic heal budget of ``idle_ms / 1000 x idle_rate x
 scale`` prefilled tokens (the trace's idle time, in the scaled trace's tokens), spent by ``heal``
 and, with ``anticipate=True``, by anticipation, instead of healing to completion at every step.
+A forming costs that budget its forward and its factorization (:func:`factorization_cost`, from
+the cost model, passed as the window's ``factorization_cost``).
 The patch arm then reports the anticipation hit rate per step type (``replay.hits``: re-read
 steps answered fresh with 0 forwards, from the receipts).
 TTFT: wall time of (assembling the arm's KV + prefilling the query) over (re-prefilling the
@@ -50,6 +52,8 @@ from .live import drive_window
 from .reuse import make_reuse
 
 DEFAULT_SCALE = 1 / 16
+IDLE_CONTEXT = 2048
+"""The context length whose calibrated prefill rate ``--idle-rate calibrated`` takes."""
 NO_FIDELITY = frozenset({"kvcapsule-linear"})  # cost rules whose arm fidelity mode does not drive
 MIN_TOKENS = 8
 
@@ -94,6 +98,14 @@ def trace_chunk_ids(backend: Any, trace: Trace) -> dict[str, list[int]]:
                              f"has after {_DISTINCT_TRIES} tries (the corpus repeats too much for chunks this short)")
         out[cid] = ids
     return out
+
+
+def factorization_cost(cost: Any) -> float:
+    """What one token a patch factorizes costs an idle budget counted in prefill tokens (the
+    window's ``factorization_cost``): the cost model's ``svd_s_per_token`` x its prefill rate at
+    :data:`IDLE_CONTEXT`, i.e. the calibrated machine's ratio of SVD time to prefill time, taken to
+    hold at any ``--idle-rate`` (both run on the same device)."""
+    return float(cost.svd_s_per_token) * float(cost.tokens_per_s(IDLE_CONTEXT))
 
 
 def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

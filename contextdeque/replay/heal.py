@@ -53,13 +53,13 @@ class HealMirror:
             return
         self._forget_departed()
         while (self._pending_keys() or self._leave_canon) and budget.allows_step():
-            idle = self._idle_start()
+            idle, factorized = self._idle_start(), self.factorized_tokens
             pending = self._pending_keys()
             if pending:
                 self._heal_pass(set(heal_batch(self.order, pending, self._heal_priority)))
             else:  # (the window's ``_unhealed_evicted``: one a step, in eviction order)
                 self._heal_pass(set(), owed=next(iter(self._leave_canon)))
-            budget.spend(self.r.tokens_prefilled - idle[0])
+            budget.spend(self.r.tokens_prefilled - idle[0], self.factorized_tokens - factorized)
             self._idle_end(idle)
 
     def _forget_departed(self) -> None:
@@ -76,7 +76,7 @@ class HealMirror:
         and then, once none is left, anticipation, on one budget (``healing.HealBudget``)."""
         if max_tokens <= 0:
             return
-        budget = HealBudget(max_tokens=max_tokens)
+        budget = HealBudget(max_tokens=max_tokens, factorization_cost=self.factorization_cost)
         self.heal(budget)
         if not self._pending_keys():
             self.anticipate(budget)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Collection, Hashable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Collection, Hashable, Iterable, Sequence, TypeVar
 
 from ..core.args import check_float, check_int
 from ..core.errors import WindowError, WindowTypeError
 from ..patch import form_patch
 from . import ingest
-from .plan import Difference
+from .plan import Difference, Form
 from .policy import PatchPolicy
 from .policy_latency import HealPolicy
 from .receipt import Meter, Receipt
@@ -43,19 +43,35 @@ def heal_batch(order: Sequence[K], pending: Collection[K], priority: Callable[[K
     return queued[: queued.index(chosen) + 1]
 
 
+def idle_spent(receipts: Iterable[Receipt], factorization_cost: float) -> float:
+    """What ``receipts`` (heal and anticipation steps) cost a heal's token budget
+    (``heal(max_tokens=...)``): the tokens their forwards prefilled, plus ``factorization_cost``
+    (``WindowConfig.factorization_cost``) per token a patch factorized (a ``Form``'s SVD, once
+    whatever its forwards, or a ``Difference`` taken from a forward already run)."""
+    spent = 0.0
+    for r in receipts:
+        spent += r.tokens_prefilled
+        if factorization_cost:
+            spent += factorization_cost * sum(op.tokens for op in r.plan if isinstance(op, (Form, Difference)))
+    return spent
+
+
 @dataclass
 class HealBudget:
     """What one ``heal()`` may spend, checked between its steps (each a whole transaction): at
     most ``max_steps`` steps, ``max_tokens`` prefilled tokens (a deterministic idle budget: the
     trace executor's idle gaps), until ``deadline`` (``time.perf_counter()``; the live window's
     only). The heal's queued work and then anticipation's preparations draw on the same budget;
-    the window executes the steps, the replay prices them, both under this one rule."""
+    the window executes the steps, the replay prices them, both under this one rule. A step costs
+    the tokens its forwards prefilled plus ``factorization_cost`` per token a patch factorized
+    (``WindowConfig.factorization_cost``: :func:`idle_spent`)."""
 
     max_steps: int | None = None
     max_tokens: int | None = None
     deadline: float | None = None
+    factorization_cost: float = 0.0
     steps: int = 0
-    tokens: int = 0
+    tokens: float = 0.0
 
     @property
     def bounded(self) -> bool:
@@ -75,10 +91,15 @@ class HealBudget:
         """Whether a preparation estimated at ``cost_tokens`` (None: not priced) fits what is left."""
         return self.max_tokens is None or (self.tokens < self.max_tokens and self.tokens + (cost_tokens or 0) <= self.max_tokens)
 
-    def spend(self, tokens: int) -> None:
-        """One step done, which prefilled ``tokens``."""
+    def spend(self, tokens: int, factorized: int = 0) -> None:
+        """One step done, which prefilled ``tokens`` and factorized patches of ``factorized`` tokens."""
         self.steps += 1
-        self.tokens += int(tokens)
+        self.tokens += tokens + self.factorization_cost * factorized
+
+    def spend_receipt(self, receipt: Receipt) -> None:
+        """One step done, as its receipt says (:func:`idle_spent`)."""
+        self.steps += 1
+        self.tokens += idle_spent((receipt,), self.factorization_cost)
 
 
 class WindowHealing:
@@ -126,11 +147,11 @@ class WindowHealing:
             raise WindowTypeError(f"anticipate must be a bool, got {type(anticipate).__name__}")
         t0 = time.perf_counter()
         budget = HealBudget(None if max_steps is None else int(max_steps), None if max_tokens is None else int(max_tokens),
-                            None if max_ms is None else t0 + float(max_ms) / 1000.0)
+                            None if max_ms is None else t0 + float(max_ms) / 1000.0, float(self._ctx.config.factorization_cost))
         steps: list[Receipt] = []
         while (self._state.pending or self._unhealed_evicted()) and budget.allows_step():
             steps.append(self._heal_step())
-            budget.spend(steps[-1].tokens_prefilled)
+            budget.spend_receipt(steps[-1])
         if anticipate and not self._state.pending and not budget.timed_out():
             steps.extend(self._anticipate(budget))  # (window.anticipation; nothing unless anticipate=True)
         return Receipt.merged("heal", steps, wall_ms=(time.perf_counter() - t0) * 1000.0)

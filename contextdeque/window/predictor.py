@@ -130,6 +130,24 @@ def chain_tokens(state: "WindowState", recalls: Sequence[Recall]) -> tuple[int, 
     return cost, saved
 
 
+def factorized_tokens(state: "WindowState", recalls: Sequence[Recall]) -> int:
+    """Tokens the patches of recalling ``recalls`` in order would factorize (an estimate, as
+    :func:`chain_tokens`): each recalled chunk's patch and the recall cascade's re-forms of
+    dependents with a canonical (a provisional dependent is re-forwarded, nothing factorized),
+    each once per chain. What ``WindowConfig.factorization_cost`` charges on top of the forwards."""
+    tokens = {s.ref: s.n_tokens for s in state.slots if not getattr(s, "provisional", False)}
+    out = 0
+    redone: set[ChunkRef] = set()
+    for ref, _ in recalls:
+        entry = state.evicted.get(ref)
+        if entry is None:
+            continue
+        dependents = [r for r in state.graph.preview_cascade(ref, state.refs) if r not in redone]
+        redone.update(dependents)
+        out += entry.n_tokens + sum(tokens.get(r, 0) for r in dependents)
+    return out
+
+
 def priced(state: "WindowState", recalls: Sequence[Recall], probability: float, source: str) -> Prediction:
     """A :class:`Prediction` of ``recalls`` with :func:`chain_tokens`' cost and saving."""
     cost, saved = chain_tokens(state, recalls)
