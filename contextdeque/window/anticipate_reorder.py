@@ -49,13 +49,13 @@ ANTICIPATED_REORDERS = 6
 """Reorder arrangements prepared per idle period at most (the most valuable first)."""
 
 MIN_SAVED_PER_FORMED = 0.05
-"""Anticipation's price floor: an order (or, in ``anticipation.plan_recalls`` without an idle
-budget, a recall prediction) is prepared only while the tokens it is expected to keep from being
-served blind (probability x tokens) are at least this share of the tokens forming them costs.
-Orders and recalls the predictor gives ~0 probability, or orbit patches that cost many forwards
-for little expected use, are left to the heal after the step. What the agent named is always
-prepared. Measured on the agents' traces (``replay/idle_use.py``, tiny model, heal at every step):
-the hit rate and the anticipated patches served did not change; the idle forwards fell."""
+"""Reorder anticipation's price floor: an order is prepared only while the tokens it is expected
+to keep from being served blind (probability x tokens, summed over the patches it still needs)
+are at least this share of the tokens forming them costs. Orders the family's statistics give ~0
+probability, or orbit patches that cost many forwards for little expected use, are left to the
+heal after the step; an order the agent named is always prepared. (The reorder prior sums to 1,
+so the floor is absolute; recall predictors' probabilities are not calibrated that way: a cold
+session gives the page that just left p = 0.04-0.05.)"""
 
 MAX_PRIOR_SLOTS = 12
 """Windows of more slots get no prior candidates (hints and the family's own reorders only)."""

@@ -44,7 +44,7 @@ from ..core.errors import ArgumentTypeError, WindowError
 from . import ingest
 from .placement import END, recall_chooser, window_index
 from .plan import Forward
-from .anticipate_reorder import ANTICIPATED_REORDERS, MIN_SAVED_PER_FORMED, anticipate_reorder, reorder_candidates
+from .anticipate_reorder import ANTICIPATED_REORDERS, anticipate_reorder, reorder_candidates
 from .healing import HealBudget, idle_spent  # noqa: F401  (idle_spent: the name l21b's callers use)
 from .policy_latency import HealPolicy
 from .predictor import Prediction, RecallPredictor, factorized_tokens, make_predictor, rank_predictions
@@ -79,8 +79,7 @@ def plan_recalls(predictor: RecallPredictor, state: Any, expected: dict, budgete
     """The recall predictions one idle period prepares, in order: the predictor's, ranked by
     benefit per token; under a budget the best :data:`MAX_PREDICTIONS` (the budget decides how many
     are formed), without one the best :data:`ANTICIPATED_RECALLS` chains that are not the start of
-    one chosen before (shorter prefixes serve a budget) and whose expected benefit per token formed
-    is at least ``MIN_SAVED_PER_FORMED`` (or that the agent named). ``state``: a :class:`~.state.WindowState`
+    one chosen before (shorter prefixes serve a budget). ``state``: a :class:`~.state.WindowState`
     (the replay's is one of key-only slots, ``replay/anticipate.py``). The planning the window and
     the replay share."""
     ranked = rank_predictions(predictor.predict(state, expected))
@@ -88,8 +87,6 @@ def plan_recalls(predictor: RecallPredictor, state: Any, expected: dict, budgete
         return ranked[:MAX_PREDICTIONS]
     chosen: list[Prediction] = []
     for p in ranked:
-        if p.ratio < MIN_SAVED_PER_FORMED and p.source != "expected":
-            continue  # ~0 chance of use for its cost (measured: replay/idle_use.py); what the agent named is always prepared
         if len(chosen) < ANTICIPATED_RECALLS and not any(c.recalls[: len(p.recalls)] == p.recalls for c in chosen):
             chosen.append(p)
     return chosen
