@@ -399,6 +399,7 @@ class WindowAnticipation:
         steps: list[Receipt] = []
         if not self.anticipation_due or (max_steps is not None and max_steps <= 0):
             return steps
+        self._ctx.prepared.new_pass()  # (what earlier passes prepared goes first when the bound is reached)
         complete = True
         for body, mutates, cost in self._anticipation_tasks(max_tokens is not None or deadline is not None):
             if (max_steps is not None and len(steps) >= max_steps) or (deadline is not None and time.perf_counter() >= deadline):
