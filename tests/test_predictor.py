@@ -190,6 +190,26 @@ def test_hit_rate_from_receipts(backend, idle):
     assert hits.as_dict()["re_reads"] == 2
 
 
+def test_unpinned_recalls_go_where_the_windows_recall_placement_puts_them(backend):
+    """drive_window(pin_recalls=False): a recall the trace does not place is recall(ref) (the
+    window's recall placement: where a stored patch stays valid), not the end (issue 21, item 2)."""
+    b = four_chunk_trace()
+    b.evict("a")
+    b.step(idle=0.0)
+    b.recall("a")
+    b.query(4, 1)
+    trace = b.build(name="unpinned")
+    placed = {}
+    for pinned in (True, False):
+        win = ContextWindow(backend, rank=2, anticipate=True)
+        drive_window(win, trace, lambda ev: PAGES[ev.id], pin_recalls=pinned,
+                     on_step=lambda s, r, pinned=pinned: placed.__setitem__(pinned, r.placed) if s != "append" and r.placed else None)
+    (_, at_pinned, why_pinned), = placed[True]
+    (_, at_free, why_free), = placed[False]
+    assert (at_pinned, why_pinned) == (3, "asked")  # the end, as the trace prices it
+    assert why_free != "asked"  # the window chose (and says why)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--idle-rate", "fast", "--fidelity", "1"], "--idle-rate: expected tokens per second"),
     (["--idle-rate", "1000"], "--idle-rate needs --fidelity"),

@@ -28,7 +28,7 @@ where a trace's recalls go).
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass
 from itertools import count
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
@@ -39,7 +39,7 @@ from ..window.anticipation import (fulfil_hints, fulfil_orders, note_hint, note_
 from ..window.healing import HealBudget
 from ..window.placement import END
 from ..window.plan import ChunkKeys, Forward, KeySlot, Prepared
-from ..window.prepared import MAX_ENTRIES
+from ..window.prepared import PreparedForwards
 from ..window.predictor import make_predictor
 from ..window.ref import ChunkRef
 from ..window.state import WindowState
@@ -111,8 +111,8 @@ class AnticipationMirror:
         self._generation = 0  # changes with the window (``WindowState`` identity and generation)
         self._anticipated_for: tuple | None = None
         self._simulating = False
-        # prepared re-forwards (``window.prepared``): (content, antecedent states) -> None, oldest first
-        self._prepared: OrderedDict[tuple, None] = OrderedDict()
+        # prepared re-forwards (``window.prepared``, its bound: keys only): (content, antecedent states)
+        self._prepared = PreparedForwards()
 
     # ------------------------------------------------------------------ bookkeeping
     def _changed(self) -> None:
@@ -190,6 +190,7 @@ class AnticipationMirror:
         idle = self._idle_start()
         healing, self._healing = self._healing, True
         complete = True
+        self._prepared.new_pass()  # (as the window's pass: what earlier passes kept goes first)
         try:
             for run, cost in self._anticipation_tasks(budget.bounded):
                 if not budget.fits(cost):
@@ -259,14 +260,13 @@ class AnticipationMirror:
         if not (self._defers and self._lazy and self._anticipating) or not prefix or key not in self._no_canon:
             return False
         states = (self.content[key], tuple(map(self._kv_state, prefix)))
-        if self._simulating and states not in self._prepared:  # (one kept already: nothing to run)
+        kept = self._prepared.get(states) is not None  # (found: it belongs to this pass, as the window's)
+        if self._simulating and not kept:  # (one kept already: nothing to run)
             self.do(Forward(self.content[key], self.tokens[key], context=sum(map(self.tokens.__getitem__, prefix))))
-            self._prepared[states] = None
-            while len(self._prepared) > MAX_ENTRIES:
-                self._prepared.popitem(last=False)
+            self._prepared.put(states, True, nbytes=0)
         elif self._simulating:
             pass
-        elif states in self._prepared:
+        elif kept:
             self.do(Prepared(self.content[key], self.tokens[key], antecedents=tuple(self.content[p] for p in prefix)))
             for queue in (self._pending_form, self._pending_reason):
                 queue.pop(key, None)

@@ -402,6 +402,7 @@ class WindowAnticipation:
         steps: list[Receipt] = []
         if not self.anticipation_due or (budget.max_steps is not None and budget.steps >= budget.max_steps):
             return steps
+        self._ctx.prepared.new_pass()  # (what earlier passes prepared goes first when the bound is reached)
         complete = True
         for body, mutates, cost in self._anticipation_tasks(budget.bounded):
             if (budget.max_steps is not None and budget.steps >= budget.max_steps) or budget.timed_out():
