@@ -23,3 +23,15 @@ def test_idle_use_counts_what_anticipation_formed_and_served(backend):
     assert off.served == 0 and not off.formed and off.hit_rate == 0.0
     assert on.served > 0 and sum(on.formed.values()) > 0 and on.hit_rate > off.hit_rate
     assert on.forwards > off.forwards  # idle work: what a later heal did not need anyway
+
+
+def test_window_bench_idle_use_cli(capsys, one_thread):
+    """``window-bench --idle-use`` end to end on a tiny model: one row per trace and setting."""
+    import json
+
+    from contextdeque.cli import main
+
+    assert main(["window-bench", "--model", "tiny", "--threads", "1", "--idle-use", "video", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["idle_use"]
+    assert [(r["trace"], r["anticipate"]) for r in rows] == [("video-0", False), ("video-0", True)]
+    assert rows[1]["forwards"] > rows[0]["forwards"] and rows[1]["served"] > 0
