@@ -15,7 +15,8 @@ from contextdeque.core.errors import WindowError
 from contextdeque.core.metrics import kl_divergence
 from contextdeque.patch import form_patch
 from contextdeque.window import ContextWindow
-from contextdeque.window.anticipate_reorder import estimated_cost, order_probabilities, prior_orders
+from contextdeque.window.anticipate_reorder import (estimated_cost, note_reorder, order_probabilities, patch_needs,
+                                                       plan_reorders, prior_orders)
 
 backend = micro_llama_backend_fixture(11, "tiny-reorder-llama")
 answer_logits = pool_answer_logits
@@ -156,3 +157,60 @@ def test_a_foreground_step_interrupts_the_healers_anticipation_cleanly(backend):
     eager.heal()
     assert kl_divergence(answer_logits(backend, eager), answer_logits(backend, win)) <= 1e-6
     served_patches_are_exact(backend, win)
+
+
+EQUAL_PAGES = [[10 + 7 * i + j for j in range(6)] for i in range(5)]
+
+
+def build_equal(backend, policy, *, anticipate):
+    """Five equal pages through a budget of four (the window-bench's shape: the first slides out)."""
+    win = ContextWindow(backend, budget_tokens=24, rank=2, patch_policy=policy, anticipate=anticipate)
+    for p in EQUAL_PAGES:
+        win.append(chunk=backend.encode(token_ids=p))
+        win.heal(anticipate=False)
+    return win
+
+
+def test_a_forks_front_swap_is_prepared_without_a_hint(backend):
+    """window-bench's fork+reorder: a fork of a fork swaps the first two pages, with no hint. Its
+    orbit patches (the pages behind the swap keep their antecedent set) serve other orders too,
+    so priced per patch the swap is prepared in idle time: 0 forwards, every chunk anticipated,
+    and the window equals the eager policy's. (Priced per order, it ranked below four others and
+    was served blind.)"""
+    eager = build_equal(backend, "eager", anticipate=False)
+    fast = build_equal(backend, "latency", anticipate=True)
+    fast.heal()
+    swap = lambda refs: [refs[1], refs[0], *refs[2:]]  # noqa: E731
+    r_eager = eager.reorder(swap(list(eager.refs)))
+    child = fast.fork().fork()
+    r_fast = child.reorder(swap(list(child.refs)))
+    assert r_eager.forwards > 0
+    assert r_fast.forwards == 0 and not r_fast.deferred
+    assert r_fast.served and all(what == "anticipated" for _, what in r_fast.served)
+    assert kl_divergence(answer_logits(backend, eager), answer_logits(backend, child)) <= 1e-6
+
+
+def test_orders_the_family_never_takes_are_not_prepared(backend):
+    """A family that always reverses: the prior's other shapes keep ~0 probability, and their
+    patches are not formed (idle work no step would use); the reverse is."""
+    win = build_equal(backend, "latency", anticipate=False)
+    refs = list(win.refs)
+    for _ in range(60):
+        note_reorder(win._ctx.reorders_seen, refs, list(reversed(refs)))
+    planned = plan_reorders(win._ctx.policy.eager, win._ctx.reorders_seen, [], [win.slot(r) for r in refs])
+    assert planned == [list(reversed(refs))]
+    assert len(plan_reorders(win._ctx.policy.eager, type(win._ctx.reorders_seen)(), [], [win.slot(r) for r in refs])) > 1
+
+
+def test_an_orbit_patch_is_priced_by_every_order_it_serves(backend):
+    """The orbit patch of the last page over the first three serves every order that permutes
+    them: once one such order is prepared, another needs only its own exact patches."""
+    win = build_equal(backend, "eager", anticipate=False)
+    slots = [win.slot(r) for r in win.refs]
+    eager = win._ctx.policy
+    swap_front = patch_needs([slots[1], slots[0], slots[2], slots[3]], eager)
+    swap_middle = patch_needs([slots[0], slots[2], slots[1], slots[3]], eager)
+    orbit = [n for n, _, _ in swap_front if n[0] == "orbit" and n[1] == slots[3].ref.chunk_id]
+    assert orbit and orbit[0] in {n for n, _, _ in swap_middle}
+    assert [f for n, f, _ in swap_front if n in orbit] == [6]  # one forward per ordering of its three antecedents
+    assert estimated_cost([slots[1], slots[0], slots[2], slots[3]], eager)[0] == sum(f for _, f, _ in swap_front)

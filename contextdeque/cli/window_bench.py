@@ -40,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="append-only flow vs a prefix cache: chunks appended (0 skips it)")
     parser.add_argument("--append-policies", default="eager,latency", help="policies for the append-only flow")
     parser.add_argument("--append-only", action="store_true", help="run only the append-only flow")
+    parser.add_argument("--idle-use", default=None, metavar="KINDS",
+                        help="run only the idle-use table: the agents' generated traces (comma list of doc, web, video; "
+                             "--seeds) on a latency-first window healed at every step, anticipation off and on: what "
+                             "anticipation formed that no step used (contextdeque.replay.idle_use)")
+    parser.add_argument("--seeds", default="0", help="with --idle-use: trace seeds (comma list)")
     parser.add_argument("--miss", action="store_true",
                         help="run only the miss table: what a recall miss costs per miss path (blind, rank-m patch, "
                              "layer-sparse patch, shallow recompute) and the dependent tail of a look-back "
@@ -53,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         return _append_only(args, backend)
     if args.miss:
         return _miss(args, backend)
+    if args.idle_use:
+        return _idle_use(args, backend)
     result = run_window_bench(
         backend, n_chunks=args.chunks, chunk_tokens=args.chunk_tokens, runs=args.runs,
         policy=args.patch_policy, rank=args.rank, step_policies=policies, step_idle=not args.no_idle,
@@ -115,6 +122,29 @@ def _append_only(args: argparse.Namespace, backend: Any) -> int:
         return 0
     print(f"window-bench --append-only: {backend.name} on {backend.device} ({torch.get_num_threads()} threads)")
     _print_flow(args, flow)
+    return 0
+
+
+def _idle_use(args: argparse.Namespace, backend: Any) -> int:
+    from ..replay.idle_use import idle_use_table
+    from ..traces import generate
+
+    traces = [generate(kind.strip(), seed=int(seed)) for kind in args.idle_use.split(",") if kind.strip()
+              for seed in args.seeds.split(",")]
+    trained = backend.layout.max_trained_position
+    beyond = trained is not None and trained < 8192  # tiny test models: the counts only, past their short context
+    rows = idle_use_table(backend, traces, window_options={"beyond_trained": beyond})
+    if args.json:
+        print(json.dumps({"model": backend.name, "threads": torch.get_num_threads(), "idle_use": [r.as_dict() for r in rows]}))
+        return 0
+    print(f"window-bench --idle-use: {backend.name} on {backend.device} ({torch.get_num_threads()} threads); "
+          "latency-first window, heal() at every step; extra = anticipation's work beyond the heal's")
+    for off, on in zip(rows[::2], rows[1::2]):
+        print(f"  {on.trace:<10} forwards {off.forwards:>5} -> {on.forwards:>5} (extra {on.forwards - off.forwards:>5}), "
+              f"tokens {off.tokens:>7} -> {on.tokens:>7} (extra {on.tokens - off.tokens:>7}); anticipated patches "
+              f"formed {sum(on.formed.values()):>4}, placements served {on.served:>4}; hit rate "
+              f"{off.hit_rate if off.hit_rate is not None else float('nan'):.2f} -> "
+              f"{on.hit_rate if on.hit_rate is not None else float('nan'):.2f}")
     return 0
 
 

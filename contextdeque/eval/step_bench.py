@@ -13,7 +13,8 @@ page was seen earlier and slid out (it is in the store). For each patch policy a
   time between the two), then ``recall(page, at=its old index)``: it comes back where it stood;
 - ``reorder``: the window reversed;
 - ``fork+reorder``: ``fork()`` then the child's first two pages swapped (an order no earlier
-  step stored a patch for);
+  step stored a patch for, and no hint names: with anticipation, covered where reorder
+  anticipation's pricing took it, ``window.anticipate_reorder``);
 - ``append``: a page never seen before (the budget slides the oldest out): the same page for
   every policy, so the policies' rows compare the same window. Latency-first keeps its one
   conditioned forward's KV (exact; no canonical until something re-reads it elsewhere), so its
@@ -306,7 +307,7 @@ def run_steps(
                     return target.recall(looked_back, at=LOOK_BACK_INDEX)
                 if step == "reorder":
                     return target.reorder(list(reversed(target.refs)))
-                if step == "fork+reorder":  # another order than ``reorder``'s: no patch of it is stored
+                if step == "fork+reorder":  # another order than ``reorder``'s, unhinted: no step stored its patches
                     refs = list(target.refs)
                     return target.reorder([refs[1], refs[0], *refs[2:]])
                 return target.append(token_ids=new_page).receipt

@@ -9,14 +9,18 @@ Which orderings to prepare is priced per candidate:
   neighbours, one chunk moved to the end — a relevant page next to the question —, or to the front)
   mixed with this window family's own reorders so far (``WindowContext.reorders_seen``, index
   permutations with counts; :data:`PRIOR_WEIGHT` pseudo-counts of prior);
-- **cost**: the conditioned forwards the eager policy would form for it (:func:`estimated_cost`:
-  a fresh exact patch is one forward; an orbit patch, for a slot whose antecedent *set* is
-  unchanged, one per ordering averaged) and their tokens;
-- **benefit**: ``p`` x the tokens that would otherwise be served blind or stale (every slot whose
-  conditioning the reorder invalidates, but the front one: its canonical is exact and free).
+- **cost**: the patches the eager policy would form for it (:func:`patch_needs`: a fresh exact
+  patch is one forward; an orbit patch, for a slot whose antecedent *set* is unchanged, one per
+  ordering averaged) and their tokens;
+- **benefit**, per patch: the probability of every candidate order that needs it (an orbit patch
+  serves every ordering of its set: a swap at the front and one in the middle share the last
+  page's) x the tokens it keeps from being served blind or stale (the front slot needs none: its
+  canonical is exact and free).
 
-Candidates run in order of benefit per token formed, at most :data:`ANTICIPATED_REORDERS` per idle
-period, each one transaction that only reads the window: the reorder is simulated on a copy of
+Candidates are taken greedily by the benefit of the patches they still need per token forming
+them costs (what an order taken before formed is free), at most :data:`ANTICIPATED_REORDERS` per
+idle period and none below :data:`MIN_SAVED_PER_FORMED`, each one transaction that only reads the
+window: the reorder is simulated on a copy of
 the state with the eager policy's decisions (``reconcile``), and what it forms goes to the store
 under the usual keys (which name the antecedents' states, ``window.kvstate``). A reorder that
 lands in exactly that arrangement finds every patch; another finds what it shares with it (an
@@ -41,8 +45,17 @@ if TYPE_CHECKING:  # pragma: no cover
     from .plan import KeySlot
     from .window import ContextWindow
 
-ANTICIPATED_REORDERS = 4
-"""Reorder arrangements prepared per idle period (the most valuable first)."""
+ANTICIPATED_REORDERS = 6
+"""Reorder arrangements prepared per idle period at most (the most valuable first)."""
+
+MIN_SAVED_PER_FORMED = 0.05
+"""Reorder anticipation's price floor: an order is prepared only while the tokens it is expected
+to keep from being served blind (probability x tokens, summed over the patches it still needs)
+are at least this share of the tokens forming them costs. Orders the family's statistics give ~0
+probability, or orbit patches that cost many forwards for little expected use, are left to the
+heal after the step; an order the agent named is always prepared. (The reorder prior sums to 1,
+so the floor is absolute; recall predictors' probabilities are not calibrated that way: a cold
+session gives the page that just left p = 0.04-0.05.)"""
 
 MAX_PRIOR_SLOTS = 12
 """Windows of more slots get no prior candidates (hints and the family's own reorders only)."""
@@ -98,16 +111,23 @@ def order_probabilities(reorders_seen: "Counter[Perm]", n: int) -> dict[Perm, fl
     return out
 
 
-def estimated_cost(slots: "Sequence[Slot | KeySlot]", eager: object) -> tuple[int, int, int] | None:
-    """``(forwards, tokens formed, tokens fixed)`` the eager policy would spend on ``slots`` (the
-    window in its new order), without running anything: a slot whose antecedents (by id, in
-    order) are unchanged and all in front of it unchanged keeps its KV; the front slot takes its
-    canonical; any other takes an orbit patch (its antecedent set unchanged, within the policy's
-    orbit limits) or an exact one. None when a provisional slot would move (latency-first new
-    content with no canonical: a reorder re-forwards it on heal, nothing can be prepared)."""
+Need = tuple
+"""A patch a reorder needs, named across candidate orders: ``("exact", chunk id, antecedent ids in
+order)`` or ``("orbit", chunk id, frozenset of antecedent ids)`` (an orbit patch is formed on
+settled antecedents and serves every ordering of its set: ``window.kvstate``)."""
+
+
+def patch_needs(slots: "Sequence[Slot | KeySlot]", eager: object) -> list[tuple[Need, int, int]] | None:
+    """The patches the eager policy would form for ``slots`` (the window in its new order), each
+    ``(need, forwards, tokens of the slot)``, without running anything: a slot whose antecedents
+    (by id, in order) are unchanged and all in front of it unchanged keeps its KV; the front slot
+    takes its canonical; any other takes an orbit patch (its antecedent set unchanged, within the
+    policy's orbit limits: one forward per ordering) or an exact one. None when a provisional slot
+    would move (latency-first new content with no canonical: a reorder re-forwards it on heal,
+    nothing can be prepared)."""
     orbit_max = int(getattr(eager, "orbit_max_antecedents", 0)) if getattr(eager, "reorder", "orbit") == "orbit" else 0
     max_orderings = int(getattr(eager, "max_orderings", 1))
-    forwards = formed = fixed = 0
+    needs: list[tuple[Need, int, int]] = []
     changed_in_front = False
     for i, slot in enumerate(slots):
         before = tuple(s.ref for s in slots[:i])
@@ -119,12 +139,22 @@ def estimated_cost(slots: "Sequence[Slot | KeySlot]", eager: object) -> tuple[in
         changed_in_front = True
         if not before:
             continue  # the canonical: exact at the front, free
-        same_set = sorted(r.chunk_id for r in carried) == sorted(r.chunk_id for r in before)
-        n = min(math.factorial(len(before)), max_orderings) if same_set and len(before) <= orbit_max else 1
-        forwards += n
-        formed += n * slot.n_tokens
-        fixed += slot.n_tokens
-    return forwards, formed, fixed
+        ids = tuple(r.chunk_id for r in before)
+        if sorted(r.chunk_id for r in carried) == sorted(ids) and len(before) <= orbit_max:
+            needs.append((("orbit", slot.ref.chunk_id, frozenset(ids)), min(math.factorial(len(before)), max_orderings),
+                          slot.n_tokens))
+        else:
+            needs.append((("exact", slot.ref.chunk_id, ids), 1, slot.n_tokens))
+    return needs
+
+
+def estimated_cost(slots: "Sequence[Slot | KeySlot]", eager: object) -> tuple[int, int, int] | None:
+    """``(forwards, tokens formed, tokens fixed)`` the eager policy would spend on ``slots`` (the
+    window in its new order): :func:`patch_needs` summed. None where it is None."""
+    needs = patch_needs(slots, eager)
+    if needs is None:
+        return None
+    return (sum(n for _, n, _ in needs), sum(n * t for _, n, t in needs), sum(t for _, _, t in needs))
 
 
 def reorder_candidates(win: "ContextWindow", state: WindowState) -> list[list[ChunkRef]]:
@@ -138,21 +168,51 @@ def plan_reorders(eager: object, reorders_seen: "Counter[Perm]", expected_orders
                   slots: "Sequence[Slot | KeySlot]") -> list[list[ChunkRef]]:
     """The reorders of ``slots`` (the window in order: :class:`~.slot.Slot` or, in the replay,
     key-only :class:`~.plan.KeySlot` objects) worth preparing, most valuable first, at most
-    :data:`ANTICIPATED_REORDERS`: the planning both the window and the replay run."""
+    :data:`ANTICIPATED_REORDERS`: the planning both the window and the replay run.
+
+    Priced per patch, not per order: a patch's value is the probability of the orders that need
+    it (an orbit patch serves every ordering of its set, an exact one every order with the same
+    prefix) x the tokens it keeps from being served blind; an order's score is the value of the
+    patches it still needs over the tokens forming them costs (what an order chosen before formed
+    is free). Orders are taken greedily, best score first, while the score is at least
+    :data:`MIN_SAVED_PER_FORMED` (an order the agent named, ``expect_order``, always)."""
     refs = [s.ref for s in slots]
     probs = order_probabilities(reorders_seen, len(refs))
+    hinted: set[Perm] = set()
     for order in expected_orders:
         if sorted(order, key=lambda r: r.key) == sorted(refs, key=lambda r: r.key):
-            probs[tuple(refs.index(r) for r in order)] = 1.0
-    scored: list[tuple[float, int, Perm]] = []
-    for i, (perm, p) in enumerate(probs.items()):
-        cost = estimated_cost([slots[j] for j in perm], eager)
-        if cost is None or not cost[0]:
+            perm = tuple(refs.index(r) for r in order)
+            hinted.add(perm)
+            probs[perm] = 1.0
+    needs_of: dict[Perm, dict[Need, tuple[int, int]]] = {}
+    value: dict[Need, float] = {}
+    for perm, p in probs.items():
+        needs = patch_needs([slots[j] for j in perm], eager)
+        if not needs:
             continue  # nothing to form (or nothing can be)
-        _, formed, fixed = cost
-        scored.append((p * fixed / max(formed, 1), -i, perm))
-    scored.sort(reverse=True)
-    return [[refs[j] for j in perm] for _, _, perm in scored[:ANTICIPATED_REORDERS]]
+        needs_of[perm] = {need: (forwards, tokens) for need, forwards, tokens in needs}
+        for need, _, tokens in needs:
+            value[need] = value.get(need, 0.0) + p * tokens
+    order_index = {perm: i for i, perm in enumerate(probs)}
+    chosen: list[Perm] = []
+    covered: set[Need] = set()
+    while needs_of and len(chosen) < ANTICIPATED_REORDERS:
+        best: tuple[float, float, int, Perm] | None = None
+        for perm, needs in needs_of.items():
+            new = [n for n in needs if n not in covered]
+            if not new:
+                continue
+            formed = sum(needs[n][0] * needs[n][1] for n in new)
+            score = math.inf if perm in hinted else sum(value[n] for n in new) / max(formed, 1)
+            key = (score, probs[perm], -order_index[perm], perm)
+            if best is None or key > best:
+                best = key
+        if best is None or best[0] < MIN_SAVED_PER_FORMED:
+            break
+        perm = best[3]
+        chosen.append(perm)
+        covered.update(needs_of.pop(perm))
+    return [[refs[j] for j in perm] for perm in chosen]
 
 
 def anticipate_reorder(win: "ContextWindow", state: WindowState, order: Sequence[ChunkRef], meter: Meter) -> bool:
