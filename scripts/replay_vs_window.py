@@ -5,7 +5,7 @@ import sys, time
 from contextdeque.model.load import load_model
 from contextdeque.replay import ReplayConfig, Replayer
 from contextdeque.replay.cost import CostModel
-from contextdeque.replay.fidelity import chunk_ids
+from contextdeque.replay.fidelity import trace_chunk_ids
 from contextdeque.replay.live import drive_window
 from contextdeque.traces import generate, scaled_trace
 from contextdeque.stores import MemoryTier
@@ -22,7 +22,8 @@ for kind in kinds:
     t0 = time.time()
     win = ContextWindow(backend, rank=rank, beyond_trained=True, store=[MemoryTier("cpu", None, name="device")])
     f0 = backend.forwards_run
-    live = drive_window(win, trace, lambda ev: chunk_ids(backend, ev.hash, ev.tokens))
+    ids = trace_chunk_ids(backend, trace)  # (distinct contents, distinct tokens: the video trace has two that collide)
+    live = drive_window(win, trace, lambda ev: ids[ev.id])
     ran = backend.forwards_run - f0
     cost = CostModel.geometry_of(backend, storage_bytes=4, rank=rank)
     from contextdeque.replay.reuse import REUSE_COSTS

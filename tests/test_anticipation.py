@@ -278,3 +278,25 @@ def test_heal_without_anticipation_does_the_queued_work_only(backend):
     assert any(r.op == "anticipate" for r in list(on.receipts)[n:])
     with pytest.raises(WindowTypeError):
         on.heal(anticipate=1)
+
+
+def test_prepared_forwards_keep_the_current_passs_best_over_earlier_passes():
+    """The prepared re-forwards' bound (window.prepared, shared with the replay's mirror): a pass
+    that prepares more than the bound holds keeps its first (best-ranked) entries and refuses the
+    later ones; entries of earlier passes go first, oldest first; one a pass finds again belongs to
+    it. (Dropping the oldest instead lost the best prediction's cascade on web-0 at an unbounded
+    idle rate: its recalls were served blind.)"""
+    from contextdeque.window.prepared import PreparedForwards
+
+    kept = PreparedForwards(max_entries=3)
+    kept.new_pass()
+    assert all(kept.put(k, k, nbytes=1) for k in ("old1", "old2", "old3"))
+    kept.new_pass()
+    assert kept.get("old2") == "old2"  # found again by this pass: its own
+    assert kept.put("best", "best", nbytes=1) and kept.put("next", "next", nbytes=1)
+    assert "old1" not in kept and "old3" not in kept and "old2" in kept
+    assert not kept.put("worst", "worst", nbytes=1)  # only this pass's left: the later one is not kept
+    assert [k for k in ("old2", "best", "next", "worst") if k in kept] == ["old2", "best", "next"]
+    by_bytes = PreparedForwards(max_bytes=10)
+    by_bytes.new_pass()
+    assert by_bytes.put("a", "a", nbytes=6) and not by_bytes.put("b", "b", nbytes=6) and by_bytes.nbytes == 6

@@ -11,7 +11,9 @@ lent accelerator and records the figures in docs/gpu.md).
   ``verify-model`` gate) on a tiny llama and on SmolLM2-135M's architecture with random weights;
 - the window's exact-policy state machine for a short run with the model and pages on CUDA;
 - ``materialize()`` + generation with flash-attention 2 where flash-attn imports (else SDPA),
-  next-token KL against a re-prefill.
+  next-token KL against a re-prefill;
+- patch formation's top-m factors (the Gram route, ``contextdeque.patch.topm``) on the device
+  against the CPU's float64 SVD, and the forming time split (forward, factors by route) printed.
 """
 
 from __future__ import annotations
@@ -323,3 +325,52 @@ def test_cuda_materialize_and_generate_vs_reprefill(dtype):
     agree = sum(a == b for a, b in zip(reply, full))
     print(f"greedy tokens from the window's cache agreeing with a re-prefill's: {agree} of {len(full)}")
     assert 1 <= len(reply) <= 8
+
+
+# ----------------------------------------------------------------------------- patch formation's top-m factors
+
+
+@pytest.mark.parametrize("name", ["gaussian", "ill-conditioned (s from 1 to 1e-12)", "rank 10", "outlier row (1e4)",
+                                  "short (T < F)", "short, rank 5", "zero"])
+@pytest.mark.parametrize("eig_device", [None, "cpu"], ids=["eig-on-cuda", "eig-on-host"])
+def test_cuda_top_m_factors_against_the_float64_svd(name, eig_device):
+    """The Gram route on the device (float64 Gram and eigenproblem on CUDA, or the eigenproblem
+    on the host) against the CPU's float64 SVD: the oracle checks of tests/test_patch_topm.py."""
+    from test_patch_topm import CASES, assert_top_factors
+
+    from contextdeque.patch.topm import truncated_svd
+
+    delta = CASES[name]
+    for rank in (1, 8, 32, 96):
+        us, vt = truncated_svd(delta.to(CUDA), rank, eig_device=eig_device)
+        assert us.device.type == vt.device.type == "cuda"
+        assert_top_factors(delta, rank, us.cpu(), vt.cpu())
+
+
+def test_cuda_patch_forming_split_and_factors(smollm2_random):
+    """A rank-32 patch of a 1,024-token chunk on SmolLM2-135M's architecture on CUDA: its real Δ's
+    factors (every layer, all in one batch) against the float64 SVD, and the forming time split
+    (conditioned forward vs factorization; the Gram route on the device, with its eigenproblems
+    on the host, and the float64 SVD it replaced) printed for docs/gpu.md: no threshold."""
+    from test_patch_topm import assert_top_factors
+
+    from contextdeque.eval.bench import forming_split
+    from contextdeque.patch.base import PATCH_KINDS, FormContext
+    from contextdeque.patch.topm import truncated_svd
+
+    g = torch.Generator().manual_seed(0)
+    a = smollm2_random.encode(token_ids=torch.randint(10, 40000, (256,), generator=g))
+    b = smollm2_random.encode(token_ids=torch.randint(10, 40000, (1024,), generator=g))
+    dk, dv = PATCH_KINDS["exact"]().target(FormContext(smollm2_random, b, [(a, [])], {}))
+    assert dk.device.type == "cuda"
+    for d in (dk, dv):
+        us, vt = truncated_svd(d, 32)
+        for layer in range(d.shape[0]):
+            assert_top_factors(d[layer].cpu(), 32, us[layer].cpu(), vt[layer].cpu())
+    split = forming_split(smollm2_random, b, a, 32, CUDA, repeats=3)
+    fs = split["factorize_s"]
+    print(f"forming a rank-32 patch on 1024 tokens (CUDA): {split['form_patch_s'] * 1e3:.1f} ms = forward "
+          f"{split['forward_s'] * 1e3:.1f} ms + factors {fs['auto'] * 1e3:.1f} ms; the float64 SVD "
+          f"{fs['svd'] * 1e3:.1f} ms ({split['svd_vs_auto']:.1f}x); eigenproblems on the host "
+          f"{fs['auto_eig_cpu'] * 1e3:.1f} ms")
+    assert set(fs) == {"auto", "svd", "auto_eig_cpu"} and min(fs.values()) > 0

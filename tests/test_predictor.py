@@ -125,6 +125,27 @@ def test_the_idle_budget_is_tokens_and_deterministic(backend):
     assert a == b
 
 
+def test_the_idle_budget_charges_the_factorization(backend):
+    """With ``factorization_cost`` a forming costs the budget its forward and its SVD (issue 21,
+    the honest budget): the budget that paid the forwards of a whole anticipation at cost 0 pays
+    less of it at cost 1, and what it spent, SVDs included, stays within the budget."""
+    from contextdeque.window.anticipation import idle_spent
+
+    def run(budget, cost):
+        win, refs = window(backend, factorization_cost=cost)
+        for name in ("a", "b", "c"):
+            win.evict(refs[name])
+        return win.heal(max_tokens=budget)
+
+    free = run(None, 0.0)
+    assert free.tokens_prefilled > 0 and idle_spent([free], 1.0) > free.tokens_prefilled  # (patches factorized)
+    honest = run(free.tokens_prefilled, 1.0)
+    assert idle_spent([honest], 1.0) <= free.tokens_prefilled
+    assert honest.tokens_prefilled < free.tokens_prefilled
+    with pytest.raises(WindowError, match="factorization_cost"):
+        WindowConfig(factorization_cost=-1.0)
+
+
 def four_chunk_trace() -> TraceBuilder:
     """The opening of the traces below: task, a, b, c arrive and the agent asks."""
     b = TraceBuilder(TraceHeader(generator="test"))
@@ -167,6 +188,26 @@ def test_hit_rate_from_receipts(backend, idle):
     else:  # nothing prepared: served blind, deferred
         assert hits.rate() == 0.0 and hits.rate(own=True) == 0.0
     assert hits.as_dict()["re_reads"] == 2
+
+
+def test_unpinned_recalls_go_where_the_windows_recall_placement_puts_them(backend):
+    """drive_window(pin_recalls=False): a recall the trace does not place is recall(ref) (the
+    window's recall placement: where a stored patch stays valid), not the end (issue 21, item 2)."""
+    b = four_chunk_trace()
+    b.evict("a")
+    b.step(idle=0.0)
+    b.recall("a")
+    b.query(4, 1)
+    trace = b.build(name="unpinned")
+    placed = {}
+    for pinned in (True, False):
+        win = ContextWindow(backend, rank=2, anticipate=True)
+        drive_window(win, trace, lambda ev: PAGES[ev.id], pin_recalls=pinned,
+                     on_step=lambda s, r, pinned=pinned: placed.__setitem__(pinned, r.placed) if s != "append" and r.placed else None)
+    (_, at_pinned, why_pinned), = placed[True]
+    (_, at_free, why_free), = placed[False]
+    assert (at_pinned, why_pinned) == (3, "asked")  # the end, as the trace prices it
+    assert why_free != "asked"  # the window chose (and says why)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -80,6 +80,13 @@ def run(args: argparse.Namespace) -> int:
         f"forming the rank-{res['rank']} patch: {res['form_patch_s']:.2f} s; repaid after "
         f"[bold]{res['breakeven_reuses']:.2f}[/] reuses ({res['breakeven_tokens']} tokens)"
     )
+    for T, f in res.get("forming", {}).items():
+        fs = f["factorize_s"]
+        console.print(
+            f"forming on {T} tokens: {f['form_patch_s']:.3f} s = forward {f['forward_s']:.3f} s + top-m factors "
+            f"{fs['auto']:.3f} s (the float64 SVD: {fs['svd']:.3f} s, [bold]{f['svd_vs_auto']:.1f}x[/] slower)"
+            + (f"; eigenproblems on the host: {fs['auto_eig_cpu']:.3f} s" if "auto_eig_cpu" in fs else "")
+        )
     console.print(
         "patch bytes / page bytes: " + ", ".join(f"r{m}: {f:.1%}" for m, f in res["patch_bytes_fraction"].items())
     )

@@ -13,6 +13,10 @@ On the default model (or ``--model``), for chunks of 256/512/1024/2048 tokens of
   first token of a window step** (slide + recall + the question's forward) against re-prefilling
   the same window (``step_bench.window_step_ttft``; the paper reports 29x at 2,048 tokens);
 - **break-even reuses**: the one forming forward (+ SVD) divided by what each reuse saves;
+- **forming a patch, split**: per chunk size, the conditioned forward and the top-m factorization
+  of every layer's K and V Δ (``contextdeque.patch.topm``) by the route in use (``auto``) against
+  the float64 SVD it replaces, on the same real Δ; on CUDA also with the Gram's small
+  eigenproblems on the host (``eig_device="cpu"``), the one placement the route leaves open;
 - **patch bytes / page bytes** at ranks 16, 32, 64.
 
 It prints measured ratios; nothing here is a pass/fail threshold.
@@ -42,6 +46,34 @@ def _best_of(fn, repeats: int, device: "torch.device | str" = "cpu") -> float:
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def forming_split(backend: Any, chunk: Any, antecedent: Any, rank: int, device: "torch.device | str",
+                  repeats: int = 2) -> dict[str, float]:
+    """One patch of ``chunk`` on ``antecedent``: ``form_patch_s`` (the whole call, the route in
+    use), ``forward_s`` (its conditioned forward) and, on that forward's real Δ (every layer, K
+    and V), ``factorize_s`` per route (``auto``, ``svd``; on CUDA also ``auto_eig_cpu``) and
+    ``svd_vs_auto`` (how many times faster the route in use is). Seconds, best of ``repeats``."""
+    from ..patch import form_patch
+    from ..patch.base import PATCH_KINDS, FormContext
+    from ..patch.topm import truncated_svd
+
+    ctx = FormContext(backend, chunk, [(antecedent, [])], {})
+    exact = PATCH_KINDS["exact"]()
+    forward_s = _best_of(lambda: exact.target(ctx), 1, device)
+    dk, dv = exact.target(ctx)
+    m = min(rank, *dk.shape[1:])
+    routes: dict[str, dict[str, Any]] = {"auto": {}, "svd": {"method": "svd"}}
+    if torch.device(device).type == "cuda":
+        routes["auto_eig_cpu"] = {"eig_device": "cpu"}
+    factorize_s = {}
+    for name, kw in routes.items():
+        run = lambda: (truncated_svd(dk, m, **kw), truncated_svd(dv, m, **kw))  # noqa: E731
+        run()  # warm (CUDA: the solver's handles and workspaces)
+        factorize_s[name] = _best_of(run, repeats, device)
+    form_s = _best_of(lambda: form_patch(backend, chunk, [antecedent], rank=m), 1, device)
+    return {"form_patch_s": form_s, "forward_s": forward_s, "factorize_s": factorize_s,
+            "svd_vs_auto": factorize_s["svd"] / factorize_s["auto"]}
 
 
 def run_bench(
@@ -88,7 +120,7 @@ def run_bench(
         "floor": {},
         "by_dtype": {},
     }
-    steps = len(tokens) * (2 + 2 * len(dtypes)) + 2
+    steps = len(tokens) * (3 + 2 * len(dtypes)) + 2
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("bench", total=steps)
         ids_all = text_ids(backend, max(tokens) + 256)
@@ -173,6 +205,11 @@ def run_bench(
             fractions[str(m)] = pm.bytes_fraction(chunks[T_mid])
         out["patch_bytes_fraction"] = fractions
         bar.advance(task)
+        out["forming"] = {}
+        for T, chunk in chunks.items():
+            bar.update(task, description=f"form a rank-{rank} patch on {T} tokens: forward vs factorization")
+            out["forming"][str(T)] = forming_split(backend, chunk, antecedent, rank, device)
+            bar.advance(task)
         if window_step_tokens:
             from .step_bench import window_step_ttft
             from .window_bench import _chunks, _question

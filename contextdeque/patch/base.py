@@ -24,6 +24,7 @@ from ..core.registry import Registered, Registry
 from .factors import TENSOR_PREFIX, MixedFactors
 from .keys import patch_signature
 from .rank import DEFAULT_RANK, is_full, resolve_rank
+from .topm import truncated_svd
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.hf import HFBackend
@@ -443,15 +444,6 @@ class FormContext:
         return dk, dv
 
 
-def truncated_svd(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``rank`` factors of ``delta [T, F]``: ``(U_m S_m [T, m], V_m^T [m, F])`` (fp32)."""
-    if rank == 0:
-        return delta.new_zeros(delta.shape[0], 0), delta.new_zeros(0, delta.shape[1])
-    U, S, Vh = torch.linalg.svd(delta.to(torch.float64), full_matrices=False)
-    m = min(rank, S.shape[0])
-    return (U[:, :m] * S[:m]).to(torch.float32), Vh[:m].to(torch.float32)
-
-
 class PatchKind(Registered):
     """Base class of a patch variant. Subclasses set ``name`` and override one or both hooks."""
 
@@ -491,15 +483,16 @@ class PatchKind(Registered):
     def factorize(
         self, ctx: FormContext, dk: torch.Tensor, dv: torch.Tensor, rank_k: int, rank_v: int, layers: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str | None]:
-        """Per-layer truncated SVD. Returns ``k_u [n,T,m_k], k_w [n,m_k,F_k], v_u, v_w, basis_id``."""
-        ku, kw, vu, vw = [], [], [], []
-        for l in layers:
-            checkpoint()  # background formation gives way to foreground work, layer by layer
-            u, w = truncated_svd(dk[l], rank_k)
-            ku.append(u), kw.append(w)
-            u, w = truncated_svd(dv[l], rank_v)
-            vu.append(u), vw.append(w)
-        return _stack(ku), _stack(kw), _stack(vu), _stack(vw), None
+        """Top-m factors per layer (:func:`~contextdeque.patch.topm.truncated_svd`, batched over
+        the layers). Returns ``k_u [n,T,m_k], k_w [n,m_k,F_k], v_u, v_w, basis_id``."""
+        if not layers:
+            return (*([torch.zeros(0, 0, 0)] * 4), None)
+        index = list(layers)
+        checkpoint()  # background formation gives way to foreground work, K and V apart
+        k_u, k_w = truncated_svd(dk[index], rank_k)
+        checkpoint()
+        v_u, v_w = truncated_svd(dv[index], rank_v)
+        return k_u, k_w, v_u, v_w, None
 
 
 def factor_dtype(storage: torch.dtype, factors: Sequence[torch.Tensor]) -> torch.dtype:
@@ -510,11 +503,6 @@ def factor_dtype(storage: torch.dtype, factors: Sequence[torch.Tensor]) -> torch
     if storage == torch.float16 and any(t.numel() and float(t.abs().amax()) > FP16_MAX for t in factors):
         return torch.float32
     return storage
-
-
-def _stack(ts: list[torch.Tensor]) -> torch.Tensor:
-    """Stack per-layer factors (equal ranks across layers by construction); ``[0]`` when no layer."""
-    return torch.stack(ts) if ts else torch.zeros(0, 0, 0)
 
 
 def _normalize_antecedents(

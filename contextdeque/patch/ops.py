@@ -12,7 +12,8 @@ import torch
 from ..core.errors import FingerprintMismatchError, PatchError
 from ..core.kv import LayerKV
 from ..core.operator import to_content_frame
-from .base import PATCH_KINDS, FormContext, Patch, new_patch, truncated_svd
+from .base import PATCH_KINDS, FormContext, Patch, new_patch
+from .topm import truncated_svd
 from .factors import mix_factors
 from .keys import antecedent_signature
 from .rank import is_full, rank_cap, resolve_rank
@@ -150,23 +151,21 @@ def combine_patches(
     (hk, dk_), (hv, dv_) = p0.k_shape, p0.v_shape
     mk = resolve_rank(rank, T, hk * dk_, "K")
     mv = resolve_rank(rank if rank_v is None else rank_v, T, hv * dv_, "V")
-    ku, kw, vu, vw = [], [], [], []
+    mean_k, mean_v = [], []
     for l in layers:
         sk = sv = None
         for p in patches:
             dk, dv = p.layer_delta(l)
             sk = dk if sk is None else sk + dk
             sv = dv if sv is None else sv + dv
-        mean_k = (sk / len(patches)).transpose(0, 1).reshape(T, -1)
-        mean_v = (sv / len(patches)).transpose(0, 1).reshape(T, -1)
-        u, w = truncated_svd(mean_k, mk)
-        ku.append(u), kw.append(w)
-        u, w = truncated_svd(mean_v, mv)
-        vu.append(u), vw.append(w)
+        mean_k.append((sk / len(patches)).transpose(0, 1).reshape(T, -1))
+        mean_v.append((sv / len(patches)).transpose(0, 1).reshape(T, -1))
+    ku, kw = truncated_svd(torch.stack(mean_k), mk)
+    vu, vw = truncated_svd(torch.stack(mean_v), mv)
     ids = sorted({a for p in patches for a in p.antecedents})
     return new_patch(
         p0, kind=kind, antecedents=ids, signature=antecedent_signature(ids, ordered=False), ranks=(mk, mv),
-        layers=layers, factors=tuple(torch.stack(f) for f in (ku, kw, vu, vw)), dtype=p0.k_u.dtype,
+        layers=layers, factors=(ku, kw, vu, vw), dtype=p0.k_u.dtype,
         meta={"combined_from": str(len(patches))},
     )
 

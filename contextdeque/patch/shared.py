@@ -14,7 +14,8 @@ import torch
 
 from ..core.chunk import digest
 from ..core.errors import PatchError
-from .base import FormContext, PatchKind, _normalize_antecedents, truncated_svd
+from .base import FormContext, PatchKind, _normalize_antecedents
+from .topm import truncated_svd
 from .rank import DEFAULT_RANK
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,9 +63,9 @@ class SharedBasis:
                 pooled_k[l].append(dk[l])
                 pooled_v[l].append(dv[l])
         rv = rank if rank_v is None else rank_v
-        k_w = torch.stack([truncated_svd(torch.cat(rows), rank)[1] for rows in pooled_k])
-        v_w = torch.stack([truncated_svd(torch.cat(rows), rv)[1] for rows in pooled_v])
-        # normalize rows (truncated_svd returns V^T rows, already orthonormal)
+        # one batched factorization over the layers; its V^T rows are orthonormal: the basis
+        k_w = truncated_svd(torch.stack([torch.cat(rows) for rows in pooled_k]), rank)[1]
+        v_w = truncated_svd(torch.stack([torch.cat(rows) for rows in pooled_v]), rv)[1]
         return cls(fingerprint=backend.fingerprint, k_w=k_w, v_w=v_w)
 
 

@@ -19,23 +19,27 @@ queued work is healed, runs the window's three anticipation passes in the window
 The trace's ``expect`` events are the agent's hints (``ContextWindow.expect``). A pass runs when
 the window changed since the last one (``WindowAnticipation.anticipation_due``: its state, its
 hints; a fork has its own). Idle-time work is counted in ``tokens_prefilled`` and ``heal_*``, not
-in ``est_seconds``. Not modelled: an idle budget (``heal(max_tokens=)``: the replay heals and
-anticipates to completion at every step) and recall predictions without an index (``at=None``,
-the window's recall placement: priced at the end, where a trace's recalls go).
+in ``est_seconds``. Given an idle rate (``Replayer(idle_tokens=)``), each step's idle gap is a
+``healing.HealBudget`` the heal and then these passes draw on, as ``heal(max_tokens=)`` spends it;
+without one, the replay heals and anticipates to completion at every step. Not modelled: recall
+predictions without an index (``at=None``, the window's recall placement: priced at the end,
+where a trace's recalls go).
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass
 from itertools import count
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..window.anticipate_reorder import note_reorder, plan_reorders
-from ..window.anticipation import fulfil_hints, fulfil_orders, note_hint, note_order, plan_recalls, reorder_after
+from ..window.anticipation import (fulfil_hints, fulfil_orders, note_hint, note_order, plan_recalls, recall_cost,
+                                   reorder_after, slide_cost)
+from ..window.healing import HealBudget
 from ..window.placement import END
 from ..window.plan import ChunkKeys, Forward, KeySlot, Prepared
-from ..window.prepared import MAX_ENTRIES
+from ..window.prepared import PreparedForwards
 from ..window.predictor import make_predictor
 from ..window.ref import ChunkRef
 from ..window.state import WindowState
@@ -107,8 +111,8 @@ class AnticipationMirror:
         self._generation = 0  # changes with the window (``WindowState`` identity and generation)
         self._anticipated_for: tuple | None = None
         self._simulating = False
-        # prepared re-forwards (``window.prepared``): (content, antecedent states) -> None, oldest first
-        self._prepared: OrderedDict[tuple, None] = OrderedDict()
+        # prepared re-forwards (``window.prepared``, its bound: keys only): (content, antecedent states)
+        self._prepared = PreparedForwards()
 
     # ------------------------------------------------------------------ bookkeeping
     def _changed(self) -> None:
@@ -174,32 +178,62 @@ class AnticipationMirror:
             self._changed()
 
     # ------------------------------------------------------------------ the passes
-    def anticipate(self) -> None:
-        """The window's anticipation passes once nothing is queued (see the module doc); charged
-        as idle-time work (``heal_*``)."""
+    def anticipate(self, budget: HealBudget | None = None) -> None:
+        """The window's anticipation passes once nothing is queued (see the module doc), on what is
+        left of ``budget`` (an idle gap: ``healing.HealBudget``, the rule the window's ``heal``
+        spends it by: a preparation whose estimated cost does not fit is skipped, and the pass is
+        then not complete); charged as idle-time work (``heal_*``)."""
         if not self.anticipation_due or not self.arm.patches:
             self._anticipated_for = self._anticipation_token()
             return
+        budget = budget if budget is not None else HealBudget()
         idle = self._idle_start()
         healing, self._healing = self._healing, True
+        complete = True
+        self._prepared.new_pass()  # (as the window's pass: what earlier passes kept goes first)
         try:
-            if self._anticipate_slide():
-                self._changed()
-            done: set[tuple] = set()  # chains prepared in this pass (their starts are stored)
-            for prediction in plan_recalls(self.predictor, key_state(self), self.expected, budgeted=False):
-                # with the reorder the agent named right after the chain, then without it
-                then = reorder_after(key_state(self), prediction.recalls, self.expected_orders)
-                for orders in ((self.expected_orders, ()) if then else ((),)):
-                    if not orders and any(chain[: len(prediction.recalls)] == prediction.recalls for chain in done):
-                        continue
-                    self._simulated(self._simulate_recalls, (prediction.recalls, orders))
-                    done.add(prediction.recalls)
-            for order in plan_reorders(self.eager, self.reorders_seen, self.expected_orders, key_state(self).slots):
-                self._simulated(self._simulate_reorder, [self._key_of[ref] for ref in order])
+            for run, cost in self._anticipation_tasks(budget.bounded):
+                if not budget.fits(cost):
+                    complete = False
+                    continue  # too dear for what is left
+                tokens, factorized = self.r.tokens_prefilled, self.factorized_tokens
+                run()
+                if self.r.tokens_prefilled > tokens or self.factorized_tokens > factorized:
+                    budget.spend(self.r.tokens_prefilled - tokens, self.factorized_tokens - factorized)
         finally:
             self._healing = healing
         self._idle_end(idle)
-        self._anticipated_for = self._anticipation_token()
+        if complete:
+            self._anticipated_for = self._anticipation_token()
+
+    def _anticipation_tasks(self, budgeted: bool) -> Iterator[tuple[Callable[[], Any], int | None]]:
+        """``WindowAnticipation._anticipation_tasks`` over the replay's keys: ``(run, cost_tokens)``,
+        most valuable first (the next slide, the recall predictions, the reorders)."""
+        svd = self.factorization_cost
+        predictions = plan_recalls(self.predictor, key_state(self), self.expected, budgeted)
+        if len(self.order) >= 2 and self.order[1] in self._no_canon:
+            top = predictions[0].probability if predictions else 0.0
+            if not budgeted or self.predictor.p_front_leaves() >= top:
+                yield (lambda: self._anticipate_slide() and self._changed()), slide_cost(self.tokens[self.order[1]], svd)
+                predictions = plan_recalls(self.predictor, key_state(self), self.expected, budgeted)  # (as it now stands)
+        done: dict[tuple, int] = {}  # chains prepared in this pass -> their estimated cost
+        for prediction in predictions:
+            # with the reorder the agent named right after the chain, then without it
+            then = reorder_after(key_state(self), prediction.recalls, self.expected_orders)
+            for orders in ((self.expected_orders, ()) if then else ((),)):
+                if not orders and any(chain[: len(prediction.recalls)] == prediction.recalls for chain in done):
+                    continue
+                cost = recall_cost(key_state(self), prediction, then if orders else 0, svd)
+
+                def run(recalls: tuple = prediction.recalls, orders: Sequence = orders, cost: int = cost) -> None:
+                    self._simulated(self._simulate_recalls, (recalls, orders))
+                    done[recalls] = max(cost, done.get(recalls, 0))
+
+                # a chain that extends one prepared in this pass finds that part stored: it costs the rest
+                head = max((c for chain, c in done.items() if prediction.recalls[: len(chain)] == chain), default=0)
+                yield run, max(0, cost - head)
+        for order in plan_reorders(self.eager, self.reorders_seen, self.expected_orders, key_state(self).slots):
+            yield (lambda order=order: self._simulated(self._simulate_reorder, [self._key_of[ref] for ref in order])), None
 
     def _anticipate_slide(self) -> bool:
         """``anticipation.anticipate_slide``: the provisional slot at index 1 gets its canonical
@@ -226,14 +260,13 @@ class AnticipationMirror:
         if not (self._defers and self._lazy and self._anticipating) or not prefix or key not in self._no_canon:
             return False
         states = (self.content[key], tuple(map(self._kv_state, prefix)))
-        if self._simulating and states not in self._prepared:  # (one kept already: nothing to run)
+        kept = self._prepared.get(states) is not None  # (found: it belongs to this pass, as the window's)
+        if self._simulating and not kept:  # (one kept already: nothing to run)
             self.do(Forward(self.content[key], self.tokens[key], context=sum(map(self.tokens.__getitem__, prefix))))
-            self._prepared[states] = None
-            while len(self._prepared) > MAX_ENTRIES:
-                self._prepared.popitem(last=False)
+            self._prepared.put(states, True, nbytes=0)
         elif self._simulating:
             pass
-        elif states in self._prepared:
+        elif kept:
             self.do(Prepared(self.content[key], self.tokens[key], antecedents=tuple(self.content[p] for p in prefix)))
             for queue in (self._pending_form, self._pending_reason):
                 queue.pop(key, None)

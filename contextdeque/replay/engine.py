@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 from ..core.errors import BudgetError
 from ..scheduler.eviction import PoolEvictionPolicy, make_eviction
 from ..window.graph import PatchGraph
-from ..traces.io import Trace
+from ..traces.io import Trace, idle_gaps
 from ..window.policy_default import ORBIT_MAX_ANTECEDENTS, ORBIT_MAX_ORDERINGS
 from ..patch import PATCH_KINDS
 from ..window.policy import make_policy
 from ..window.placement import ArrivalPlacement, PlacementPolicy, PlacementView, make_placement
-from ..window.plan import Encode, Form, Forward, KeySlot, Load, Op, Plan, Reuse
+from ..window.plan import Difference, Encode, Form, Forward, KeySlot, Load, Op, Plan, Reuse
 from .anticipate import AnticipationMirror
+from .cascade import CascadeMirror
 from .heal import HealMirror
 from .cost import CostModel
 from .decide import PolicyDecisions, Refs
@@ -38,13 +39,21 @@ from .reuse import ReuseCost, make_reuse
 __all__ = ["Replayer", "ReplayConfig", "ReplayResult", "Pool"]
 
 
-class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
+class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror, HealMirror):
     """Runs one trace under one policy combination (see the module doc)."""
 
     def __init__(self, trace: Trace, placement: "str | PlacementPolicy" = "arrival", eviction: "str | PoolEvictionPolicy" = "lru",
                  arm: "str | ReuseCost" = "patch", cost: CostModel | None = None, config: ReplayConfig | None = None,
-                 plan: Plan | None = None) -> None:
+                 plan: Plan | None = None, idle_tokens: Callable[[float], int] | None = None,
+                 factorization_cost: float = 0.0) -> None:
         self.trace = trace
+        #: the heal budget of a step's idle gap, in prefilled tokens (``replay.live.drive_window``'s
+        #: ``idle_tokens``, the same budget the live window heals within); None: heal to completion;
+        #: ``factorization_cost``: what that budget charges per token a patch factorizes (the
+        #: window's ``WindowConfig.factorization_cost``, ``healing.HealBudget``)
+        self.idle_tokens = idle_tokens
+        self.factorization_cost = float(factorization_cost)
+        self.factorized_tokens = 0  # tokens of the patches formed or differenced so far (what it charges for)
         #: the window operations this replay decides (``window.plan``), recorded when given
         self.plan = plan
         self.placement = make_placement(placement)
@@ -76,6 +85,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
         self.tokens: dict[str, int] = {cid: a.tokens for cid, a in trace.chunks.items()}
         self.content: dict[str, str] = {cid: a.hash for cid, a in trace.chunks.items()}
         self._refs = Refs(self.content, self.tokens)
+        self._key_by_content: dict[str, str] | None = None  # (built when a placement first asks)
         self._key_slots: dict[str, tuple[tuple[str, ...], KeySlot]] = {}
         self.formed: dict[str, tuple[str, ...]] = {}
         self._init_kv_states()  # (replay.kvstates: the live window's KV states, mirrored)
@@ -109,6 +119,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
         self._pending_reason: dict[str, str] = {}  # key -> why it was first deferred (what the heal decides on)
         self._cascading = False
         self._before_op: dict[str, tuple[str, ...]] | None = None  # ``formed`` before a recall (its cascade)
+        self._before_states: dict[str, tuple[str, ...]] | None = None  # ... and the KV states it was formed on
         self._left: list[str] = []  # what the budget's slide let go in the current admission
         # residents the current admission decided on with more than a plain keep (a store lookup, a
         # form, a deferral): the recall cascade does not re-decide them (``reconcile``)
@@ -129,6 +140,8 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
             r.encodes += counts.get("encodes", 0)
             r.patch_forms += counts.get("patches_formed", 0)
             r.patch_hits += counts.get("patches_reused", 0)
+        if isinstance(op, (Form, Difference)):
+            self.factorized_tokens += op.tokens
         stored = op.stored()
         if stored is not None and stored[1]:
             r.stored[stored[0]] = r.stored.get(stored[0], 0) + stored[1]
@@ -206,18 +219,6 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
         i = self.order.index(key)
         return tuple(self.content[p] for p in self.order[:i])
 
-    def dependents(self, key: str) -> list[str]:
-        """Residents whose conditioning was formed with ``key`` among its antecedents (window order)."""
-        out = []
-        fs = self._formed_set
-        for d in self.order:
-            s = fs.get(d)
-            if s is None:
-                s = fs[d] = frozenset(self.formed.get(d, ()))
-            if key in s:
-                out.append(d)
-        return out
-
     def _enter(self, key: str) -> None:
         """A chunk enters the window: its canonical from the pool (or encoded)."""
         self.window_tokens += self.tokens[key]
@@ -239,17 +240,29 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
         pool.pinned[("c", c)] += 1  # resident in the window: not evictable
 
     def _encode(self, key: str) -> None:
-        """One forward of ``key``'s tokens alone: its canonical."""
+        """One forward of ``key``'s tokens alone: its canonical (held by the pool from now on)."""
         t = self.tokens[key]
-        self.do(Encode(self.content[key], t, tier="device", nbytes=self.arm.canonical_bytes(t, self.kv_bpt)))
+        nbytes = self.arm.canonical_bytes(t, self.kv_bpt)
+        self.do(Encode(self.content[key], t, tier="device", nbytes=nbytes))
+        pool, k = self.pool, ("c", self.content[key])
+        if self.arm.canonicals and k not in pool.device and k not in pool.host and k not in pool.disk:
+            # its place was given up while it had no canonical (it left a fork that was then
+            # discarded, giving the parent its provisional slot back): the canonical takes it again
+            pool._make_room(nbytes)
+            pool.device[k] = nbytes
+            pool.used += nbytes
+            pool.policy.touch(k, nbytes, pool.i)
 
 
     # ------------------------------------------------------------------ operations
-    def view(self, index: int) -> PlacementView:
+    def view(self, index: int, entering: Sequence[str] = ()) -> PlacementView:
+        """What the placement sees (``placement.window_index``): the residents and the ``entering``
+        chunks (their tokens: an antecedent that left counts for no staleness, as in the window)."""
         order = self.order
+        tokens = {k: self.tokens[k] for k in (*order, *entering)}
         return PlacementView(
-            order=list(order), tokens=self.tokens, content=self.content, formed_on=self.formed,
-            has_patch=self.graph.has_patch if self.arm.patches else (lambda c, p: False),
+            order=list(order), tokens=tokens, content=self.content, formed_on=self.formed,
+            has_patch=self._has_valid_patch(order) if self.arm.patches else (lambda c, p: False),
             has_orbit=self.graph.has_orbit if self.arm.patches else (lambda c, s: False),
             stored_prefixes=self.graph.stored_prefixes if self.arm.patches else (lambda c: ()),
             dependents=self.dependents if self.arm.patches else (lambda k: []),
@@ -257,6 +270,20 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
             budget_tokens=self.cfg.budget_tokens,
             future=_FutureView(self._next_ref, index, self._ops) if self._next_ref is not None else None,
         )
+
+    def _has_valid_patch(self, order: Sequence[str]):
+        """``view.has_patch`` as the window answers it (``placement.window_index``): whether the store
+        holds an exact patch of the content on that prefix of residents *in their KV states now*
+        (a patch formed on the same contents in other states serves nothing)."""
+        resident = {self.content[k]: k for k in order}
+        if self._key_by_content is None:
+            self._key_by_content = {c: k for k, c in self.content.items()}
+        any_key = self._key_by_content
+
+        def has_patch(content: str, prefix: tuple[str, ...]) -> bool:
+            keys = [resident.get(c) for c in prefix]
+            return content in any_key and None not in keys and self._is_stored(any_key[content], keys, "exact")
+        return has_patch
 
     def _remove(self, key: str, index: int = -1) -> None:
         before = self.order
@@ -335,6 +362,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
             # window's reconcile reads each slot's conditioning as it was, before the budget's slide
             # dropped a front survivor's patches)
             self._before_op = dict(self.formed) if recall else None
+            self._before_states = dict(self._formed_states) if recall else None
             self._left, self._not_kept = [], set()
             for k, _ in entering:
                 self.evicted.pop(k, None)
@@ -347,7 +375,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
                     self._encode(k)
         finally:
             self._recalling = False
-            self._before_op = None
+            self._before_op = self._before_states = None
             if self.cfg.overlap_loads:
                 # loads ran beside this admission's model work: it costs the longer of the two
                 load = self.r.load_seconds - load0
@@ -389,8 +417,8 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
             pos = max(0, min(at, len(self.order) + len(self._left)) - len(self._left))
             new_order = self.order[:pos] + [key] + self.order[pos:]
         else:  # (a trace's recall without an index is pinned at the end, as the trace executor asks it)
-            new_order = self.placement.place(self.view(index), [(k, len(self.order) if recall and a is None else a)
-                                                                for k, a in entering])
+            new_order = self.placement.place(self.view(index, [k for k, _ in entering]),
+                                             [(k, len(self.order) if recall and a is None else a) for k, a in entering])
         old_order = self.order
         old_pos = {k: i for i, k in enumerate(old_order)}
         ent = {k for k, _ in entering}
@@ -423,89 +451,6 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
                 self._resident_upkeep(view, k, new_order[:i], old_order[:old_pos[k]], cascade=member)
             elif member and k not in self._not_kept:  # (its own decision: a keep)
                 self._cascade_reform(i, k)
-
-    def _cascade(self, recalled: str, changed: bool, entering: set[str], lo: int = 0, hi: int | None = None,
-                 run: dict | None = None) -> dict:
-        """The recall cascade, as ``window.reconcile`` decides it: in window order, a resident that
-        transitively depends on ``recalled`` re-forms when it was conditioned on ``recalled`` and
-        that chunk's KV ``changed`` or now sits behind it, or on a chunk already in the cascade,
-        or on a dependent that now sits behind it. Looks at ``order[lo:hi]``; ``run``: what an
-        earlier call of the same cascade found (returned, to go on with the next slots)."""
-        if run is None:
-            run = self._cascade_run(recalled)
-        if not run["candidates"]:
-            return run
-        for i in range(lo, len(self.order) if hi is None else hi):
-            d = self.order[i]
-            if self._in_cascade(run, i, d, recalled, changed) and d not in entering and d not in self._not_kept:
-                self._cascade_reform(i, d)
-        return run
-
-    def _cascade_run(self, recalled: str) -> dict:
-        """A recall cascade's bookkeeping: the conditioning it is judged on, its candidates (the
-        residents that transitively depend on ``recalled``), the chunks implied so far."""
-        before = self._before_op if self._before_op is not None else self.formed
-        return {"before": before, "candidates": self._descendants(recalled, before), "implied": set(),
-                "pos": {k: i for i, k in enumerate(self.order)}}
-
-    def _in_cascade(self, run: dict, i: int, d: str, recalled: str, changed: bool) -> bool:
-        """Whether ``d`` at index ``i`` is in the cascade (``reconcile``'s ``in_cascade``; noted as
-        implied): conditioned on ``recalled`` whose KV ``changed`` or now sits behind it, on an
-        implied chunk, or on a candidate that now sits behind it."""
-        if d not in run["candidates"]:
-            return False
-        pos, implied, candidates = run["pos"], run["implied"], run["candidates"]
-        for a in run["before"].get(d, ()):
-            ia = pos.get(a)
-            if ia is None:
-                continue
-            behind = ia > i
-            if (a == recalled and (behind or changed)) or a in implied or (behind and a in candidates):
-                implied.add(d)
-                return True
-        return False
-
-    def _cascade_reform(self, i: int, d: str) -> None:
-        """``d`` (at index ``i``) re-formed by the cascade: the eager policy's ``cascade`` decision."""
-        if i == 0:  # at the front its canonical is exact: nothing to re-form
-            if not (self._simulating and d in self._no_canon):  # (a provisional one keeps its KV)
-                self._set_formed(d, ())
-            return
-        if self._reforward_prepared(d, self.order[:i]):
-            return
-        if not self._defers:  # (latency-first: counted when the heal re-forms it)
-            self.r.cascade_reforms += 1
-        self._cascading = True
-        try:
-            self.carry_out(d, self.order[:i], self.decide("cascade", d, self.order[:i]), reason="cascade")
-        finally:
-            self._cascading = False
-
-    def _descendants(self, key: str, formed: dict[str, tuple[str, ...]] | None = None) -> set[str]:
-        """Residents that transitively depend on ``key`` (through evicted chunks too: the
-        conditioning graph keeps what an evicted chunk was formed on)."""
-        out: set[str] = set()
-        frontier = [key]
-        if formed is None or formed is self.formed:
-            formed_of = self._formed_of
-        else:
-            sets = {d: frozenset(f) for d, f in formed.items()}
-            formed_of = sets.__getitem__
-        keys = list(self.formed if formed is None else formed)
-        while frontier:
-            a = frontier.pop()
-            for d in keys:
-                if d not in out and d != key and a in formed_of(d):
-                    out.add(d)
-                    frontier.append(d)
-        resident = set(self.order)
-        return {d for d in out if d in resident}
-
-    def _formed_of(self, key: str) -> frozenset:
-        s = self._formed_set.get(key)
-        if s is None:
-            s = self._formed_set[key] = frozenset(self.formed.get(key, ()))
-        return s
 
     def _reorder(self, order: list[str]) -> None:
         resident = set(self.order)
@@ -569,6 +514,7 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
     def _run(self) -> None:
         r = self.r
         cost = self.cost
+        gaps = idle_gaps(self.trace) if self.idle_tokens is not None else {}
         stack: list[tuple] = []
         for idx, ev in enumerate(self.trace.events):
             r.events += 1
@@ -602,7 +548,9 @@ class Replayer(PolicyDecisions, KVStateMirror, AnticipationMirror, HealMirror):
                 self.expect(ev.id, ev.at)
             elif op == "step":
                 r.steps += 1
-                if self._has_pending() or self.anticipation_due:  # the agent's idle time
+                if self.idle_tokens is not None:  # the idle gap the trace records, as the window spends it
+                    self._idle_step(int(self.idle_tokens(gaps[idx])))
+                elif self._has_pending() or self.anticipation_due:  # the agent's idle time
                     self.heal()
                     self.anticipate()
                 if self.on_step is not None:
@@ -680,7 +628,8 @@ def _access_log(eng: Replayer) -> list[Hashable]:
     eviction policy: what is read is decided by the trace and the placement)."""
     from ..scheduler.eviction_lru import LRUEviction
 
-    probe = Replayer(eng.trace, type(eng.placement)(), LRUEviction(), eng.arm.copy(), eng.cost, eng.cfg)
+    probe = Replayer(eng.trace, type(eng.placement)(), LRUEviction(), eng.arm.copy(), eng.cost, eng.cfg,
+                     idle_tokens=eng.idle_tokens, factorization_cost=eng.factorization_cost)
     probe.pool.log = []
     probe._prepare_future()
     probe._run()

@@ -24,6 +24,8 @@ Idle gaps (``idle_rate``, trace tokens the model prefills per idle second): each
 time (``traces.idle_gaps``) becomes a deterministic heal budget of ``idle_ms / 1000 x idle_rate x
 scale`` prefilled tokens (the trace's idle time, in the scaled trace's tokens), spent by ``heal``
 and, with ``anticipate=True``, by anticipation, instead of healing to completion at every step.
+A forming costs that budget its forward and its factorization (:func:`factorization_cost`, from
+the cost model, passed as the window's ``factorization_cost``).
 The patch arm then reports the anticipation hit rate per step type (``replay.hits``: re-read
 steps answered fresh with 0 forwards, from the receipts).
 TTFT: wall time of (assembling the arm's KV + prefilling the query) over (re-prefilling the
@@ -43,12 +45,15 @@ from typing import Any, Sequence
 import torch
 
 from ..scheduler.eviction import PolicyError
+from ..core.errors import TraceError
 from ..traces.io import Trace, read_trace
 from .hits import HitRate
 from .live import drive_window
 from .reuse import make_reuse
 
 DEFAULT_SCALE = 1 / 16
+IDLE_CONTEXT = 2048
+"""The context length whose calibrated prefill rate ``--idle-rate calibrated`` takes."""
 NO_FIDELITY = frozenset({"kvcapsule-linear"})  # cost rules whose arm fidelity mode does not drive
 MIN_TOKENS = 8
 
@@ -71,6 +76,36 @@ def chunk_ids(backend: Any, content_hash: str, n: int) -> list[int]:
         return torch.randint(4, vocab, (n,), generator=g).tolist()
     start = h % max(1, len(corpus) - n)
     return list(corpus[start : start + n])
+
+
+_DISTINCT_TRIES = 1000
+
+
+def trace_chunk_ids(backend: Any, trace: Trace) -> dict[str, list[int]]:
+    """Token ids for every chunk of ``trace`` (:func:`chunk_ids` of its content hash), distinct for
+    distinct contents: the window names a chunk by its tokens, so two contents whose ids happened
+    to be equal (short chunks cut from real text repeat) would be one chunk to it, one canonical
+    stored, where the trace and its replay hold two. Such a collision takes the next derived hash."""
+    out: dict[str, list[int]] = {}
+    owner: dict[tuple[int, ...], str] = {}  # token ids -> the content hash they stand for
+    for cid, chunk in trace.chunks.items():
+        for attempt in range(_DISTINCT_TRIES):
+            ids = chunk_ids(backend, chunk.hash if not attempt else f"{chunk.hash}:{attempt}", chunk.tokens)
+            if owner.setdefault(tuple(ids), chunk.hash) == chunk.hash:
+                break
+        else:
+            raise TraceError(f"chunk {cid!r}: no {chunk.tokens} token ids found that no other content of the trace "
+                             f"has after {_DISTINCT_TRIES} tries (the corpus repeats too much for chunks this short)")
+        out[cid] = ids
+    return out
+
+
+def factorization_cost(cost: Any) -> float:
+    """What one token a patch factorizes costs an idle budget counted in prefill tokens (the
+    window's ``factorization_cost``): the cost model's ``svd_s_per_token`` x its prefill rate at
+    :data:`IDLE_CONTEXT`, i.e. the calibrated machine's ratio of SVD time to prefill time, taken to
+    hold at any ``--idle-rate`` (both run on the same device)."""
+    return float(cost.svd_s_per_token) * float(cost.tokens_per_s(IDLE_CONTEXT))
 
 
 def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

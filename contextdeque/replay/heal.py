@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..window.healing import HealBudget, heal_batch
 from ..window.plan import Difference
+from ..window.staleness import staleness_score
 
 
 class HealMirror:
@@ -33,27 +35,83 @@ class HealMirror:
         trace executor heal at a step; chunks that left unhealed wait for a heal called anyway)."""
         return bool(self._defers and (self._pending_canon or self._pending_form or self._canon_due))
 
-    def heal(self) -> None:
+    def heal(self, budget: HealBudget | None = None) -> None:
         """Latency-first: the idle-time work queued since the last heal, on the window as it stands
         (canonicals of provisional chunks, whose patch is their difference: no second forward; the
         eager policy's conditioning for chunks that waited, store hits first; the recall cascade of
-        those that were recalled). Counted in ``tokens_prefilled`` and ``heal_*``, not in
-        ``est_seconds``."""
+        those that were recalled). Under a ``budget`` (an idle gap: ``healing.HealBudget``) in the
+        window's steps (``healing.heal_batch``: the stalest pending chunk and the pending ones in
+        front of it; then, with nothing pending, one canonical owed by a chunk that left per step),
+        until it is spent; without one, all of it in one pass (what the steps add up to). Counted in
+        ``tokens_prefilled`` and ``heal_*``, not in ``est_seconds``."""
         if not self._has_heal_work():
             return
+        if budget is None or not budget.bounded:
+            idle = self._idle_start()
+            self._heal_pass(None)
+            self._idle_end(idle)
+            return
+        self._forget_departed()
+        while (self._pending_keys() or self._leave_canon) and budget.allows_step():
+            idle, factorized = self._idle_start(), self.factorized_tokens
+            pending = self._pending_keys()
+            if pending:
+                self._heal_pass(set(heal_batch(self.order, pending, self._heal_priority)))
+            else:  # (the window's ``_unhealed_evicted``: one a step, in eviction order)
+                self._heal_pass(set(), owed=next(iter(self._leave_canon)))
+            budget.spend(self.r.tokens_prefilled - idle[0], self.factorized_tokens - factorized)
+            self._idle_end(idle)
+
+    def _forget_departed(self) -> None:
+        """Drop the queued work of chunks no longer in the window (gone with a discarded fork):
+        the window's queue holds residents only."""
+        resident = set(self.order)
+        departed = {k for k in (*self._pending_canon, *self._pending_form) if k not in resident}
+        if departed:
+            self._heal_pass(departed)
+        self._canon_due &= resident
+
+    def _idle_step(self, max_tokens: int) -> None:
+        """``heal(max_tokens=)`` at a step (nothing when the gap affords no token): the queued work
+        and then, once none is left, anticipation, on one budget (``healing.HealBudget``)."""
+        if max_tokens <= 0:
+            return
+        budget = HealBudget(max_tokens=max_tokens, factorization_cost=self.factorization_cost)
+        self.heal(budget)
+        if not self._pending_keys():
+            self.anticipate(budget)
+
+    def _pending_keys(self) -> set[str]:
+        """The window's ``state.pending``, over keys: resident chunks queued for the heal."""
+        resident = set(self.order)
+        return (set(self._pending_canon) | set(self._pending_form) | self._canon_due) & resident
+
+    def _heal_priority(self, key: str) -> float:
+        """``ContextWindow.heal_priority`` over keys: the staleness of what ``key`` carries (a
+        provisional chunk: the KV it ran after) behind what is in front of it now."""
+        i = self.order.index(key)
+        tok = self.tokens.__getitem__
+        formed, states = self.formed.get(key, ()), self._formed_states.get(key, ())
+        carried = [] if len(states) != len(formed) else [((a, st), tok(a)) for a, st in zip(formed, states)]
+        return staleness_score(carried, [((p, self._kv_state(p)), tok(p)) for p in self.order[:i]])
+
+    def _heal_pass(self, keys: set[str] | None, owed: str | None = None) -> None:
+        """Heal the queued work of ``keys`` (None: all of it, and the canonicals owed by chunks
+        that left; ``owed``: that one only)."""
         self._changed()
-        r = self.r
-        idle = self._idle_start()
+        everything = keys is None
+        keys = set(self.order) | set(self._pending_canon) | set(self._pending_form) if keys is None else keys
         self._healing = True
         try:
             resident = set(self.order)
-            for key in self._leave_canon:
+            for key in list(self._leave_canon) if everything else [owed] if owed is not None else []:
+                del self._leave_canon[key]
                 if key not in resident:
                     self._encode(key)
                     self._owes.discard(key)
-            self._leave_canon.clear()
             front = self.order[0] if self.order else None
-            for key in sorted(self._canon_due & resident, key=self.order.index):
+            for key in sorted(self._canon_due & resident & keys, key=self.order.index):
+                self._canon_due.discard(key)
                 if key not in self._no_canon:
                     continue
                 i = self.order.index(key)
@@ -63,19 +121,21 @@ class HealMirror:
                     self._set_formed(key, ())
                 elif key not in self._pending_form:  # something came in front of it meanwhile: re-forwarded
                     self._form(key, self.order[:i])  # behind that (once: a queued re-form does it below)
-            self._canon_due.clear()
+            if everything:
+                self._canon_due.clear()
             # a forward's KV differs from its canonical + patch once the chunks it ran after are
             # healed themselves (their KV changes): the difference is then no patch for the window
             # as it stands, and the eager policy forms one anew (what ContextWindow.heal does)
             healed_before: set[str] = set()
             anew: set[str] = set()
-            queued = set(self._pending_canon) | set(self._pending_form)
+            queued = (set(self._pending_canon) | set(self._pending_form)) & keys
             for key in self.order:
-                if key in self._pending_canon and healed_before:
+                if key in self._pending_canon and key in keys and healed_before:
                     anew.add(key)
                 if key in queued:
                     healed_before.add(key)
-            for key, pc in self._pending_canon.items():
+            for key in [k for k in self._pending_canon if k in keys]:
+                pc = self._pending_canon.pop(key)
                 if key not in resident:  # gone with a discarded fork: its canonical is never made
                     k = ("c", self.content[key])
                     if k not in self.pool.pinned:
@@ -87,18 +147,21 @@ class HealMirror:
                     self._no_canon[key] = None
                     continue
                 self._encode(key)
+                prefix = tuple(self.order[: self.order.index(key)])
                 if key == front:  # at the front the canonical is exact: its KV from now on
                     self._set_formed(key, ())
-                elif pc and key not in anew and self._prefix_content(key) == pc:  # latency-shared: the patch is the difference
-                    prefix = tuple(self.order[: self.order.index(key)])
-                    self._difference(key, prefix)
+                elif pc and key not in anew and self._prefix_content(key) == pc and \
+                        self._formed_states.get(key) == tuple(map(self._kv_state, prefix)):
+                    self._difference(key, prefix)  # latency-shared: the patch is the difference
                     self._set_formed(key, prefix)
                 else:  # moved since its forward, or what it ran after was healed: the eager policy forms anew
                     self._pending_form.setdefault(key, False)
                     anew.add(key)
-            self._pending_canon.clear()
             pos = {k: i for i, k in enumerate(self.order)}
-            for key, force in sorted(self._pending_form.items(), key=lambda kv: pos.get(kv[0], -1)):
+            for key, force in sorted([kv for kv in self._pending_form.items() if kv[0] in keys],
+                                     key=lambda kv: pos.get(kv[0], -1)):
+                del self._pending_form[key]
+                reason = self._pending_reason.pop(key, None)
                 i = pos.get(key)
                 if i is None:
                     continue
@@ -108,16 +171,16 @@ class HealMirror:
                 elif force or key in anew or tuple(prefix) != self.formed.get(key, ()):
                     if force:
                         self.r.cascade_reforms += 1
-                    reason = "cascade" if force else self._pending_reason.get(key)
+                    reason = "cascade" if force else reason
                     if key in anew or key in self._no_canon or reason is None:
                         self._form(key, prefix)
                     else:  # the eager policy's decision on the slot as it was deferred (what it carried)
                         self.carry_out(key, prefix, self.decide(reason, key, prefix))
-            self._pending_form.clear()
-            self._pending_reason.clear()
+            if everything:
+                self._pending_form.clear()
+                self._pending_reason.clear()
         finally:
             self._healing = False
-        self._idle_end(idle)
 
     def _idle_start(self) -> tuple[int, int, float]:
         return self.r.tokens_prefilled, self.r.forwards, self.r.est_seconds

@@ -26,10 +26,11 @@ from ..window.placement import END
 from ..window.receipt import Receipt
 
 
-def _asked(at: int | None) -> int | str:
+def _asked(at: int | None, pinned: bool = True) -> int | str | None:
     """A trace's recall position as the window takes it: a trace's ``at=None`` is the end, as the
-    replay prices it (pinned: the window's own choice for unpinned recalls is not the trace's)."""
-    return END if at is None else at
+    replay prices it (pinned: the window's own choice for unpinned recalls is not the trace's), or
+    with ``pinned=False`` None, where ``recall(ref)`` puts it."""
+    return (END if pinned else None) if at is None else at
 
 TokenIds = Callable[[Any], "list[int]"]
 
@@ -42,7 +43,8 @@ def recall_step(at: int | None, n_in_window: int) -> str:
 def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
                  on_query: Callable[[int, Any, Any, str], None] | None = None, heal_at_end: bool = True,
                  on_step: Callable[[str, Receipt], None] | None = None,
-                 idle_tokens: Callable[[float], int] | None = None, hints: bool = True) -> Receipt:
+                 idle_tokens: Callable[[float], int] | None = None, hints: bool = True,
+                 pin_recalls: bool = True) -> Receipt:
     """Run ``trace`` on ``window``; returns the sum of its window operations' receipts (``op="trace"``).
 
     ``token_ids(arrive_event)``: the ids a chunk's content becomes (called once per chunk id).
@@ -53,7 +55,10 @@ def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
     type and their receipts summed (a ``slide`` of n is n evictions). ``idle_tokens(idle_ms)``: the
     heal budget of a step's idle gap, in prefilled tokens (see the module doc); None: heal what is
     queued at every step, to completion. ``hints``: pass the trace's ``expect`` events on to the
-    window (``ContextWindow.expect``; False: the predictor goes without what the agent said)."""
+    window (``ContextWindow.expect``; False: the predictor goes without what the agent said).
+    ``pin_recalls=False``: a recall the trace does not place (``at`` None) is ``recall(ref)``, where
+    the window's recall placement puts it (``WindowConfig.recall_placement``: where a stored patch
+    stays valid), instead of the end (issue 21's placement that seeks validity)."""
     win = window
     receipts: list[Receipt] = []
     gaps = idle_gaps(trace) if idle_tokens is not None else {}
@@ -70,7 +75,7 @@ def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
         if op == "arrive":
             if ev.id in refs and refs[ev.id] in win.evicted_refs:
                 step = recall_step(ev.at, len(logical))
-                receipts.append(win.recall(refs[ev.id], at=_asked(ev.at)))
+                receipts.append(win.recall(refs[ev.id], at=_asked(ev.at, pin_recalls)))
             elif ev.id not in refs or refs[ev.id] not in win.refs:
                 if ev.id not in ids_of:
                     ids_of[ev.id] = token_ids(ev)
@@ -80,7 +85,7 @@ def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
         elif op == "recall":
             step = recall_step(ev.at, len(logical))
             if refs[ev.id] in win.evicted_refs:  # (not if it never left: a budget keeps no order)
-                receipts.append(win.recall(refs[ev.id], at=_asked(ev.at)))
+                receipts.append(win.recall(refs[ev.id], at=_asked(ev.at, pin_recalls)))
             logical.insert(len(logical) if ev.at is None else min(ev.at, len(logical)), ev.id)
         elif op == "evict":
             if refs[ev.id] in win.refs:  # (a token budget may have let it go already)
@@ -113,8 +118,8 @@ def drive_window(window: Any, trace: Trace, token_ids: TokenIds, *,
                 win.expect_order(named + [r for r in win.refs if r not in set(named)])
             continue
         elif op == "expect":
-            if hints and ev.id in refs and refs[ev.id] in win.evicted_refs:
-                win.expect(refs[ev.id], at=_asked(ev.at))  # where the recall will insist on
+            if hints and ev.id in refs and refs[ev.id] in win.evicted_refs:  # where the recall will insist on
+                win.expect(refs[ev.id], at=_asked(ev.at, pin_recalls))
             continue
         elif op == "step":
             if idle_tokens is not None:  # the idle gap the trace records: heal and anticipate within it

@@ -38,7 +38,6 @@ only found (formed earlier by an operation or a heal) keeps saying ``"recurring"
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..core.errors import ArgumentTypeError, WindowError
@@ -46,8 +45,9 @@ from . import ingest
 from .placement import END, recall_chooser, window_index
 from .plan import Forward
 from .anticipate_reorder import ANTICIPATED_REORDERS, anticipate_reorder, reorder_candidates
+from .healing import HealBudget, idle_spent  # noqa: F401  (idle_spent: the name l21b's callers use)
 from .policy_latency import HealPolicy
-from .predictor import Prediction, RecallPredictor, make_predictor, rank_predictions
+from .predictor import Prediction, RecallPredictor, factorized_tokens, make_predictor, rank_predictions
 from .receipt import Meter, Receipt
 from .reconcile import reconcile
 from .ref import ChunkRef
@@ -242,6 +242,23 @@ def reorder_after(state: WindowState, recalls: Sequence[tuple[ChunkRef, int | st
     return sum(tokens.get(r, 0) for r in then[first:])
 
 
+def recall_cost(state: Any, prediction: Prediction, reorder_tokens: int, factorization_cost: float) -> float:
+    """What preparing ``prediction`` (and, ``reorder_tokens`` > 0, the hinted reorder after it:
+    :func:`reorder_after`) is estimated to cost an idle budget: its forwards and, at
+    ``factorization_cost``, its patches' factorizations (``healing.idle_spent``). ``state``: a
+    :class:`~.state.WindowState` (the replay's key-level one too)."""
+    cost = prediction.cost_tokens + reorder_tokens * (1.0 + factorization_cost)
+    if factorization_cost:
+        cost += factorization_cost * factorized_tokens(state, prediction.recalls)
+    return cost
+
+
+def slide_cost(n_tokens: int, factorization_cost: float) -> float:
+    """What preparing the next slide costs an idle budget: the canonical's forward and its patch's
+    factorization (an SVD of the provisional KV)."""
+    return n_tokens * (1.0 + factorization_cost)
+
+
 class WindowAnticipation:
     """The anticipation operations of a :class:`~.window.ContextWindow` (a mixin)."""
 
@@ -332,14 +349,15 @@ class WindowAnticipation:
             return {"refs": () if ref is None else (ref,)}, None
 
         predictions = plan_recalls(self.recall_predictor, self._state, self.expected, budgeted)
+        svd = float(self._ctx.config.factorization_cost)
         slots = self._state.slots
         if len(slots) >= 2 and slots[1].provisional:
             # the slide first: it changes the window (a canonical), which the other patches' keys
             # name. Under a budget only when the front leaving is at least as likely as the best
             # recall prediction (agents that keep their task in front never slide it out)
             top = predictions[0].probability if predictions else 0.0
-            if not budgeted or self.recall_predictor.p_front_leaves() >= top:
-                yield slide_body, True, slots[1].n_tokens
+            if not budgeted or self.recall_predictor.p_front_leaves() >= top:  # (its canonical; its patch an SVD)
+                yield slide_body, True, slide_cost(slots[1].n_tokens, svd)
                 predictions = plan_recalls(self.recall_predictor, self._state, self.expected, budgeted)  # (as it now stands)
         done: dict[tuple, int] = {}  # chains prepared in this pass -> their estimated cost
 
@@ -353,7 +371,7 @@ class WindowAnticipation:
             for orders in ((self.expected_orders, ()) if then else ((),)):
                 if covered(prediction.recalls) and not orders:
                     continue
-                cost = prediction.cost_tokens + (then if orders else 0)
+                cost = recall_cost(self._state, prediction, then if orders else 0, svd)
 
                 def recall_body(state: WindowState, meter: Meter, p: Prediction = prediction, cost: int = cost,
                                 orders: Sequence = orders) -> tuple[dict[str, Any], None]:
@@ -372,28 +390,30 @@ class WindowAnticipation:
 
             yield reorder_body, False, None
 
-    def _anticipate(self, max_steps: int | None, max_tokens: int | None = None,
-                    deadline: float | None = None) -> list[Receipt]:
+    def _anticipate(self, budget: "HealBudget | None" = None) -> list[Receipt]:
         """The anticipation steps ``heal()`` (or the idle healer) runs once nothing is queued (see
-        the module doc), until ``max_steps`` formed something or ``deadline`` (``time.perf_counter``)
-        passed, checked between steps; under ``max_tokens`` a recall prediction whose estimated
-        cost does not fit what is left is skipped (a cheaper one further down may fit). A run that
-        completes marks the window as anticipated (:attr:`anticipation_due` turns False until it
-        changes); an interruption leaves the steps done so far (each a whole transaction)."""
+        the module doc), on what is left of ``budget`` (``healing.HealBudget``, checked between
+        steps: its ``max_steps`` count the steps that formed something; a recall prediction whose
+        estimated cost does not fit its ``max_tokens`` is skipped, a cheaper one further down may
+        fit). A run that completes marks the window as anticipated (:attr:`anticipation_due` turns
+        False until it changes); an interruption leaves the steps done so far (each a whole
+        transaction)."""
+        budget = budget if budget is not None else HealBudget()
         steps: list[Receipt] = []
-        if not self.anticipation_due or (max_steps is not None and max_steps <= 0):
+        if not self.anticipation_due or (budget.max_steps is not None and budget.steps >= budget.max_steps):
             return steps
+        self._ctx.prepared.new_pass()  # (what earlier passes prepared goes first when the bound is reached)
         complete = True
-        for body, mutates, cost in self._anticipation_tasks(max_tokens is not None or deadline is not None):
-            if (max_steps is not None and len(steps) >= max_steps) or (deadline is not None and time.perf_counter() >= deadline):
+        for body, mutates, cost in self._anticipation_tasks(budget.bounded):
+            if (budget.max_steps is not None and budget.steps >= budget.max_steps) or budget.timed_out():
                 return steps
-            spent = sum(r.tokens_prefilled for r in steps)
-            if max_tokens is not None and (spent + (cost or 0) > max_tokens or spent >= max_tokens):
+            if not budget.fits(cost):
                 complete = False
                 continue  # too dear for what is left
             receipt = self._run("anticipate", body, mutates=mutates)[0]
             if receipt.refs or receipt.forwards:  # (prepared re-forwards form no patch but ran forwards)
                 steps.append(receipt)
+                budget.spend_receipt(receipt)
         if complete:
             self.__dict__["_anticipated_for"] = self._anticipation_token()
         return steps

@@ -102,7 +102,7 @@ class Healer:
                         win._heal_step()
                         self.steps += 1
                     else:  # each step one transaction: an interruption discards only the step in flight
-                        win._anticipate(None)
+                        win._anticipate()
                         self.anticipations += 1
             except Interrupted:
                 self.yielded += 1

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Collection, Hashable, Iterable, Sequence, TypeVar
 
 from ..core.args import check_float, check_int
 from ..core.errors import WindowError, WindowTypeError
 from ..patch import form_patch
 from . import ingest
-from .plan import Difference
+from .plan import Difference, Form
 from .policy import PatchPolicy
 from .policy_latency import HealPolicy
 from .receipt import Meter, Receipt
@@ -23,6 +24,82 @@ from .state import WindowState
 
 if TYPE_CHECKING:  # pragma: no cover
     from .healer import Healer
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def heal_batch(order: Sequence[K], pending: Collection[K], priority: Callable[[K], float],
+               target: K | None = None) -> list[K]:
+    """``heal()``'s order of work, over keys (the window's refs, the replay's chunk ids): the next
+    step heals the pending chunk of highest ``priority`` (``target`` instead, when it is pending;
+    of equal ones the frontmost) together with the pending chunks in front of it (a patch is
+    formed on its antecedents' current KV, so they go first), in window ``order``. Empty: nothing
+    pending."""
+    queued = [k for k in order if k in pending]
+    if not queued:
+        return []
+    chosen = target if target is not None and target in queued else max(queued, key=priority)
+    return queued[: queued.index(chosen) + 1]
+
+
+def idle_spent(receipts: Iterable[Receipt], factorization_cost: float) -> float:
+    """What ``receipts`` (heal and anticipation steps) cost a heal's token budget
+    (``heal(max_tokens=...)``): the tokens their forwards prefilled, plus ``factorization_cost``
+    (``WindowConfig.factorization_cost``) per token a patch factorized (a ``Form``'s SVD, once
+    whatever its forwards, or a ``Difference`` taken from a forward already run)."""
+    spent = 0.0
+    for r in receipts:
+        spent += r.tokens_prefilled
+        if factorization_cost:
+            spent += factorization_cost * sum(op.tokens for op in r.plan if isinstance(op, (Form, Difference)))
+    return spent
+
+
+@dataclass
+class HealBudget:
+    """What one ``heal()`` may spend, checked between its steps (each a whole transaction): at
+    most ``max_steps`` steps, ``max_tokens`` prefilled tokens (a deterministic idle budget: the
+    trace executor's idle gaps), until ``deadline`` (``time.perf_counter()``; the live window's
+    only). The heal's queued work and then anticipation's preparations draw on the same budget;
+    the window executes the steps, the replay prices them, both under this one rule. A step costs
+    the tokens its forwards prefilled plus ``factorization_cost`` per token a patch factorized
+    (``WindowConfig.factorization_cost``: :func:`idle_spent`)."""
+
+    max_steps: int | None = None
+    max_tokens: int | None = None
+    deadline: float | None = None
+    factorization_cost: float = 0.0
+    steps: int = 0
+    tokens: float = 0.0
+
+    @property
+    def bounded(self) -> bool:
+        """Whether a budget other than the step count applies (anticipation then ranks by cost)."""
+        return self.max_tokens is not None or self.deadline is not None
+
+    def timed_out(self) -> bool:
+        return self.deadline is not None and time.perf_counter() >= self.deadline
+
+    def allows_step(self) -> bool:
+        """Whether another heal step may start."""
+        if self.max_steps is not None and self.steps >= self.max_steps:
+            return False
+        return not self.timed_out() and (self.max_tokens is None or self.tokens < self.max_tokens)
+
+    def fits(self, cost_tokens: int | None) -> bool:
+        """Whether a preparation estimated at ``cost_tokens`` (None: not priced) fits what is left."""
+        return self.max_tokens is None or (self.tokens < self.max_tokens and self.tokens + (cost_tokens or 0) <= self.max_tokens)
+
+    def spend(self, tokens: int, factorized: int = 0) -> None:
+        """One step done, which prefilled ``tokens`` and factorized patches of ``factorized`` tokens."""
+        self.steps += 1
+        self.tokens += tokens + self.factorization_cost * factorized
+
+    def spend_receipt(self, receipt: Receipt) -> None:
+        """One step done, as its receipt says (:func:`idle_spent`)."""
+        self.steps += 1
+        self.tokens += idle_spent((receipt,), self.factorization_cost)
 
 
 class WindowHealing:
@@ -46,13 +123,15 @@ class WindowHealing:
              anticipate: bool = True) -> Receipt:
         """Carry out the conditioning a latency-first policy deferred, most urgent first.
 
-        Each step takes the pending chunk of highest :meth:`heal_priority` and heals it together
-        with the pending chunks in front of it (a patch is formed on its antecedents' current
-        KV, so they go first), running the eager policy's decisions on the window as it stands;
+        Each step takes the pending chunk of highest :meth:`heal_priority` (the frontmost of equal
+        ones) and heals it together with the pending chunks in front of it (:func:`heal_batch`:
+        a patch is formed on its antecedents' current KV, so they go first), running the eager
+        policy's decisions on the window as it stands;
         each step is one transaction (an error or interruption leaves the window as it was
         before that step). Stops when nothing is pending, after ``max_steps`` steps, or once
         ``max_ms`` have passed, or once the forwards have prefilled ``max_tokens`` tokens (checked
-        between steps: a deterministic idle budget, where ``max_ms`` depends on the machine). With
+        between steps: a deterministic idle budget, where ``max_ms`` depends on the machine;
+        :class:`HealBudget`, the rule the replay prices an idle gap with). With
         ``anticipate=True``, what is left of the budget then prepares the next likely re-reads,
         the recall predictor's best by expected benefit per token (``window.anticipation``;
         ``max_tokens=0``: nothing; ``anticipate=False``: only the queued work, what the eager policy
@@ -67,25 +146,14 @@ class WindowHealing:
         if not isinstance(anticipate, bool):
             raise WindowTypeError(f"anticipate must be a bool, got {type(anticipate).__name__}")
         t0 = time.perf_counter()
-        deadline = None if max_ms is None else t0 + float(max_ms) / 1000.0
+        budget = HealBudget(None if max_steps is None else int(max_steps), None if max_tokens is None else int(max_tokens),
+                            None if max_ms is None else t0 + float(max_ms) / 1000.0, float(self._ctx.config.factorization_cost))
         steps: list[Receipt] = []
-
-        def tokens_left() -> int | None:
-            return None if max_tokens is None else int(max_tokens) - sum(r.tokens_prefilled for r in steps)
-
-        while self._state.pending or self._unhealed_evicted():
-            if max_steps is not None and len(steps) >= int(max_steps):
-                break
-            if deadline is not None and time.perf_counter() >= deadline:
-                break
-            if max_tokens is not None and tokens_left() <= 0:
-                break
+        while (self._state.pending or self._unhealed_evicted()) and budget.allows_step():
             steps.append(self._heal_step())
-        if anticipate and not self._state.pending and (deadline is None or time.perf_counter() < deadline):
-            left = None if max_steps is None else int(max_steps) - len(steps)
-            budget = tokens_left()
-            # (window.anticipation; nothing unless anticipate=True)
-            steps.extend(self._anticipate(left, None if budget is None else max(0, budget), deadline))
+            budget.spend_receipt(steps[-1])
+        if anticipate and not self._state.pending and not budget.timed_out():
+            steps.extend(self._anticipate(budget))  # (window.anticipation; nothing unless anticipate=True)
         return Receipt.merged("heal", steps, wall_ms=(time.perf_counter() - t0) * 1000.0)
 
     def _unhealed_evicted(self) -> list[ChunkRef]:
@@ -114,9 +182,7 @@ class WindowHealing:
                     state.evicted[ref] = dataclasses.replace(entry, provisional=None, unhealed=False, source=source)
                     return {"refs": (ref,)}, None
                 return {"refs": ()}, None  # healed meanwhile (e.g. by a foreground heal): nothing to do
-            chosen = target if target is not None and target in state.pending else max(state.pending, key=self.heal_priority)
-            idx = state.index(chosen)
-            batch = [s.ref for s in state.slots[: idx + 1] if s.ref in state.pending]
+            batch = heal_batch(state.refs, state.pending, self.heal_priority, target)
             reasons = {r: state.pending[r].reason for r in batch}
             eager = getattr(ctx.policy, "eager", ctx.policy)
             carried = {r: state.pending[r].carried for r in batch}

@@ -19,7 +19,7 @@ never touches the model or the store.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Mapping, Sequence
 
 from ..core.errors import WindowError
 from ..core.registry import Registered, Registry
@@ -107,16 +107,10 @@ def rank_predictions(predictions: Iterable[Prediction]) -> list[Prediction]:
     return out
 
 
-def chain_tokens(state: "WindowState", recalls: Sequence[Recall]) -> tuple[int, int]:
-    """``(cost_tokens, saved_tokens)`` of recalling ``recalls`` in order from ``state`` (an
-    estimate, no simulation): each recalled chunk's forming forward (its tokens), the in-window
-    chunks its recall cascade would re-form (the conditioning graph's dependents of it: a patch
-    formed, or for latency-first content with no canonical the re-forward ``heal`` would run,
-    prepared ahead, ``window.prepared``), each once per chain (re-formed behind the recalled
-    chunk, it no longer depends on the later ones), and, in the cost only, the canonical of a
-    chunk that left before it had one (encoded once anyway)."""
-    cost = saved = 0
-    tokens = {s.ref: s.n_tokens for s in state.slots}
+def _chain_cascades(state: "WindowState", recalls: Sequence[Recall]) -> Iterator[tuple[Any, list[ChunkRef]]]:
+    """``(evicted entry, dependents)`` per recall of ``recalls`` still evicted: the in-window
+    chunks its recall cascade would re-form (the conditioning graph's dependents of it), each once
+    per chain (re-formed behind the recalled chunk, it no longer depends on the later ones)."""
     redone: set[ChunkRef] = set()
     for ref, _ in recalls:
         entry = state.evicted.get(ref)
@@ -124,10 +118,33 @@ def chain_tokens(state: "WindowState", recalls: Sequence[Recall]) -> tuple[int, 
             continue
         dependents = [r for r in state.graph.preview_cascade(ref, state.refs) if r not in redone]
         redone.update(dependents)
+        yield entry, dependents
+
+
+def chain_tokens(state: "WindowState", recalls: Sequence[Recall]) -> tuple[int, int]:
+    """``(cost_tokens, saved_tokens)`` of recalling ``recalls`` in order from ``state`` (an
+    estimate, no simulation): each recalled chunk's forming forward (its tokens), the in-window
+    chunks its recall cascade would re-form (a patch formed, or for latency-first content with no
+    canonical the re-forward ``heal`` would run, prepared ahead, ``window.prepared``), each once
+    per chain, and, in the cost only, the canonical of a chunk that left before it had one
+    (encoded once anyway)."""
+    cost = saved = 0
+    tokens = {s.ref: s.n_tokens for s in state.slots}
+    for entry, dependents in _chain_cascades(state, recalls):
         cascade = sum(tokens.get(r, 0) for r in dependents)
         saved += entry.n_tokens + cascade
         cost += entry.n_tokens + cascade + (entry.n_tokens if entry.owes_encode else 0)
     return cost, saved
+
+
+def factorized_tokens(state: "WindowState", recalls: Sequence[Recall]) -> int:
+    """Tokens the patches of recalling ``recalls`` in order would factorize (an estimate, as
+    :func:`chain_tokens`): each recalled chunk's patch and the recall cascade's re-forms of
+    dependents with a canonical (a provisional dependent is re-forwarded, nothing factorized).
+    What ``WindowConfig.factorization_cost`` charges on top of the forwards."""
+    tokens = {s.ref: s.n_tokens for s in state.slots if not getattr(s, "provisional", False)}
+    return sum(entry.n_tokens + sum(tokens.get(r, 0) for r in dependents)
+               for entry, dependents in _chain_cascades(state, recalls))
 
 
 def priced(state: "WindowState", recalls: Sequence[Recall], probability: float, source: str) -> Prediction:

@@ -19,7 +19,7 @@ so they live in memory, in the window family's context, bounded (:data:`MAX_ENTR
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import Any, Hashable, Sequence
 
 from ..core.chunk import Chunk
 from ..patch.keys import kv_state
@@ -40,27 +40,61 @@ def prepared_key(chunk_id: str, prefix: Sequence[Slot]) -> str:
 
 
 class PreparedForwards:
-    """The prepared re-forwards of one window family (see the module doc)."""
+    """The prepared re-forwards of one window family (see the module doc), bounded by the rule the
+    replay's mirror shares (``replay/anticipate.py``, keys only: ``nbytes=0``).
+
+    Which entries stay when the bound is reached: those of earlier anticipation passes
+    (:meth:`new_pass`) go first, oldest first; an entry the current pass put or found (a later
+    prediction through the same arrangement, the step that takes it) belongs to the current pass.
+    Within the current pass a new entry that does not fit is not kept: anticipation prepares its
+    predictions best first, so the later one is the less likely (dropping the oldest instead threw
+    away the best prediction's dependents whenever a pass prepared more than the bound holds)."""
 
     def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES) -> None:
         self.max_entries, self.max_bytes = int(max_entries), int(max_bytes)
-        self._entries: OrderedDict[str, Chunk] = OrderedDict()
+        self._entries: OrderedDict[Hashable, tuple[int, Any, int]] = OrderedDict()  # key -> (pass, value, bytes)
         self.nbytes = 0
+        self.passes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, key: str, chunk: Chunk) -> None:
-        """Keep ``chunk`` (a provisional chunk's KV) under ``key``."""
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.nbytes -= old.nbytes
-        self._entries[key] = chunk
-        self.nbytes += chunk.nbytes
-        while self._entries and (len(self._entries) > self.max_entries or self.nbytes > self.max_bytes):
-            _, dropped = self._entries.popitem(last=False)
-            self.nbytes -= dropped.nbytes
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
 
-    def get(self, key: str) -> Chunk | None:
-        """The KV prepared under ``key``, or None."""
-        return self._entries.get(key)
+    def new_pass(self) -> None:
+        """An anticipation pass begins: what earlier passes kept goes first from now on."""
+        self.passes += 1
+
+    def put(self, key: Hashable, value: Any, nbytes: int | None = None) -> bool:
+        """Keep ``value`` (a provisional chunk's KV: its ``nbytes`` unless given) under ``key``.
+        Returns whether it was kept (see the class doc)."""
+        size = int(value.nbytes if nbytes is None else nbytes)
+        self._drop(key)
+        while self._entries and self._over(size):
+            oldest, (made_in, _, _) = next(iter(self._entries.items()))
+            if made_in >= self.passes:  # only the current pass's left: they are the likelier ones
+                return False
+            self._drop(oldest)
+        if self._over(size):
+            return False
+        self._entries[key] = (self.passes, value, size)
+        self.nbytes += size
+        return True
+
+    def get(self, key: Hashable) -> Any:
+        """The value kept under ``key`` (None: none); found, it belongs to the current pass."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._entries[key] = (self.passes, entry[1], entry[2])
+        self._entries.move_to_end(key)
+        return entry[1]
+
+    def _over(self, size: int) -> bool:
+        return len(self._entries) + 1 > self.max_entries or self.nbytes + size > self.max_bytes
+
+    def _drop(self, key: Hashable) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.nbytes -= entry[2]

@@ -184,6 +184,7 @@ class ConfigModel(_Model):
     kl_budget_ms: float | None = DEFAULT_KL_BUDGET_MS
     blind_kl: float = DEFAULT_BLIND_KL
     recall_predictor: str = "session"  # (the same; its learned statistics are not saved)
+    factorization_cost: float = 0.0  # (the same)
 
 
 ReceiptSummary = create_model(

@@ -182,6 +182,11 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             benefit per idle token (``window.predictor``): ``"session"`` (hints, recency and
             statistics learned from this window's own steps), ``"recency"``, another registered
             name or a ``RecallPredictor``.
+        factorization_cost: what a heal's token budget (``heal(max_tokens=...)``) charges per token
+            a patch factorizes (its SVD, beyond the conditioned forward: also a patch taken from a
+            forward already run), in prefill tokens: the cost model's ``svd_s_per_token`` x its
+            prefill tokens/s (``replay --idle-rate`` sets it from the calibration). 0: the budget
+            counts forwards only.
     """
 
     def __init__(
@@ -211,6 +216,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
         kl_budget_ms: float | None = DEFAULT_KL_BUDGET_MS,
         blind_kl: float = DEFAULT_BLIND_KL,
         recall_predictor: "str | RecallPredictor" = "session",
+        factorization_cost: float = 0.0,
     ) -> None:
         root = self._checked_root(backend, root)
         config = WindowConfig(
@@ -221,6 +227,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             beyond_trained=beyond_trained, chunk_template=chunk_template, max_evicted=max_evicted,
             anticipate=anticipate, recall_placement=recall_placement, answer_kl_budget=answer_kl_budget,
             kl_budget_ms=kl_budget_ms, blind_kl=blind_kl, recall_predictor=recall_predictor,
+            factorization_cost=factorization_cost,
         )
         self._start(backend_with_root(backend, root), store, config)
 

@@ -1,0 +1,69 @@
+"""Anticipation hit rate per trace and step type without the KL queries (issue 21): the replay's
+real window driven as `replay --fidelity N --idle-rate R --placement arrival --patch-policy latency`
+drives it (latency-first, anticipation on, the session predictor, the traces' hints, scale 1/16),
+the idle budget `idle_ms / 1000 x R x scale` tokens, a forming charged `--fc` per factorized token
+(the window's factorization_cost; `replay --idle-rate` sets it from the cost model). Prints every
+counted step the window did not answer fresh (-v: every one) and the per-type table.
+`--micro`: a 2-layer random llama instead of the default model (the budget is in tokens, so the
+hits depend on the model only through the prepared re-forwards' byte bound); `--unpinned`: trace
+recalls without an index go where recall(ref) puts them.
+Usage: OMP_NUM_THREADS=1 python scripts/hit_rate.py doc-0.jsonl web-0.jsonl --rate 15000 --fc 0.449"""
+import sys, json, time, argparse
+import torch
+torch.set_num_threads(1)
+from contextdeque.model import load_model
+from contextdeque.window import ContextWindow
+from contextdeque.replay.live import drive_window
+from contextdeque.replay.hits import HitRate, RE_READS
+from contextdeque.replay.fidelity import chunk_ids, MIN_TOKENS, DEFAULT_SCALE
+from contextdeque.traces.io import read_trace
+
+ap = argparse.ArgumentParser()
+ap.add_argument("traces", nargs="+")
+ap.add_argument("--rate", type=float, default=1e9)
+ap.add_argument("--placement", default="arrival")
+ap.add_argument("-v", action="store_true")
+ap.add_argument("--json", default=None)
+ap.add_argument("--fc", type=float, default=0.0)
+ap.add_argument("--micro", action="store_true")
+ap.add_argument("--unpinned", action="store_true")
+ap.add_argument("--upto", type=int, default=None)
+ap.add_argument("--scale", type=float, default=DEFAULT_SCALE)
+a = ap.parse_args()
+ap2 = None
+if a.micro:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from contextdeque.model.hf import HFBackend
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16384, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(11)
+    backend = HFBackend(LlamaForCausalLM(cfg).eval(), None, root_ids=[1, 3], name="micro-diag")
+else:
+    backend = load_model()
+scale = a.scale
+out = {}
+for path in a.traces:
+    t = read_trace(path)
+    if a.upto:
+        t.events[:] = t.events[: a.upto]
+    win = ContextWindow(backend, placement=a.placement, patch_policy="latency", anticipate=True, recall_predictor="session", factorization_cost=a.fc)
+    hits = HitRate()
+    labels = {}
+    def on_step(step, rec, hits=hits):
+        hits.add(step, rec)
+        if step in RE_READS + ("evict", "commit", "discard") and (a.v or not rec.answered_fresh):
+            lab = lambda r: r.label or r.key
+            print(f"  {step:9s} fresh={rec.answered_fresh} fw={rec.forwards} tok={rec.tokens_prefilled} refs={[lab(r) for r in rec.refs]} "
+                  f"served={[(lab(r), w) for r, w in rec.served]} deferred={[(lab(r), s) for r, s, _ in rec.deferred]} placed={[(lab(r), i, w) for r,i,w in rec.placed]}")
+    t0 = time.time()
+    idle = lambda ms: int(ms / 1000.0 * a.rate * scale)
+    print(f"== {t.name} rate={a.rate}")
+    total = drive_window(win, t, lambda ev: chunk_ids(backend, ev.hash, max(MIN_TOKENS, int(round(ev.tokens * scale)))),
+                         heal_at_end=False, on_step=on_step, idle_tokens=idle, pin_recalls=not a.unpinned)
+    d = hits.as_dict()
+    print(f"{t.name}: hit_rate={d['hit_rate']} own={d['own_hit_rate']} re_reads={d['re_reads']} "
+          + " ".join(f"{k}:{v['hits']}/{v['steps']}(own {v['own_hits']})" for k, v in d["by_step"].items())
+          + f"  [{time.time()-t0:.0f}s]", flush=True)
+    out[t.name] = d
+if a.json:
+    json.dump(out, open(a.json, "w"), indent=1)

@@ -1,0 +1,314 @@
+"""The top-m factorization (contextdeque.patch.topm) against its oracle, the float64 SVD: on
+random Δs shaped to break a Gram route (ill-conditioned, rank-deficient, an outlier row,
+degenerate, zero, shorter than wide), on real Δs of the default model and of tiny models, and
+through a window (a patched window's next-token KL against a re-prefill equals the SVD's within
+1e-6). The checker itself is shown to fail on wrong factors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import contextdeque.patch.base as patch_base
+from contextdeque.core.errors import PatchError
+from contextdeque.core.metrics import kl_divergence
+from contextdeque.patch import form_patch
+from contextdeque.patch.base import FormContext
+from contextdeque.patch.ops import combine_patches
+from contextdeque.patch.alloc import layer_spectra
+from contextdeque.patch.topm import gram_serves, truncated_svd
+from contextdeque.stores import MemoryTier, TieredStore
+from helpers import assert_relocates_as_dense, seeded_ids, window_answer_logits
+
+# float32 factors of a float32 Δ: every comparison is relative to the Δ's scale, at a few float32
+# ulps (eps32 = 6e-8) times the dimensions' growth
+REL = 2e-6
+
+
+def oracle(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float64 SVD of ``delta [T, F]``: ``(U_m S_m, V_mᵀ, all singular values)``, float64."""
+    U, S, Vh = torch.linalg.svd(delta.to(torch.float64), full_matrices=False)
+    m = min(rank, S.shape[0])
+    return U[:, :m] * S[:m], Vh[:m], S
+
+
+def assert_top_factors(delta: torch.Tensor, rank: int, us: torch.Tensor, vt: torch.Tensor) -> None:
+    """``(us, vt)`` are the top-``rank`` factors of ``delta [T, F]`` as the float64 SVD has them:
+    shapes and dtype; ``vt``'s rows orthonormal; the spectrum ``s²`` (column energies of ``us``, what
+    rank allocation reads) equal to the SVD's, descending; the rank-m reconstruction error equal to
+    the SVD's (the best possible: Eckart–Young); where the spectrum has a gap, the same top
+    subspace; at full rank, Δ itself."""
+    T, F = delta.shape
+    m = min(rank, T, F)
+    assert us.shape == (T, m) and vt.shape == (m, F)
+    assert us.dtype == vt.dtype == torch.float32
+    d = delta.to(torch.float64)
+    u64, v64 = us.to(torch.float64), vt.to(torch.float64)
+    _, ref_vt, S = oracle(delta, rank)
+    scale = float(S[0]) if S.numel() and float(S[0]) > 0 else 1.0
+    assert torch.allclose(v64 @ v64.T, torch.eye(m, dtype=torch.float64), atol=REL), "V_mᵀ rows not orthonormal"
+    s2 = u64.pow(2).sum(0)
+    assert torch.allclose(s2, S[:m].pow(2), rtol=0, atol=REL * scale**2), "spectrum differs from the SVD's"
+    assert bool((s2[1:] <= s2[:-1] + REL * scale**2).all()), "directions not in descending order"
+    err = float((d - u64 @ v64).norm())
+    best = float(S[m:].pow(2).sum().sqrt())
+    assert abs(err - best) <= REL * max(float(d.norm()), 1e-30), f"rank-{m} error {err:.3e} vs the SVD's {best:.3e}"
+    if m == min(T, F):
+        assert err <= REL * max(float(d.norm()), 1e-30), "full rank does not reproduce Δ"
+    # the top-k subspace for every k <= m at which the spectrum has a clear gap: sinθ ≲ noise / gap
+    for k in range(1, m + 1):
+        gap = float(S[k - 1] ** 2 - (S[k] ** 2 if k < S.shape[0] else 0.0)) / scale**2
+        if gap > 1e-3:
+            cross = torch.linalg.svdvals(ref_vt[:k] @ v64[:k].T)
+            assert float(cross.min()) >= 1.0 - 1e-6 / gap, f"top-{k} subspace differs from the SVD's"
+
+
+def spectrum_delta(T: int, F: int, s: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """A float32 ``[T, F]`` Δ with singular values ``s`` (zero-padded) in random directions."""
+    g = torch.Generator().manual_seed(seed)
+    r = min(T, F)
+    U = torch.linalg.qr(torch.randn(T, r, generator=g, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(F, r, generator=g, dtype=torch.float64))[0]
+    full = torch.zeros(r, dtype=torch.float64)
+    full[: min(r, s.numel())] = s[:r].to(torch.float64)
+    return ((U * full) @ V.T).to(torch.float32)
+
+
+def _cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    T, F = 300, 96
+    noisy = torch.randn(T, F, generator=g)
+    return {
+        "gaussian": noisy,
+        "ill-conditioned (s from 1 to 1e-12)": spectrum_delta(T, F, torch.logspace(0, -12, F, dtype=torch.float64)),
+        "decaying (s from 1 to 1e-4)": spectrum_delta(T, F, torch.logspace(0, -4, F, dtype=torch.float64)),
+        "rank 10": spectrum_delta(T, F, torch.ones(10, dtype=torch.float64)),
+        "outlier row (1e4)": torch.cat([noisy[:1] * 1e4, noisy[1:]]),
+        "degenerate (40 equal, then 40 equal)": spectrum_delta(
+            T, F, torch.cat([torch.ones(40, dtype=torch.float64), torch.full((40,), 0.1, dtype=torch.float64)])),
+        "zero": torch.zeros(T, F),
+        "short (T < F)": torch.randn(40, F, generator=g),
+        "short, rank 5": spectrum_delta(40, F, torch.ones(5, dtype=torch.float64)),
+        "tiny entries (1e-30)": noisy * 1e-30,
+        "huge entries (1e30)": noisy * 1e30,
+    }
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("method", ["auto", "gram"])
+@pytest.mark.parametrize("rank", [1, 8, 32, 96])
+def test_top_factors_match_the_float64_svd(name, method, rank):
+    delta = CASES[name]
+    us, vt = truncated_svd(delta, rank, method=method)
+    assert us.is_contiguous() and vt.is_contiguous()  # stored and multiplied as laid out
+    assert_top_factors(delta, rank, us, vt)
+
+
+def test_both_routes_return_the_same_factors_signs_included():
+    """One sign per direction (the peak entry of each V_mᵀ row positive): the Gram route and the SVD
+    give the same factors element by element where the spectrum is distinct."""
+    delta = spectrum_delta(500, 64, torch.linspace(4.0, 0.5, 64, dtype=torch.float64), seed=5)
+    for rank in (8, 64):
+        us_g, vt_g = truncated_svd(delta, rank, method="gram")
+        us_s, vt_s = truncated_svd(delta, rank, method="svd")
+        peak = vt_g.gather(1, vt_g.abs().argmax(1, keepdim=True))
+        assert bool((peak > 0).all())
+        torch.testing.assert_close(vt_g, vt_s, rtol=0, atol=1e-5)
+        torch.testing.assert_close(us_g, us_s, rtol=0, atol=1e-5 * float(us_s.abs().max()))
+
+
+def test_batched_equals_one_by_one_and_groups_cut_the_batch(monkeypatch):
+    import contextdeque.patch.topm as topm
+
+    g = torch.Generator().manual_seed(1)
+    batch = torch.randn(2, 3, 120, 48, generator=g)
+    us, vt = truncated_svd(batch, 12)
+    assert us.shape == (2, 3, 120, 12) and vt.shape == (2, 3, 12, 48)
+    monkeypatch.setattr(topm, "GROUP_BYTES", 1)  # one item per group
+    us1, vt1 = truncated_svd(batch, 12)
+    for i in range(2):
+        for j in range(3):
+            one_us, one_vt = truncated_svd(batch[i, j], 12)
+            torch.testing.assert_close(us[i, j], one_us, rtol=0, atol=1e-5)
+            torch.testing.assert_close(vt[i, j], one_vt, rtol=0, atol=1e-6)
+            torch.testing.assert_close(us1[i, j], one_us, rtol=0, atol=1e-5)
+
+
+def test_the_route_auto_takes():
+    assert gram_serves(512, 192, 32) and gram_serves(512, 192, 192) and gram_serves(192, 192, 192)
+    assert gram_serves(100, 192, 50) and not gram_serves(100, 192, 51) and not gram_serves(100, 192, 100)
+
+
+def test_zero_rank_and_bad_input():
+    us, vt = truncated_svd(torch.randn(7, 5), 0)
+    assert us.shape == (7, 0) and vt.shape == (0, 5) and us.dtype == torch.float32
+    us, vt = truncated_svd(torch.randn(4, 7, 5, dtype=torch.float64), 9)  # rank above the cap: min(T, F)
+    assert us.shape == (4, 7, 5) and vt.shape == (4, 5, 5) and us.dtype == torch.float32
+    with pytest.raises(PatchError):
+        truncated_svd(torch.randn(5), 2)
+    with pytest.raises(PatchError):
+        truncated_svd(torch.randn(5, 4), -1)
+    with pytest.raises(PatchError):
+        truncated_svd(torch.randn(5, 4), 2, method="qr")
+
+
+def test_a_non_finite_delta_takes_the_svd_as_before():
+    delta = torch.randn(50, 8)
+    delta[3, 2] = float("nan")
+    try:
+        want = torch.linalg.svd(delta.to(torch.float64), full_matrices=False)
+    except RuntimeError as exc:  # LAPACK may refuse a NaN matrix: then the routine refuses it alike
+        with pytest.raises(type(exc)):
+            truncated_svd(delta, 4)
+        return
+    us, vt = truncated_svd(delta, 4)
+    assert not bool(torch.isfinite(us).all()) or not bool(torch.isfinite(want[1]).all())
+
+
+# ---------------------------------------------------------------------------- the checker fails on wrong factors
+
+
+def _wrong_factors(delta: torch.Tensor, rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    us, vt, _ = oracle(delta, rank + 1)
+    g = torch.Generator().manual_seed(0)
+    q = torch.linalg.qr(torch.randn(delta.shape[1], rank, generator=g, dtype=torch.float64))[0].T
+    f32 = lambda a, b: (a.to(torch.float32), b.to(torch.float32))  # noqa: E731
+    return {
+        "drops the top direction": f32(us[:, 1:], vt[1:]),
+        "ascending order": f32(us[:, :rank].flip(1), vt[:rank].flip(0)),
+        "a random subspace": f32(delta.to(torch.float64) @ q.T, q),
+        "float16 factors": f32(us[:, :rank].half().double(), vt[:rank].half().double()),
+        "one direction too few, zero-padded": f32(torch.cat([us[:, : rank - 1], us[:, :1] * 0], 1),
+                                                  torch.cat([vt[: rank - 1], vt[rank:rank + 1]], 0)),
+    }
+
+
+@pytest.mark.parametrize("wrong", list(_wrong_factors(CASES["gaussian"], 8)))
+def test_the_checker_fails_on_a_wrong_routine(wrong):
+    delta = CASES["gaussian"]
+    us, vt = _wrong_factors(delta, 8)[wrong]
+    with pytest.raises(AssertionError):
+        assert_top_factors(delta, 8, us, vt)
+
+
+# ---------------------------------------------------------------------------- real Δs
+
+
+def _real_deltas(backend, a_ids, b_ids):
+    a = backend.encode(token_ids=a_ids)
+    b = backend.encode(token_ids=b_ids)
+    ctx = FormContext(backend, b, [(a, [])], {})
+    dk, dv = patch_base.PATCH_KINDS["exact"]().target(ctx)
+    return a, b, dk, dv
+
+
+@pytest.fixture(scope="module")
+def default_deltas(default_backend, one_thread):
+    """The default model's Δ of a 256-token page after a 200-token page (real text)."""
+    from contextdeque.agents.scenarios import demo_document
+
+    ids = default_backend.tokenizer(demo_document())["input_ids"]
+    return (default_backend, *_real_deltas(default_backend, ids[:200], ids[200:456]))
+
+
+@pytest.mark.parametrize("rank", [8, 32, "full"])
+def test_the_default_models_deltas(default_deltas, rank):
+    """Every layer's K and V Δ of a real page (T = 256 ≥ F = 192: the Gram route)."""
+    _, _, _, dk, dv = default_deltas
+    for d in (dk, dv):
+        m = min(d.shape[1:]) if rank == "full" else rank
+        us, vt = truncated_svd(d, m)  # all layers in one batch, as a patch forms them
+        for l in range(d.shape[0]):
+            assert_top_factors(d[l], m, us[l], vt[l])
+
+
+def test_a_patch_formed_now_relocates_as_the_svds(default_deltas, monkeypatch):
+    """form_patch on the default model: the spectra rank allocation reads are the SVD's, and the
+    relocated page equals the one the float64 SVD's factors give, within float32 rounding."""
+    backend, a, b, _, _ = default_deltas
+    new = form_patch(backend, b, [a], rank=32)
+    monkeypatch.setattr(patch_base, "truncated_svd", lambda d, r: truncated_svd(d, r, method="svd"))
+    old = form_patch(backend, b, [a], rank=32)
+    for x, y in zip(layer_spectra(new), layer_spectra(old)):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6 * float(y.max()))
+    assert_relocates_as_dense(backend, b, new)
+    from contextdeque.core.operator import relocate
+
+    for (k1, v1), (k2, v2) in zip(relocate(b, 300, patch=new), relocate(b, 300, patch=old)):
+        torch.testing.assert_close(k1, k2, rtol=0, atol=1e-4 * float(k2.abs().max()))
+        torch.testing.assert_close(v1, v2, rtol=0, atol=1e-4 * float(v2.abs().max()))
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("rank", [2, 8, "full"])
+def test_tiny_models_deltas(tiny_backend_factory, one_thread, arch, rank):
+    """Tiny models: T = 40 ≥ F (deepseek's 32 / 16) and T < F (llama's 64): both Gram routes and the
+    SVD fallback, K and V widths that differ."""
+    be = tiny_backend_factory(arch)
+    _, _, dk, dv = _real_deltas(be, seeded_ids(24, 1, 200).tolist(), seeded_ids(40, 2, 200).tolist())
+    for d in (dk, dv):
+        m = min(d.shape[1:]) if rank == "full" else rank
+        us, vt = truncated_svd(d, m)
+        for l in range(d.shape[0]):
+            assert_top_factors(d[l], m, us[l], vt[l])
+
+
+def test_combined_and_shared_factorizations(tiny_backend_factory, one_thread):
+    """The other two callers (orbit combination, a shared basis) batch their layers through it."""
+    from contextdeque.patch import SharedBasis
+
+    be = tiny_backend_factory("llama")
+    a, c, b = (be.encode(token_ids=seeded_ids(n, s, 200).tolist()) for n, s in ((20, 4), (22, 5), (150, 6)))
+    p1, p2 = form_patch(be, b, [a, c], rank="full"), form_patch(be, b, [c, a], rank="full")
+    combined = combine_patches([p1, p2], rank=6)
+    for l in combined.layers:
+        mean_k = ((p1.layer_delta(l)[0] + p2.layer_delta(l)[0]) / 2).transpose(0, 1).reshape(b.n_tokens, -1)
+        assert_top_factors(mean_k, 6, *combined.layer_factors("k", l))
+    basis = SharedBasis.fit(be, [(b, [a]), (b, [c])], rank=4)
+    w = basis.k_w.to(torch.float64)
+    assert torch.allclose(w @ w.mT, torch.eye(4, dtype=torch.float64).expand_as(w @ w.mT), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- the window's fidelity
+
+
+def test_a_patched_windows_kl_is_the_svds(default_backend, one_thread, monkeypatch):
+    """The default model, three real 200-token pages, reversed under the eager policy (two patches
+    formed on the new prefix): the next-token KL against a re-prefill is the float64 SVD's within
+    1e-6."""
+    from contextdeque.agents.scenarios import demo_document
+    from contextdeque.window import ContextWindow
+
+    be = default_backend
+    ids = be.tokenizer(demo_document())["input_ids"]
+    pages = [ids[i * 200:(i + 1) * 200] for i in range(3)]
+    query = ids[700:708]
+
+    def drop_top(d, r):  # a wrong routine: the top direction zeroed
+        us, vt = truncated_svd(d, r)
+        return torch.cat([us[..., 1:], us[..., :1] * 0], -1), vt
+
+    def kl_after_reverse(method: str) -> float:
+        calls = []
+        routine = drop_top if method == "drop-top" else (lambda d, r: truncated_svd(d, r, method=method))
+        monkeypatch.setattr(patch_base, "truncated_svd", lambda d, r: calls.append(r) or routine(d, r))
+        store = TieredStore([MemoryTier("cpu", None, name="device")])  # nothing formed by the other run
+        win = ContextWindow(be, store=store, rank=32, patch_policy="eager", anticipate=False)
+        refs = [win.append(chunk=be.encode(token_ids=p)) for p in pages]
+        win.reorder(refs[::-1])
+        win.heal()
+        assert calls, "no patch was formed"
+        cache_ids = list(win.root_ids) + [t for r in win.refs for t in win.chunk(r).token_ids.tolist()]
+        full = cache_ids + query
+        ref = be.forward(input_ids=full, positions=be.text_positions(0, len(full))).logits[-1]
+        return kl_divergence(ref, window_answer_logits(be, win, query))
+
+    kl_new, kl_old = kl_after_reverse("auto"), kl_after_reverse("svd")
+    print(f"next-token KL(re-prefill || window) after the reverse: Gram route {kl_new:.9e}, SVD {kl_old:.9e}, "
+          f"difference {abs(kl_new - kl_old):.1e}")
+    assert abs(kl_new - kl_old) <= 1e-6, (kl_new, kl_old)
+    assert kl_new < 0.05  # a patched window, not a blind one
+    assert kl_after_reverse("drop-top") > 2 * kl_new  # the patches' factors decide the window's KL
