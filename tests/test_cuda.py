@@ -2,7 +2,7 @@
 without one (``pytest -m cuda`` selects them; ``contextdeque.eval.gpu_check`` runs them on a
 lent accelerator and records the figures in docs/gpu.md).
 
-- the Triton kernel against the float64 oracle of tests/test_kernels.py, within one ULP of the
+- the Triton kernel against the float64 oracle of tests/kernel_oracle.py, within one ULP of the
   storage dtype (its tolerance): contiguous and paged destinations, fp32/bf16/fp16, head dims
   64-256, ranks 0-64, partial / interleaved rotation, MLA's rotation in v, the all-layers launch,
   chunks long enough for many token blocks; on CUDA bf16/fp16 operands reach ``tl.dot`` as they
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_kernels import (
+from kernel_oracle import (
     DTYPES,
     HEAD_DIMS,
     RANKS,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..replay.calibrate import calibrate
-from ..replay.cost import save_calibration
+from ..scheduler.cost_model import save_calibration
 from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 from .window_options import add_window_arguments
 

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ..replay.cost import load_calibration
+    from ..scheduler.cost_model import load_calibration
     from ..replay.engine import ReplayConfig
     from ..replay.run import default_jobs, parse_combos, replay_many, to_json
 

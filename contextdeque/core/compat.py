@@ -11,10 +11,12 @@ excludes are not kept. Seams of the pinned versions handled here:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import transformers
+
+if TYPE_CHECKING:  # pragma: no cover
+    import transformers
 
 
 def text_config(config: Any) -> Any:
@@ -137,6 +139,8 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 def new_cache(config: Any | None = None) -> transformers.DynamicCache:
     """An empty DynamicCache. Without a config every layer keeps every token (also sliding
     layers), which is what chunk encoding wants; with one, sliding layers truncate."""
+    import transformers  # (not at import: what only reads keys -- the replay -- never loads it)
+
     if config is None:
         return transformers.DynamicCache()
     return transformers.DynamicCache(config=config)

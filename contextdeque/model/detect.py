@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import transformers
 
 from ..core import compat
 from ..core.counters import Counters
@@ -254,6 +253,8 @@ def _store(proof: Proof) -> None:
 
 
 def _layout_key(fingerprint: str, behavior: str) -> str:
+    import transformers  # (not at import: the window's envelope cache reads this module's paths)
+
     raw = f"{fingerprint}:{behavior}:{transformers.__version__}:{_PROOF_VERSION}"
     return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
@@ -330,6 +331,8 @@ def prove_layout(
         UnsupportedLayoutError: ``reason="proof-failed"`` with the measured error when the oracle
             disagrees with relocation (never used while inexact).
     """
+    import transformers
+
     layout = backend.layout
     key = hashlib.sha256(
         f"{backend.fingerprint}:{layout.signature}:{behavior or behavior_digest(backend.model)}:{backend.device.type}:"

@@ -15,7 +15,7 @@ from . import (  # noqa: F401  (register reuse cost rules)
     reuse_reprefill,
     reuse_vlcache,
 )
-from .cost import DEFAULTS, CostModel, load_calibration, save_calibration
+from ..scheduler.cost_model import DEFAULTS, CostModel, load_calibration, save_calibration
 from .engine import ReplayConfig, Replayer, ReplayResult
 from .reuse import REUSE_COSTS, ReuseCost, make_reuse
 

@@ -22,7 +22,7 @@ from typing import Any
 from ..scheduler import EVICTION_POLICIES, SchedulerPlacement, exact, heuristic
 from ..traces import generate, import_mooncake
 from ..window.placement import PLACEMENT_POLICIES, PlacementView
-from .cost import load_calibration
+from ..scheduler.cost_model import load_calibration
 from .engine import ReplayConfig, Replayer
 from .reuse import REUSE_COSTS
 from .run import default_jobs, replay_many

@@ -19,7 +19,7 @@ import torch
 
 from ..core.kv import kv_nbytes
 from ..window.config import DEFAULT_RANK
-from .cost import CostModel
+from ..scheduler.cost_model import CostModel
 
 
 def _timed(fn: Callable[[], Any], repeats: int) -> float:

@@ -9,11 +9,19 @@ antecedent states). A mixin of :class:`~.engine.Replayer`, which owns the dictio
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 from ..patch.keys import kv_state
 from ..window.policy_latency import DEFAULT_STALENESS_BUDGET
 from ..window.staleness import staleness_score
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def canonical_state(content: str) -> str:
+    """The KV state of ``content``'s canonical (``kv_state(content)``; cached: the replay names a
+    prefix's states at every decision, and a canonical's name never changes)."""
+    return kv_state(content)
 
 
 class KVStateMirror:
@@ -38,7 +46,7 @@ class KVStateMirror:
             self._formed_states[key] = ("blind",)  # (never settled: its prefix is not empty)
 
     def _kv_state(self, key: str) -> str:
-        return self._state.get(key) or kv_state(self.content[key])
+        return self._state.get(key) or canonical_state(self.content[key])
 
     def _antecedent_states(self, prefix: Sequence[str], kind: str) -> Any:
         """What a patch key names ``prefix`` by (``window.kvstate.antecedent_states``): the states in

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..traces.io import Trace
-from .cost import CostModel
+from ..scheduler.cost_model import CostModel
 from .engine import ReplayConfig, Replayer
 
 

@@ -12,7 +12,7 @@ from ..core.counters import Counters, shown
 from ..scheduler.eviction import PoolEvictionPolicy
 from ..window.config import WindowConfig
 from ..window.plan import Load, Op
-from .cost import CostModel
+from ..scheduler.cost_model import CostModel
 
 GiB = 1 << 30
 

@@ -21,7 +21,7 @@ from ..scheduler import EVICTION_POLICIES
 from ..scheduler.eviction import PolicyError
 from ..traces.io import Trace, read_trace
 from ..window.placement import PLACEMENT_POLICIES
-from .cost import CostModel
+from ..scheduler.cost_model import CostModel
 from .engine import ReplayConfig, Replayer
 from .reuse import REUSE_COSTS, is_reuse
 

@@ -59,7 +59,8 @@ def exact(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: We
     the chunk at the very front is free), plus, once something is placed, for every resident still
     to place that carries no conditioning and stands at the front now, the cheaper of a full
     staleness (behind any chunk its canonical is blind) and its refresh (a hit where the store
-    holds any patch of its content, else a form), unless the recall cascade re-forms it.
+    holds any patch of its content, else a form), unless the recall cascade re-forms it; a form
+    at the chunk's fastest (``Weights.floor_s``: behind any context).
     """
     keys = list(view.order) + [k for k, _ in entering]
     ent = frozenset(k for k, _ in entering)
@@ -68,8 +69,12 @@ def exact(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: We
         seed, _ = heuristic(view, entering, w, price=False)
     best = [list(seed), order_cost(view, seed, ent, w, asked).total]
     sc = Scorer(view, ent, w, asked)
-    floor = {k: (w.form if not view.any_stored(view.content[k]) else w.hit) for k in ent}
-    blind_front = {k: min(w.stale * (1.0 - sc.stale_now(k)), w.hit if view.any_stored(view.content[k]) else w.form) + w.move
+    # (a form or hit costs at least the chunk's fastest form, or that share of it; staleness and
+    # moves are priced in the decision's typical form, unit)
+    unit = sc.unit_s()
+    floor = {k: (1.0 if not view.any_stored(view.content[k]) else w.hit) * w.floor_s(view.tokens[k]) for k in ent}
+    blind_front = {k: min(w.stale * (1.0 - sc.stale_now(k)) * unit,
+                          (w.hit if view.any_stored(view.content[k]) else 1.0) * w.floor_s(view.tokens[k])) + w.move * unit
                    for k in view.order if not view.formed_on.get(k) and sc.stale_now(k) < 1.0}
     # an entering chunk whose conditioning was formed on a chunk that is not in this window can
     # never come back with the KV it left with: its recall cascade (re-forming the residents
@@ -80,7 +85,7 @@ def exact(view: PlacementView, entering: Sequence[tuple[Key, int | None]], w: We
 
     def bound(rest: Sequence[Key], prefix_empty: bool, reformed: frozenset) -> float:
         # the cascades still to come re-form at least the largest of their sets (not yet re-formed)
-        casc = max((sum(1 for d in cascade[k] if d not in reformed) for k in rest if k in cascade), default=0) * w.form
+        casc = max((sum(sc.cascade_s(d) for d in cascade[k] if d not in reformed) for k in rest if k in cascade), default=0.0)
         if prefix_empty:  # any one chunk may take the front for free
             lows = [floor[k] if k in floor else blind_front.get(k, 0.0) for k in rest]
             return casc + (sum(lows) - max(lows) if lows else 0.0)

@@ -15,11 +15,11 @@ a given layer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-import transformers
 
 from ...core import compat
 from ...core.compat import decoder_layers
@@ -32,25 +32,33 @@ class _StopForward(Exception):
     """Raised by a pre-hook to end a partial forward after the check layer."""
 
 
-class _GhostCache(transformers.DynamicCache):
-    """A DynamicCache whose ``update`` swaps chosen new rows for given reused KV before attention.
+@functools.cache
+def _ghost_cache_class() -> type:
+    """The ghost cache class, built on first use (importing the arms -- the replay does, for their
+    names -- does not load transformers)."""
+    import transformers
 
-    ``ghost[layer] = (mask [q] bool, k_old [1, H_k, q, d_k], v_old [1, H_v, q, d_v])``: rows where
-    ``mask`` is True enter that layer's attention (and the cache) with the old KV.
-    """
+    class _GhostCache(transformers.DynamicCache):
+        """A DynamicCache whose ``update`` swaps chosen new rows for given reused KV before attention.
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.ghost: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        ``ghost[layer] = (mask [q] bool, k_old [1, H_k, q, d_k], v_old [1, H_v, q, d_v])``: rows where
+        ``mask`` is True enter that layer's attention (and the cache) with the old KV.
+        """
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        g = self.ghost.get(layer_idx)
-        if g is not None:
-            mask, k_old, v_old = g
-            sel = mask.view(1, 1, -1, 1)
-            key_states = torch.where(sel, k_old.to(key_states.dtype), key_states)
-            value_states = torch.where(sel, v_old.to(value_states.dtype), value_states)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        def __init__(self) -> None:
+            super().__init__()
+            self.ghost: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+            g = self.ghost.get(layer_idx)
+            if g is not None:
+                mask, k_old, v_old = g
+                sel = mask.view(1, 1, -1, 1)
+                key_states = torch.where(sel, k_old.to(key_states.dtype), key_states)
+                value_states = torch.where(sel, v_old.to(value_states.dtype), value_states)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    return _GhostCache
 
 
 def _sliding_window(model: torch.nn.Module) -> int | None:
@@ -114,7 +122,7 @@ def masked_forward(
         kwargs = {"inputs_embeds": emb.reshape(1, -1, emb.shape[-1])}
         n = emb.shape[0]
     position_ids = backend.position_ids(positions)
-    cache = _GhostCache()
+    cache = _ghost_cache_class()()
     for idx, (k, v) in enumerate(past):
         cache.update(k.unsqueeze(0).to(dev), v.unsqueeze(0).to(dev), idx)
     if ghost:

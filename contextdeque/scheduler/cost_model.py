@@ -1,0 +1,181 @@
+"""The cost model: what a forward, a patch, a page and a tier transfer cost on one backend, in seconds.
+
+One price list for every planned operation (``window.plan``): the replay charges a trace's plan by
+it, and the placement scheduler prices a candidate order by it (``scheduler/cost.py``). It lives
+here, below the replay, so the scheduler may import it; ``contextdeque.replay.cost`` re-exports it.
+
+Constants come from ``contextdeque calibrate`` (measured on this machine's backend and saved under
+the cache directory with the model fingerprint), or from :data:`DEFAULTS` (the default model's
+geometry with round CPU figures) when no calibration is found; the replay says which it used.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..patch.rank import DEFAULT_RANK
+from ..window.plan import Difference, Encode, Form, Forward, Load, Op
+
+CALIBRATION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-backend constants of the replay's cost model.
+
+    Geometry: ``num_layers``, ``kv_width_k`` / ``kv_width_v`` (H_kv * d per layer),
+    ``storage_bytes`` (bytes per stored element). Speeds: ``prefill`` = ``[(context length,
+    tokens/s)]`` measured for prefills ending at that length (interpolated in between, flat outside),
+    ``decode_tokens_per_s``, ``apply_bytes_per_s`` (relocate + rank-m patch, bytes of page written),
+    ``svd_s_per_token`` (the per-token cost of forming a patch beyond its conditioned forward),
+    ``host_bytes_per_s`` / ``disk_bytes_per_s`` (tier transfers). ``rank``: the patch rank m.
+    ``source``: ``"calibration"`` or ``"defaults"``; ``fingerprint`` / ``model``: whose numbers.
+    """
+
+    num_layers: int = 30
+    kv_width_k: int = 192
+    kv_width_v: int = 192
+    storage_bytes: int = 2
+    prefill: tuple[tuple[int, float], ...] = ((128, 1500.0), (512, 1800.0), (2048, 1200.0), (8192, 500.0))
+    decode_tokens_per_s: float = 40.0
+    apply_bytes_per_s: float = 2.0e9
+    svd_s_per_token: float = 2.0e-5
+    host_bytes_per_s: float = 8.0e9
+    disk_bytes_per_s: float = 1.0e9
+    rank: int = DEFAULT_RANK
+    source: str = "defaults"
+    fingerprint: str = ""
+    model: str = "SmolLM2-135M-Instruct (geometry only)"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @classmethod
+    def geometry_of(cls, backend: Any, *, storage_bytes: int, rank: int = DEFAULT_RANK, **speeds: Any) -> "CostModel":
+        """A cost model with ``backend``'s KV geometry (layers, K and V widths), ``storage_bytes`` per
+        stored element and ``rank``; speeds from ``speeds`` or the defaults."""
+        lay = backend.layout
+        return cls(num_layers=lay.num_layers, kv_width_k=lay.k_heads * lay.k_dim, kv_width_v=lay.v_heads * lay.v_dim,
+                   storage_bytes=int(storage_bytes), rank=int(rank), **speeds)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's canonical KV takes (all layers, K and V)."""
+        return self.num_layers * (self.kv_width_k + self.kv_width_v) * self.storage_bytes
+
+    def patch_bytes(self, tokens: int, rank: int | None = None) -> int:
+        """Bytes of a rank-m patch of a ``tokens``-token chunk: m (T + F) per layer, K and V."""
+        m = self.rank if rank is None else rank
+        mk, mv = min(m, tokens, self.kv_width_k), min(m, tokens, self.kv_width_v)
+        return self.num_layers * (mk * (tokens + self.kv_width_k) + mv * (tokens + self.kv_width_v)) * self.storage_bytes
+
+    # ------------------------------------------------------------------ times
+    def tokens_per_s(self, length: int) -> float:
+        xs = _lengths(self.prefill)
+        i = bisect.bisect_left(xs, length)
+        if i <= 0:
+            return self.prefill[0][1]
+        if i >= len(xs):
+            return self.prefill[-1][1]
+        (x0, y0), (x1, y1) = self.prefill[i - 1], self.prefill[i]
+        return y0 + (y1 - y0) * (length - x0) / (x1 - x0)
+
+    def prefill_s(self, tokens: int, context: int = 0) -> float:
+        """Seconds to prefill ``tokens`` after ``context`` cached tokens."""
+        return tokens / self.tokens_per_s(context + tokens) if tokens > 0 else 0.0
+
+    def form_s(self, tokens: int, context: int) -> float:
+        """Seconds to form one patch: its conditioned forward plus the factorization."""
+        return self.prefill_s(tokens, context) + tokens * self.svd_s_per_token
+
+    def form_floor_s(self, tokens: int) -> float:
+        """The fewest seconds forming a patch of ``tokens`` tokens can take behind any context
+        (at the fastest prefill speed): a lower bound of :meth:`form_s` (the scheduler's search
+        bounds by it)."""
+        return tokens / _fastest(self.prefill) + tokens * self.svd_s_per_token if tokens > 0 else 0.0
+
+    def seconds(self, op: Op) -> float:
+        """Modelled seconds of one planned operation (``window.plan``): the one price list the
+        replay charges a plan by."""
+        if isinstance(op, Encode):
+            return self.prefill_s(op.tokens, 0)
+        if isinstance(op, Forward):
+            return self.prefill_s(op.tokens, op.context)
+        if isinstance(op, Form):
+            return op.forwards * self.form_s(op.tokens, op.context)
+        if isinstance(op, Difference):
+            return op.tokens * self.svd_s_per_token
+        if isinstance(op, Load):
+            return op.nbytes / (self.host_bytes_per_s if op.tier == "host" else self.disk_bytes_per_s)
+        return 0.0  # a store hit, a keep or a clear: no model work
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["prefill"] = [list(p) for p in self.prefill]
+        d["version"] = CALIBRATION_VERSION
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "CostModel":
+        d = dict(d)
+        d.pop("version", None)
+        d["prefill"] = tuple((int(a), float(b)) for a, b in d["prefill"])
+        return cls(**d)
+
+
+@functools.lru_cache(maxsize=64)
+def _lengths(prefill: tuple[tuple[int, float], ...]) -> list[int]:
+    """The context lengths of a prefill table (cached: the replay asks per forward)."""
+    return [p[0] for p in prefill]
+
+
+@functools.lru_cache(maxsize=64)
+def _fastest(prefill: tuple[tuple[int, float], ...]) -> float:
+    return max(p[1] for p in prefill)
+
+
+DEFAULTS = CostModel()
+
+
+def calibration_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    from ..model.default_model import default_cache_dir
+
+    return (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "calibration"
+
+
+def save_calibration(model: CostModel, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Write ``<cache>/calibration/<fingerprint>.json`` atomically; returns the path."""
+    d = calibration_dir(cache_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{model.fingerprint or 'unknown'}.json"
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".cal.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(model.to_json(), f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+    return path
+
+
+def load_calibration(fingerprint: str | None = None, cache_dir: str | os.PathLike | None = None,
+                     path: str | os.PathLike | None = None) -> tuple[CostModel, str]:
+    """The saved calibration (by explicit ``path``, by ``fingerprint``, or else the newest one
+    saved), and a sentence saying which was used — or :data:`DEFAULTS` and why."""
+    if path is not None:
+        p = Path(path)
+        return CostModel.from_json(json.loads(p.read_text())), f"calibration {p}"
+    d = calibration_dir(cache_dir)
+    if fingerprint is not None:
+        p = d / f"{fingerprint}.json"
+        if p.exists():
+            return CostModel.from_json(json.loads(p.read_text())), f"calibration {p}"
+        return DEFAULTS, f"no calibration saved for model {fingerprint[:12]}: using built-in defaults (run `contextdeque calibrate`)"
+    found = sorted(d.glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name)) if d.exists() else []
+    if not found:
+        return DEFAULTS, "no calibration found: using built-in defaults (run `contextdeque calibrate`)"
+    p = found[-1]
+    return CostModel.from_json(json.loads(p.read_text())), f"calibration {p}"
