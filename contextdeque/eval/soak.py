@@ -61,10 +61,13 @@ def _sections(backend: Any, size: int) -> list[list[int]]:
 
 def live_tensor_bytes() -> int:
     """Bytes of the distinct tensor storages Python can reach, model parameters excluded (a walk
-    over the garbage collector's objects: tens of milliseconds; deterministic, unlike RSS)."""
+    over the garbage collector's objects: tens of milliseconds; deterministic, unlike RSS). Garbage
+    is collected first: unreachable cycles still holding tensors are not live, and whether the
+    collector had run yet depends on what ran before (the whole suite vs one test)."""
     import gc
     import warnings
 
+    gc.collect()
     seen: dict[int, int] = {}
     with warnings.catch_warnings():  # isinstance() on a deprecated torch alias warns
         warnings.simplefilter("ignore")
