@@ -129,7 +129,7 @@ def test_the_idle_budget_charges_the_factorization(backend):
     """With ``factorization_cost`` a forming costs the budget its forward and its SVD (issue 21,
     the honest budget): the budget that paid the forwards of a whole anticipation at cost 0 pays
     less of it at cost 1, and what it spent, SVDs included, stays within the budget."""
-    from contextdeque.window.anticipation import idle_spent
+    from contextdeque.window.healing import idle_spent
 
     def run(budget, cost):
         win, refs = window(backend, factorization_cost=cost)

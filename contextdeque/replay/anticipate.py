@@ -34,8 +34,7 @@ from itertools import count
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..window.anticipate_reorder import note_reorder, plan_reorders
-from ..window.anticipation import (fulfil_hints, fulfil_orders, note_hint, note_order, plan_recalls, recall_cost,
-                                   reorder_after, slide_cost)
+from ..window.anticipation import Preparation, fulfil_hints, fulfil_orders, note_hint, note_order, plan_anticipation
 from ..window.healing import HealBudget
 from ..window.placement import END
 from ..window.plan import ChunkKeys, Forward, KeySlot, Prepared
@@ -206,34 +205,27 @@ class AnticipationMirror:
         if complete:
             self._anticipated_for = self._anticipation_token()
 
-    def _anticipation_tasks(self, budgeted: bool) -> Iterator[tuple[Callable[[], Any], int | None]]:
-        """``WindowAnticipation._anticipation_tasks`` over the replay's keys: ``(run, cost_tokens)``,
-        most valuable first (the next slide, the recall predictions, the reorders)."""
-        svd = self.factorization_cost
-        predictions = plan_recalls(self.predictor, key_state(self), self.expected, budgeted)
-        if len(self.order) >= 2 and self.order[1] in self._no_canon:
-            top = predictions[0].probability if predictions else 0.0
-            if not budgeted or self.predictor.p_front_leaves() >= top:
-                yield (lambda: self._anticipate_slide() and self._changed()), slide_cost(self.tokens[self.order[1]], svd)
-                predictions = plan_recalls(self.predictor, key_state(self), self.expected, budgeted)  # (as it now stands)
-        done: dict[tuple, int] = {}  # chains prepared in this pass -> their estimated cost
-        for prediction in predictions:
-            # with the reorder the agent named right after the chain, then without it
-            then = reorder_after(key_state(self), prediction.recalls, self.expected_orders)
-            for orders in ((self.expected_orders, ()) if then else ((),)):
-                if not orders and any(chain[: len(prediction.recalls)] == prediction.recalls for chain in done):
-                    continue
-                cost = recall_cost(key_state(self), prediction, then if orders else 0, svd)
+    def _anticipation_tasks(self, budgeted: bool) -> Iterator[tuple[Callable[[], Any], float | None]]:
+        """The window's anticipation tasks (``anticipation.plan_anticipation``) over the replay's
+        keys: ``(run, cost_tokens)``, most valuable first."""
+        slide = self.tokens[self.order[1]] if len(self.order) >= 2 and self.order[1] in self._no_canon else None
+        tasks = plan_anticipation(lambda: key_state(self), self.predictor, self.expected, self.expected_orders, budgeted,
+                                  self.factorization_cost, slide,
+                                  lambda: plan_reorders(self.eager, self.reorders_seen, self.expected_orders,
+                                                        key_state(self).slots))
+        for task in tasks:
 
-                def run(recalls: tuple = prediction.recalls, orders: Sequence = orders, cost: int = cost) -> None:
-                    self._simulated(self._simulate_recalls, (recalls, orders))
-                    done[recalls] = max(cost, done.get(recalls, 0))
+            def run(task: Preparation = task) -> None:
+                task.ran = True
+                if task.kind == "slide":
+                    if self._anticipate_slide():
+                        self._changed()
+                elif task.kind == "recalls":
+                    self._simulated(self._simulate_recalls, (task.recalls, task.orders))
+                else:
+                    self._simulated(self._simulate_reorder, [self._key_of[ref] for ref in task.order])
 
-                # a chain that extends one prepared in this pass finds that part stored: it costs the rest
-                head = max((c for chain, c in done.items() if prediction.recalls[: len(chain)] == chain), default=0)
-                yield run, max(0, cost - head)
-        for order in plan_reorders(self.eager, self.reorders_seen, self.expected_orders, key_state(self).slots):
-            yield (lambda order=order: self._simulated(self._simulate_reorder, [self._key_of[ref] for ref in order])), None
+            yield run, task.cost
 
     def _anticipate_slide(self) -> bool:
         """``anticipation.anticipate_slide``: the provisional slot at index 1 gets its canonical

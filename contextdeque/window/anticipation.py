@@ -38,6 +38,7 @@ only found (formed earlier by an operation or a heal) keeps saying ``"recurring"
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..core.errors import ArgumentTypeError, WindowError
@@ -45,7 +46,7 @@ from . import ingest
 from .placement import END, recall_chooser, window_index
 from .plan import Forward
 from .anticipate_reorder import ANTICIPATED_REORDERS, anticipate_reorder, reorder_candidates
-from .healing import HealBudget, idle_spent  # noqa: F401  (idle_spent: the name l21b's callers use)
+from .healing import HealBudget
 from .policy_latency import HealPolicy
 from .predictor import Prediction, RecallPredictor, factorized_tokens, make_predictor, rank_predictions
 from .receipt import Meter, Receipt
@@ -259,6 +260,56 @@ def slide_cost(n_tokens: int, factorization_cost: float) -> float:
     return n_tokens * (1.0 + factorization_cost)
 
 
+@dataclass
+class Preparation:
+    """One anticipation task :func:`plan_anticipation` hands its executor: ``kind`` ``"slide"``
+    (the next slide's canonical), ``"recalls"`` (the chain ``recalls``, with the hinted reorders
+    ``orders`` after it) or ``"reorder"`` (to ``order``); ``cost``: its estimated cost to an idle
+    budget, in prefill tokens (None: not priced). The executor sets ``ran`` once it ran it."""
+
+    kind: str
+    cost: float | None
+    recalls: tuple = ()
+    orders: Sequence = ()
+    order: Sequence = ()
+    ran: bool = False
+
+
+def plan_anticipation(state_of: Callable[[], Any], predictor: RecallPredictor, expected: dict,
+                      expected_orders: Sequence[Sequence[ChunkRef]], budgeted: bool, factorization_cost: float,
+                      slide_tokens: int | None, reorders: Callable[[], Sequence[Sequence[ChunkRef]]]) -> Iterator[Preparation]:
+    """The anticipation tasks of one pass, most valuable first: the planning the window executes
+    and the replay prices (``replay/anticipate.py``), over ``state_of()`` (read anew after each
+    task ran: a :class:`~.state.WindowState`, the replay's of key-only slots). First the next
+    slide's canonical (``slide_tokens``: the tokens of the provisional chunk at index 1, None:
+    none; under a budget only when the predictor finds the front leaving at least as likely as its
+    best recall: agents that keep their task in front never slide it out), then the recall
+    predictions (:func:`plan_recalls`, each with the reorder the agent named right after it, then
+    without it; a chain that extends one prepared in this pass costs only the rest), then the
+    ``reorders()`` to prepare."""
+    predictions = plan_recalls(predictor, state_of(), expected, budgeted)
+    if slide_tokens is not None:
+        top = predictions[0].probability if predictions else 0.0
+        if not budgeted or predictor.p_front_leaves() >= top:
+            # first: it changes the window (a canonical), which the other patches' keys name
+            yield Preparation("slide", slide_cost(slide_tokens, factorization_cost))
+            predictions = plan_recalls(predictor, state_of(), expected, budgeted)  # (as it now stands)
+    done: dict[tuple, float] = {}  # chains prepared in this pass -> their estimated cost
+    for prediction in predictions:
+        then = reorder_after(state_of(), prediction.recalls, expected_orders)
+        for orders in ((expected_orders, ()) if then else ((),)):
+            if not orders and any(chain[: len(prediction.recalls)] == prediction.recalls for chain in done):
+                continue  # the start of a chain prepared in this pass: all stored
+            cost = recall_cost(state_of(), prediction, then if orders else 0, factorization_cost)
+            head = max((c for chain, c in done.items() if prediction.recalls[: len(chain)] == chain), default=0)
+            task = Preparation("recalls", max(0, cost - head), recalls=prediction.recalls, orders=orders)
+            yield task
+            if task.ran:
+                done[prediction.recalls] = max(cost, done.get(prediction.recalls, 0))
+    for order in reorders():
+        yield Preparation("reorder", None, order=order)
+
+
 class WindowAnticipation:
     """The anticipation operations of a :class:`~.window.ContextWindow` (a mixin)."""
 
@@ -337,58 +388,29 @@ class WindowAnticipation:
     def _anticipation_token(self) -> tuple:
         return (id(self._state), self._state.generation, tuple(self.expected.items()), tuple(self.expected_orders))
 
-    def _anticipation_tasks(self, budgeted: bool = False) -> Iterator[tuple[Callable[[WindowState, Meter], tuple[dict[str, Any], None]], bool, int | None]]:
-        """The anticipation transactions, most valuable first: ``(body, mutates, cost_tokens)``
-        for ``_run`` (cost: the tokens it will prefill, estimated; None: not priced): the next
-        slide's canonical (under a budget, only when the recall predictor finds the front leaving
-        at least as likely as its best recall), the recall predictions in ranked order (what the agent said first; the best
-        :data:`ANTICIPATED_RECALLS`, or :data:`MAX_PREDICTIONS` under a budget), reorders."""
-
-        def slide_body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
-            ref = anticipate_slide(self, state, meter)
-            return {"refs": () if ref is None else (ref,)}, None
-
-        predictions = plan_recalls(self.recall_predictor, self._state, self.expected, budgeted)
-        svd = float(self._ctx.config.factorization_cost)
+    def _anticipation_tasks(self, budgeted: bool = False) -> Iterator[tuple[Callable[[WindowState, Meter], tuple[dict[str, Any], None]], bool, float | None]]:
+        """The anticipation transactions, most valuable first (:func:`plan_anticipation`):
+        ``(body, mutates, cost_tokens)`` for ``_run`` (cost: estimated; None: not priced)."""
         slots = self._state.slots
-        if len(slots) >= 2 and slots[1].provisional:
-            # the slide first: it changes the window (a canonical), which the other patches' keys
-            # name. Under a budget only when the front leaving is at least as likely as the best
-            # recall prediction (agents that keep their task in front never slide it out)
-            top = predictions[0].probability if predictions else 0.0
-            if not budgeted or self.recall_predictor.p_front_leaves() >= top:  # (its canonical; its patch an SVD)
-                yield slide_body, True, slide_cost(slots[1].n_tokens, svd)
-                predictions = plan_recalls(self.recall_predictor, self._state, self.expected, budgeted)  # (as it now stands)
-        done: dict[tuple, int] = {}  # chains prepared in this pass -> their estimated cost
+        ctx = self._ctx
+        tasks = plan_anticipation(lambda: self._state, self.recall_predictor, self.expected, self.expected_orders,
+                                  budgeted, float(ctx.config.factorization_cost),
+                                  slots[1].n_tokens if len(slots) >= 2 and slots[1].provisional else None,
+                                  lambda: reorder_candidates(self, self._state))
+        for task in tasks:
 
-        def covered(recalls: tuple) -> bool:  # the start of a chain prepared in this pass: all stored
-            return any(chain[: len(recalls)] == recalls for chain in done)
+            def body(state: WindowState, meter: Meter, task: Preparation = task) -> tuple[dict[str, Any], None]:
+                task.ran = True
+                if task.kind == "slide":
+                    ref = anticipate_slide(self, state, meter)
+                    return {"refs": () if ref is None else (ref,)}, None
+                if task.kind == "recalls":
+                    formed = anticipate_recalls(self, state, task.recalls, meter, task.orders)
+                    return {"refs": tuple(r for r, _ in task.recalls) if formed else ()}, None
+                formed = anticipate_reorder(self, state, list(task.order), meter)
+                return {"refs": tuple(task.order) if formed else ()}, None
 
-        for prediction in predictions:
-
-            then = reorder_after(self._state, prediction.recalls, self.expected_orders)
-            # with the reorder the agent named right after the chain, else (too dear) without it
-            for orders in ((self.expected_orders, ()) if then else ((),)):
-                if covered(prediction.recalls) and not orders:
-                    continue
-                cost = recall_cost(self._state, prediction, then if orders else 0, svd)
-
-                def recall_body(state: WindowState, meter: Meter, p: Prediction = prediction, cost: int = cost,
-                                orders: Sequence = orders) -> tuple[dict[str, Any], None]:
-                    formed = anticipate_recalls(self, state, p.recalls, meter, orders)
-                    done[p.recalls] = max(cost, done.get(p.recalls, 0))
-                    return {"refs": tuple(r for r, _ in p.recalls) if formed else ()}, None
-
-                # a chain that extends one prepared in this pass finds that part stored: it costs the rest
-                head = max((c for chain, c in done.items() if prediction.recalls[: len(chain)] == chain), default=0)
-                yield recall_body, False, max(0, cost - head)
-        for order in reorder_candidates(self, self._state):
-
-            def reorder_body(state: WindowState, meter: Meter, order: list[ChunkRef] = order) -> tuple[dict[str, Any], None]:
-                formed = anticipate_reorder(self, state, order, meter)
-                return {"refs": tuple(order) if formed else ()}, None
-
-            yield reorder_body, False, None
+            yield body, task.kind == "slide", task.cost
 
     def _anticipate(self, budget: "HealBudget | None" = None) -> list[Receipt]:
         """The anticipation steps ``heal()`` (or the idle healer) runs once nothing is queued (see
