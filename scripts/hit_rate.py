@@ -15,7 +15,7 @@ from contextdeque.model import load_model
 from contextdeque.window import ContextWindow
 from contextdeque.replay.live import drive_window
 from contextdeque.replay.hits import HitRate, RE_READS
-from contextdeque.replay.fidelity import chunk_ids, MIN_TOKENS, DEFAULT_SCALE
+from contextdeque.replay.fidelity import DEFAULT_SCALE, idle_budget, scaled_chunk_ids
 from contextdeque.traces.io import read_trace
 
 ap = argparse.ArgumentParser()
@@ -56,9 +56,9 @@ for path in a.traces:
             print(f"  {step:9s} fresh={rec.answered_fresh} fw={rec.forwards} tok={rec.tokens_prefilled} refs={[lab(r) for r in rec.refs]} "
                   f"served={[(lab(r), w) for r, w in rec.served]} deferred={[(lab(r), s) for r, s, _ in rec.deferred]} placed={[(lab(r), i, w) for r,i,w in rec.placed]}")
     t0 = time.time()
-    idle = lambda ms: int(ms / 1000.0 * a.rate * scale)
+    idle = idle_budget(a.rate, scale)
     print(f"== {t.name} rate={a.rate}")
-    total = drive_window(win, t, lambda ev: chunk_ids(backend, ev.hash, max(MIN_TOKENS, int(round(ev.tokens * scale)))),
+    total = drive_window(win, t, scaled_chunk_ids(backend, scale),
                          heal_at_end=False, on_step=on_step, idle_tokens=idle, pin_recalls=not a.unpinned)
     d = hits.as_dict()
     print(f"{t.name}: hit_rate={d['hit_rate']} own={d['own_hit_rate']} re_reads={d['re_reads']} "

@@ -40,7 +40,7 @@ import random
 import statistics
 import time
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -76,6 +76,19 @@ def chunk_ids(backend: Any, content_hash: str, n: int) -> list[int]:
         return torch.randint(4, vocab, (n,), generator=g).tolist()
     start = h % max(1, len(corpus) - n)
     return list(corpus[start : start + n])
+
+
+def scaled_chunk_ids(backend: Any, scale: float) -> Callable[[Any], list[int]]:
+    """The token ids the driven window gives an ``arrive`` event's chunk (``drive_window``'s
+    ``token_ids``): :func:`chunk_ids` of its content hash, ``scale`` x its trace tokens (at least
+    :data:`MIN_TOKENS`)."""
+    return lambda ev: chunk_ids(backend, ev.hash, max(MIN_TOKENS, int(round(ev.tokens * scale))))
+
+
+def idle_budget(idle_rate: float, scale: float) -> Callable[[float], int]:
+    """An idle gap of ``ms`` milliseconds as a heal budget in the scaled trace's tokens
+    (``drive_window``'s ``idle_tokens``): ``ms / 1000 x idle_rate x scale``."""
+    return lambda ms: int(ms / 1000.0 * float(idle_rate) * scale)
 
 
 _DISTINCT_TRIES = 1000
@@ -185,8 +198,8 @@ def fidelity_run(backend: Any, trace: Trace, placement: str, arm: str, n: int, *
             step_healed.setdefault(step, []).append(kl_divergence(ref_logits, healed))
 
     hits = HitRate() if arm == "patch" else None
-    idle_tokens = None if idle_rate is None else (lambda ms: int(ms / 1000.0 * float(idle_rate) * scale))
-    drive_window(win, trace, lambda ev: chunk_ids(backend, ev.hash, max(MIN_TOKENS, int(round(ev.tokens * scale)))),
+    idle_tokens = None if idle_rate is None else idle_budget(idle_rate, scale)
+    drive_window(win, trace, scaled_chunk_ids(backend, scale),
                  on_query=on_query, heal_at_end=False, on_step=None if hits is None else hits.add, idle_tokens=idle_tokens,
                  hints=hints)
     # the patches the byte cap could not fit the target into, from the window's receipts

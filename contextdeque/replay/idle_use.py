@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from ..traces.io import Trace
 from ..window.receipt import Receipt
-from .fidelity import DEFAULT_SCALE, MIN_TOKENS, chunk_ids
+from .fidelity import DEFAULT_SCALE, scaled_chunk_ids
 from .hits import HitRate
 from .live import drive_window
 
@@ -65,8 +65,7 @@ def idle_use(backend: Any, trace: Trace, *, policy: str = "latency", anticipate:
         hits.add(step, receipt)
         served += sum(1 for _, what in receipt.served if what == "anticipated")
 
-    total = drive_window(win, trace, lambda ev: chunk_ids(backend, ev.hash, max(MIN_TOKENS, int(round(ev.tokens * scale)))),
-                         on_step=on_step)
+    total = drive_window(win, trace, scaled_chunk_ids(backend, scale), on_step=on_step)
     formed = Counter(_kind_of(k) for k in win._ctx.anticipated_keys)
     row = IdleUseRow(trace.name, anticipate, total.forwards, total.tokens_prefilled, hits.rate(), hits.rate(own=True), formed,
                      served)
