@@ -274,11 +274,11 @@ class AnticipationMirror:
         saved = {name: _copied(getattr(self, name)) for name in _SNAPSHOT}
         pinned = Counter(self.pool.pinned)
         kept = {name: getattr(self.r, name) for name in _COUNTS_KEPT}
-        self._simulating = True
+        self._simulating = self.pool.simulating = True
         try:
             body(arg)
         finally:
-            self._simulating = False
+            self._simulating = self.pool.simulating = False
             for name, value in saved.items():
                 setattr(self, name, value)
             self.pool.pinned = pinned

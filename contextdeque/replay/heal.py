@@ -23,7 +23,7 @@ class HealMirror:
         pb = self.cost.patch_bytes(t, self.rank)
         self.do(Difference(self.content[key], t, antecedents=pc, tier="device", nbytes=pb))
         self.r.patch_bytes += pb
-        self.r.bytes["device"] += pb
+        self.pool.write(self._patch_key(key, prefix, "exact"), pb)
         self.graph.add(self.content[key], pc, "exact")
         self._store(key, prefix, "exact")
 
@@ -199,10 +199,8 @@ class HealMirror:
         if not self.arm.canonicals:
             return
         k = ("c", self.content[key])
+        self.pool.release(k)
         pinned = self.pool.pinned
-        pinned[k] -= 1
-        if pinned[k] <= 0:
-            del pinned[k]
         if self._defers:
             self._pending_form.pop(key, None)
             self._pending_reason.pop(key, None)
