@@ -272,7 +272,7 @@ class AnticipationMirror:
         the pool's contents and the costs keep what it formed (``anticipation``: a simulation on a
         copy of the state)."""
         saved = {name: _copied(getattr(self, name)) for name in _SNAPSHOT}
-        pinned = Counter(self.pool.pinned)
+        slots = self.pool.snapshot()
         kept = {name: getattr(self.r, name) for name in _COUNTS_KEPT}
         self._simulating = self.pool.simulating = True
         try:
@@ -281,7 +281,7 @@ class AnticipationMirror:
             self._simulating = self.pool.simulating = False
             for name, value in saved.items():
                 setattr(self, name, value)
-            self.pool.pinned = pinned
+            self.pool.restore(slots)
             for name, value in kept.items():
                 setattr(self.r, name, value)
             self._formed_set = {}

@@ -18,6 +18,7 @@ import math
 from collections import Counter
 from typing import Any, Callable, Hashable, Sequence
 
+from ..core.chunk import TEXT_SOURCE_BYTES_PER_TOKEN
 from ..core.errors import BudgetError
 from ..stores import EvictionPolicy
 from ..window.graph import PatchGraph
@@ -231,9 +232,9 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         t = self.tokens[key]
         if key in self._leave_canon and not self._healing:  # left before the heal computed its canonical: now
             del self._leave_canon[key]
-            pool.access(("c", c), self.arm.canonical_bytes(t, self.kv_bpt), store=False)
+            pool.access(("c", c), self._entry_bytes(t), store=False)
             self._encode(key)
-        elif pool.access(("c", c), self.arm.canonical_bytes(t, self.kv_bpt), store=False) is None:
+        elif pool.access(("c", c), self._entry_bytes(t), store=False) is None:
             if self._defers and not self._healing:
                 self._provisional[key] = None  # its forward comes with its conditioning (_form)
                 pool.hold(("c", c))
@@ -248,7 +249,12 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         nbytes = self.arm.canonical_bytes(t, self.kv_bpt)
         self.do(Encode(self.content[key], t, tier="device", nbytes=nbytes))
         if self.arm.canonicals:
-            self.pool.write(("c", self.content[key]), nbytes, read_back=True)
+            self.pool.write(("c", self.content[key]), self._entry_bytes(t), read_back=True)
+
+    def _entry_bytes(self, tokens: int) -> int:
+        """A canonical's store entry: its KV at rest (the arm's) and its source (token ids and
+        positions, as a text chunk's entry keeps them: ``core.chunk.TEXT_SOURCE_BYTES_PER_TOKEN``)."""
+        return self.arm.canonical_bytes(tokens, self.kv_bpt) + tokens * TEXT_SOURCE_BYTES_PER_TOKEN
 
     def _patch_key(self, key: str, prefix: Sequence[str], kind: str) -> tuple:
         """The store key of ``key``'s patch of ``kind`` on ``prefix`` in its KV states now (as

@@ -200,6 +200,7 @@ class HealMirror:
             return
         k = ("c", self.content[key])
         self.pool.release(k)
+        self.pool.condition(key, None)
         pinned = self.pool.pinned
         if self._defers:
             self._pending_form.pop(key, None)

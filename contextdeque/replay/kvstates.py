@@ -76,7 +76,10 @@ class KVStateMirror:
         if not prefix:
             self._state.pop(key, None)
             self._formed_states.pop(key, None)
+            self.pool.condition(key, None)
             return
+        # the slot holds the stored patch (a conditioned forward's own KV is no store entry)
+        self.pool.condition(key, None if how == "inline" else self._patch_key(key, prefix, how))
         states = tuple(self._kv_state(p) for p in prefix)
         self._formed_states[key] = states
         self._state[key] = kv_state(self.content[key], [how, repr(self._antecedent_states(prefix, how))])

@@ -107,6 +107,8 @@ class Pool:
         self.pinned: Counter = Counter()
         #: every window's and fork's holds, as ``WindowStore`` counts them (what decides demotion)
         self.holds: Counter = Counter()
+        #: resident -> the store key of the patch its slot holds (a slot holds its canonical and its patch)
+        self.slot_patch: dict[str, Hashable] = {}
         self.simulating = False  # anticipation's simulations hold nothing (the live one installs nothing)
         self.i = 0
         self.log: list[str] | None = None
@@ -176,19 +178,36 @@ class Pool:
             del self.holds[key]
             self.store.demote(store_key(key), traffic=self.traffic)
 
-    def fork(self) -> Counter:
+    def condition(self, resident: str, patch: Hashable | None) -> None:
+        """``resident``'s slot now holds ``patch`` (None: no stored patch, its canonical or its own
+        forward's KV), letting go of the one it held (what ``ContextWindow._install`` does)."""
+        old = self.slot_patch.pop(resident, None)
+        if patch is not None:
+            self.slot_patch[resident] = patch
+            self.hold(patch)
+        if old is not None:
+            self.release(old)
+
+    def snapshot(self) -> tuple[Counter, dict[str, Hashable]]:
+        """The window's slots' holds and patches (a fork's parent, a simulation's start)."""
+        return Counter(self.pinned), dict(self.slot_patch)
+
+    def restore(self, saved: tuple[Counter, dict[str, Hashable]]) -> None:
+        self.pinned, self.slot_patch = Counter(saved[0]), dict(saved[1])
+
+    def fork(self) -> tuple[Counter, dict[str, Hashable]]:
         """A fork holds what its parent's slots hold (``WindowStore.hold`` of the fork's keys);
-        returns the parent's slots' holds, for `commit` / `discard`."""
-        parent = Counter(self.pinned)
-        self.holds.update(parent)
+        returns the parent's slots (`snapshot`), for `end_fork`."""
+        parent = self.snapshot()
+        self.holds.update(parent[0])
         return parent
 
-    def end_fork(self, parent: Counter, *, committed: bool) -> None:
+    def end_fork(self, parent: tuple[Counter, dict[str, Hashable]], *, committed: bool) -> None:
         """A commit lets go of the parent's holds (the fork's slots stay), a discard of the fork's
         (the parent's slots come back)."""
-        let_go = parent if committed else self.pinned
+        let_go = parent[0] if committed else self.pinned
         if not committed:
-            self.pinned = Counter(parent)
+            self.restore(parent)
         for key, n in list(let_go.items()):
             for _ in range(n):
                 self.holds[key] -= 1
