@@ -547,6 +547,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             elif op == "slide":  # the agent's n oldest, wherever placement put them
                 for k in self.logical[: ev.n]:
                     self._remove(k, idx)
+                    self.pool.install()  # (one window operation per chunk)
                     self._observe("evict", (k,), (k,))
             elif op == "reorder":
                 self.logical = [k for k in ev.order if k in set(self.order)]
@@ -597,9 +598,11 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
                 self.order, self.logical, self.formed, self.window_tokens = order, logical, formed, wt
                 self._formed_set = {}
                 self.pool.end_fork(pinned, committed=False)
+            self.pool.install()  # the event's window operation ends
         if self._has_pending():  # what is still queued when the trace ends is healed in the idle after it
             self.heal()
             self.anticipate()
+        self.pool.install()
         sched = getattr(self.placement, "decisions", None)
         if sched:
             r.scheduler = dict(sched)

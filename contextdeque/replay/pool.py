@@ -107,6 +107,7 @@ class Pool:
         self.pinned: Counter = Counter()
         #: every window's and fork's holds, as ``WindowStore`` counts them (what decides demotion)
         self.holds: Counter = Counter()
+        self._changes: dict[Hashable, int] = {}  # the operation's net holds per key, until `install`
         #: resident -> the store key of the patch its slot holds (a slot holds its canonical and its patch)
         self.slot_patch: dict[str, Hashable] = {}
         self.simulating = False  # anticipation's simulations hold nothing (the live one installs nothing)
@@ -159,24 +160,42 @@ class Pool:
         the window before healing computed it)."""
         self.store.delete(store_key(key))
 
-    def hold(self, key: Hashable) -> None:
-        """A window slot holds ``key`` (``WindowStore.hold``)."""
-        self.pinned[key] += 1
+    def hold(self, key: Hashable, n: int = 1) -> None:
+        """A window slot holds ``key`` (the store sees it at `install`)."""
+        self.pinned[key] += n
         if not self.simulating:
-            self.holds[key] += 1
+            self._changes[key] = self._changes.get(key, 0) + n
 
-    def release(self, key: Hashable) -> None:
-        """A window slot lets go of ``key``; when no window holds it any more it is demoted one
-        tier (``WindowStore.release``)."""
-        self.pinned[key] -= 1
+    def release(self, key: Hashable, n: int = 1) -> None:
+        """A window slot lets go of ``key`` (the store sees it at `install`)."""
+        self.pinned[key] -= n
         if self.pinned[key] <= 0:
             del self.pinned[key]
-        if self.simulating:
-            return
-        self.holds[key] -= 1
-        if self.holds[key] <= 0:
-            del self.holds[key]
-            self.store.demote(store_key(key), traffic=self.traffic)
+        if not self.simulating:
+            self._changes[key] = self._changes.get(key, 0) - n
+
+    def install(self) -> None:
+        """A window operation ends (``ContextWindow._install``): the keys its slots now hold more
+        are held (``WindowStore.hold``: a first hold brings a key below the top up), then those
+        they hold less are let go, and a key nobody holds any more is demoted one tier, in key
+        order (``WindowStore.release``)."""
+        changes, self._changes = self._changes, {}
+        for key, n in changes.items():
+            if n > 0:
+                first = self.holds[key] == 0
+                self.holds[key] += n
+                where = self.store.where(store_key(key)) if first else ()
+                if where and where[0] != self.top:
+                    self.store.get(store_key(key), traffic=self.traffic)  # promotes
+        let_go = []
+        for key, n in changes.items():
+            if n < 0:
+                self.holds[key] += n
+                if self.holds[key] <= 0:
+                    del self.holds[key]
+                    let_go.append(store_key(key))
+        for skey in sorted(let_go):
+            self.store.demote(skey, traffic=self.traffic)
 
     def condition(self, resident: str, patch: Hashable | None) -> None:
         """``resident``'s slot now holds ``patch`` (None: no stored patch, its canonical or its own
@@ -198,22 +217,23 @@ class Pool:
     def fork(self) -> tuple[Counter, dict[str, Hashable]]:
         """A fork holds what its parent's slots hold (``WindowStore.hold`` of the fork's keys);
         returns the parent's slots (`snapshot`), for `end_fork`."""
+        self.install()
         parent = self.snapshot()
-        self.holds.update(parent[0])
+        for key, n in parent[0].items():
+            self._changes[key] = self._changes.get(key, 0) + n
+        self.install()
         return parent
 
     def end_fork(self, parent: tuple[Counter, dict[str, Hashable]], *, committed: bool) -> None:
         """A commit lets go of the parent's holds (the fork's slots stay), a discard of the fork's
         (the parent's slots come back)."""
-        let_go = parent[0] if committed else self.pinned
+        self.install()
+        let_go = parent[0] if committed else Counter(self.pinned)
         if not committed:
             self.restore(parent)
-        for key, n in list(let_go.items()):
-            for _ in range(n):
-                self.holds[key] -= 1
-            if self.holds[key] <= 0:
-                del self.holds[key]
-                self.store.demote(store_key(key), traffic=self.traffic)
+        for key, n in let_go.items():
+            self._changes[key] = self._changes.get(key, 0) - n
+        self.install()
 
     def settle(self) -> None:
         """The run's tier traffic into its result: ``bytes`` (read + written per tier) and
