@@ -237,10 +237,10 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         elif pool.access(("c", c), self._entry_bytes(t), store=False) is None:
             if self._defers and not self._healing:
                 self._provisional[key] = None  # its forward comes with its conditioning (_form)
-                pool.hold(("c", c))
+                pool.hold(("c", c), key)
                 return
             self._encode(key)
-        pool.hold(("c", c))  # resident in the window (held: demoted when no window holds it)
+        pool.hold(("c", c), key)  # resident in the window (held: demoted when no window holds it)
 
     def _encode(self, key: str) -> None:
         """One forward of ``key``'s tokens alone: its canonical, stored and read back (as the
@@ -547,7 +547,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             elif op == "slide":  # the agent's n oldest, wherever placement put them
                 for k in self.logical[: ev.n]:
                     self._remove(k, idx)
-                    self.pool.install()  # (one window operation per chunk)
+                    self.pool.install(self.order)  # (one window operation per chunk)
                     self._observe("evict", (k,), (k,))
             elif op == "reorder":
                 self.logical = [k for k in ev.order if k in set(self.order)]
@@ -568,18 +568,19 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
                     self.on_step()
             elif op == "fork":
                 stack.append((list(self.order), list(self.logical), dict(self.formed), self.window_tokens,
-                              self.pool.fork(), dict(self._no_canon), dict(self._pending_form),
+                              self.pool.fork(self.order), dict(self._no_canon), dict(self._pending_form),
                               dict(self._pending_canon), dict(self._state), dict(self._formed_states), set(self._canon_due),
                               dict(self.evicted), set(self._owes), self._fork_anticipation()))
                 self._observe("fork", self.order)
                 self._observe("fork", self.order)  # (recorded by the parent and by the fork)
             elif op == "commit":
                 committed = stack.pop()
-                self.pool.end_fork(committed[4], committed=True)
+                self.pool.end_fork(committed[4], committed=True, order=self.order, parent_order=committed[0])
                 self._end_fork_anticipation(committed[-1], committed=True)
                 self._observe("commit", self.order)
                 self._observe("commit", self.order)
             elif op == "discard":
+                fork_order = list(self.order)
                 self._observe("discard", self.order)
                 (order, logical, formed, wt, pinned, no_canon, pending_form, pending_canon, states, formed_states,
                  canon_due, evicted, owes, anticipation) = stack.pop()
@@ -597,12 +598,12 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
                 self._pending_canon = {**pending_canon, **{k: v for k, v in self._pending_canon.items() if k not in pending_canon}}
                 self.order, self.logical, self.formed, self.window_tokens = order, logical, formed, wt
                 self._formed_set = {}
-                self.pool.end_fork(pinned, committed=False)
-            self.pool.install()  # the event's window operation ends
+                self.pool.end_fork(pinned, committed=False, order=fork_order, parent_order=order)
+            self.pool.install(self.order)  # the event's window operation ends
         if self._has_pending():  # what is still queued when the trace ends is healed in the idle after it
             self.heal()
             self.anticipate()
-        self.pool.install()
+        self.pool.install(self.order)
         sched = getattr(self.placement, "decisions", None)
         if sched:
             r.scheduler = dict(sched)

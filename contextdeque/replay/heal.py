@@ -199,7 +199,7 @@ class HealMirror:
         if not self.arm.canonicals:
             return
         k = ("c", self.content[key])
-        self.pool.release(k)
+        self.pool.release(k, key)
         self.pool.condition(key, None)
         pinned = self.pool.pinned
         if self._defers:

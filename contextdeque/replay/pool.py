@@ -108,6 +108,8 @@ class Pool:
         #: every window's and fork's holds, as ``WindowStore`` counts them (what decides demotion)
         self.holds: Counter = Counter()
         self._changes: dict[Hashable, int] = {}  # the operation's net holds per key, until `install`
+        self._holder: dict[Hashable, str] = {}  # key -> the resident whose slot held or let go of it last
+        self._positions: dict[str, int] = {}  # resident -> index, as the last operation left the window
         #: resident -> the store key of the patch its slot holds (a slot holds its canonical and its patch)
         self.slot_patch: dict[str, Hashable] = {}
         self.simulating = False  # anticipation's simulations hold nothing (the live one installs nothing)
@@ -160,42 +162,50 @@ class Pool:
         the window before healing computed it)."""
         self.store.delete(store_key(key))
 
-    def hold(self, key: Hashable, n: int = 1) -> None:
-        """A window slot holds ``key`` (the store sees it at `install`)."""
-        self.pinned[key] += n
-        if not self.simulating:
-            self._changes[key] = self._changes.get(key, 0) + n
+    def hold(self, key: Hashable, resident: str) -> None:
+        """``resident``'s slot holds ``key`` (the store sees it at `install`)."""
+        self.pinned[key] += 1
+        self._change(key, resident, 1)
 
-    def release(self, key: Hashable, n: int = 1) -> None:
-        """A window slot lets go of ``key`` (the store sees it at `install`)."""
-        self.pinned[key] -= n
+    def release(self, key: Hashable, resident: str) -> None:
+        """``resident``'s slot lets go of ``key`` (the store sees it at `install`)."""
+        self.pinned[key] -= 1
         if self.pinned[key] <= 0:
             del self.pinned[key]
-        if not self.simulating:
-            self._changes[key] = self._changes.get(key, 0) - n
+        self._change(key, resident, -1)
 
-    def install(self) -> None:
-        """A window operation ends (``ContextWindow._install``): the keys its slots now hold more
-        are held (``WindowStore.hold``: a first hold brings a key below the top up), then those
-        they hold less are let go, and a key nobody holds any more is demoted one tier, in key
-        order (``WindowStore.release``)."""
+    def _change(self, key: Hashable, resident: str, n: int) -> None:
+        if not self.simulating:
+            self._changes[key] = self._changes.get(key, 0) + n
+            self._holder[key] = resident
+
+    def _slot_order(self, keys: list[Hashable], order: "dict[str, int]") -> list[Hashable]:
+        """``keys`` as a window's ``held_keys`` lists them: slot by slot (``order``: resident ->
+        index), a slot's canonical before its patch."""
+        last = len(order)
+        return sorted(keys, key=lambda k: (order.get(self._holder.get(k, ""), last), _kind(k) != "chunk"))
+
+    def install(self, order: "list[str]", released_from: "list[str] | None" = None) -> None:
+        """A window operation ends (``ContextWindow._install``) with the window in ``order``: the
+        keys its slots now hold more are held (``WindowStore.hold``: a first hold brings a key
+        below the top up), then those they hold less are let go and a key nobody holds any more is
+        demoted one tier (``WindowStore.release``), both in the slots' order (the new one, the one
+        the operation started from: ``released_from``, else the order the last one left)."""
         changes, self._changes = self._changes, {}
-        for key, n in changes.items():
-            if n > 0:
-                first = self.holds[key] == 0
-                self.holds[key] += n
-                where = self.store.where(store_key(key)) if first else ()
-                if where and where[0] != self.top:
-                    self.store.get(store_key(key), traffic=self.traffic)  # promotes
-        let_go = []
-        for key, n in changes.items():
-            if n < 0:
-                self.holds[key] += n
-                if self.holds[key] <= 0:
-                    del self.holds[key]
-                    let_go.append(store_key(key))
-        for skey in sorted(let_go):
-            self.store.demote(skey, traffic=self.traffic)
+        now = {r: i for i, r in enumerate(order)}
+        before = self._positions if released_from is None else {r: i for i, r in enumerate(released_from)}
+        self._positions = now
+        for key in self._slot_order([k for k, n in changes.items() if n > 0], now):
+            first = self.holds[key] == 0
+            self.holds[key] += changes[key]
+            where = self.store.where(store_key(key)) if first else ()
+            if where and where[0] != self.top:
+                self.store.get(store_key(key), traffic=self.traffic)  # promotes
+        for key in self._slot_order([k for k, n in changes.items() if n < 0], before):
+            self.holds[key] += changes[key]
+            if self.holds[key] <= 0:
+                del self.holds[key]
+                self.store.demote(store_key(key), traffic=self.traffic)
 
     def condition(self, resident: str, patch: Hashable | None) -> None:
         """``resident``'s slot now holds ``patch`` (None: no stored patch, its canonical or its own
@@ -203,9 +213,9 @@ class Pool:
         old = self.slot_patch.pop(resident, None)
         if patch is not None:
             self.slot_patch[resident] = patch
-            self.hold(patch)
+            self.hold(patch, resident)
         if old is not None:
-            self.release(old)
+            self.release(old, resident)
 
     def snapshot(self) -> tuple[Counter, dict[str, Hashable]]:
         """The window's slots' holds and patches (a fork's parent, a simulation's start)."""
@@ -214,26 +224,26 @@ class Pool:
     def restore(self, saved: tuple[Counter, dict[str, Hashable]]) -> None:
         self.pinned, self.slot_patch = Counter(saved[0]), dict(saved[1])
 
-    def fork(self) -> tuple[Counter, dict[str, Hashable]]:
-        """A fork holds what its parent's slots hold (``WindowStore.hold`` of the fork's keys);
-        returns the parent's slots (`snapshot`), for `end_fork`."""
-        self.install()
+    def fork(self, order: "list[str]") -> tuple[Counter, dict[str, Hashable]]:
+        """A fork of the window in ``order`` holds what its parent's slots hold
+        (``WindowStore.hold`` of the fork's keys); returns the parent's slots (`snapshot`)."""
         parent = self.snapshot()
         for key, n in parent[0].items():
-            self._changes[key] = self._changes.get(key, 0) + n
-        self.install()
+            if not self.simulating:
+                self._changes[key] = self._changes.get(key, 0) + n
+        self.install(order)
         return parent
 
-    def end_fork(self, parent: tuple[Counter, dict[str, Hashable]], *, committed: bool) -> None:
-        """A commit lets go of the parent's holds (the fork's slots stay), a discard of the fork's
-        (the parent's slots come back)."""
-        self.install()
+    def end_fork(self, parent: tuple[Counter, dict[str, Hashable]], *, committed: bool, order: "list[str]",
+                 parent_order: "list[str]") -> None:
+        """A commit lets go of the parent's holds (the fork's slots, in ``order``, stay), a discard
+        of the fork's (the parent's slots, in ``parent_order``, come back)."""
         let_go = parent[0] if committed else Counter(self.pinned)
         if not committed:
             self.restore(parent)
         for key, n in let_go.items():
             self._changes[key] = self._changes.get(key, 0) - n
-        self.install()
+        self.install(order if committed else parent_order, released_from=parent_order if committed else order)
 
     def settle(self) -> None:
         """The run's tier traffic into its result: ``bytes`` (read + written per tier) and
