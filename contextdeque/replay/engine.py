@@ -179,8 +179,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         hit = self._stored(key, prefix, kind)
         if hit:
             self.do(Reuse(c, self.tokens[key], kind=kind, antecedents=pc))
-            self.pool.access(self._patch_key(key, prefix, kind), self.cost.patch_bytes(self.tokens[key], self.rank),
-                             store=False, load=False)
+            self._read_patch(key, prefix, kind)
         elif self._defers and not self._healing:
             if key in self._provisional and PATCH_KINDS[kind].exact_on_prefix:
                 # new content: one forward of its tokens after the window (a prefix cache's append);
@@ -255,6 +254,11 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         """A canonical's store entry: its KV at rest (the arm's) and its source (token ids and
         positions, as a text chunk's entry keeps them: ``core.chunk.TEXT_SOURCE_BYTES_PER_TOKEN``)."""
         return self.arm.canonical_bytes(tokens, self.kv_bpt) + tokens * TEXT_SOURCE_BYTES_PER_TOKEN
+
+    def _read_patch(self, key: str, prefix: Sequence[str], kind: str) -> None:
+        """A store hit on ``key``'s stored patch of ``kind`` on ``prefix`` (promoted; no ``Load``)."""
+        self.pool.access(self._patch_key(key, prefix, kind), self.cost.patch_bytes(self.tokens[key], self.rank),
+                         store=False, load=False)
 
     def _patch_key(self, key: str, prefix: Sequence[str], kind: str) -> tuple:
         """The store key of ``key``'s patch of ``kind`` on ``prefix`` in its KV states now (as

@@ -46,11 +46,7 @@ class HealMirror:
         ``tokens_prefilled`` and ``heal_*``, not in ``est_seconds``."""
         if not self._has_heal_work():
             return
-        if budget is None or not budget.bounded:
-            idle = self._idle_start()
-            self._heal_pass(None)
-            self._idle_end(idle)
-            return
+        budget = budget or HealBudget()  # (unbounded: every step, as the window's ``heal()``)
         self._forget_departed()
         while (self._pending_keys() or self._leave_canon) and budget.allows_step():
             idle, factorized = self._idle_start(), self.factorized_tokens
@@ -61,6 +57,7 @@ class HealMirror:
                 self._heal_pass(set(), owed=next(iter(self._leave_canon)))
             budget.spend(self.r.tokens_prefilled - idle[0], self.factorized_tokens - factorized)
             self._idle_end(idle)
+            self.pool.install(self.order)  # (each step is one window operation)
 
     def _forget_departed(self) -> None:
         """Drop the queued work of chunks no longer in the window (gone with a discarded fork):
@@ -153,6 +150,7 @@ class HealMirror:
                 elif pc and key not in anew and self._prefix_content(key) == pc and \
                         self._formed_states.get(key) == tuple(map(self._kv_state, prefix)):
                     self._difference(key, prefix)  # latency-shared: the patch is the difference
+                    self._read_patch(key, prefix, "exact")  # (the eager policy's store hit on it)
                     self._set_formed(key, prefix)
                 else:  # moved since its forward, or what it ran after was healed: the eager policy forms anew
                     self._pending_form.setdefault(key, False)
