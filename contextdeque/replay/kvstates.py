@@ -44,6 +44,7 @@ class KVStateMirror:
         if score > DEFAULT_STALENESS_BUDGET:
             self._state.pop(key, None)
             self._formed_states[key] = ("blind",)  # (never settled: its prefix is not empty)
+            self.pool.condition(key, None)  # (its slot lets go of the patch: it serves its canonical)
 
     def _kv_state(self, key: str) -> str:
         return self._state.get(key) or canonical_state(self.content[key])
