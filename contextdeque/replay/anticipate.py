@@ -182,7 +182,9 @@ class AnticipationMirror:
         left of ``budget`` (an idle gap: ``healing.HealBudget``, the rule the window's ``heal``
         spends it by: a preparation whose estimated cost does not fit is skipped, and the pass is
         then not complete); charged as idle-time work (``heal_*``)."""
-        if not self.anticipation_due or not self.arm.patches:
+        # (a window that forms no patches still simulates its predicted recalls: their canonicals'
+        # reads are its store traffic)
+        if not self.anticipation_due:
             self._anticipated_for = self._anticipation_token()
             return
         budget = budget if budget is not None else HealBudget()
