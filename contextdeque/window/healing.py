@@ -297,6 +297,8 @@ class WindowHealing:
                     failed = ctx.store.put_patch(key, patch, traffic=meter.traffic)
                     if failed:
                         meter.notes.append(failed)
+                    # a stored exact patch on this prefix, as a formed one is (the placement's hint)
+                    ctx.note_stored_prefix(canonical.id, tuple(p.chunk.id for p in prefix))
                     meter.patches_formed += 1  # (from the KV it holds: no forward, but a patch formed all the same)
                     meter.formed_keys.append(key)
                     meter.plan.add(Difference(canonical.id, canonical.n_tokens, antecedents=tuple(p.chunk.id for p in prefix),
