@@ -104,6 +104,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         self._defers = bool(getattr(self.arm, "defers", False))
         self._healing = False
         self._recalling = False
+        self._entering: frozenset[str] = frozenset()  # the chunks the current admission brings in
         self._provisional: dict[str, None] = {}  # entered without a canonical, not yet forwarded
         self._pending_canon: dict[str, tuple[str, ...]] = {}  # forwarded behind this content prefix; canonical at heal
         # healed with no canonical: its forward's KV is what the eager policy would keep there (its
@@ -267,7 +268,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             stored_prefixes=self.graph.stored_prefixes if self.arm.patches else (lambda c: ()),
             dependents=self.dependents if self.arm.patches else (lambda k: []),
             may_hit=self.graph.may_hit, conditioning=self.arm.patches,
-            budget_tokens=self.cfg.budget_tokens,
+            budget_tokens=self.cfg.budget_tokens, patch_policy=self.policy,
             future=_FutureView(self._next_ref, index, self._ops) if self._next_ref is not None else None,
         )
 
@@ -357,7 +358,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
     def _admit(self, index: int, entering: list[tuple[str, int | None]], recall: bool) -> None:
         est0, load0 = self.r.est_seconds, self.r.load_seconds
         try:
-            self._recalling = recall
+            self._recalling, self._entering = recall, frozenset(k for k, _ in entering)
             # the conditioning before the operation: what the recall cascade is judged on (the
             # window's reconcile reads each slot's conditioning as it was, before the budget's slide
             # dropped a front survivor's patches)
@@ -374,7 +375,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
                     del self._provisional[k]
                     self._encode(k)
         finally:
-            self._recalling = False
+            self._recalling, self._entering = False, frozenset()
             self._before_op = self._before_states = None
             if self.cfg.overlap_loads:
                 # loads ran beside this admission's model work: it costs the longer of the two

@@ -46,11 +46,7 @@ class HealMirror:
         ``tokens_prefilled`` and ``heal_*``, not in ``est_seconds``."""
         if not self._has_heal_work():
             return
-        if budget is None or not budget.bounded:
-            idle = self._idle_start()
-            self._heal_pass(None)
-            self._idle_end(idle)
-            return
+        budget = budget if budget is not None else HealBudget()
         self._forget_departed()
         while (self._pending_keys() or self._leave_canon) and budget.allows_step():
             idle, factorized = self._idle_start(), self.factorized_tokens
