@@ -41,9 +41,9 @@ class HealMirror:
         eager policy's conditioning for chunks that waited, store hits first; the recall cascade of
         those that were recalled). Under a ``budget`` (an idle gap: ``healing.HealBudget``) in the
         window's steps (``healing.heal_batch``: the stalest pending chunk and the pending ones in
-        front of it; then, with nothing pending, one canonical owed by a chunk that left per step),
-        until it is spent; without one, all of it in one pass (what the steps add up to). Counted in
-        ``tokens_prefilled`` and ``heal_*``, not in ``est_seconds``."""
+        front of it; then, with nothing pending, one canonical owed by a chunk that left per step:
+        ``healing.plan_heal_step``), until it is spent; without one, every step (as ``heal()`` runs
+        them). Counted in ``tokens_prefilled`` and ``heal_*``, not in ``est_seconds``."""
         if not self._has_heal_work():
             return
         budget = budget if budget is not None else HealBudget()
@@ -101,16 +101,14 @@ class HealMirror:
         carried = [] if len(states) != len(formed) else [((a, st), tok(a)) for a, st in zip(formed, states)]
         return staleness_score(carried, [((p, self._kv_state(p)), tok(p)) for p in self.order[:i]])
 
-    def _heal_pass(self, keys: set[str] | None, owed: str | None = None) -> None:
-        """Heal the queued work of ``keys`` (None: all of it, and the canonicals owed by chunks
-        that left; ``owed``: that one only)."""
+    def _heal_pass(self, keys: set[str], owed: str | None = None) -> None:
+        """Heal the queued work of ``keys`` (one step's batch: ``plan_heal_step``), or the
+        canonical ``owed`` by a chunk that left."""
         self._changed()
-        everything = keys is None
-        keys = set(self.order) | set(self._pending_canon) | set(self._pending_form) if keys is None else keys
         self._healing = True
         try:
             resident = set(self.order)
-            for key in list(self._leave_canon) if everything else [owed] if owed is not None else []:
+            for key in [owed] if owed is not None else []:
                 del self._leave_canon[key]
                 if key not in resident:
                     self._encode(key)
@@ -129,8 +127,6 @@ class HealMirror:
                 elif need == "reforward" and key not in self._pending_form:  # something came in front of it
                     self._form(key, self.order[:i])  # meanwhile: re-forwarded behind that (once: a queued
                     # re-form does it below)
-            if everything:
-                self._canon_due.clear()
             # a forward's KV differs from its canonical + patch once the chunks it ran after are
             # healed themselves (their KV changes): the difference is then no patch for the window
             # as it stands, and the eager policy forms one anew (what ContextWindow.heal does)
@@ -185,9 +181,6 @@ class HealMirror:
                         self._form(key, prefix)
                     else:  # the eager policy's decision on the slot as it was deferred (what it carried)
                         self.carry_out(key, prefix, self.decide(reason, key, prefix))
-            if everything:
-                self._pending_form.clear()
-                self._pending_reason.clear()
         finally:
             self._healing = False
 

@@ -7,7 +7,7 @@ policies (``lru``, ``reuse-distance``, ``belady``) decide what leaves the fast t
 """
 
 from . import eviction_belady, eviction_lru, eviction_reuse  # noqa: F401  (register)
-from .cost import DEFAULT_WEIGHTS, SECONDS_WEIGHTS, OrderCost, Weights, order_cost
+from .cost import DEFAULT_WEIGHTS, FORMS_WEIGHTS, SECONDS_WEIGHTS, OrderCost, Weights, order_cost
 from .eviction import EVICTION_POLICIES, PoolEvictionPolicy, PolicyError, make_eviction
 from .eviction_belady import BeladyEviction
 from .eviction_lru import LRUEviction
@@ -18,7 +18,7 @@ from .search import EXACT_MAX_CHUNKS, brute_force, exact, heuristic, schedule
 from ..window.graph import PatchGraph  # (its one home: window/graph.py, beside the window's conditioning graph)
 
 __all__ = [
-    "SchedulerPlacement", "OfflineSchedulerPlacement", "ValidPlacement", "PatchGraph", "Weights", "DEFAULT_WEIGHTS", "SECONDS_WEIGHTS", "OrderCost",
+    "SchedulerPlacement", "OfflineSchedulerPlacement", "ValidPlacement", "PatchGraph", "Weights", "DEFAULT_WEIGHTS", "FORMS_WEIGHTS", "SECONDS_WEIGHTS", "OrderCost",
     "order_cost", "exact", "heuristic", "brute_force", "schedule", "EXACT_MAX_CHUNKS", "EVICTION_POLICIES",
     "PoolEvictionPolicy", "make_eviction", "PolicyError", "LRUEviction", "ReuseDistanceEviction", "BeladyEviction",
 ]
