@@ -105,6 +105,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         self._defers = bool(getattr(self.arm, "defers", False))
         self._healing = False
         self._recalling = False
+        self._entering: frozenset[str] = frozenset()  # the chunks the current admission brings in
         self._provisional: dict[str, None] = {}  # entered without a canonical, not yet forwarded
         self._pending_canon: dict[str, tuple[str, ...]] = {}  # forwarded behind this content prefix; canonical at heal
         # healed with no canonical: its forward's KV is what the eager policy would keep there (its
@@ -280,7 +281,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             stored_prefixes=self.graph.stored_prefixes if self.arm.patches else (lambda c: ()),
             dependents=self.dependents if self.arm.patches else (lambda k: []),
             may_hit=self.graph.may_hit, conditioning=self.arm.patches,
-            budget_tokens=self.cfg.budget_tokens,
+            budget_tokens=self.cfg.budget_tokens, patch_policy=self.policy,
             future=_FutureView(self._next_ref, index, self._ops) if self._next_ref is not None else None,
         )
 
@@ -370,7 +371,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
     def _admit(self, index: int, entering: list[tuple[str, int | None]], recall: bool) -> None:
         est0, load0 = self.r.est_seconds, self.r.load_seconds
         try:
-            self._recalling = recall
+            self._recalling, self._entering = recall, frozenset(k for k, _ in entering)
             # the conditioning before the operation: what the recall cascade is judged on (the
             # window's reconcile reads each slot's conditioning as it was, before the budget's slide
             # dropped a front survivor's patches)
@@ -387,7 +388,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
                     del self._provisional[k]
                     self._encode(k)
         finally:
-            self._recalling = False
+            self._recalling, self._entering = False, frozenset()
             self._before_op = self._before_states = None
             if self.cfg.overlap_loads:
                 # loads ran beside this admission's model work: it costs the longer of the two
@@ -406,9 +407,9 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
                     self._remove(k, index)
                     self._left.append(k)
                     self.r.window_evictions += 1
-        # arrival order, or a simulated recall (anticipation places it where the prediction says,
-        # as ``anticipation.simulate_recall`` does: the placement is not asked)
-        direct = self._fast or self._simulating
+        # arrival order, a simulated recall (anticipation places it where the prediction says, as
+        # ``anticipation.simulate_recall`` does), or a provisional chunk: the placement is not asked
+        direct = self._fast or self._simulating or self._enters_provisional(entering, recall)
         if direct and entering[0][1] is None:
             # arrival order at the end: only the entering chunk is looked at
             key = entering[0][0]
@@ -464,6 +465,22 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
                 self._resident_upkeep(view, k, new_order[:i], old_order[:old_pos[k]], cascade=member)
             elif member and k not in self._not_kept:  # (its own decision: a keep)
                 self._cascade_reform(i, k)
+
+    def _enters_provisional(self, entering: list[tuple[str, int | None]], recall: bool) -> bool:
+        """Whether the one entering chunk comes in provisional: a latency-first window's append, or
+        recall (lazy canonicals, not to the front) of a chunk that left before it was healed, with
+        no canonical stored; one forward behind the window where it was asked, which the window
+        places without asking its placement (``placement.window_index``, ``ContextWindow.recall``)."""
+        if not (self._defers and self.arm.canonicals) or self._healing or len(entering) != 1 or not self.order:
+            return False
+        key, at = entering[0]
+        k, pool = ("c", self.content[key]), self.pool
+        if key in self._leave_canon or k in pool.device or k in pool.host or k in pool.disk:
+            return False
+        if not recall:
+            return True
+        pos = len(self.order) if at is None else max(0, min(at, len(self.order) + len(self._left)) - len(self._left))
+        return self._lazy and pos > 0
 
     def _reorder(self, order: list[str]) -> None:
         resident = set(self.order)

@@ -36,6 +36,9 @@ class KVStateMirror:
         """What a deferred slot serves meanwhile (``LatencyPolicy._stand_in``): its stale patch
         within the staleness budget, else its blind canonical (its state then: the canonical)."""
         formed, states = self.formed.get(key, ()), self._formed_states.get(key)
+        if key in self._entering and formed and key not in self._no_canon and key not in self._pending_canon:
+            self._set_formed(key, ())  # (it enters as its canonical: no patch to keep meanwhile)
+            return
         if not formed or states is None or key in self._no_canon or key in self._pending_canon:
             return
         tok = self.tokens.__getitem__

@@ -8,13 +8,13 @@ networkx index of stored patches it searches; ``exact`` / ``heuristic`` / ``brut
 """
 
 from ..core.errors import PolicyError
-from .cost import DEFAULT_WEIGHTS, SECONDS_WEIGHTS, OrderCost, Weights, order_cost
+from .cost import DEFAULT_WEIGHTS, FORMS_WEIGHTS, SECONDS_WEIGHTS, OrderCost, Weights, order_cost
 from .placement import OfflineSchedulerPlacement, SchedulerPlacement
 from .placement_valid import ValidPlacement
 from .search import EXACT_MAX_CHUNKS, brute_force, exact, heuristic, schedule
 from ..window.graph import PatchGraph  # (its one home: window/graph.py, beside the window's conditioning graph)
 
 __all__ = [
-    "SchedulerPlacement", "OfflineSchedulerPlacement", "ValidPlacement", "PatchGraph", "Weights", "DEFAULT_WEIGHTS", "SECONDS_WEIGHTS", "OrderCost",
+    "SchedulerPlacement", "OfflineSchedulerPlacement", "ValidPlacement", "PatchGraph", "Weights", "DEFAULT_WEIGHTS", "FORMS_WEIGHTS", "SECONDS_WEIGHTS", "OrderCost",
     "order_cost", "exact", "heuristic", "brute_force", "schedule", "EXACT_MAX_CHUNKS", "PolicyError",
 ]
