@@ -474,8 +474,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         if not (self._defers and self.arm.canonicals) or self._healing or len(entering) != 1 or not self.order:
             return False
         key, at = entering[0]
-        k, pool = ("c", self.content[key]), self.pool
-        if key in self._leave_canon or k in pool.device or k in pool.host or k in pool.disk:
+        if key in self._leave_canon or self.pool.contains(("c", self.content[key])):
             return False
         if not recall:
             return True
