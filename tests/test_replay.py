@@ -171,6 +171,8 @@ def test_calibration_saved_and_used(tmp_path, tiny_backend_factory, one_thread):
     model = calibrate(be, lengths=(16, 48), rank=4, repeats=1, disk_dir=str(tmp_path))
     assert model.source == "calibration" and model.fingerprint == be.fingerprint
     assert all(tps > 0 for _, tps in model.prefill) and model.apply_bytes_per_s > 0
+    assert [n for n, _ in model.prefill] == [be.root_len + 16, be.root_len + 48]
+    assert model.extra["device"] == "cpu" and model.extra["lengths"] == [16, 48]  # where the speeds were measured
     path = save_calibration(model, tmp_path)
     got, note = load_calibration(be.fingerprint, tmp_path)
     assert got == model and str(path) in note
@@ -180,6 +182,12 @@ def test_calibration_saved_and_used(tmp_path, tiny_backend_factory, one_thread):
     a = Replayer(t, cost=got).run()
     b = Replayer(t, cost=CostModel()).run()
     assert a.patch_forms == b.patch_forms and a.est_seconds != b.est_seconds
+
+
+@pytest.mark.parametrize("lengths", ["48,16", "0,16", "16,16", "64,x", ""])
+def test_calibrate_lengths_are_increasing_positive_counts(lengths, capsys):
+    assert main(["calibrate", "--model", "tiny:llama", "--lengths", lengths]) == 2  # before any model loads
+    assert "--lengths" in capsys.readouterr().err
 
 
 def test_plot_writes_png(tmp_path, trace_files):
