@@ -363,6 +363,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             self._pending_form[key] = False
         elif action == "refresh-hit":
             self.do(Reuse(self.content[key], self.tokens[key], antecedents=tuple(self.content[p] for p in prefix)))
+            self._read_patch(key, prefix, "exact")
             r.refreshes += 1
             self._set_formed(key, tuple(prefix))  # (the placement's view judged the hit: see view())
         else:  # "refresh" / "removal": one conditioned forward
