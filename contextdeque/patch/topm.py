@@ -73,10 +73,10 @@ DEFAULT_EIG: dict[str, str] = {"cpu": "eigh", "cuda": "subspace"}
 #: the Gram's largest diagonal entry, the step budget before an item falls back to ``eigh``, and
 #: the steps before the first Rayleigh–Ritz check
 OVERSAMPLE = 32
-RESIDUAL_TOL = 1e-6
+RESIDUAL_TOL = 1e-8
 SHIFT = 1e-10
 MAX_STEPS = 40
-FIRST_CHECK = 12
+FIRST_CHECK = 16
 
 #: the float64 working set one batch of layers may take (the batch is cut into groups below it;
 #: each group also gives background work a checkpoint)
