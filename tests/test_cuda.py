@@ -358,10 +358,21 @@ def test_cuda_subspace_solver_converges_on_the_device():
 
     from contextdeque.patch.topm import FIRST_CHECK, subspace_top_eigenvectors
 
+    import contextdeque.patch.topm as topm
+
     names = ["decaying (s from 1 to 1e-4)", "slow decay (s from 1 to 0.5)", "rank 10"]
     x = torch.stack([CASES[n] for n in names]).to(CUDA, torch.float64)
     vecs, done = subspace_top_eigenvectors(x.mT @ x, 8, max_steps=FIRST_CHECK)
     assert vecs.device.type == "cuda" and done.tolist() == [True, False, True]
+    assert topm.CUDA_GRAPHS, "the power steps' CUDA graph capture failed (they ran eagerly)"
+    # the graphed steps compute what the eager ones do
+    topm.CUDA_GRAPHS = False
+    try:
+        eager, done_eager = subspace_top_eigenvectors(x.mT @ x, 8, max_steps=FIRST_CHECK)
+    finally:
+        topm.CUDA_GRAPHS = True
+    assert done_eager.tolist() == done.tolist()
+    torch.testing.assert_close(vecs, eager, rtol=0, atol=1e-10)
 
 
 def test_cuda_patch_forming_split_and_factors(smollm2_random):

@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Literal
@@ -77,6 +79,8 @@ RESIDUAL_TOL = 1e-8
 SHIFT = 1e-10
 MAX_STEPS = 40
 FIRST_CHECK = 16
+#: on CUDA a check (the host's Rayleigh–Ritz eigenproblems, two syncs) costs tens of graphed steps
+CUDA_FIRST_CHECK = 32
 
 #: the float64 working set one batch of layers may take (the batch is cut into groups below it;
 #: each group also gives background work a checkpoint)
@@ -220,10 +224,9 @@ def subspace_top_eigenvectors(
     active = live.cpu().nonzero().flatten()
     g = g[active] if len(active) < B else g
     x = _start_block(n, k, gram.device).expand(len(active), n, k)
-    steps_taken, steps = 0, min(FIRST_CHECK, max_steps)
+    steps_taken, steps = 0, min(CUDA_FIRST_CHECK if gram.is_cuda else FIRST_CHECK, max_steps)
     while len(active) and steps > 0:
-        for _ in range(steps):
-            x = _orthonormalize(_shifted_power_step(g, x))
+        x = _power_steps(g, x, steps)
         steps_taken += steps
         x = _orthonormalize(x)  # a second Cholesky-QR pass: orthonormal to rounding for Rayleigh–Ritz
         y = g @ x
@@ -250,6 +253,56 @@ def subspace_top_eigenvectors(
     return vecs, done
 
 
+#: CUDA: the power steps replay a captured CUDA graph of one step. Eagerly a step is ~70 small
+#: kernel launches (batched Cholesky and triangular solves launch several each) whose host-side cost
+#: (~1 ms on an H100's host, profiled) is ten times their GPU time; a replay is one launch.
+CUDA_GRAPHS = True
+_GRAPH_CACHE = 8  # captured shapes kept (batch sizes shrink as items converge)
+_graphs: "OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]]" = OrderedDict()
+_graphs_lock = threading.Lock()
+
+
+def _power_steps(g: torch.Tensor, x: torch.Tensor, steps: int) -> torch.Tensor:
+    """``steps`` orthonormalized shifted power steps of ``x [b, n, k]`` on ``g [b, n, n]``."""
+    global CUDA_GRAPHS
+    if CUDA_GRAPHS and g.is_cuda:
+        try:
+            return _graphed_power_steps(g, x, steps)
+        except RuntimeError as exc:  # a capture this torch/driver refuses: eager from now on, same values
+            CUDA_GRAPHS = False
+            warnings.warn(f"topm: CUDA graph capture of the power step failed ({exc}); running it eagerly")
+    for _ in range(steps):
+        x = _orthonormalize(_shifted_power_step(g, x))
+    return x
+
+
+def _graphed_power_steps(g: torch.Tensor, x: torch.Tensor, steps: int) -> torch.Tensor:
+    key = (g.device, *x.shape)
+    with _graphs_lock:  # one capture and one set of static buffers per shape: replays are serialized
+        entry = _graphs.pop(key, None)
+        if entry is None:
+            g_in, x_io = g.contiguous().clone(), x.contiguous().clone()
+            side = torch.cuda.Stream(g.device)
+            side.wait_stream(torch.cuda.current_stream(g.device))
+            with torch.cuda.stream(side):  # warm-up off the capture: solver handles and workspaces
+                for _ in range(2):
+                    _orthonormalize(_shifted_power_step(g_in, x_io))
+            torch.cuda.current_stream(g.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                x_io.copy_(_orthonormalize(_shifted_power_step(g_in, x_io)))
+            entry = (graph, g_in, x_io)
+        _graphs[key] = entry
+        while len(_graphs) > _GRAPH_CACHE:
+            _graphs.popitem(last=False)
+        graph, g_in, x_io = entry
+        g_in.copy_(g)
+        x_io.copy_(x)
+        for _ in range(steps):
+            graph.replay()
+        return x_io.clone()
+
+
 def _shifted_power_step(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A block ``Z`` with ``span(Z) = span((G + δI) X)`` for orthonormal ``x [b, n, k]``:
     ``Z = X + R H̃⁻¹`` (``H = XᵀGX``, ``R = GX − XH``, ``H̃ = H + δI``). ``R ⟂ X``, so
@@ -257,17 +310,20 @@ def _shifted_power_step(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     (``‖RH̃⁻¹‖² ≤ λ_1/δ``)."""
     y = g @ x
     h = x.mT @ y
-    r = y - x @ h
-    h = (h + h.mT) / 2 + SHIFT * torch.eye(h.shape[-1], dtype=h.dtype, device=h.device)
-    chol, _ = torch.linalg.cholesky_ex(h)  # H̃ = L Lᵀ, so R H̃⁻¹ = (R L⁻ᵀ) L⁻¹: two batched trsm
-    r = torch.linalg.solve_triangular(chol.mT, r, upper=True, left=False)
-    return x + torch.linalg.solve_triangular(chol, r, upper=False, left=False)
+    r = torch.baddbmm(y, x, h, alpha=-1)  # R = GX − XH
+    eye = torch.eye(h.shape[-1], dtype=h.dtype, device=h.device)
+    chol, _ = torch.linalg.cholesky_ex(h + SHIFT * eye)  # H̃ = L Lᵀ (its lower triangle is read)
+    # H̃⁻¹ = L⁻ᵀ L⁻¹ from the k × k triangular inverse: a solve on k rows, not on n, then GEMMs
+    l_inv = torch.linalg.solve_triangular(chol, eye, upper=False)
+    return torch.baddbmm(x, r, l_inv.mT @ l_inv)
 
 
 def _orthonormalize(z: torch.Tensor) -> torch.Tensor:
-    """Cholesky-QR: ``Q = Z R⁻¹`` with ``RᵀR = ZᵀZ`` (batched GEMMs and triangular solves)."""
+    """Cholesky-QR: ``Q = Z R⁻¹`` with ``RᵀR = ZᵀZ`` (``ZᵀZ ⪰ I`` here, so ``R⁻¹`` is well
+    conditioned and formed explicitly: a ``k × k`` triangular solve and a batched GEMM)."""
     chol, _ = torch.linalg.cholesky_ex(z.mT @ z)
-    return torch.linalg.solve_triangular(chol.mT, z, upper=True, left=False)
+    eye = torch.eye(z.shape[-1], dtype=z.dtype, device=z.device)
+    return z @ torch.linalg.solve_triangular(chol, eye, upper=False).mT
 
 
 @lru_cache(maxsize=16)
