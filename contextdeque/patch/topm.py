@@ -34,7 +34,8 @@ Two solvers take the Gram's top-m eigenvectors (``eig=``):
 - ``"eigh"``: the full eigendecomposition of every Gram (LAPACK; on CUDA cuSOLVER's ``syevd``,
   one matrix at a time with host syncs: at SmolLM2's ``F = 192`` that is most of a patch's
   forming time on an H100). On the host a batch is spread over threads (linalg releases the GIL).
-- ``"subspace"``: block subspace iteration on ``G`` in float64 (batched GEMMs only): ``k = m + p``
+- ``"subspace"``: block subspace iteration on ``G`` in float64 (batched GEMMs and ``k × k``
+  Cholesky factors; on CUDA each step is a replayed CUDA graph): ``k = m + p``
   columns (:data:`OVERSAMPLE`) from a seeded random block, each step ``span(X) ← span((G + δI) X)``
   computed as ``Z = X + R H̃⁻¹`` (``H = XᵀGX``, ``R = GX − XH ⟂ X``, ``H̃ = H + δI``) so that
   ``ZᵀZ = I + (RH̃⁻¹)ᵀ(RH̃⁻¹) ⪰ I`` and its Cholesky-QR cannot break down, however wide the
@@ -66,14 +67,17 @@ METHODS: tuple[str, ...] = ("auto", "gram", "svd")
 Eig = Literal["auto", "eigh", "subspace"]
 EIGS: tuple[str, ...] = ("auto", "eigh", "subspace")
 
-#: the eigen-solver ``eig="auto"`` takes per device type (others: ``"eigh"``); CPU: measured on one
-#: thread on the default model's Δs (docs in tests/test_patch_topm.py and the bench's forming row)
+#: the eigen-solver ``eig="auto"`` takes per device type (others: ``"eigh"``), measured: on one CPU
+#: thread ``subspace`` took 2.6–3.3x ``eigh``'s time on the default model's Δs at 256 / 1,024
+#: tokens; on an H100 ``eigh`` (cuSOLVER) took 2.4x ``subspace``'s (docs/gpu.md, issue 21)
 DEFAULT_EIG: dict[str, str] = {"cpu": "eigh", "cuda": "subspace"}
 
 #: subspace iteration: extra columns beyond ``m`` (the convergence rate of direction i is
 #: ``λ_{m+p+1} / λ_i``), the residual tolerance relative to ``θ_1``, the shift ``δ`` relative to
 #: the Gram's largest diagonal entry, the step budget before an item falls back to ``eigh``, and
-#: the steps before the first Rayleigh–Ritz check
+#: the steps before the first Rayleigh–Ritz check. The tolerance, measured against the oracle of
+#: tests/test_patch_topm.py (p = 16): 1e-4 fails it on the default model's Δs, 1e-5 passes; 1e-8 leaves
+#: margin (a rank-32 patched window's KL then matches the SVD's within 1e-7)
 OVERSAMPLE = 32
 RESIDUAL_TOL = 1e-8
 SHIFT = 1e-10
