@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps.split(",")
     failed = []
 
-    def step(name: str, fn: Callable[[], Any], file: str) -> None:
+    def step(name: str, fn: Callable[[], Any], file: str | None) -> None:
         if name not in steps:
             return
         t0 = time.perf_counter()
@@ -258,7 +258,10 @@ def main(argv: list[str] | None = None) -> int:
             data = {"error": f"{type(e).__name__}: {e}"}
         if isinstance(data, dict):
             data["wall_s"] = round(time.perf_counter() - t0, 1)
-        _write(args.out, file, data)
+        if file is not None:
+            _write(args.out, file, data)
+        else:
+            print(f"[gpu_check] {name}: {json.dumps(data, default=str)}", flush=True)
 
     step("env", lambda: {**environment(), "host_cost_us": host_cost_us()}, "env.json")
 
@@ -291,11 +294,12 @@ def main(argv: list[str] | None = None) -> int:
             if proc.returncode:
                 raise RuntimeError(proc.stderr[-3000:])
             saved = next(Path(cache, "calibration").glob("*.json"))
-            res = json.loads(saved.read_text())
-        res["weights"] = "random (torch.manual_seed(0)), fp32, SmolLM2-135M-Instruct's config and tokenizer"
-        return res
+            cal = json.loads(saved.read_text())
+        cal["extra"]["weights"] = "random (torch.manual_seed(0)), fp32, SmolLM2-135M-Instruct's config and tokenizer"
+        _write(args.out, "calibration.json", cal)  # as saved: `replay --calibration` reads it
+        return {"prefill": cal["prefill"], "svd_s_per_token": cal["svd_s_per_token"]}
 
-    step("calibrate", calibration, "calibration.json")
+    step("calibrate", calibration, None)  # writes calibration.json itself
     step("sweep", lambda: {"rows": sweep()}, "sweep.json")
     step("llama3_8b", lambda: bench_large(args.tokenizer_dir), "bench_llama3_8b.json")
     print(f"[gpu_check] done; failed steps: {failed or 'none'}", flush=True)
