@@ -276,7 +276,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         order = self.order
         tokens = {k: self.tokens[k] for k in (*order, *entering)}
         return PlacementView(
-            order=list(order), tokens=tokens, content=self.content, formed_on=self.formed,
+            order=list(order), tokens=tokens, content=self.content, formed_on=self._carried(order, entering),
             has_patch=self._has_valid_patch(order) if self.arm.patches else (lambda c, p: False),
             has_orbit=self.graph.has_orbit if self.arm.patches else (lambda c, s: False),
             stored_prefixes=self.graph.stored_prefixes if self.arm.patches else (lambda c: ()),
@@ -285,6 +285,13 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             budget_tokens=self.cfg.budget_tokens, patch_policy=self.policy,
             future=_FutureView(self._next_ref, index, self._ops) if self._next_ref is not None else None,
         )
+
+    def _carried(self, order: Sequence[str], entering: Sequence[str]) -> dict[str, tuple[str, ...]]:
+        """``view.formed_on`` as the window gives it: what each resident's KV is conditioned on now
+        (a blind stand-in or a canonical: nothing), and for an entering chunk what it carried."""
+        out = {k: self.formed.get(k, ()) if k in self._state else () for k in order}
+        out.update((k, self.formed.get(k, ())) for k in entering)
+        return out
 
     def _has_valid_patch(self, order: Sequence[str]):
         """``view.has_patch`` as the window answers it (``placement.window_index``): whether the store
