@@ -59,13 +59,6 @@ BUDGET = 94  # tokens of the scaled traces (about 6,000 of the generated ones)
 UNBOUNDED = 1 << 40  # bytes: a tier that never spills
 # device and host bytes that make the tiers spill on every trace (the tiny model's KV: 1 KiB a token)
 TIGHT = (60_000, 200_000)
-# the one case whose bytes per tier the replay does not yet equal, and why (its counts are equal):
-# while it differs the case is an expected failure after its counts pass; once equal, it fails
-TRAFFIC_GAPS = {
-    ("doc", "patch-latency-shared", "valid", False):
-        "the recalls of thumb3 and thumb0 (events 89-90): the window serves thumb0 a stored recall patch "
-        "(one read of 3,216 B from the host), the replay's latency-first recall defers it (no forward either way)",
-}
 
 
 def _idle_tokens(rate: float | None):
@@ -120,9 +113,8 @@ def test_the_rules_and_placements_cover_the_window():
 
 def _check(backend, kind: str, rule: str, placement: str, budget: int | None = None, anticipate: bool = False,
            seed: int = 0, idle_rate: float | None = None, factorization_cost: float = 0.0,
-           tiers: tuple[int, int] = (UNBOUNDED, UNBOUNDED), traffic_gap: str | None = None) -> dict:
-    """Returns the live store's traffic (what each tier read, wrote and evicted); ``traffic_gap``:
-    why this case's traffic is known to differ (`TRAFFIC_GAPS`)."""
+           tiers: tuple[int, int] = (UNBOUNDED, UNBOUNDED)) -> dict:
+    """Returns the live store's traffic (what each tier read, wrote and evicted)."""
     backend.root_kv()  # the root's one prefill is the backend's, not the trace's
     trace = scaled_trace(generate(kind, seed=seed), SCALE, minimum=2)
     live, traffic = _window_receipt(backend, trace, placement, REUSE_COSTS[rule].window_policy, budget, anticipate,
@@ -139,9 +131,6 @@ def _check(backend, kind: str, rule: str, placement: str, budget: int | None = N
     assert _costly(plan) == _costly(live.plan)  # the same operations on chunks of the same sizes
     assert live.forwards > 0 and stored_bytes(live.plan).get("device", 0) > 0
     # bytes per tier: what each tier read, wrote and evicted (the live store's record)
-    if traffic_gap is not None:
-        assert replayed_traffic != traffic, "the known gap closed: remove the case from TRAFFIC_GAPS"
-        pytest.xfail(traffic_gap)
     assert replayed_traffic == traffic
     assert replayed_bytes == {t: traffic["read"].get(t, 0) + traffic["written"].get(t, 0) for t in ("device", "host", "disk")}
     return traffic
@@ -158,8 +147,7 @@ def test_replay_predicts_the_live_windows_forwards_and_tokens(tiny_backend_facto
     stored patch by the residents' KV states now and their staleness by the antecedents still in
     the window, as ``placement.window_index`` does; a recall's cascade compares the recalled
     chunk's new KV with the KV each dependent was formed on.)"""
-    _check(tiny_backend_factory("llama"), kind, rule, placement, anticipate=anticipate,
-           traffic_gap=TRAFFIC_GAPS.get((kind, rule, placement, anticipate)))
+    _check(tiny_backend_factory("llama"), kind, rule, placement, anticipate=anticipate)
 
 
 @pytest.mark.parametrize("seed", [0, 2, 3])
