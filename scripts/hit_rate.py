@@ -63,6 +63,7 @@ for path in a.traces:
     d = hits.as_dict()
     print(f"{t.name}: hit_rate={d['hit_rate']} own={d['own_hit_rate']} re_reads={d['re_reads']} "
           + " ".join(f"{k}:{v['hits']}/{v['steps']}(own {v['own_hits']})" for k, v in d["by_step"].items())
+          + f"  forming banked={win.forming.banked:.0f} used={win.forming.used:.0f} lost={win.forming.lost:.0f}"
           + f"  [{time.time()-t0:.0f}s]", flush=True)
     out[t.name] = d
 if a.json:
