@@ -244,6 +244,16 @@ def reorder_after(state: WindowState, recalls: Sequence[tuple[ChunkRef, int | st
     return sum(tokens.get(r, 0) for r in then[first:])
 
 
+def reorder_cost(state: Any, order: Sequence[ChunkRef], factorization_cost: float) -> float:
+    """What preparing the reorder of ``state``'s window to ``order`` is estimated to cost an idle
+    budget: every chunk from the first one the reorder moves on is re-conditioned (a forward and
+    its patch's factorization), as :func:`reorder_after` counts it."""
+    now = list(state.refs)
+    first = next((i for i, (a, b) in enumerate(zip(now, order)) if a != b), len(now))
+    tokens = {s.ref: s.n_tokens for s in state.slots}
+    return sum(tokens.get(r, 0) for r in list(order)[first:]) * (1.0 + factorization_cost)
+
+
 def recall_cost(state: Any, prediction: Prediction, reorder_tokens: int, factorization_cost: float) -> float:
     """What preparing ``prediction`` (and, ``reorder_tokens`` > 0, the hinted reorder after it:
     :func:`reorder_after`) is estimated to cost an idle budget: its forwards and, at
@@ -287,7 +297,8 @@ def plan_anticipation(state_of: Callable[[], Any], predictor: RecallPredictor, e
     best recall: agents that keep their task in front never slide it out), then the recall
     predictions (:func:`plan_recalls`, each with the reorder the agent named right after it, then
     without it; a chain that extends one prepared in this pass costs only the rest), then the
-    ``reorders()`` to prepare."""
+    ``reorders()`` to prepare (priced by :func:`reorder_cost`: a gap is never charged more than
+    its budget, where an unpriced reorder once ran whatever was left)."""
     predictions = plan_recalls(predictor, state_of(), expected, budgeted)
     if slide_tokens is not None:
         top = predictions[0].probability if predictions else 0.0
@@ -308,7 +319,7 @@ def plan_anticipation(state_of: Callable[[], Any], predictor: RecallPredictor, e
             if task.ran:
                 done[prediction.recalls] = max(cost, done.get(prediction.recalls, 0))
     for order in reorders():
-        yield Preparation("reorder", None, order=order)
+        yield Preparation("reorder", reorder_cost(state_of(), order, factorization_cost), order=order)
 
 
 @dataclass(frozen=True)
@@ -409,11 +420,10 @@ class ResumableForming:
         """``task`` ran and ``budget`` was charged what it spent since ``tokens_before``: its
         credit comes off that charge (the gap pays the rest only)."""
         credit = self.credit(task)
-        if credit:
-            if budget.tokens > tokens_before:
-                self.used += credit
-            else:  # (it found everything stored: the progress bought nothing)
-                self.lost += credit
+        if credit:  # (progress beyond what it spent bought nothing: its estimate was above its cost)
+            used = min(credit, budget.tokens - tokens_before)
+            self.used += used
+            self.lost += credit - used
             budget.tokens = max(tokens_before, budget.tokens - credit)
             self.task, self.progress = None, 0.0
 
