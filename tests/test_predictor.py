@@ -306,7 +306,7 @@ def test_a_budget_too_small_for_the_hinted_chain_prepares_its_first_recalls(back
     for name in ("a", "b", "c"):
         win.evict(refs[name])
     for name in ("a", "b", "c"):
-        win.expect(refs[name])
+        win.expect(refs[name], at="end")
     first_two, _ = chain_tokens(win._state, [(refs["a"], END), (refs["b"], END)])
     whole, _ = chain_tokens(win._state, [(refs[n], END) for n in ("a", "b", "c")])
     assert first_two < whole

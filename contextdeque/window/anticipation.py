@@ -450,18 +450,30 @@ class WindowAnticipation:
     @property
     def expected(self) -> dict[tuple[ChunkRef, ...], int | None]:
         """What an agent said it may recall next (:meth:`expect`): groups of refs, recalled in
-        order, with where the first goes (None: the end)."""
+        order, with where the first goes (an index, ``"end"``, or None: where ``recall(ref)``
+        puts it)."""
         return self.__dict__.setdefault("_expected", {})
 
-    def expect(self, ref: "ChunkRef | Sequence[ChunkRef]", at: int | None = None) -> None:
-        """Say that ``ref`` (an evicted chunk) may be recalled next, at index ``at`` (None: the
-        end): with anticipation on, ``heal()`` prepares that recall first. A sequence of refs is
-        one re-read of several chunks, recalled in that order from ``at`` on (a page re-read
-        beside another, a video segment's header and frames): prepared as that sequence. A hint:
-        nothing is formed now, and a recall elsewhere is served as usual."""
+    def expect(self, ref: "ChunkRef | Sequence[ChunkRef]", at: int | str | None = None) -> None:
+        """Say that ``ref`` (an evicted chunk) may be recalled next, ``at`` as :meth:`recall`
+        takes it: index ``at``, ``"end"``, or None (the default, as ``recall(ref)``): wherever the
+        recall without ``at`` will put it (the window's recall placement, anywhere a stored patch
+        stays valid, ``WindowConfig.recall_placement``), decided on the window as it stands when
+        the preparation runs. With anticipation on, ``heal()`` prepares that recall first. A
+        sequence of refs is one re-read of several chunks, recalled in that order from ``at`` on
+        (a page re-read beside another, a video segment's header and frames; None: each where
+        ``recall`` puts it): prepared as that sequence. A hint: nothing is formed now, and a
+        recall elsewhere is served as usual.
+
+        Raises:
+            ArgumentTypeError: ``ref`` is not a ChunkRef or a sequence of them, or ``at`` is
+                neither an int, ``"end"`` nor None.
+            WindowError: a ref named twice, or unknown to the window."""
         self._check_open()
         if not isinstance(ref, (ChunkRef, Sequence)) or isinstance(ref, str):
             raise ArgumentTypeError(f"expect takes a ChunkRef or a sequence of them, got {type(ref).__name__}")
+        if not (at is None or at == END or (isinstance(at, int) and not isinstance(at, bool))):
+            raise ArgumentTypeError(f"expect: at is an index, {END!r} or None, got {at!r}")
         group = (ref,) if isinstance(ref, ChunkRef) else tuple(ref)
         if not group or len(set(group)) != len(group):
             raise WindowError("expect: name each chunk of a re-read once (at least one)")

@@ -156,13 +156,11 @@ def priced(state: "WindowState", recalls: Sequence[Recall], probability: float, 
 def hinted(state: "WindowState", expected: Mapping) -> list[list[Recall]]:
     """The agent's hints (``window.expect``: a ref or a group of refs -> ``at``), in the order
     given, as recall chains of their members still evicted (a group's later members follow the
-    first; ``at`` None, the end, is ``"end"``)."""
-    from .placement import END
-
+    first; ``at`` as ``recall`` takes it: an index, ``"end"``, or None, where ``recall(ref)``
+    without ``at`` puts it, the window's recall placement; each member so)."""
     out = []
     for group, at in expected.items():
         group = (group,) if isinstance(group, ChunkRef) else tuple(group)
-        at = END if at is None else at  # (expect's None: the end)
         chain = [(r, at + i if isinstance(at, int) else at) for i, r in enumerate(group) if r in state.evicted]
         if chain:
             out.append(chain)
