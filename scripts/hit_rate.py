@@ -6,7 +6,8 @@ the idle budget `idle_ms / 1000 x R x scale` tokens, a forming charged `--fc` pe
 counted step the window did not answer fresh (-v: every one) and the per-type table.
 `--micro`: a 2-layer random llama instead of the default model (the budget is in tokens, so the
 hits depend on the model only through the prepared re-forwards' byte bound); `--unpinned`: trace
-recalls without an index go where recall(ref) puts them.
+recalls without an index go where recall(ref) puts them. Each trace's line ends with the forming
+carried across gaps (window.forming: tokens banked, credited to preparations that ran, lost).
 Usage: OMP_NUM_THREADS=1 python scripts/hit_rate.py doc-0.jsonl web-0.jsonl --rate 15000 --fc 0.449"""
 import sys, json, time, argparse
 import torch

@@ -21,7 +21,9 @@ the window changed since the last one (``WindowAnticipation.anticipation_due``: 
 hints; a fork has its own). Idle-time work is counted in ``tokens_prefilled`` and ``heal_*``, not
 in ``est_seconds``. Given an idle rate (``Replayer(idle_tokens=)``), each step's idle gap is a
 ``healing.HealBudget`` the heal and then these passes draw on, as ``heal(max_tokens=)`` spends it;
-without one, the replay heals and anticipates to completion at every step. Not modelled: recall
+without one, the replay heals and anticipates to completion at every step. A preparation too dear
+for a gap is continued across gaps by the window's own rule (``anticipation.ResumableForming``,
+one per window, a fork's its own), the progress named by the replay's KV states. Not modelled: recall
 predictions without an index (``at=None``, the window's recall placement: priced at the end,
 where a trace's recalls go).
 """

@@ -26,6 +26,11 @@ work is done, prepares, one transaction each (idle forwards only; the critical p
    set, priced by probability x tokens saved per token formed (``window.anticipate_reorder``),
    simulated the same way (the eager policy's exact and orbit patches, formed and stored).
 
+Under a token budget (``heal(max_tokens=...)``, an idle gap) a preparation too dear for the gap is
+not dropped: the gap's rest is put into it and it is continued in the next gaps
+(:class:`ResumableForming`, progress kept while what it attends to stands, dropped progress
+counted), so a page whose forming is longer than any one gap is still prepared.
+
 Patch keys name the antecedents' KV states (``window.kvstate``), so an anticipation is served
 exactly where the KV in front of the chunk is the KV it was formed on. A pass that completes
 marks the window anticipated until it changes (:attr:`WindowAnticipation.anticipation_due`); the
