@@ -14,9 +14,9 @@ import torch
 torch.set_num_threads(1)
 from contextdeque.model import load_model
 from contextdeque.window import ContextWindow
-from contextdeque.replay.live import drive_window
+from contextdeque.replay.live import drive_window, idle_budget
 from contextdeque.replay.hits import HitRate, RE_READS
-from contextdeque.replay.fidelity import DEFAULT_SCALE, idle_budget, scaled_chunk_ids
+from contextdeque.replay.fidelity import DEFAULT_SCALE, scaled_chunk_ids
 from contextdeque.traces.io import read_trace
 
 ap = argparse.ArgumentParser()

@@ -224,6 +224,35 @@ def test_replay_cli_refuses_a_bad_idle_rate_before_any_work(tmp_path, capsys, ar
     assert message in capsys.readouterr().err
 
 
+def test_replay_cli_prices_the_idle_gaps_it_drives_the_window_through(tmp_path, capsys, monkeypatch):
+    """``replay --fidelity N --idle-rate R``: the cost-model side of the report heals within the
+    same idle budget per step as the driven window (R x the gap, in the trace's own tokens, with
+    the factorization charge and anticipation), not to completion at every step (issue 22 (b))."""
+    import json
+
+    import contextdeque.replay.fidelity as fidelity
+    from contextdeque.cli import main
+    from contextdeque.replay import ReplayConfig, Replayer
+    from contextdeque.replay.live import idle_budget
+    from contextdeque.scheduler.cost_model import load_calibration
+    from contextdeque.traces import write_trace
+
+    monkeypatch.setattr(fidelity, "run_fidelity_mode", lambda *a, **k: {})  # (the live side: not this test's)
+    trace = recall_trace(10.0)
+    path = write_trace(tmp_path / "t.jsonl", trace.header, trace.events)
+    argv = ["replay", str(path), "--jobs", "1", "--policies", "arrival:lru:patch", "--patch-policy", "latency", "--json"]
+    assert main([*argv, "--fidelity", "1", "--idle-rate", "1000"]) == 0
+    (got,) = json.loads(capsys.readouterr().out)["results"]
+    cost, _ = load_calibration()
+    config = ReplayConfig(anticipate=True)
+    budgeted = Replayer(trace, "arrival", "lru", "patch-latency", cost, config, idle_tokens=idle_budget(1000.0),
+                        factorization_cost=fidelity.factorization_cost(cost)).run().as_dict()
+    unbounded = Replayer(trace, "arrival", "lru", "patch-latency", cost, config).run().as_dict()
+    keys = ("tokens_prefilled", "forwards", "patch_forms", "heal_tokens")
+    assert {k: got[k] for k in keys} == {k: budgeted[k] for k in keys}
+    assert got["tokens_prefilled"] < unbounded["tokens_prefilled"]  # 10 ms at 1,000 tokens/s: not everything
+
+
 def old_recall_trace(hint: bool):
     """Two groups leave (a, then c); after an idle that affords one prediction the agent recalls
     the older one, a: only the agent's hint makes it the one prepared."""

@@ -37,7 +37,7 @@ from contextdeque.traces.events import TraceHeader
 from contextdeque.traces.io import Trace
 from contextdeque.stores import MemoryTier
 from contextdeque.window import ContextWindow
-from contextdeque.window.healing import HealBudget, heal_batch
+from contextdeque.window.healing import HealBudget, HealTask, heal_batch, heal_need, plan_heal_step
 from contextdeque.window.plan import Plan, plan_totals, stored_bytes
 import contextdeque.scheduler  # noqa: F401  (registers the scheduler's placements)
 from contextdeque.window.placement import PLACEMENT_POLICIES, make_placement
@@ -251,3 +251,27 @@ def test_heal_planning_is_over_keys():
     budget.spend(12)  # a step may overshoot: the next one is refused, and nothing more fits
     assert not budget.allows_step() and not budget.fits(0) and budget.bounded
     assert HealBudget(max_steps=1).allows_step() and not HealBudget(max_steps=1).bounded
+
+
+def test_heal_step_plan_is_over_keys():
+    """``plan_heal_step`` / ``heal_need``: what each chunk of a step needs, decided once for both
+    executors (the window's ``_heal_step`` runs it, the replay's heal prices it). A provisional
+    chunk gets its canonical at the front or without lazy canonicals; under lazy canonicals it
+    keeps its forward where it was appended, or is re-forwarded when the eager policy would
+    re-condition it; a chunk with a canonical is re-conditioned. Nothing pending: one departed
+    chunk's canonical."""
+    assert heal_need(0, True, True, True) == "canonical"
+    assert heal_need(2, True, False, False) == "canonical"
+    assert heal_need(2, True, True, False) == "keep"
+    assert heal_need(2, True, True, True) == "reforward"
+    assert heal_need(2, False, True, True) == heal_need(0, False, False, False) == "recondition"
+    order = ["a", "b", "c", "d"]
+    provisional = {"a": True, "b": False, "c": True, "d": True}
+    requeued = {"c"}
+    need = lambda k, i: heal_need(i, provisional[k], True, k in requeued)  # noqa: E731
+    stale = {"a": 0.1, "b": 0.2, "c": 0.9, "d": 0.3}.__getitem__
+    assert plan_heal_step(order, {"a", "b", "c", "d"}, stale, need) == [
+        HealTask("a", "canonical", ()), HealTask("b", "recondition", ("a",)), HealTask("c", "reforward", ("a", "b"))]
+    assert plan_heal_step(order, {"d"}, stale, need) == [HealTask("d", "keep", ("a", "b", "c"))]
+    assert plan_heal_step(order, set(), stale, need, departed=["x", "y"]) == [HealTask("x", "departed")]
+    assert plan_heal_step(order, set(), stale, need) == []

@@ -78,8 +78,16 @@ def run(args: argparse.Namespace) -> int:
         idle_rate = _idle_rate(args.idle_rate, cost)
         if idle_rate is not None and not args.fidelity:
             raise ArgumentError("--idle-rate needs --fidelity N (it drives a real window through the traces)")
+        # with --idle-rate the cost model prices the window the fidelity mode drives: the same idle
+        # budget per step (in the trace's own tokens), its factorization charge and anticipation
+        idle = {} if idle_rate is None else {"anticipate": True, "recall_predictor": args.predictor}
         config = ReplayConfig(budget_tokens=args.budget_tokens, device_bytes=int(args.device_gb * GiB),
-                              host_bytes=int(args.host_gb * GiB), rank=args.rank, overlap_loads=args.overlap_loads)
+                              host_bytes=int(args.host_gb * GiB), rank=args.rank, overlap_loads=args.overlap_loads, **idle)
+        fc = 0.0
+        if idle_rate is not None:
+            from ..replay.fidelity import factorization_cost
+
+            fc = factorization_cost(cost)
         jobs = args.jobs or default_jobs()
         err.print(f"[dim]{note}[/dim]")
         err.print(f"[dim]replaying {len(args.traces)} trace(s) x {len(combos)} combo(s) on {jobs} process(es)[/dim]")
@@ -89,15 +97,16 @@ def run(args: argparse.Namespace) -> int:
                       console=err, transient=True, disable=not err.is_terminal) as bar:
             task = bar.add_task("replay", total=None)
             results = replay_many([str(p) for p in args.traces], combos, cost, config, jobs=jobs,
-                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
+                                  progress=lambda done, total: bar.update(task, completed=done, total=total),
+                                  idle_rate=idle_rate, factorization_cost=fc)
         extra = {}
         if args.fidelity:
-            from ..replay.fidelity import factorization_cost, run_fidelity_mode
+            from ..replay.fidelity import run_fidelity_mode
 
             apply_threads_argument(args)
             options = window_options(args)
             if idle_rate is not None:  # (a forming costs the idle budget its forward and its SVD)
-                options.update(anticipate=True, recall_predictor=args.predictor, factorization_cost=factorization_cost(cost))
+                options.update(anticipate=True, recall_predictor=args.predictor, factorization_cost=fc)
             fid = run_fidelity_mode([str(p) for p in args.traces], combos, args.fidelity, seed=args.seed, console=err,
                                     patch_policy=args.patch_policy, window_options=options, idle_rate=idle_rate,
                                     hints=not args.ignore_hints)

@@ -393,9 +393,9 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
                     self._remove(k, index)
                     self._left.append(k)
                     self.r.window_evictions += 1
-        # arrival order, or a simulated recall (anticipation places it where the prediction says,
-        # as ``anticipation.simulate_recall`` does: the placement is not asked)
-        direct = self._fast or self._simulating
+        # arrival order, a simulated recall (anticipation places it where the prediction says, as
+        # ``anticipation.simulate_recall`` does), or a provisional chunk: the placement is not asked
+        direct = self._fast or self._simulating or self._enters_provisional(entering, recall)
         if direct and entering[0][1] is None:
             # arrival order at the end: only the entering chunk is looked at
             key = entering[0][0]
@@ -451,6 +451,22 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
                 self._resident_upkeep(view, k, new_order[:i], old_order[:old_pos[k]], cascade=member)
             elif member and k not in self._not_kept:  # (its own decision: a keep)
                 self._cascade_reform(i, k)
+
+    def _enters_provisional(self, entering: list[tuple[str, int | None]], recall: bool) -> bool:
+        """Whether the one entering chunk comes in provisional: a latency-first window's append, or
+        recall (lazy canonicals, not to the front) of a chunk that left before it was healed, with
+        no canonical stored; one forward behind the window where it was asked, which the window
+        places without asking its placement (``placement.window_index``, ``ContextWindow.recall``)."""
+        if not (self._defers and self.arm.canonicals) or self._healing or len(entering) != 1 or not self.order:
+            return False
+        key, at = entering[0]
+        k, pool = ("c", self.content[key]), self.pool
+        if key in self._leave_canon or k in pool.device or k in pool.host or k in pool.disk:
+            return False
+        if not recall:
+            return True
+        pos = len(self.order) if at is None else max(0, min(at, len(self.order) + len(self._left)) - len(self._left))
+        return self._lazy and pos > 0
 
     def _reorder(self, order: list[str]) -> None:
         resident = set(self.order)

@@ -48,7 +48,7 @@ from ..scheduler.eviction import PolicyError
 from ..core.errors import TraceError
 from ..traces.io import Trace, read_trace
 from .hits import HitRate
-from .live import drive_window
+from .live import drive_window, idle_budget
 from .reuse import make_reuse
 
 DEFAULT_SCALE = 1 / 16
@@ -83,12 +83,6 @@ def scaled_chunk_ids(backend: Any, scale: float) -> Callable[[Any], list[int]]:
     ``token_ids``): :func:`chunk_ids` of its content hash, ``scale`` x its trace tokens (at least
     :data:`MIN_TOKENS`)."""
     return lambda ev: chunk_ids(backend, ev.hash, max(MIN_TOKENS, int(round(ev.tokens * scale))))
-
-
-def idle_budget(idle_rate: float, scale: float) -> Callable[[float], int]:
-    """An idle gap of ``ms`` milliseconds as a heal budget in the scaled trace's tokens
-    (``drive_window``'s ``idle_tokens``): ``ms / 1000 x idle_rate x scale``."""
-    return lambda ms: int(ms / 1000.0 * float(idle_rate) * scale)
 
 
 _DISTINCT_TRIES = 1000

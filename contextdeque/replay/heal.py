@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..window.healing import HealBudget, heal_batch
+from ..window.healing import HealBudget, HealNeed, heal_need, plan_heal_step
 from ..window.plan import Difference
 from ..window.staleness import staleness_score
 
@@ -54,11 +54,14 @@ class HealMirror:
         self._forget_departed()
         while (self._pending_keys() or self._leave_canon) and budget.allows_step():
             idle, factorized = self._idle_start(), self.factorized_tokens
-            pending = self._pending_keys()
-            if pending:
-                self._heal_pass(set(heal_batch(self.order, pending, self._heal_priority)))
-            else:  # (the window's ``_unhealed_evicted``: one a step, in eviction order)
-                self._heal_pass(set(), owed=next(iter(self._leave_canon)))
+            # the window's step (``healing.plan_heal_step``): its batch, or one canonical owed by a
+            # chunk that left (``_unhealed_evicted``, in eviction order)
+            tasks = plan_heal_step(self.order, self._pending_keys(), self._heal_priority, self._heal_need,
+                                   list(self._leave_canon))
+            if tasks[0].need == "departed":
+                self._heal_pass(set(), owed=tasks[0].key)
+            else:
+                self._heal_pass({t.key for t in tasks})
             budget.spend(self.r.tokens_prefilled - idle[0], self.factorized_tokens - factorized)
             self._idle_end(idle)
 
@@ -86,6 +89,13 @@ class HealMirror:
         resident = set(self.order)
         return (set(self._pending_canon) | set(self._pending_form) | self._canon_due) & resident
 
+    def _heal_need(self, key: str, index: int) -> HealNeed:
+        """``healing.heal_need`` of a queued chunk, from the replay's queues: provisional (forwarded,
+        no canonical: ``_pending_canon`` / ``_no_canon``); re-conditioned (deferred again:
+        ``_pending_form``, or its front canonical owed: ``_canon_due``)."""
+        provisional = key in self._pending_canon or key in self._no_canon
+        return heal_need(index, provisional, self._lazy, key in self._pending_form or key in self._canon_due)
+
     def _heal_priority(self, key: str) -> float:
         """``ContextWindow.heal_priority`` over keys: the staleness of what ``key`` carries (a
         provisional chunk: the KV it ran after) behind what is in front of it now."""
@@ -111,16 +121,18 @@ class HealMirror:
                     self._owes.discard(key)
             front = self.order[0] if self.order else None
             for key in sorted(self._canon_due & resident & keys, key=self.order.index):
+                i = self.order.index(key)
+                need = self._heal_need(key, i)  # (while it is still due)
                 self._canon_due.discard(key)
                 if key not in self._no_canon:
                     continue
-                i = self.order.index(key)
-                if i == 0:  # its forward's KV is stale at the front, where the canonical is exact
+                if need == "canonical":  # its forward's KV is stale at the front, where the canonical is exact
                     del self._no_canon[key]
                     self._encode(key)
                     self._set_formed(key, ())
-                elif key not in self._pending_form:  # something came in front of it meanwhile: re-forwarded
-                    self._form(key, self.order[:i])  # behind that (once: a queued re-form does it below)
+                elif need == "reforward" and key not in self._pending_form:  # something came in front of it
+                    self._form(key, self.order[:i])  # meanwhile: re-forwarded behind that (once: a queued
+                    # re-form does it below)
             if everything:
                 self._canon_due.clear()
             # a forward's KV differs from its canonical + patch once the chunks it ran after are
@@ -135,15 +147,16 @@ class HealMirror:
                 if key in queued:
                     healed_before.add(key)
             for key in [k for k in self._pending_canon if k in keys]:
+                need = self._heal_need(key, self.order.index(key)) if key in resident else None
                 pc = self._pending_canon.pop(key)
-                if key not in resident:  # gone with a discarded fork: its canonical is never made
+                if need is None:  # gone with a discarded fork: its canonical is never made
                     k = ("c", self.content[key])
                     if k not in self.pool.pinned:
                         self.pool.drop(k)
                     continue
-                if key != front and self._lazy:
-                    # kept as forwarded, or (queued to re-form) re-forwarded behind its new prefix:
-                    # either way no canonical until a stored patch could serve it
+                if need != "canonical":
+                    # kept as forwarded, or (queued to re-form) re-forwarded behind its new prefix
+                    # below: either way no canonical until a stored patch could serve it
                     self._no_canon[key] = None
                     continue
                 self._encode(key)

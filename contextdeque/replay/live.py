@@ -35,6 +35,14 @@ def _asked(at: int | None, pinned: bool = True) -> int | str | None:
 TokenIds = Callable[[Any], "list[int]"]
 
 
+def idle_budget(idle_rate: float, scale: float = 1.0) -> Callable[[float], int]:
+    """An idle gap of ``ms`` milliseconds as a heal budget in the trace's tokens, ``scale`` x them
+    (``drive_window``'s and ``Replayer``'s ``idle_tokens``): ``ms / 1000 x idle_rate x scale``.
+    The fidelity mode's window runs a scaled trace (``scale`` < 1); the cost model prices the
+    trace itself (``scale`` 1), so both spend the same idle seconds."""
+    return lambda ms: int(ms / 1000.0 * float(idle_rate) * scale)
+
+
 def recall_step(at: int | None, n_in_window: int) -> str:
     """``recall`` appends at the end; ``look-back`` brings a chunk back inside the window."""
     return "recall" if at is None or at >= n_in_window else "look-back"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Collection, Hashable, Iterable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Collection, Generic, Hashable, Iterable, Literal, Sequence, TypeVar
 
 from ..core.args import check_float, check_int
 from ..core.errors import WindowError, WindowTypeError
@@ -41,6 +41,64 @@ def heal_batch(order: Sequence[K], pending: Collection[K], priority: Callable[[K
         return []
     chosen = target if target is not None and target in queued else max(queued, key=priority)
     return queued[: queued.index(chosen) + 1]
+
+
+HealNeed = Literal["canonical", "keep", "reforward", "recondition", "departed"]
+"""What one chunk needs in a heal step (:func:`heal_need`; the ``window.plan`` ops each executes as):
+
+- ``canonical``: a provisional chunk (a conditioned forward, no canonical yet) gets its canonical
+  (``Encode``); where its forward ran after the chunks in front of it as they stand, the patch the
+  eager policy wants there is that forward minus the canonical (``Difference``: no forward); then
+  the eager policy decides on it as on any deferred slot (``Reuse`` of that patch, or a ``Form``);
+- ``keep``: a provisional chunk appended once under lazy canonicals: its forward is exact where it
+  stands, and no canonical is made until something re-reads it elsewhere (nothing);
+- ``reforward``: a provisional chunk the eager policy would re-condition under lazy canonicals:
+  one conditioned forward behind the chunks in front of it, healed first (``Forward``; still no
+  canonical);
+- ``recondition``: a chunk with a canonical whose conditioning was deferred: the eager policy's
+  decision on the window as it stands, for the reason it was deferred (``Reuse`` / ``Form`` /
+  ``Keep`` / ``Clear``);
+- ``departed``: nothing is pending; a chunk that left before its canonical was computed gets it
+  (``Encode``; lazy canonicals: never, a recall that needs one encodes it)."""
+
+
+@dataclass(frozen=True)
+class HealTask(Generic[K]):
+    """One chunk's work in a heal step, over keys: ``need`` (:data:`HealNeed`) of ``key``, which
+    stands behind ``prefix`` (the keys in front of it now; what a difference or re-forward is
+    taken on)."""
+
+    key: K
+    need: HealNeed
+    prefix: tuple[K, ...] = ()
+
+
+def heal_need(index: int, provisional: bool, lazy: bool, reconditions: bool) -> HealNeed:
+    """What a pending chunk at window ``index`` needs (:data:`HealNeed`): ``provisional`` (its KV
+    a conditioned forward with no canonical computed), ``lazy`` (the policy's lazy canonicals:
+    ``latency``, not ``latency-shared``), ``reconditions`` (the eager policy would re-condition it:
+    anything but an append not deferred again since). At the front a canonical is exact; without
+    lazy canonicals every provisional chunk gets one."""
+    if not provisional:
+        return "recondition"
+    if index == 0 or not lazy:
+        return "canonical"
+    return "reforward" if reconditions else "keep"
+
+
+def plan_heal_step(order: Sequence[K], pending: Collection[K], priority: Callable[[K], float],
+                   need_of: Callable[[K, int], HealNeed], departed: Sequence[K] = (),
+                   target: K | None = None) -> list[HealTask[K]]:
+    """One heal step over keys, the plan both executors follow (the window runs it, the replay
+    prices it): the batch of :func:`heal_batch` in window ``order``, each chunk with what it needs
+    (``need_of(key, index)``, :func:`heal_need`); with nothing ``pending``, the canonical of the
+    first chunk of ``departed`` (those that left before theirs was computed, in eviction order).
+    Empty: nothing to do."""
+    batch = heal_batch(order, pending, priority, target)
+    if not batch:
+        return [HealTask(departed[0], "departed")] if departed else []
+    index = {k: i for i, k in enumerate(order)}
+    return [HealTask(k, need_of(k, index[k]), tuple(order[: index[k]])) for k in batch]
 
 
 def idle_spent(receipts: Iterable[Receipt], factorization_cost: float) -> float:
@@ -169,45 +227,50 @@ class WindowHealing:
 
         def body(state: WindowState, meter: Meter) -> tuple[dict[str, Any], None]:
             ctx = self._ctx
-            if not state.pending:
-                for ref in self._unhealed_evicted()[:1]:  # canonical of a chunk that left unhealed
-                    entry = state.evicted[ref]
-                    if entry.provisional is not None:
-                        ingest.canonical_of(self._ctx, entry.provisional, meter)
-                        source = ingest.source_of(entry.provisional)  # so a lost canonical can be rebuilt
-                    else:
-                        source = entry.source
-                        if ingest.load_canonical(ctx, entry.chunk_key, meter) is None:
-                            ingest.encode_and_store(ctx, meter, **entry.source)
-                    state.evicted[ref] = dataclasses.replace(entry, provisional=None, unhealed=False, source=source)
-                    return {"refs": (ref,)}, None
-                return {"refs": ()}, None  # healed meanwhile (e.g. by a foreground heal): nothing to do
-            batch = heal_batch(state.refs, state.pending, self.heal_priority, target)
-            reasons = {r: state.pending[r].reason for r in batch}
-            eager = getattr(ctx.policy, "eager", ctx.policy)
-            carried = {r: state.pending[r].carried for r in batch}
-            heal_policy = HealPolicy(eager, carried)
             lazy = ctx.policy.lazy_canonicals
             slots = list(state.slots)
-            for i, s in enumerate(slots):
-                if s.ref not in reasons or not s.provisional:
-                    continue
-                pending = state.pending[s.ref]
-                if i == 0 or not lazy:  # its canonical: exact at the front; latency-shared: always
-                    slots[i] = self._canonicalize(s, slots[:i], reasons[s.ref], eager, meter)
-                elif pending.reason == "append" and not pending.requeued:
-                    del reasons[s.ref]  # exact where it stands: no canonical until something needs one
-                else:  # the eager policy would re-condition it: one conditioned forward on its prefix now
-                    # heal and place what is in front first: the forward runs after their healed KV
-                    head = {r: reasons.pop(r) for r in [x.ref for x in slots[:i]] if r in reasons}
+            index = {s.ref: i for i, s in enumerate(slots)}
+
+            def need_of(ref: ChunkRef, i: int) -> HealNeed:
+                p = state.pending[ref]
+                return heal_need(i, slots[i].provisional, lazy, not (p.reason == "append" and not p.requeued))
+
+            departed = self._unhealed_evicted() if not state.pending else []
+            tasks = plan_heal_step(state.refs, state.pending, self.heal_priority, need_of, departed, target)
+            if not tasks:
+                return {"refs": ()}, None  # healed meanwhile (e.g. by a foreground heal): nothing to do
+            if tasks[0].need == "departed":  # the canonical of a chunk that left unhealed
+                ref = tasks[0].key
+                entry = state.evicted[ref]
+                if entry.provisional is not None:
+                    ingest.canonical_of(self._ctx, entry.provisional, meter)
+                    source = ingest.source_of(entry.provisional)  # so a lost canonical can be rebuilt
+                else:
+                    source = entry.source
+                    if ingest.load_canonical(ctx, entry.chunk_key, meter) is None:
+                        ingest.encode_and_store(ctx, meter, **entry.source)
+                state.evicted[ref] = dataclasses.replace(entry, provisional=None, unhealed=False, source=source)
+                return {"refs": (ref,)}, None
+            reasons = {t.key: state.pending[t.key].reason for t in tasks}
+            eager = getattr(ctx.policy, "eager", ctx.policy)
+            heal_policy = HealPolicy(eager, {t.key: state.pending[t.key].carried for t in tasks})
+            for task in tasks:
+                i = index[task.key]
+                if task.need == "canonical":
+                    slots[i] = self._canonicalize(slots[i], slots[:i], reasons[task.key], eager, meter)
+                elif task.need == "keep":
+                    del reasons[task.key]  # exact where it stands: no canonical until something needs one
+                elif task.need == "reforward":  # one conditioned forward on its prefix now, after
+                    # what is in front is healed and placed (the forward runs after their healed KV)
+                    head = {r: reasons.pop(r) for r in task.prefix if r in reasons}
                     slots[:i], _ = reconcile(ctx, slots[:i], head, meter, policy=heal_policy)
-                    slots[i] = ingest.reforward(ctx, s, slots[:i], meter)
-                    meter.reconditioned.add(s.ref)
-                    del reasons[s.ref]
+                    slots[i] = ingest.reforward(ctx, slots[i], slots[:i], meter)
+                    meter.reconditioned.add(task.key)
+                    del reasons[task.key]
             state.slots, _ = reconcile(ctx, slots, reasons, meter, policy=heal_policy)
-            for r in batch:
-                state.pending.pop(r, None)
-            return {"refs": tuple(batch)}, None
+            for t in tasks:
+                state.pending.pop(t.key, None)
+            return {"refs": tuple(t.key for t in tasks)}, None
 
         return self._run("heal", body)[0]
 
@@ -234,6 +297,8 @@ class WindowHealing:
                     failed = ctx.store.put_patch(key, patch, traffic=meter.traffic)
                     if failed:
                         meter.notes.append(failed)
+                    # a stored exact patch on this prefix, as a formed one is (the placement's hint)
+                    ctx.note_stored_prefix(canonical.id, tuple(p.chunk.id for p in prefix))
                     meter.patches_formed += 1  # (from the KV it holds: no forward, but a patch formed all the same)
                     meter.formed_keys.append(key)
                     meter.plan.add(Difference(canonical.id, canonical.n_tokens, antecedents=tuple(p.chunk.id for p in prefix),
