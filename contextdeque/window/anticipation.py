@@ -54,7 +54,8 @@ from .anticipate_reorder import ANTICIPATED_REORDERS, anticipate_reorder, reorde
 from .healing import HealBudget
 from .kvstate import antecedent_states
 from .policy_latency import HealPolicy
-from .predictor import Prediction, RecallPredictor, factorized_tokens, make_predictor, rank_predictions
+from .predictor import (Prediction, RecallPredictor, as_predicted, factorized_tokens, make_predictor,
+                        rank_predictions)
 from .receipt import Meter, Receipt
 from .reconcile import reconcile
 from .ref import ChunkRef
@@ -79,7 +80,7 @@ def recall_candidates(win: "ContextWindow", state: WindowState) -> list[Predicti
     """The recalls worth preparing, best first: the window's recall predictor
     (``window.predictor``; what ``expect()`` named, recency, the session's statistics), ranked by
     expected benefit per idle token."""
-    return rank_predictions(win.recall_predictor.predict(state, win.expected))
+    return rank_predictions(win.recall_predictor.predict(as_predicted(state, win._ctx.cascade_policy), win.expected))
 
 
 def plan_recalls(predictor: RecallPredictor, state: Any, expected: dict, budgeted: bool) -> list[Prediction]:
@@ -550,7 +551,8 @@ class WindowAnticipation:
         priced; forming: its :func:`forming_task` on the window as it stands when it comes up)."""
         slots = self._state.slots
         ctx = self._ctx
-        tasks = plan_anticipation(lambda: self._state, self.recall_predictor, self.expected, self.expected_orders,
+        tasks = plan_anticipation(lambda: as_predicted(self._state, ctx.cascade_policy), self.recall_predictor,
+                                  self.expected, self.expected_orders,
                                   budgeted, float(ctx.config.factorization_cost),
                                   slots[1].n_tokens if len(slots) >= 2 and slots[1].provisional else None,
                                   lambda: reorder_candidates(self, self._state))

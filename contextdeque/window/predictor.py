@@ -18,6 +18,7 @@ never touches the model or the store.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Mapping, Sequence
 
@@ -105,6 +106,29 @@ def rank_predictions(predictions: Iterable[Prediction]) -> list[Prediction]:
             seen.add(p.recalls)
             out.append(p)
     return out
+
+
+class KeptCascade:
+    """A conditioning graph as a window whose recalls keep their dependents as they are
+    (``cascade_policy`` ``"keep"`` / ``"flag"``) shows it to predictions: no recall cascade to
+    re-form, so a prediction costs and saves only the recalled chunks' own forming."""
+
+    def __init__(self, graph: Any) -> None:
+        self._graph = graph
+
+    def preview_cascade(self, ref: ChunkRef, order: Sequence[ChunkRef]) -> tuple[ChunkRef, ...]:
+        return ()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._graph, name)
+
+
+def as_predicted(state: "WindowState", cascade_policy: str) -> "WindowState":
+    """``state`` as predictions price it under ``cascade_policy`` (``WindowConfig``): itself when
+    a recall re-forms its cascade (``"reform"``), else with a :class:`KeptCascade` graph."""
+    if cascade_policy == "reform":
+        return state
+    return dataclasses.replace(state, graph=KeptCascade(state.graph))
 
 
 def _chain_cascades(state: "WindowState", recalls: Sequence[Recall]) -> Iterator[tuple[Any, list[ChunkRef]]]:
