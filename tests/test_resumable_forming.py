@@ -12,7 +12,7 @@ import torch
 from helpers import POOL, micro_llama_backend_fixture, pool_answer_logits
 
 from contextdeque.core.errors import UnsupportedLayoutError
-from contextdeque.model.forward import run_forward, run_hidden_at, run_layers
+from contextdeque.model.forward import run_deep_forward, run_forward, run_hidden_at, run_layers
 from contextdeque.window import ContextWindow
 from contextdeque.window.anticipation import FormingTask, Preparation, ResumableForming, forming_task
 from contextdeque.window.healing import HealBudget, idle_spent
@@ -48,6 +48,10 @@ def test_a_forward_run_layer_range_by_range_equals_the_whole(tiny_backend_factor
         be.model, be.n_pos_axes, input_ids=ids, positions=pos, past=past, layer=0), first_layer=0,
         last_layer=cuts[0], positions=pos, past=past)
     assert torch.allclose(first_piece, mid, atol=1e-6, rtol=0)
+    # the shallow-recompute miss path's deep-only forward is the last range
+    deep = run_deep_forward(be.model, be.n_pos_axes, hidden=mid, first_layer=cuts[0], positions=pos, past=past)
+    for (k, v), (wk, wv) in zip(deep, whole[cuts[0]:]):
+        assert torch.allclose(k, wk, atol=1e-6, rtol=0) and torch.allclose(v, wv, atol=1e-6, rtol=0)
 
 
 def test_a_layer_range_outside_the_model_is_refused(tiny_backend_factory):
