@@ -3,8 +3,8 @@
 #
 #   [STAGES=kernels,sweep,bench,models,large] scripts/gpu_check.sh OUT_DIR TOKENIZER_DIR [WHEEL_DIR]
 #
-# OUT_DIR receives at most 7 files: tests_kernels.log, tests_models.log, gpu_check.log and the
-# JSON files of `python -m contextdeque.eval.gpu_check` (sweep, env, bench_smollm2,
+# OUT_DIR receives at most 8 files: tests_kernels.log, tests_models.log, gpu_check.log and the
+# JSON files of `python -m contextdeque.eval.gpu_check` (sweep, env, bench_smollm2, calibration,
 # bench_llama3_8b). TOKENIZER_DIR holds SmolLM2-135M-Instruct's tokenizer files (tokenizer.json,
 # tokenizer_config.json, chat_template.jinja). WHEEL_DIR: wheels of packages the machine lacks,
 # installed offline into /tmp/site. Each stage has its own time limit, so one that hangs leaves
@@ -12,9 +12,10 @@
 # kernels (the kernel tests, every sweep variant's values included), sweep (the launch variants
 # timed at 8,192 tokens; the fastest at the Llama-3-8B shape in bf16 is then used by the later
 # stages through CONTEXTDEQUE_TRITON_LAUNCH), bench (env, SmolLM2 bench), models (the model tests
-# on CUDA), large (the Llama-3-8B-architecture bench).
+# on CUDA), large (the Llama-3-8B-architecture bench), calibrate (the replay's cost model measured
+# on the device with SmolLM2's architecture: calibration.json).
 set -u
-STAGES=${STAGES:-kernels,sweep,models,large,bench}
+STAGES=${STAGES:-kernels,sweep,models,large,bench,calibrate}
 want() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR TOKENIZER_DIR [WHEEL_DIR]}
 TOK=${2:?usage: scripts/gpu_check.sh OUT_DIR TOKENIZER_DIR [WHEEL_DIR]}
@@ -70,5 +71,6 @@ want models && cuda_tests 90 tests_models.log -s --tb=short -k "$MODEL_TESTS"
 # these limits a full run needs two device commands (STAGES=kernels,sweep,models, then large,bench)
 want large && measure 300 llama3_8b
 want bench && measure 240 env,smollm2
+want calibrate && measure 150 calibrate
 echo "gpu_check: $failed stage(s) failed"
 exit $failed

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from contextdeque.cli import main
-from contextdeque.core.errors import BudgetError, TraceError, TraceVersionError
+from contextdeque.core.errors import ArgumentError, BudgetError, TraceError, TraceVersionError
 from contextdeque.replay import CostModel, ReplayConfig, Replayer, load_calibration, save_calibration
 from contextdeque.replay.run import parse_combos, replay_many
 from contextdeque.scheduler import PolicyError
@@ -171,6 +171,8 @@ def test_calibration_saved_and_used(tmp_path, tiny_backend_factory, one_thread):
     model = calibrate(be, lengths=(16, 48), rank=4, repeats=1, disk_dir=str(tmp_path))
     assert model.source == "calibration" and model.fingerprint == be.fingerprint
     assert all(tps > 0 for _, tps in model.prefill) and model.apply_bytes_per_s > 0
+    assert [n for n, _ in model.prefill] == [be.root_len + 16, be.root_len + 48]
+    assert model.extra["device"] == "cpu" and model.extra["lengths"] == [16, 48]  # where the speeds were measured
     path = save_calibration(model, tmp_path)
     got, note = load_calibration(be.fingerprint, tmp_path)
     assert got == model and str(path) in note
@@ -180,6 +182,33 @@ def test_calibration_saved_and_used(tmp_path, tiny_backend_factory, one_thread):
     a = Replayer(t, cost=got).run()
     b = Replayer(t, cost=CostModel()).run()
     assert a.patch_forms == b.patch_forms and a.est_seconds != b.est_seconds
+
+
+def test_a_calibration_file_with_foreign_fields_is_refused(tmp_path):
+    good = CostModel().to_json()
+    p = tmp_path / "cal.json"
+    p.write_text(json.dumps({**good, "wall_s": 3.0}))
+    with pytest.raises(ArgumentError, match="unknown fields \\['wall_s'\\]"):
+        load_calibration(path=p)
+    p.write_text(json.dumps({k: v for k, v in good.items() if k != "prefill"}))
+    with pytest.raises(ArgumentError, match="no prefill table"):
+        load_calibration(path=p)
+
+
+def test_the_h100_calibration_in_docs_loads():
+    """docs/gpu-results/h100's calibration (measured on a lent H100; the note's hit-rate commands
+    read it) is a calibration this version reads, and says where it was measured."""
+    from pathlib import Path
+
+    for p in sorted((Path(__file__).parents[1] / "docs/gpu-results/h100").glob("calibration-*.json")):
+        model, _ = load_calibration(path=p)
+        assert "H100" in model.extra["device"] and model.tokens_per_s(2048) > 0 and model.svd_s_per_token > 0
+
+
+@pytest.mark.parametrize("lengths", ["48,16", "0,16", "16,16", "64,x", ""])
+def test_calibrate_lengths_are_increasing_positive_counts(lengths, capsys):
+    assert main(["calibrate", "--model", "tiny:llama", "--lengths", lengths]) == 2  # before any model loads
+    assert "--lengths" in capsys.readouterr().err
 
 
 def test_plot_writes_png(tmp_path, trace_files):

@@ -24,6 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", type=Path, default=None, help="the cost model's cache root (default: $CONTEXTDEQUE_CACHE or ~/.cache/contextdeque; "
                         "the envelope is cached under $CONTEXTDEQUE_CACHE)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="where the model runs while its speeds are measured: cpu or cuda "
+                        "(default cpu; host and disk bandwidths are the host's either way)")
+    parser.add_argument("--lengths", default="64,256,1024", metavar="N[,N...]",
+                        help="chunk lengths whose prefill speed is measured (default 64,256,1024; a GPU's rate keeps "
+                             "rising past 1,024 tokens: add 2048,4096 there)")
     parser.add_argument("--envelope", action="store_true",
                         help="also measure the model's fidelity envelope (energy -> η on a few probe items; minutes "
                              "on a CPU) and cache it beside the layout proofs, measured afresh even when cached")
@@ -60,9 +65,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # a model that cannot be loaded, a cache directory that cannot be written or a model with
     # nothing to calibrate η on: one line, exit 2 (contextdeque.cli.main)
-    backend = load_backend(args.model, threads=args.threads)
+    lengths = _lengths(args.lengths)
+    backend = load_backend(args.model, threads=args.threads, device=args.device)
     if not args.only_envelope:
-        model = calibrate(backend, rank=args.rank, repeats=args.repeats)
+        model = calibrate(backend, lengths=lengths, rank=args.rank, repeats=args.repeats)
         path = save_calibration(model, args.cache_dir)
         print(f"calibration saved to {path}")
         for k, v in model.to_json().items():
@@ -75,3 +81,16 @@ def run(args: argparse.Namespace) -> int:
         print_envelope(ensure_envelope(backend, refresh=True, max_chunk_tokens=args.max_chunk_tokens, image_grid=grid,
                                        sensitivity=args.sensitivity))
     return 0
+
+
+def _lengths(spec: str) -> tuple[int, ...]:
+    """``--lengths``: positive token counts, comma-separated, in increasing order."""
+    from ..core.errors import ArgumentError
+
+    try:
+        lengths = tuple(int(x) for x in spec.split(","))
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 1 or list(lengths) != sorted(set(lengths)):
+        raise ArgumentError(f"--lengths: expected increasing positive token counts such as 64,256,1024, got {spec!r}")
+    return lengths

@@ -11,6 +11,9 @@ keeps what it measured:
   architecture and tokenizer with random fp32 weights saved as a local checkpoint (the real
   weights are 0.5 GB and do not travel to the lent device; timings and relocation exactness do
   not depend on the weights);
+- ``calibration.json``: ``contextdeque calibrate --device cuda`` on the same checkpoint (the replay's
+  cost model: prefill speed by length up to 4,096 tokens, forming, apply, decode), which
+  ``replay --idle-rate calibrated --calibration`` reads;
 - ``sweep.json``: the Triton kernel's rank-32 apply time per variant (``SWEEP_VARIANTS``) at 8,192
   tokens on the SmolLM2 and Llama-3-8B shapes, against the true floor, per call and as a
   CUDA-graph replay (the kernels alone), to pick the defaults from;
@@ -28,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -234,13 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path, help="directory for the JSON files")
     p.add_argument("--tokenizer-dir", type=Path, required=True, help="SmolLM2-135M-Instruct's tokenizer files")
-    p.add_argument("--steps", default="env,smollm2,sweep,llama3_8b", help="comma-separated steps to run")
+    p.add_argument("--steps", default="env,smollm2,calibrate,sweep,llama3_8b", help="comma-separated steps to run")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     steps = args.steps.split(",")
     failed = []
 
-    def step(name: str, fn: Callable[[], Any], file: str) -> None:
+    def step(name: str, fn: Callable[[], Any], file: str | None) -> None:
         if name not in steps:
             return
         t0 = time.perf_counter()
@@ -254,7 +258,10 @@ def main(argv: list[str] | None = None) -> int:
             data = {"error": f"{type(e).__name__}: {e}"}
         if isinstance(data, dict):
             data["wall_s"] = round(time.perf_counter() - t0, 1)
-        _write(args.out, file, data)
+        if file is not None:
+            _write(args.out, file, data)
+        else:
+            print(f"[gpu_check] {name}: {json.dumps(data, default=str)}", flush=True)
 
     step("env", lambda: {**environment(), "host_cost_us": host_cost_us()}, "env.json")
 
@@ -273,6 +280,26 @@ def main(argv: list[str] | None = None) -> int:
         return res
 
     step("smollm2", smollm2, "bench_smollm2.json")
+
+    def calibration() -> dict[str, Any]:
+        # the replay's cost model measured on the device (issue 21: the idle rate a GPU gives the
+        # anticipation hit rate; `replay --idle-rate calibrated --calibration calibration.json`)
+        ckpt = save_random_checkpoint(SMOLLM2_135M_CONFIG, args.tokenizer_dir, Path("/tmp/smollm2-135m-random"))
+        with tempfile.TemporaryDirectory() as cache:
+            proc = subprocess.run(
+                [sys.executable, "-m", "contextdeque.cli", "calibrate", "--model", str(ckpt), "--device", "cuda",
+                 "--lengths", "64,256,1024,2048,4096", "--repeats", "5", "--cache-dir", cache],
+                capture_output=True, text=True, check=False,
+            )
+            if proc.returncode:
+                raise RuntimeError(proc.stderr[-3000:])
+            saved = next(Path(cache, "calibration").glob("*.json"))
+            cal = json.loads(saved.read_text())
+        cal["extra"]["weights"] = "random (torch.manual_seed(0)), fp32, SmolLM2-135M-Instruct's config and tokenizer"
+        _write(args.out, "calibration.json", cal)  # as saved: `replay --calibration` reads it
+        return {"prefill": cal["prefill"], "svd_s_per_token": cal["svd_s_per_token"]}
+
+    step("calibrate", calibration, None)  # writes calibration.json itself
     step("sweep", lambda: {"rows": sweep()}, "sweep.json")
     step("llama3_8b", lambda: bench_large(args.tokenizer_dir), "bench_llama3_8b.json")
     print(f"[gpu_check] done; failed steps: {failed or 'none'}", flush=True)

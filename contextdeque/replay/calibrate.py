@@ -22,23 +22,35 @@ from ..window.config import DEFAULT_RANK
 from ..scheduler.cost_model import CostModel
 
 
-def _timed(fn: Callable[[], Any], repeats: int) -> float:
+def _timed(fn: Callable[[], Any], repeats: int, device: torch.device | None = None) -> float:
+    """Median wall seconds of ``fn``; on a CUDA ``device`` the queued kernels are waited for before
+    and after each call (a launch returns before its work is done)."""
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
 def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank: int = DEFAULT_RANK, repeats: int = 2,
               disk_dir: str | None = None) -> CostModel:
-    """Measure a :class:`CostModel` on ``backend`` (an ``HFBackend``)."""
+    """Measure a :class:`CostModel` on ``backend`` (an ``HFBackend``, on the CPU or a CUDA device:
+    the prefill, forming, apply and decode speeds are the device's, the host and disk bandwidths
+    the host's). ``lengths``: the chunk lengths whose prefill speed is measured."""
     from ..core.operator import relocate
     from ..patch import form_patch
     from ..stores import DiskTier, StoreEntry
 
     lay = backend.layout
+    dev = torch.device(getattr(backend, "device", "cpu"))
+
+    def timed(fn: Callable[[], Any], repeats: int) -> float:
+        return _timed(fn, repeats, dev)
+
     vocab = int(backend.model.config.vocab_size)
     g = torch.Generator().manual_seed(0)
 
@@ -49,28 +61,28 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
     for n in lengths:
         x = ids(n)
         backend.encode(token_ids=x)  # warm
-        s = _timed(lambda: backend.encode(token_ids=x), repeats)
+        s = timed(lambda: backend.encode(token_ids=x), repeats)
         prefill.append((int(backend.root_len + n), n / s))
     ctx_ids, q = ids(256), ids(1)
     a = backend.encode(token_ids=ctx_ids)
     b = backend.encode(token_ids=ids(256))
     patch = form_patch(backend, b, [a], rank=min(rank, b.n_tokens))
-    t_form = _timed(lambda: form_patch(backend, b, [a], rank=min(rank, b.n_tokens)), repeats)
-    t_cond = _timed(lambda: backend.encode(token_ids=ctx_ids + b.token_ids.tolist()), repeats) - _timed(
+    t_form = timed(lambda: form_patch(backend, b, [a], rank=min(rank, b.n_tokens)), repeats)
+    t_cond = timed(lambda: backend.encode(token_ids=ctx_ids + b.token_ids.tolist()), repeats) - timed(
         lambda: backend.encode(token_ids=ctx_ids), repeats)
     svd_per_token = max(0.0, t_form - max(t_cond, 0.0)) / b.n_tokens
     page = relocate(b, 1000, layout=lay, patch=[patch], beyond_trained=True)
     page_bytes = kv_nbytes(page)
-    t_apply = _timed(lambda: relocate(b, 1000, layout=lay, patch=[patch], beyond_trained=True), max(3, repeats))
+    t_apply = timed(lambda: relocate(b, 1000, layout=lay, patch=[patch], beyond_trained=True), max(3, repeats))
     # decode: one token after a 256-token cache
     from ..core.compat import cache_from_layers
 
     def decode_step() -> None:
         cache = cache_from_layers([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in page])
         with torch.no_grad():
-            backend.model(input_ids=torch.tensor([q]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            backend.model(input_ids=torch.tensor([q], device=dev), past_key_values=cache, use_cache=True, logits_to_keep=1)
 
-    t_dec = _timed(decode_step, max(3, repeats))
+    t_dec = timed(decode_step, max(3, repeats))
     buf = torch.empty(32 << 20, dtype=torch.uint8)
     t_host = _timed(lambda: buf.clone(), 3)
     with tempfile.TemporaryDirectory(dir=disk_dir) as d:
@@ -94,5 +106,12 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
         source="calibration",
         fingerprint=backend.fingerprint,
         model=str(getattr(backend, "name", "")),
-        extra={"threads": torch.get_num_threads(), "torch": torch.__version__},
+        extra={"threads": torch.get_num_threads(), "torch": torch.__version__, "device": _device_name(dev),
+               "lengths": list(lengths)},
     )
+
+
+def _device_name(device: torch.device) -> str:
+    """``cpu`` or the CUDA device's name (e.g. ``NVIDIA H100 80GB HBM3``): a calibration says where
+    its speeds were measured."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

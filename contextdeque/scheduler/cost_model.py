@@ -16,7 +16,7 @@ import functools
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, fields, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -123,9 +123,23 @@ class CostModel:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "CostModel":
+        """The cost model :meth:`to_json` wrote.
+
+        Raises:
+            ArgumentError: ``d`` is not a calibration (a field this class does not have, or no
+                prefill table of ``[length, tokens/s]`` pairs).
+        """
+        from ..core.errors import ArgumentError
+
         d = dict(d)
         d.pop("version", None)
-        d["prefill"] = tuple((int(a), float(b)) for a, b in d["prefill"])
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ArgumentError(f"not a calibration: unknown fields {unknown} (a calibration's own notes go in 'extra')")
+        try:
+            d["prefill"] = tuple((int(a), float(b)) for a, b in d["prefill"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ArgumentError(f"not a calibration: no prefill table of [length, tokens/s] pairs ({e!r})") from None
         return cls(**d)
 
 
