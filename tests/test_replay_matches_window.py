@@ -18,6 +18,11 @@ Both sides record their decisions as one key-only plan (``window.plan``): the wi
 receipts (what it executed), the replay as it prices them. The plans' totals are computed by the
 same code, and bytes per tier are the KV each stores (canonicals encoded, patches formed) in the
 tier it writes them to (docs/replay.md).
+
+Both run the one tier policy (``TieredStore``: the live window over memory tiers, the replay over
+key tiers, ``stores/keytier.py``) on a device / host / disk stack: the bytes each tier reads,
+writes and evicts (``TierTraffic``; spills, copy-up promotions and the demotion of what no slot
+holds any more included) must be equal too; ``TIGHT`` budgets make the tiers spill.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from contextdeque.traces import generate, scaled_trace
 from contextdeque.traces.builder import TraceBuilder, content_hash
 from contextdeque.traces.events import TraceHeader
 from contextdeque.traces.io import Trace
-from contextdeque.stores import MemoryTier
+from contextdeque.stores import MemoryTier, TieredStore
 from contextdeque.window import ContextWindow
 from contextdeque.window.healing import HealBudget, HealTask, heal_batch, heal_need, plan_heal_step
 from contextdeque.window.plan import Plan, plan_totals, stored_bytes
@@ -51,6 +56,9 @@ ONLINE_PLACEMENTS = sorted(name for name in PLACEMENT_POLICIES if not getattr(ma
 RANK = 8
 SCALE = 1 / 64
 BUDGET = 94  # tokens of the scaled traces (about 6,000 of the generated ones)
+UNBOUNDED = 1 << 40  # bytes: a tier that never spills
+# device and host bytes that make the tiers spill on every trace (the tiny model's KV: 1 KiB a token)
+TIGHT = (60_000, 200_000)
 
 
 def _idle_tokens(rate: float | None):
@@ -58,26 +66,37 @@ def _idle_tokens(rate: float | None):
     return None if rate is None else (lambda ms: int(ms * rate))
 
 
+def _tiers(tiers: tuple[int, int]) -> TieredStore:
+    """The live window's store: device, host and disk tiers (``tiers``: the device and host bytes)."""
+    return TieredStore([MemoryTier("cpu", tiers[0], name="device"), MemoryTier("cpu", tiers[1], name="host"),
+                        MemoryTier("cpu", None, name="disk")])
+
+
 def _window_receipt(backend, trace, placement: str, policy: str, budget: int | None = None, anticipate: bool = False,
-                    idle_rate: float | None = None, factorization_cost: float = 0.0):
+                    idle_rate: float | None = None, factorization_cost: float = 0.0,
+                    tiers: tuple[int, int] = (UNBOUNDED, UNBOUNDED)):
+    store = _tiers(tiers)
     win = ContextWindow(backend, rank=RANK, placement=placement, patch_policy=policy, beyond_trained=True,
-                        budget_tokens=budget, store=[MemoryTier("cpu", None, name="device")], anticipate=anticipate,
+                        budget_tokens=budget, store=store, anticipate=anticipate,
                         factorization_cost=factorization_cost)
     ids = trace_chunk_ids(backend, trace)
-    return drive_window(win, trace, lambda ev: ids[ev.id], idle_tokens=_idle_tokens(idle_rate))
+    live = drive_window(win, trace, lambda ev: ids[ev.id], idle_tokens=_idle_tokens(idle_rate))
+    t = store.total_traffic
+    return live, {"read": t.read, "written": t.written, "evicted": t.evicted}
 
 
 def _replay_plan(backend, trace, placement: str, rule: str, budget: int | None = None,
-                 anticipate: bool = False, idle_rate: float | None = None, factorization_cost: float = 0.0) -> tuple[Plan, dict]:
+                 anticipate: bool = False, idle_rate: float | None = None, factorization_cost: float = 0.0,
+                 tiers: tuple[int, int] = (UNBOUNDED, UNBOUNDED)) -> tuple[Plan, dict]:
     cost = CostModel.geometry_of(backend, storage_bytes=4, rank=RANK)
     plan = Plan()
-    config = ReplayConfig(rank=RANK, budget_tokens=budget, anticipate=anticipate)
+    config = ReplayConfig(rank=RANK, budget_tokens=budget, anticipate=anticipate, device_bytes=tiers[0], host_bytes=tiers[1])
     r = Replayer(trace, placement, "lru", rule, cost, config, plan=plan, idle_tokens=_idle_tokens(idle_rate),
                  factorization_cost=factorization_cost).run()
     queries = [e for e in trace.events if e.op == "query"]
     totals = {"forwards": r.forwards - len(queries), "tokens_prefilled": r.tokens_prefilled - sum(q.tokens for q in queries),
               "encodes": r.encodes}
-    return plan, {**totals, "stored": dict(r.stored)}
+    return plan, {**totals, "stored": dict(r.stored), "traffic": r.traffic, "bytes": r.bytes}
 
 
 def _costly(plan) -> Counter:
@@ -93,12 +112,15 @@ def test_the_rules_and_placements_cover_the_window():
 
 
 def _check(backend, kind: str, rule: str, placement: str, budget: int | None = None, anticipate: bool = False,
-           seed: int = 0, idle_rate: float | None = None, factorization_cost: float = 0.0) -> None:
+           seed: int = 0, idle_rate: float | None = None, factorization_cost: float = 0.0,
+           tiers: tuple[int, int] = (UNBOUNDED, UNBOUNDED)) -> dict:
+    """Returns the live store's traffic (what each tier read, wrote and evicted)."""
     backend.root_kv()  # the root's one prefill is the backend's, not the trace's
     trace = scaled_trace(generate(kind, seed=seed), SCALE, minimum=2)
-    live = _window_receipt(backend, trace, placement, REUSE_COSTS[rule].window_policy, budget, anticipate, idle_rate,
-                           factorization_cost)
-    plan, predicted = _replay_plan(backend, trace, placement, rule, budget, anticipate, idle_rate, factorization_cost)
+    live, traffic = _window_receipt(backend, trace, placement, REUSE_COSTS[rule].window_policy, budget, anticipate,
+                                    idle_rate, factorization_cost, tiers)
+    plan, predicted = _replay_plan(backend, trace, placement, rule, budget, anticipate, idle_rate, factorization_cost, tiers)
+    replayed_traffic, replayed_bytes = predicted.pop("traffic"), predicted.pop("bytes")
     executed = plan_totals(live.plan)
     # the window's plan is what it ran: its totals are the backend's own counters
     assert {k: executed[k] for k in ("forwards", "tokens_prefilled", "encodes")} == {
@@ -108,6 +130,10 @@ def _check(backend, kind: str, rule: str, placement: str, budget: int | None = N
     assert plan_totals(plan)["forwards"] == live.forwards
     assert _costly(plan) == _costly(live.plan)  # the same operations on chunks of the same sizes
     assert live.forwards > 0 and stored_bytes(live.plan).get("device", 0) > 0
+    # bytes per tier: what each tier read, wrote and evicted (the live store's record)
+    assert replayed_traffic == traffic
+    assert replayed_bytes == {t: traffic["read"].get(t, 0) + traffic["written"].get(t, 0) for t in ("device", "host", "disk")}
+    return traffic
 
 
 @pytest.mark.parametrize("anticipate", [False, True], ids=["queued-only", "anticipating"])
@@ -134,6 +160,21 @@ def test_replay_predicts_the_live_window_under_a_token_budget(tiny_backend_facto
     or latency-first. (Seeds 2 and 3 held the cases the replay once got wrong: an identity reorder
     of stale survivors, a cascade through a cleared front survivor, a discarded fork.)"""
     _check(tiny_backend_factory("llama"), kind, rule, "arrival", BUDGET, seed=seed)
+
+
+@pytest.mark.parametrize("anticipate", [False, True], ids=["queued-only", "anticipating"])
+@pytest.mark.parametrize("rule", ["patch", "patch-latency-shared"])
+@pytest.mark.parametrize("kind", ["doc", "web", "video"])
+def test_replay_predicts_the_live_store_s_traffic_under_tight_tiers(tiny_backend_factory, one_thread, kind, rule,
+                                                                     anticipate):
+    """``TIGHT`` device and host budgets: the device spills into the host and the host into the
+    disk, a hit below the device is copied up, a released entry is demoted; the replay's tier
+    stack (the same ``TieredStore`` over key tiers, victims least recently used first) moves the
+    same bytes through each tier, and spills did happen. (The rules that store what they compute:
+    a latency-first window computes few canonicals, ``patch-latency-shared`` all of them.)"""
+    traffic = _check(tiny_backend_factory("llama"), kind, rule, "arrival", anticipate=anticipate, tiers=TIGHT)
+    assert traffic["evicted"].get("device", 0) > 0 and traffic["evicted"].get("host", 0) > 0
+    assert traffic["written"].get("disk", 0) > 0
 
 
 @pytest.mark.parametrize("kind", ["doc", "web", "video"])
@@ -198,9 +239,10 @@ def test_replay_heals_as_the_window_does(tiny_backend_factory, one_thread, case,
     backend = tiny_backend_factory("llama")
     backend.root_kv()
     trace = _built(HEAL_CASES[case])
-    live = _window_receipt(backend, trace, "arrival", REUSE_COSTS[rule].window_policy)
+    live, traffic = _window_receipt(backend, trace, "arrival", REUSE_COSTS[rule].window_policy)
     plan, predicted = _replay_plan(backend, trace, "arrival", rule)
     assert (predicted["forwards"], predicted["tokens_prefilled"]) == (live.forwards, live.tokens_prefilled)
+    assert predicted["traffic"] == traffic
     assert _costly(plan) == _costly(live.plan)
 
 

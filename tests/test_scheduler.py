@@ -9,7 +9,8 @@ import pytest
 
 from contextdeque.core.errors import BudgetError
 from contextdeque.replay import ReplayConfig, Replayer
-from contextdeque.scheduler import EVICTION_POLICIES, PatchGraph, SchedulerPlacement, brute_force, exact, heuristic, order_cost
+from contextdeque.replay.pool import REPLAY_EVICTIONS
+from contextdeque.scheduler import PatchGraph, SchedulerPlacement, brute_force, exact, heuristic, order_cost
 from contextdeque.traces import TraceBuilder, TraceHeader, generate
 from contextdeque.window.placement import PlacementView
 
@@ -227,7 +228,7 @@ def _unit_trace(seed: int, n_chunks: int = 12, n_events: int = 300):
 def test_no_online_eviction_beats_belady_on_unit_sizes(seed):
     t = _unit_trace(seed)
     cfg = lambda: ReplayConfig(device_bytes=6 * Replayer(t).kv_bpt, host_bytes=1 << 40)  # noqa: E731
-    misses = {name: Replayer(t, "arrival", name, "blind", config=cfg()).run().device_misses for name in EVICTION_POLICIES}
+    misses = {name: Replayer(t, "arrival", name, "blind", config=cfg()).run().device_misses for name in REPLAY_EVICTIONS}
     assert set(misses) >= {"lru", "reuse-distance", "belady"}
     for name, m in misses.items():
         assert misses["belady"] <= m, misses

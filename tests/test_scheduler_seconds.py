@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from contextdeque.replay import Replayer
-from contextdeque.scheduler import DEFAULT_WEIGHTS, SECONDS_WEIGHTS, PatchGraph, SchedulerPlacement, brute_force, exact, order_cost
+from contextdeque.scheduler import FORMS_WEIGHTS, SECONDS_WEIGHTS, PatchGraph, SchedulerPlacement, brute_force, exact, order_cost
 from contextdeque.scheduler.cost import Scorer
 from contextdeque.scheduler.cost_model import DEFAULTS, CostModel
 from contextdeque.traces import generate
@@ -59,8 +59,8 @@ def test_an_order_is_priced_as_the_cost_model_prices_its_plan():
     slow = replace(w, cost=CostModel(prefill=((128, 150.0), (8192, 50.0))))
     assert order_cost(view, ["A", "B", "X", "C"], frozenset("X"), slow).total > 5 * kept.total
     # the forms pricing counts the same plan in forms
-    forms = order_cost(view, ["A", "B", "X", "C"], frozenset("X"), replace(DEFAULT_WEIGHTS, diverge=0.0))
-    assert forms.total == pytest.approx(1 + forms.stale + DEFAULT_WEIGHTS.move)
+    forms = order_cost(view, ["A", "B", "X", "C"], frozenset("X"), replace(FORMS_WEIGHTS, diverge=0.0))
+    assert forms.total == pytest.approx(1 + forms.stale + FORMS_WEIGHTS.move)
 
 
 @pytest.mark.parametrize("kind", ["web", "video", "doc"])
@@ -72,7 +72,7 @@ def test_seconds_pricing_costs_no_more_than_the_forms_pricing(kind):
     traces = [generate(kind, seed=s) for s in range(4)]
     for offline in (False, True):
         total = {}
-        for name, w in (("forms", DEFAULT_WEIGHTS), ("seconds", SECONDS_WEIGHTS)):
+        for name, w in (("forms", FORMS_WEIGHTS), ("seconds", SECONDS_WEIGHTS)):
             total[name] = sum(Replayer(t, SchedulerPlacement(weights=w, offline=offline), "lru", "patch").run().est_seconds
                               for t in traces)
         assert total["seconds"] <= total["forms"] + 1e-6, (offline, total)

@@ -74,6 +74,11 @@ def digest(*parts: Any) -> str:
     return h.hexdigest()
 
 
+TEXT_SOURCE_BYTES_PER_TOKEN = 16
+"""Bytes per token a text chunk's store entry holds beside its KV: its source, ``token_ids`` and
+``rel_positions`` (``[1, T]``), int64 each (what a tier budgets and `TierTraffic` counts)."""
+
+
 @dataclass
 class Chunk:
     """A chunk's canonical KV(B|root) in the content frame.

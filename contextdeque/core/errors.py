@@ -168,6 +168,10 @@ class EnvelopeError(ContextDequeError, ValueError):
     """A model's fidelity envelope (energy -> η) that cannot be built or used."""
 
 
+class PolicyError(ContextDequeError, ValueError):
+    """An unknown or misconfigured replay policy (placement, eviction or reuse arm)."""
+
+
 class ReuseArmError(ContextDequeError, ValueError):
     """A reuse arm was misconfigured (unknown name, bad budget or schedule) or given a request it cannot serve."""
 

@@ -186,7 +186,9 @@ class AnticipationMirror:
         left of ``budget`` (an idle gap: ``healing.HealBudget``, the rule the window's ``heal``
         spends it by: a preparation whose estimated cost does not fit is skipped, and the pass is
         then not complete); charged as idle-time work (``heal_*``)."""
-        if not self.anticipation_due or not self.arm.patches:
+        # (a window that forms no patches still simulates its predicted recalls: their canonicals'
+        # reads are its store traffic)
+        if not self.anticipation_due:
             self._anticipated_for = self._anticipation_token()
             return
         budget = budget if budget is not None else HealBudget()
@@ -283,16 +285,16 @@ class AnticipationMirror:
         the pool's contents and the costs keep what it formed (``anticipation``: a simulation on a
         copy of the state)."""
         saved = {name: _copied(getattr(self, name)) for name in _SNAPSHOT}
-        pinned = Counter(self.pool.pinned)
+        slots = self.pool.snapshot()
         kept = {name: getattr(self.r, name) for name in _COUNTS_KEPT}
-        self._simulating = True
+        self._simulating = self.pool.simulating = True
         try:
             body(arg)
         finally:
-            self._simulating = False
+            self._simulating = self.pool.simulating = False
             for name, value in saved.items():
                 setattr(self, name, value)
-            self.pool.pinned = pinned
+            self.pool.restore(slots)
             for name, value in kept.items():
                 setattr(self.r, name, value)
             self._formed_set = {}

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..scheduler import EVICTION_POLICIES, SchedulerPlacement, exact, heuristic
+from ..scheduler import SchedulerPlacement, exact, heuristic
+from .pool import REPLAY_EVICTIONS
 from ..traces import generate, import_mooncake
 from ..window.placement import PLACEMENT_POLICIES, PlacementView
 from ..scheduler.cost_model import load_calibration
@@ -113,7 +114,7 @@ def mooncake(path: str, jobs: int, device_gb: float, limit: int | None) -> dict[
     cost, note = load_calibration()
     t = import_mooncake(path, limit=limit)
     cfg = ReplayConfig(device_bytes=int(device_gb * GiB), host_bytes=int(4 * device_gb * GiB))
-    combos = [(p, e, a) for p in sorted(PLACEMENT_POLICIES) for e in sorted(EVICTION_POLICIES) for a in sorted(REUSE_COSTS)]
+    combos = [(p, e, a) for p in sorted(PLACEMENT_POLICIES) for e in REPLAY_EVICTIONS for a in sorted(REUSE_COSTS)]
     t0 = time.perf_counter()
     results = replay_many([t], combos, cost, cfg, jobs=jobs)
     wall = time.perf_counter() - t0

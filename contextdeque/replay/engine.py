@@ -18,8 +18,9 @@ import math
 from collections import Counter
 from typing import Any, Callable, Hashable, Sequence
 
+from ..core.chunk import TEXT_SOURCE_BYTES_PER_TOKEN
 from ..core.errors import BudgetError
-from ..scheduler.eviction import PoolEvictionPolicy, make_eviction
+from ..stores import EvictionPolicy
 from ..window.graph import PatchGraph
 from ..traces.io import Trace, idle_gaps
 from ..window.policy_default import ORBIT_MAX_ANTECEDENTS, ORBIT_MAX_ORDERINGS
@@ -33,7 +34,7 @@ from .heal import HealMirror
 from .cost import CostModel
 from .decide import PolicyDecisions, Refs
 from .kvstates import KVStateMirror
-from .pool import Pool, ReplayConfig, ReplayResult
+from .pool import Pool, ReplayConfig, ReplayResult, make_eviction
 from .reuse import ReuseCost, make_reuse
 
 __all__ = ["Replayer", "ReplayConfig", "ReplayResult", "Pool"]
@@ -42,7 +43,7 @@ __all__ = ["Replayer", "ReplayConfig", "ReplayResult", "Pool"]
 class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror, HealMirror):
     """Runs one trace under one policy combination (see the module doc)."""
 
-    def __init__(self, trace: Trace, placement: "str | PlacementPolicy" = "arrival", eviction: "str | PoolEvictionPolicy" = "lru",
+    def __init__(self, trace: Trace, placement: "str | PlacementPolicy" = "arrival", eviction: "str | EvictionPolicy" = "lru",
                  arm: "str | ReuseCost" = "patch", cost: CostModel | None = None, config: ReplayConfig | None = None,
                  plan: Plan | None = None, idle_tokens: Callable[[float], int] | None = None,
                  factorization_cost: float = 0.0) -> None:
@@ -74,7 +75,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             if self.cfg.device_bytes < biggest * self.kv_bpt:
                 raise BudgetError(f"device budget of {self.cfg.device_bytes} bytes is below one chunk "
                                   f"({where} has {biggest} tokens = {biggest * self.kv_bpt} bytes)")
-        self.pool = Pool(self.cfg.device_bytes, self.cfg.host_bytes, self.eviction, self.cost, self.r, self.do)
+        self.pool = Pool(self.cfg.device_bytes, self.cfg.host_bytes, self.eviction, self.r, self.do)
         self.graph = PatchGraph()
         # the window's own patch policy decides (over key-only slots, ``window.plan.KeySlot``):
         # latency-first rules price its eager policy's decisions and defer them as it does
@@ -104,6 +105,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         self._defers = bool(getattr(self.arm, "defers", False))
         self._healing = False
         self._recalling = False
+        self._entering: frozenset[str] = frozenset()  # the chunks the current admission brings in
         self._provisional: dict[str, None] = {}  # entered without a canonical, not yet forwarded
         self._pending_canon: dict[str, tuple[str, ...]] = {}  # forwarded behind this content prefix; canonical at heal
         # healed with no canonical: its forward's KV is what the eager policy would keep there (its
@@ -178,6 +180,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         hit = self._stored(key, prefix, kind)
         if hit:
             self.do(Reuse(c, self.tokens[key], kind=kind, antecedents=pc))
+            self._read_patch(key, prefix, kind)
         elif self._defers and not self._healing:
             if key in self._provisional and PATCH_KINDS[kind].exact_on_prefix:
                 # new content: one forward of its tokens after the window (a prefix cache's append);
@@ -208,7 +211,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             pb = self.cost.patch_bytes(t, self.rank)
             self.do(Form(c, t, kind=kind, antecedents=pc, forwards=n_fw, context=ctx, tier="device", nbytes=pb))
             r.patch_bytes += pb
-            r.bytes["device"] += pb
+            self.pool.write(self._patch_key(key, prefix, kind), pb)
             if kind != "removal":
                 self.graph.add(c, pc, kind)
                 self._store(key, prefix, kind)
@@ -229,29 +232,40 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         t = self.tokens[key]
         if key in self._leave_canon and not self._healing:  # left before the heal computed its canonical: now
             del self._leave_canon[key]
-            pool.access(("c", c), self.arm.canonical_bytes(t, self.kv_bpt))
+            pool.access(("c", c), self._entry_bytes(t), store=False)
             self._encode(key)
-        elif pool.access(("c", c), self.arm.canonical_bytes(t, self.kv_bpt)) is None:
+        elif pool.access(("c", c), self._entry_bytes(t), store=False) is None:
             if self._defers and not self._healing:
                 self._provisional[key] = None  # its forward comes with its conditioning (_form)
-                pool.pinned[("c", c)] += 1
+                pool.hold(("c", c), key)
                 return
             self._encode(key)
-        pool.pinned[("c", c)] += 1  # resident in the window: not evictable
+        pool.hold(("c", c), key)  # resident in the window (held: demoted when no window holds it)
 
     def _encode(self, key: str) -> None:
-        """One forward of ``key``'s tokens alone: its canonical (held by the pool from now on)."""
+        """One forward of ``key``'s tokens alone: its canonical, stored and read back (as the
+        window's ``encode_and_store``)."""
         t = self.tokens[key]
         nbytes = self.arm.canonical_bytes(t, self.kv_bpt)
         self.do(Encode(self.content[key], t, tier="device", nbytes=nbytes))
-        pool, k = self.pool, ("c", self.content[key])
-        if self.arm.canonicals and k not in pool.device and k not in pool.host and k not in pool.disk:
-            # its place was given up while it had no canonical (it left a fork that was then
-            # discarded, giving the parent its provisional slot back): the canonical takes it again
-            pool._make_room(nbytes)
-            pool.device[k] = nbytes
-            pool.used += nbytes
-            pool.policy.touch(k, nbytes, pool.i)
+        if self.arm.canonicals:
+            self.pool.write(("c", self.content[key]), self._entry_bytes(t), read_back=True)
+
+    def _entry_bytes(self, tokens: int) -> int:
+        """A canonical's store entry: its KV at rest (the arm's) and its source (token ids and
+        positions, as a text chunk's entry keeps them: ``core.chunk.TEXT_SOURCE_BYTES_PER_TOKEN``)."""
+        return self.arm.canonical_bytes(tokens, self.kv_bpt) + tokens * TEXT_SOURCE_BYTES_PER_TOKEN
+
+    def _read_patch(self, key: str, prefix: Sequence[str], kind: str) -> None:
+        """A store hit on ``key``'s stored patch of ``kind`` on ``prefix`` (promoted; no ``Load``)."""
+        self.pool.access(self._patch_key(key, prefix, kind), self.cost.patch_bytes(self.tokens[key], self.rank),
+                         store=False, load=False)
+
+    def _patch_key(self, key: str, prefix: Sequence[str], kind: str) -> tuple:
+        """The store key of ``key``'s patch of ``kind`` on ``prefix`` in its KV states now (as
+        ``_store`` records it: the live window keys a patch by its antecedents' KV states)."""
+        kind = "exact" if kind == "recall" else kind
+        return ("p", self.content[key], kind, repr(self._antecedent_states(prefix, kind)))
 
 
     # ------------------------------------------------------------------ operations
@@ -261,15 +275,22 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         order = self.order
         tokens = {k: self.tokens[k] for k in (*order, *entering)}
         return PlacementView(
-            order=list(order), tokens=tokens, content=self.content, formed_on=self.formed,
+            order=list(order), tokens=tokens, content=self.content, formed_on=self._carried(order, entering),
             has_patch=self._has_valid_patch(order) if self.arm.patches else (lambda c, p: False),
             has_orbit=self.graph.has_orbit if self.arm.patches else (lambda c, s: False),
             stored_prefixes=self.graph.stored_prefixes if self.arm.patches else (lambda c: ()),
             dependents=self.dependents if self.arm.patches else (lambda k: []),
             may_hit=self.graph.may_hit, conditioning=self.arm.patches,
-            budget_tokens=self.cfg.budget_tokens,
+            budget_tokens=self.cfg.budget_tokens, patch_policy=self.policy,
             future=_FutureView(self._next_ref, index, self._ops) if self._next_ref is not None else None,
         )
+
+    def _carried(self, order: Sequence[str], entering: Sequence[str]) -> dict[str, tuple[str, ...]]:
+        """``view.formed_on`` as the window gives it: what each resident's KV is conditioned on now
+        (a blind stand-in or a canonical: nothing), and for an entering chunk what it carried."""
+        out = {k: self.formed.get(k, ()) if k in self._state else () for k in order}
+        out.update((k, self.formed.get(k, ())) for k in entering)
+        return out
 
     def _has_valid_patch(self, order: Sequence[str]):
         """``view.has_patch`` as the window answers it (``placement.window_index``): whether the store
@@ -357,7 +378,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
     def _admit(self, index: int, entering: list[tuple[str, int | None]], recall: bool) -> None:
         est0, load0 = self.r.est_seconds, self.r.load_seconds
         try:
-            self._recalling = recall
+            self._recalling, self._entering = recall, frozenset(k for k, _ in entering)
             # the conditioning before the operation: what the recall cascade is judged on (the
             # window's reconcile reads each slot's conditioning as it was, before the budget's slide
             # dropped a front survivor's patches)
@@ -374,7 +395,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
                     del self._provisional[k]
                     self._encode(k)
         finally:
-            self._recalling = False
+            self._recalling, self._entering = False, frozenset()
             self._before_op = self._before_states = None
             if self.cfg.overlap_loads:
                 # loads ran beside this admission's model work: it costs the longer of the two
@@ -460,8 +481,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         if not (self._defers and self.arm.canonicals) or self._healing or len(entering) != 1 or not self.order:
             return False
         key, at = entering[0]
-        k, pool = ("c", self.content[key]), self.pool
-        if key in self._leave_canon or k in pool.device or k in pool.host or k in pool.disk:
+        if key in self._leave_canon or self.pool.contains(("c", self.content[key])):
             return False
         if not recall:
             return True
@@ -515,6 +535,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             self.eviction.prepare(_access_log(self))
         self._prepare_future()
         self._run()
+        self.pool.settle()
         return self.r
 
     def _prepare_future(self) -> None:
@@ -553,6 +574,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             elif op == "slide":  # the agent's n oldest, wherever placement put them
                 for k in self.logical[: ev.n]:
                     self._remove(k, idx)
+                    self.pool.install(self.order)  # (one window operation per chunk)
                     self._observe("evict", (k,), (k,))
             elif op == "reorder":
                 self.logical = [k for k in ev.order if k in set(self.order)]
@@ -573,16 +595,19 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
                     self.on_step()
             elif op == "fork":
                 stack.append((list(self.order), list(self.logical), dict(self.formed), self.window_tokens,
-                              Counter(self.pool.pinned), dict(self._no_canon), dict(self._pending_form),
+                              self.pool.fork(self.order), dict(self._no_canon), dict(self._pending_form),
                               dict(self._pending_canon), dict(self._state), dict(self._formed_states), set(self._canon_due),
                               dict(self.evicted), set(self._owes), self._fork_anticipation()))
                 self._observe("fork", self.order)
                 self._observe("fork", self.order)  # (recorded by the parent and by the fork)
             elif op == "commit":
-                self._end_fork_anticipation(stack.pop()[-1], committed=True)
+                committed = stack.pop()
+                self.pool.end_fork(committed[4], committed=True, order=self.order, parent_order=committed[0])
+                self._end_fork_anticipation(committed[-1], committed=True)
                 self._observe("commit", self.order)
                 self._observe("commit", self.order)
             elif op == "discard":
+                fork_order = list(self.order)
                 self._observe("discard", self.order)
                 (order, logical, formed, wt, pinned, no_canon, pending_form, pending_canon, states, formed_states,
                  canon_due, evicted, owes, anticipation) = stack.pop()
@@ -600,10 +625,12 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
                 self._pending_canon = {**pending_canon, **{k: v for k, v in self._pending_canon.items() if k not in pending_canon}}
                 self.order, self.logical, self.formed, self.window_tokens = order, logical, formed, wt
                 self._formed_set = {}
-                self.pool.pinned = pinned
+                self.pool.end_fork(pinned, committed=False, order=fork_order, parent_order=order)
+            self.pool.install(self.order)  # the event's window operation ends
         if self._has_pending():  # what is still queued when the trace ends is healed in the idle after it
             self.heal()
             self.anticipate()
+        self.pool.install(self.order)
         sched = getattr(self.placement, "decisions", None)
         if sched:
             r.scheduler = dict(sched)
@@ -639,12 +666,10 @@ def _named(ev: Any) -> list[str]:
     return []
 
 
-def _access_log(eng: Replayer) -> list[Hashable]:
+def _access_log(eng: Replayer) -> list[str]:
     """The pool's access sequence for this trace, placement and arm (it does not depend on the
     eviction policy: what is read is decided by the trace and the placement)."""
-    from ..scheduler.eviction_lru import LRUEviction
-
-    probe = Replayer(eng.trace, type(eng.placement)(), LRUEviction(), eng.arm.copy(), eng.cost, eng.cfg,
+    probe = Replayer(eng.trace, type(eng.placement)(), "lru", eng.arm.copy(), eng.cost, eng.cfg,
                      idle_tokens=eng.idle_tokens, factorization_cost=eng.factorization_cost)
     probe.pool.log = []
     probe._prepare_future()

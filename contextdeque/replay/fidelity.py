@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..scheduler.eviction import PolicyError
+from ..core.errors import PolicyError
 from ..core.errors import TraceError
 from ..traces.io import Trace, read_trace
 from .hits import HitRate

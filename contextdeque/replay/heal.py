@@ -23,7 +23,7 @@ class HealMirror:
         pb = self.cost.patch_bytes(t, self.rank)
         self.do(Difference(self.content[key], t, antecedents=pc, tier="device", nbytes=pb))
         self.r.patch_bytes += pb
-        self.r.bytes["device"] += pb
+        self.pool.write(self._patch_key(key, prefix, "exact"), pb)
         self.graph.add(self.content[key], pc, "exact")
         self._store(key, prefix, "exact")
 
@@ -41,16 +41,12 @@ class HealMirror:
         eager policy's conditioning for chunks that waited, store hits first; the recall cascade of
         those that were recalled). Under a ``budget`` (an idle gap: ``healing.HealBudget``) in the
         window's steps (``healing.heal_batch``: the stalest pending chunk and the pending ones in
-        front of it; then, with nothing pending, one canonical owed by a chunk that left per step),
-        until it is spent; without one, all of it in one pass (what the steps add up to). Counted in
-        ``tokens_prefilled`` and ``heal_*``, not in ``est_seconds``."""
+        front of it; then, with nothing pending, one canonical owed by a chunk that left per step:
+        ``healing.plan_heal_step``), until it is spent; without one, every step (as ``heal()`` runs
+        them). Counted in ``tokens_prefilled`` and ``heal_*``, not in ``est_seconds``."""
         if not self._has_heal_work():
             return
-        if budget is None or not budget.bounded:
-            idle = self._idle_start()
-            self._heal_pass(None)
-            self._idle_end(idle)
-            return
+        budget = budget if budget is not None else HealBudget()
         self._forget_departed()
         while (self._pending_keys() or self._leave_canon) and budget.allows_step():
             idle, factorized = self._idle_start(), self.factorized_tokens
@@ -64,6 +60,7 @@ class HealMirror:
                 self._heal_pass({t.key for t in tasks})
             budget.spend(self.r.tokens_prefilled - idle[0], self.factorized_tokens - factorized)
             self._idle_end(idle)
+            self.pool.install(self.order)  # (each step is one window operation)
 
     def _forget_departed(self) -> None:
         """Drop the queued work of chunks no longer in the window (gone with a discarded fork):
@@ -105,16 +102,14 @@ class HealMirror:
         carried = [] if len(states) != len(formed) else [((a, st), tok(a)) for a, st in zip(formed, states)]
         return staleness_score(carried, [((p, self._kv_state(p)), tok(p)) for p in self.order[:i]])
 
-    def _heal_pass(self, keys: set[str] | None, owed: str | None = None) -> None:
-        """Heal the queued work of ``keys`` (None: all of it, and the canonicals owed by chunks
-        that left; ``owed``: that one only)."""
+    def _heal_pass(self, keys: set[str], owed: str | None = None) -> None:
+        """Heal the queued work of ``keys`` (one step's batch: ``plan_heal_step``), or the
+        canonical ``owed`` by a chunk that left."""
         self._changed()
-        everything = keys is None
-        keys = set(self.order) | set(self._pending_canon) | set(self._pending_form) if keys is None else keys
         self._healing = True
         try:
             resident = set(self.order)
-            for key in list(self._leave_canon) if everything else [owed] if owed is not None else []:
+            for key in [owed] if owed is not None else []:
                 del self._leave_canon[key]
                 if key not in resident:
                     self._encode(key)
@@ -133,8 +128,6 @@ class HealMirror:
                 elif need == "reforward" and key not in self._pending_form:  # something came in front of it
                     self._form(key, self.order[:i])  # meanwhile: re-forwarded behind that (once: a queued
                     # re-form does it below)
-            if everything:
-                self._canon_due.clear()
             # a forward's KV differs from its canonical + patch once the chunks it ran after are
             # healed themselves (their KV changes): the difference is then no patch for the window
             # as it stands, and the eager policy forms one anew (what ContextWindow.heal does)
@@ -166,6 +159,7 @@ class HealMirror:
                 elif pc and key not in anew and self._prefix_content(key) == pc and \
                         self._formed_states.get(key) == tuple(map(self._kv_state, prefix)):
                     self._difference(key, prefix)  # latency-shared: the patch is the difference
+                    self._read_patch(key, prefix, "exact")  # (the eager policy's store hit on it)
                     self._set_formed(key, prefix)
                 else:  # moved since its forward, or what it ran after was healed: the eager policy forms anew
                     self._pending_form.setdefault(key, False)
@@ -189,9 +183,6 @@ class HealMirror:
                         self._form(key, prefix)
                     else:  # the eager policy's decision on the slot as it was deferred (what it carried)
                         self.carry_out(key, prefix, self.decide(reason, key, prefix))
-            if everything:
-                self._pending_form.clear()
-                self._pending_reason.clear()
         finally:
             self._healing = False
 
@@ -212,10 +203,9 @@ class HealMirror:
         if not self.arm.canonicals:
             return
         k = ("c", self.content[key])
+        self.pool.release(k, key)
+        self.pool.condition(key, None)
         pinned = self.pool.pinned
-        pinned[k] -= 1
-        if pinned[k] <= 0:
-            del pinned[k]
         if self._defers:
             self._pending_form.pop(key, None)
             self._pending_reason.pop(key, None)

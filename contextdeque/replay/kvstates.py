@@ -36,6 +36,9 @@ class KVStateMirror:
         """What a deferred slot serves meanwhile (``LatencyPolicy._stand_in``): its stale patch
         within the staleness budget, else its blind canonical (its state then: the canonical)."""
         formed, states = self.formed.get(key, ()), self._formed_states.get(key)
+        if key in self._entering and formed and key not in self._no_canon and key not in self._pending_canon:
+            self._set_formed(key, ())  # (it enters as its canonical: no patch to keep meanwhile)
+            return
         if not formed or states is None or key in self._no_canon or key in self._pending_canon:
             return
         tok = self.tokens.__getitem__
@@ -44,6 +47,7 @@ class KVStateMirror:
         if score > DEFAULT_STALENESS_BUDGET:
             self._state.pop(key, None)
             self._formed_states[key] = ("blind",)  # (never settled: its prefix is not empty)
+            self.pool.condition(key, None)  # (its slot lets go of the patch: it serves its canonical)
 
     def _kv_state(self, key: str) -> str:
         return self._state.get(key) or canonical_state(self.content[key])
@@ -76,7 +80,10 @@ class KVStateMirror:
         if not prefix:
             self._state.pop(key, None)
             self._formed_states.pop(key, None)
+            self.pool.condition(key, None)
             return
+        # the slot holds the stored patch (a conditioned forward's own KV is no store entry)
+        self.pool.condition(key, None if how == "inline" else self._patch_key(key, prefix, how))
         states = tuple(self._kv_state(p) for p in prefix)
         self._formed_states[key] = states
         self._state[key] = kv_state(self.content[key], [how, repr(self._antecedent_states(prefix, how))])

@@ -1,20 +1,29 @@
 """The replay's records and its tier stack: :class:`ReplayConfig` (budgets), :class:`ReplayResult`
-(what one run cost) and :class:`Pool` (the device KV pool under an eviction policy, spilling to a
-host tier and disk). Deterministic: insertion-ordered containers only."""
+(what one run cost) and :class:`Pool` (the stores' one tier policy over keys and sizes: device,
+host, disk). Deterministic: insertion-ordered containers only."""
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Callable, Hashable
 
 from ..core.counters import Counters, shown
-from ..scheduler.eviction import PoolEvictionPolicy
+from ..core.errors import PolicyError
+from ..stores import POLICIES, EvictionPolicy, TierTraffic, key_stack, sized_entry
 from ..window.config import WindowConfig
 from ..window.plan import Load, Op
-from ..scheduler.cost_model import CostModel
 
 GiB = 1 << 30
+
+#: the eviction policies ``replay --eviction`` offers: the stores' family, less those that order by
+#: what the replay's entries do not carry (``EvictionPolicy.replayed``)
+REPLAY_EVICTIONS: tuple[str, ...] = tuple(sorted(n for n, cls in POLICIES.items() if cls.replayed))
+
+
+def make_eviction(spec: "str | EvictionPolicy") -> EvictionPolicy:
+    """A fresh eviction policy for one replay (the stores' `EvictionPolicy` family)."""
+    return POLICIES.make(spec, instance_of=EvictionPolicy, error=PolicyError)
 
 
 @dataclass
@@ -65,6 +74,8 @@ class ReplayResult(Counters):
     device_misses: int = 0
     window_evictions: int = 0
     bytes: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    # the tier stack's reads, writes and evictions per tier (``TierTraffic``, as a live store counts them)
+    traffic: dict[str, dict[str, int]] = field(default_factory=dict)
     # bytes of KV computed and stored per tier (canonicals encoded, patches formed): the plan's
     # ``stored`` (``window.plan``), what the live window's receipts count the same way
     stored: dict[str, int] = field(default_factory=dict)
@@ -79,75 +90,174 @@ class ReplayResult(Counters):
 
 
 class Pool:
-    """The device KV pool (eviction policy, byte budget) over a host tier (LRU) and disk."""
+    """The replay's tier stack: the stores' one tier policy (`TieredStore`, run over key tiers:
+    ``stores/keytier.py``) with the device budget (its eviction policy, told every access), the
+    host budget and an unbounded disk, and the live `WindowStore`'s holds: an entry is held while
+    window slots hold it, and demoted one tier when its last holder lets go. Canonicals and
+    patches are entries; every read, write and eviction is counted per tier (`TierTraffic`)."""
 
-    def __init__(self, device_bytes: int, host_bytes: int, policy: PoolEvictionPolicy, cost: CostModel, r: ReplayResult,
+    def __init__(self, device_bytes: int, host_bytes: int, policy: EvictionPolicy, r: ReplayResult,
                  do: Callable[[Op], None]) -> None:
-        self.budget, self.host_budget = int(device_bytes), int(host_bytes)
-        self.policy, self.cost, self.r = policy, cost, r
+        self.store = key_stack([("device", int(device_bytes)), ("host", int(host_bytes)), ("disk", None)], policy)
+        self.top = self.store.tiers[0].name
+        self.policy, self.r = policy, r
         self.do = do  # charges a planned operation (the engine's ``do``: a load from a slower tier)
-        self.device: dict[Hashable, int] = {}
-        self.used = 0
-        self.host: OrderedDict[Hashable, int] = OrderedDict()
-        self.host_used = 0
-        self.disk: dict[Hashable, int] = {}
+        self.traffic = TierTraffic()
+        #: the window's slots holding each key (decisions read it: resident or not)
         self.pinned: Counter = Counter()
+        #: every window's and fork's holds, as ``WindowStore`` counts them (what decides demotion)
+        self.holds: Counter = Counter()
+        self._changes: dict[Hashable, int] = {}  # the operation's net holds per key, until `install`
+        self._holder: dict[Hashable, str] = {}  # key -> the resident whose slot held or let go of it last
+        self._positions: dict[str, int] = {}  # resident -> index, as the last operation left the window
+        #: resident -> the store key of the patch its slot holds (a slot holds its canonical and its patch)
+        self.slot_patch: dict[str, Hashable] = {}
+        self.simulating = False  # anticipation's simulations hold nothing (the live one installs nothing)
         self.i = 0
-        self.log: list[Hashable] | None = None
+        self.log: list[str] | None = None
 
-    def access(self, key: Hashable, size: int) -> str | None:
-        """Bring ``key`` to the device. Returns where it was (``device``/``host``/``disk``) or None
-        (nowhere: the caller computes it; it is then stored on the device)."""
-        i = self.i
-        self.i += 1
+    def _touch(self, key: str, size: int) -> None:
+        """One access of the run's access sequence (what an offline policy was given)."""
         if self.log is not None:
             self.log.append(key)
-        r = self.r
-        if key in self.device:
-            r.device_hits += 1
-            self.policy.touch(key, size, i)
-            return "device"
-        r.device_misses += 1
-        where = None
-        if key in self.host:
-            size = self.host.pop(key)
-            self.host_used -= size
-            r.bytes["host"] += size
-            where = "host"
-        elif key in self.disk:
-            size = self.disk.pop(key)
-            r.bytes["disk"] += size
-            where = "disk"
-        if where is not None:
-            self.do(Load(str(key[-1]) if isinstance(key, tuple) else str(key), 0, tier=where, nbytes=size))
-        self._make_room(size)
-        self.device[key] = size
-        self.used += size
-        r.bytes["device"] += size
-        self.policy.touch(key, size, i)
-        return where
+        self.policy.touch(key, size, self.i)
+        self.i += 1
+
+    def access(self, key: Hashable, size: int, *, store: bool = True, load: bool = True) -> str | None:
+        """Read ``key`` (promoted to the device by copy, as a store hit is). Returns the tier that
+        served it, or None (nowhere: the caller computes it; with ``store`` it is then written).
+        ``load``: a hit below the device is a ``Load`` of the plan (a canonical's, as the window's)."""
+        skey = store_key(key)
+        self._touch(skey, size)
+        tr = TierTraffic()
+        entry = self.store.get(skey, traffic=tr)
+        self.traffic += tr
+        where = tr.served_from
+        if where == self.top:
+            self.r.device_hits += 1
+            return where
+        self.r.device_misses += 1
+        if entry is not None:
+            if load:
+                self.do(Load(str(key[-1]) if isinstance(key, tuple) else str(key), 0, tier=where, nbytes=entry.nbytes))
+            return where
+        if store:
+            self.store.put(skey, sized_entry(size, _kind(key)), traffic=self.traffic)
+        return None
+
+    def write(self, key: Hashable, size: int, *, read_back: bool = False) -> None:
+        """Store ``key`` (computed: an encode, a formed patch) where the tier policy admits it;
+        ``read_back``: then read it, as the window reads a canonical it just encoded."""
+        skey = store_key(key)
+        self._touch(skey, size)
+        self.store.put(skey, sized_entry(size, _kind(key)), traffic=self.traffic)
+        if read_back:
+            self.store.get(skey, traffic=self.traffic)
+
+    def contains(self, key: Hashable) -> bool:
+        return self.store.contains(store_key(key))
 
     def drop(self, key: Hashable) -> None:
-        """Forget ``key``'s device copy (KV that was never made: a latency-first chunk's canonical
-        when it leaves the window before healing computed it)."""
-        size = self.device.pop(key, None)
-        if size is not None:
-            self.used -= size
-            self.policy.remove(key)
+        """Forget ``key`` (KV that was never made: a latency-first chunk's canonical when it leaves
+        the window before healing computed it)."""
+        self.store.delete(store_key(key))
 
-    def _make_room(self, size: int) -> None:
-        while self.used + size > self.budget:
-            v = self.policy.victim(self.pinned)
-            if v is None:
-                return  # everything left is pinned by the window: over-commit
-            vs = self.device.pop(v)
-            self.used -= vs
-            self.policy.remove(v)
-            self.host[v] = vs
-            self.host_used += vs
-            self.r.bytes["host"] += vs
-            while self.host_used > self.host_budget and self.host:
-                k, s = self.host.popitem(last=False)
-                self.host_used -= s
-                self.disk[k] = s
-                self.r.bytes["disk"] += s
+    def hold(self, key: Hashable, resident: str) -> None:
+        """``resident``'s slot holds ``key`` (the store sees it at `install`)."""
+        self.pinned[key] += 1
+        self._change(key, resident, 1)
+
+    def release(self, key: Hashable, resident: str) -> None:
+        """``resident``'s slot lets go of ``key`` (the store sees it at `install`)."""
+        self.pinned[key] -= 1
+        if self.pinned[key] <= 0:
+            del self.pinned[key]
+        self._change(key, resident, -1)
+
+    def _change(self, key: Hashable, resident: str, n: int) -> None:
+        if not self.simulating:
+            self._changes[key] = self._changes.get(key, 0) + n
+            self._holder[key] = resident
+
+    def _slot_order(self, keys: list[Hashable], order: "dict[str, int]") -> list[Hashable]:
+        """``keys`` as a window's ``held_keys`` lists them: slot by slot (``order``: resident ->
+        index), a slot's canonical before its patch."""
+        last = len(order)
+        return sorted(keys, key=lambda k: (order.get(self._holder.get(k, ""), last), _kind(k) != "chunk"))
+
+    def install(self, order: "list[str]", released_from: "list[str] | None" = None) -> None:
+        """A window operation ends (``ContextWindow._install``) with the window in ``order``: the
+        keys its slots now hold more are held (``WindowStore.hold``: a first hold brings a key
+        below the top up), then those they hold less are let go and a key nobody holds any more is
+        demoted one tier (``WindowStore.release``), both in the slots' order (the new one, the one
+        the operation started from: ``released_from``, else the order the last one left)."""
+        changes, self._changes = self._changes, {}
+        now = {r: i for i, r in enumerate(order)}
+        before = self._positions if released_from is None else {r: i for i, r in enumerate(released_from)}
+        self._positions = now
+        for key in self._slot_order([k for k, n in changes.items() if n > 0], now):
+            first = self.holds[key] == 0
+            self.holds[key] += changes[key]
+            where = self.store.where(store_key(key)) if first else ()
+            if where and where[0] != self.top:
+                self.store.get(store_key(key), traffic=self.traffic)  # promotes
+        for key in self._slot_order([k for k, n in changes.items() if n < 0], before):
+            self.holds[key] += changes[key]
+            if self.holds[key] <= 0:
+                del self.holds[key]
+                self.store.demote(store_key(key), traffic=self.traffic)
+
+    def condition(self, resident: str, patch: Hashable | None) -> None:
+        """``resident``'s slot now holds ``patch`` (None: no stored patch, its canonical or its own
+        forward's KV), letting go of the one it held (what ``ContextWindow._install`` does)."""
+        old = self.slot_patch.pop(resident, None)
+        if patch is not None:
+            self.slot_patch[resident] = patch
+            self.hold(patch, resident)
+        if old is not None:
+            self.release(old, resident)
+
+    def snapshot(self) -> tuple[Counter, dict[str, Hashable]]:
+        """The window's slots' holds and patches (a fork's parent, a simulation's start)."""
+        return Counter(self.pinned), dict(self.slot_patch)
+
+    def restore(self, saved: tuple[Counter, dict[str, Hashable]]) -> None:
+        self.pinned, self.slot_patch = Counter(saved[0]), dict(saved[1])
+
+    def fork(self, order: "list[str]") -> tuple[Counter, dict[str, Hashable]]:
+        """A fork of the window in ``order`` holds what its parent's slots hold
+        (``WindowStore.hold`` of the fork's keys); returns the parent's slots (`snapshot`)."""
+        parent = self.snapshot()
+        for key, n in parent[0].items():
+            if not self.simulating:
+                self._changes[key] = self._changes.get(key, 0) + n
+        self.install(order)
+        return parent
+
+    def end_fork(self, parent: tuple[Counter, dict[str, Hashable]], *, committed: bool, order: "list[str]",
+                 parent_order: "list[str]") -> None:
+        """A commit lets go of the parent's holds (the fork's slots, in ``order``, stay), a discard
+        of the fork's (the parent's slots, in ``parent_order``, come back)."""
+        let_go = parent[0] if committed else Counter(self.pinned)
+        if not committed:
+            self.restore(parent)
+        for key, n in let_go.items():
+            self._changes[key] = self._changes.get(key, 0) - n
+        self.install(order if committed else parent_order, released_from=parent_order if committed else order)
+
+    def settle(self) -> None:
+        """The run's tier traffic into its result: ``bytes`` (read + written per tier) and
+        ``traffic`` (reads, writes and evictions per tier)."""
+        tr, r = self.traffic, self.r
+        for tier in (t.name for t in self.store.tiers):
+            r.bytes[tier] = r.bytes.get(tier, 0) + tr.read.get(tier, 0) + tr.written.get(tier, 0)
+        r.traffic = {"read": dict(tr.read), "written": dict(tr.written), "evicted": dict(tr.evicted)}
+
+
+def store_key(key: Hashable) -> str:
+    """The replay's entry key as a store key: ``("c", content)`` -> ``"c/<content>"``."""
+    return "/".join(map(str, key)) if isinstance(key, tuple) else str(key)
+
+
+def _kind(key: Hashable) -> str:
+    return {"c": "chunk", "p": "patch", "pfx": "prefix"}.get(key[0], "entry") if isinstance(key, tuple) else "entry"

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..core.registry import Registered, Registry
 from ..eval.arms import ARMS
-from ..scheduler.eviction import PolicyError
+from ..core.errors import PolicyError
 from ..window import PATCH_POLICIES
 from ..window.plan import Forward
 

@@ -17,8 +17,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
 from typing import Any, Callable, Iterable, Sequence
 
-from ..scheduler import EVICTION_POLICIES
-from ..scheduler.eviction import PolicyError
+from .pool import REPLAY_EVICTIONS
+from ..core.errors import PolicyError
 from ..traces.io import Trace, read_trace
 from ..window.placement import PLACEMENT_POLICIES
 from ..scheduler.cost_model import CostModel
@@ -38,7 +38,7 @@ def parse_combos(specs: Iterable[str] | None, placements: Sequence[str], evictio
             parts = spec.split(":")
             if len(parts) != 3:
                 raise PolicyError(f"policy combo {spec!r} must be PLACEMENT:EVICTION:ARM (use * for all)")
-            pools = [sorted(PLACEMENT_POLICIES), sorted(EVICTION_POLICIES), sorted(REUSE_COSTS)]
+            pools = [sorted(PLACEMENT_POLICIES), list(REPLAY_EVICTIONS), sorted(REUSE_COSTS)]
             picked = [pool if p == "*" else [p] for p, pool in zip(parts, pools)]
             out.extend(itertools.product(*picked))
     else:
@@ -46,8 +46,8 @@ def parse_combos(specs: Iterable[str] | None, placements: Sequence[str], evictio
     for p, e, a in out:
         if p not in PLACEMENT_POLICIES:
             raise PolicyError(f"unknown placement {p!r}; registered: {sorted(PLACEMENT_POLICIES)}")
-        if e not in EVICTION_POLICIES:
-            raise PolicyError(f"unknown eviction {e!r}; registered: {sorted(EVICTION_POLICIES)}")
+        if e not in REPLAY_EVICTIONS:
+            raise PolicyError(f"unknown eviction {e!r}; registered: {list(REPLAY_EVICTIONS)}")
         if not is_reuse(a):
             raise PolicyError(f"unknown reuse arm {a!r}; known: {sorted(REUSE_COSTS)} (budgeted: NAME-ROWS)")
     return sorted(set(out))

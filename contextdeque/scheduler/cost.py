@@ -87,12 +87,14 @@ class Weights:
         return float(op.counts().get("patches_formed", 0))
 
 
-DEFAULT_WEIGHTS = Weights()
-#: the scheduler priced by the cost model (seconds; see ``diverge``). Not the default yet: its
-#: decisions part the live windows from the replay's under the scheduler and valid placements
-#: (tests/test_replay_matches_window.py: 18 cases), through differences between their placement
-#: views the forms pricing never reaches (docs/replay.md)
+#: the scheduler priced in patch forms (one per patch formed, whatever its size): the default
+#: before issue 22, kept for comparison (docs/replay.md, "Priced in seconds")
+FORMS_WEIGHTS = Weights()
+#: the scheduler priced by the cost model (seconds; see ``diverge``): the default. The live window
+#: and the replay decide alike under it (tests/test_replay_matches_window.py, scheduler and valid
+#: placements) since their placement views are one (docs/replay.md)
 SECONDS_WEIGHTS = Weights(cost=DEFAULTS, diverge=0.35)
+DEFAULT_WEIGHTS = SECONDS_WEIGHTS
 
 
 @dataclass

@@ -27,17 +27,21 @@ from contextdeque.stores.traffic import TierTraffic
 # Built-in policies and tiers register themselves on import.
 from contextdeque.stores.lru import LRUPolicy
 from contextdeque.stores.priority import PriorityPolicy
+from contextdeque.stores.reuse_distance import ReuseDistancePolicy
+from contextdeque.stores.belady import BeladyPolicy
 from contextdeque.stores.memory import MemoryTier
 from contextdeque.stores.host import HostTier
 from contextdeque.stores.disk import DiskTier
 from contextdeque.stores.valkey import ValkeyTier
 from contextdeque.stores.capsule import CapsuleTier
 from contextdeque.stores.tiered import TieredStore
+from contextdeque.stores.keytier import KeyTier, key_stack, sized_entry
 from contextdeque.stores.prefetch import Fetched, Prefetcher, fetch, settle
 
 __all__ = [
     "POLICIES",
     "TIERS",
+    "BeladyPolicy",
     "CapsuleTier",
     "DiskTier",
     "EntryStat",
@@ -45,11 +49,13 @@ __all__ = [
     "EvictionPolicy",
     "Fetched",
     "HostTier",
+    "KeyTier",
     "LRUPolicy",
     "MemoryTier",
     "Prefetcher",
     "PriorityPolicy",
     "PutResult",
+    "ReuseDistancePolicy",
     "StoreEntry",
     "StoreKey",
     "Tier",
@@ -59,7 +65,9 @@ __all__ = [
     "chunk_key",
     "embeds_key",
     "fetch",
+    "key_stack",
     "make_policy",
     "make_tier",
     "settle",
+    "sized_entry",
 ]

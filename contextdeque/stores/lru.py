@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from contextdeque.stores.base import EntryStat
-from contextdeque.stores.policy import EvictionPolicy
+from contextdeque.stores.policy import EvictionPolicy, by_recency
 
 
 class LRUPolicy(EvictionPolicy):
@@ -14,4 +14,4 @@ class LRUPolicy(EvictionPolicy):
     name = "lru"
 
     def order(self, candidates: Sequence[EntryStat]) -> list[str]:
-        return [s.key for s in sorted(candidates, key=lambda s: (s.last_used, s.key))]
+        return [s.key for s in by_recency(candidates)]

@@ -16,6 +16,7 @@ class PriorityPolicy(EvictionPolicy):
     """
 
     name = "priority"
+    replayed = False  # the replay's entries carry no priorities: there it would be LRU again
 
     def order(self, candidates: Sequence[EntryStat]) -> list[str]:
         return [s.key for s in sorted(candidates, key=lambda s: (s.priority, s.last_used, s.key))]

@@ -160,8 +160,9 @@ class WindowStore:
     def __init__(self, store: TieredStore) -> None:
         self.store = store
         self._holds: Counter[str] = Counter()
-        #: keys released by every holder whose demotion a store fault refused (retried on release)
-        self._undemoted: set[str] = set()
+        #: keys released by every holder, to demote (those a store fault refused are retried on the
+        #: next release), in the order they were let go: the slots' order (the replay's as well)
+        self._undemoted: dict[str, None] = {}
         # keys an operation in progress looked up or wrote: leased at once, so no other process
         # evicts them between the lookup and the operation's end (when held keys are leased)
         self._in_flight: set[str] = set()
@@ -296,7 +297,7 @@ class WindowStore:
             self._holds[key] += 1
             if self._holds[key] == 1:
                 first.append(key)
-                self._undemoted.discard(key)
+                self._undemoted.pop(key, None)
                 try:
                     where = self.store.where(key)
                     if where and where[0] != self.store.tiers[0].name:
@@ -324,18 +325,18 @@ class WindowStore:
             self._holds[key] -= 1
             if self._holds[key] == 0:
                 del self._holds[key]
-                self._undemoted.add(key)
+                self._undemoted[key] = None
                 last.append(key)
         stale = [k for k in self._in_flight if k not in self._holds]
         self._in_flight.clear()
         failed += self._lease(last + [k for k in stale if k not in last], traffic, take=False)
-        for key in sorted(self._undemoted):
+        for key in list(self._undemoted):
             try:
                 self.demote(key, traffic)
             except (StoreError, OSError) as e:
                 failed.append(f"demotion of {key[:24]} deferred ({type(e).__name__}: {e})")
                 continue
-            self._undemoted.discard(key)
+            self._undemoted.pop(key, None)
         return failed
 
     def _lease_in_flight(self, key: str, traffic: TierTraffic) -> None:
