@@ -331,46 +331,81 @@ def test_cuda_materialize_and_generate_vs_reprefill(dtype):
 
 
 @pytest.mark.parametrize("name", ["gaussian", "ill-conditioned (s from 1 to 1e-12)", "rank 10", "outlier row (1e4)",
-                                  "short (T < F)", "short, rank 5", "zero"])
+                                  "short (T < F)", "short, rank 5", "zero", "degenerate (40 equal, then 40 equal)",
+                                  "slow decay (s from 1 to 0.5)"])
+@pytest.mark.parametrize("eig", ["subspace", "eigh"])
 @pytest.mark.parametrize("eig_device", [None, "cpu"], ids=["eig-on-cuda", "eig-on-host"])
-def test_cuda_top_m_factors_against_the_float64_svd(name, eig_device):
-    """The Gram route on the device (float64 Gram and eigenproblem on CUDA, or the eigenproblem
-    on the host) against the CPU's float64 SVD: the oracle checks of tests/test_patch_topm.py."""
+def test_cuda_top_m_factors_against_the_float64_svd(name, eig, eig_device):
+    """The Gram route on the device by either eigen-solver (float64 Gram on CUDA; ``subspace``:
+    the iteration on CUDA, its small Rayleigh–Ritz eigenproblems and eigh fallback where
+    ``eig_device`` says; ``eigh``: on CUDA or on the host) against the CPU's float64 SVD: the
+    oracle checks of tests/test_patch_topm.py."""
     from test_patch_topm import CASES, assert_top_factors
 
     from contextdeque.patch.topm import truncated_svd
 
     delta = CASES[name]
     for rank in (1, 8, 32, 96):
-        us, vt = truncated_svd(delta.to(CUDA), rank, eig_device=eig_device)
+        us, vt = truncated_svd(delta.to(CUDA), rank, eig=eig, eig_device=eig_device)
         assert us.device.type == vt.device.type == "cuda"
         assert_top_factors(delta, rank, us.cpu(), vt.cpu())
 
 
+def test_cuda_subspace_solver_converges_on_the_device():
+    """The subspace iteration itself (not its eigh fallback) answers on CUDA: the fast items of a
+    mixed batch pass the residual test on the device, as on the CPU."""
+    from test_patch_topm import CASES
+
+    from contextdeque.patch.topm import FIRST_CHECK, subspace_top_eigenvectors
+
+    import contextdeque.patch.topm as topm
+
+    names = ["decaying (s from 1 to 1e-4)", "slow decay (s from 1 to 0.5)", "rank 10"]
+    x = torch.stack([CASES[n] for n in names]).to(CUDA, torch.float64)
+    vecs, done = subspace_top_eigenvectors(x.mT @ x, 8, max_steps=FIRST_CHECK)
+    assert vecs.device.type == "cuda" and done.tolist() == [True, False, True]
+    assert topm.CUDA_GRAPHS, "the power steps' CUDA graph capture failed (they ran eagerly)"
+    # the graphed steps compute what the eager ones do
+    topm.CUDA_GRAPHS = False
+    try:
+        eager, done_eager = subspace_top_eigenvectors(x.mT @ x, 8, max_steps=FIRST_CHECK)
+    finally:
+        topm.CUDA_GRAPHS = True
+    assert done_eager.tolist() == done.tolist()
+    torch.testing.assert_close(vecs, eager, rtol=0, atol=1e-10)
+
+
 def test_cuda_patch_forming_split_and_factors(smollm2_random):
-    """A rank-32 patch of a 1,024-token chunk on SmolLM2-135M's architecture on CUDA: its real Δ's
-    factors (every layer, all in one batch) against the float64 SVD, and the forming time split
-    (conditioned forward vs factorization; the Gram route on the device, with its eigenproblems
-    on the host, and the float64 SVD it replaced) printed for docs/gpu.md: no threshold."""
+    """Rank-32 patches of 256- and 1,024-token chunks on SmolLM2-135M's architecture on CUDA: the
+    real Δ's factors (every layer, all in one batch) by the route CUDA takes (``auto``) and by
+    each eigen-solver against the float64 SVD, and the forming time split (conditioned forward vs
+    factorization: subspace iteration on the device, eigh on the device, eigh on the host, the
+    float64 SVD) printed for docs/gpu.md: no threshold."""
     from test_patch_topm import assert_top_factors
 
     from contextdeque.eval.bench import forming_split
     from contextdeque.patch.base import PATCH_KINDS, FormContext
-    from contextdeque.patch.topm import truncated_svd
+    from contextdeque.patch.topm import DEFAULT_EIG, truncated_svd
 
     g = torch.Generator().manual_seed(0)
     a = smollm2_random.encode(token_ids=torch.randint(10, 40000, (256,), generator=g))
-    b = smollm2_random.encode(token_ids=torch.randint(10, 40000, (1024,), generator=g))
-    dk, dv = PATCH_KINDS["exact"]().target(FormContext(smollm2_random, b, [(a, [])], {}))
-    assert dk.device.type == "cuda"
-    for d in (dk, dv):
-        us, vt = truncated_svd(d, 32)
-        for layer in range(d.shape[0]):
-            assert_top_factors(d[layer].cpu(), 32, us[layer].cpu(), vt[layer].cpu())
-    split = forming_split(smollm2_random, b, a, 32, CUDA, repeats=3)
-    fs = split["factorize_s"]
-    print(f"forming a rank-32 patch on 1024 tokens (CUDA): {split['form_patch_s'] * 1e3:.1f} ms = forward "
-          f"{split['forward_s'] * 1e3:.1f} ms + factors {fs['auto'] * 1e3:.1f} ms; the float64 SVD "
-          f"{fs['svd'] * 1e3:.1f} ms ({split['svd_vs_auto']:.1f}x); eigenproblems on the host "
-          f"{fs['auto_eig_cpu'] * 1e3:.1f} ms")
-    assert set(fs) == {"auto", "svd", "auto_eig_cpu"} and min(fs.values()) > 0
+    for T in (256, 1024):
+        b = smollm2_random.encode(token_ids=torch.randint(10, 40000, (T,), generator=g))
+        dk, dv = PATCH_KINDS["exact"]().target(FormContext(smollm2_random, b, [(a, [])], {}))
+        assert dk.device.type == "cuda"
+        for eig in ("auto", "subspace", "eigh"):
+            for d in (dk, dv):
+                us, vt = truncated_svd(d, 32, eig=eig)
+                for layer in range(d.shape[0]):
+                    assert_top_factors(d[layer].cpu(), 32, us[layer].cpu(), vt[layer].cpu())
+        split = forming_split(smollm2_random, b, a, 32, CUDA, repeats=3)
+        fs = split["factorize_s"]
+        print(f"forming a rank-32 patch on {T} tokens (CUDA, {torch.cuda.get_device_name()}, host threads "
+              f"{torch.get_num_threads()}): {split['form_patch_s'] * 1e3:.1f} ms = forward "
+              f"{split['forward_s'] * 1e3:.1f} ms + factors {fs['auto'] * 1e3:.1f} ms (auto = {DEFAULT_EIG['cuda']}); "
+              f"subspace on the device {fs['subspace'] * 1e3:.1f} ms, eigh on the device {fs['eigh'] * 1e3:.1f} ms, "
+              f"eigh on the host {fs['eigh_host'] * 1e3:.1f} ms, the float64 SVD {fs['svd'] * 1e3:.1f} ms "
+              f"({split['svd_vs_auto']:.1f}x auto); factors / forward: subspace "
+              f"{fs['subspace'] / split['forward_s']:.2f}, eigh {fs['eigh'] / split['forward_s']:.2f}, "
+              f"eigh on the host {fs['eigh_host'] / split['forward_s']:.2f}")
+        assert set(fs) == {"auto", "subspace", "eigh", "svd", "eigh_host"} and min(fs.values()) > 0

@@ -1,8 +1,10 @@
 """The top-m factorization (contextdeque.patch.topm) against its oracle, the float64 SVD: on
 random Δs shaped to break a Gram route (ill-conditioned, rank-deficient, an outlier row,
-degenerate, zero, shorter than wide), on real Δs of the default model and of tiny models, and
-through a window (a patched window's next-token KL against a re-prefill equals the SVD's within
-1e-6). The checker itself is shown to fail on wrong factors."""
+degenerate, zero, shorter than wide, a slowly decaying spectrum), on real Δs of the default model
+and of tiny models, and through a window (a patched window's next-token KL against a re-prefill
+equals the SVD's within 1e-6), by both eigen-solvers (``eigh``; ``subspace``: block subspace
+iteration with a residual test and an ``eigh`` fallback per item). The checker itself is shown to
+fail on wrong factors, and on a subspace solver without its residual test or with one step."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from contextdeque.patch import form_patch
 from contextdeque.patch.base import FormContext
 from contextdeque.patch.ops import combine_patches
 from contextdeque.patch.alloc import layer_spectra
-from contextdeque.patch.topm import gram_serves, truncated_svd
+import contextdeque.patch.topm as topm
+from contextdeque.patch.topm import gram_serves, subspace_top_eigenvectors, truncated_svd
 from contextdeque.stores import MemoryTier, TieredStore
 from helpers import assert_relocates_as_dense, seeded_ids, window_answer_logits
 
@@ -91,28 +94,36 @@ def _cases() -> dict[str, torch.Tensor]:
         "short, rank 5": spectrum_delta(40, F, torch.ones(5, dtype=torch.float64)),
         "tiny entries (1e-30)": noisy * 1e-30,
         "huge entries (1e30)": noisy * 1e30,
+        # λ_{m+p+1} / λ_m near 1: subspace iteration needs many steps (its residual test decides)
+        "slow decay (s from 1 to 0.5)": spectrum_delta(T, F, torch.linspace(1, 0.5, F, dtype=torch.float64)),
+        "slower decay (s from 1 to 0.8)": spectrum_delta(T, F, torch.linspace(1, 0.8, F, dtype=torch.float64)),
     }
 
 
 CASES = _cases()
 
 
+EIGS = ["eigh", "subspace"]
+
+
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("method", ["auto", "gram"])
+@pytest.mark.parametrize("eig", EIGS)
 @pytest.mark.parametrize("rank", [1, 8, 32, 96])
-def test_top_factors_match_the_float64_svd(name, method, rank):
+def test_top_factors_match_the_float64_svd(name, method, eig, rank):
     delta = CASES[name]
-    us, vt = truncated_svd(delta, rank, method=method)
+    us, vt = truncated_svd(delta, rank, method=method, eig=eig)
     assert us.is_contiguous() and vt.is_contiguous()  # stored and multiplied as laid out
     assert_top_factors(delta, rank, us, vt)
 
 
-def test_both_routes_return_the_same_factors_signs_included():
-    """One sign per direction (the peak entry of each V_mᵀ row positive): the Gram route and the SVD
-    give the same factors element by element where the spectrum is distinct."""
+@pytest.mark.parametrize("eig", EIGS)
+def test_both_routes_return_the_same_factors_signs_included(eig):
+    """One sign per direction (the peak entry of each V_mᵀ row positive): the Gram route (either
+    solver) and the SVD give the same factors element by element where the spectrum is distinct."""
     delta = spectrum_delta(500, 64, torch.linspace(4.0, 0.5, 64, dtype=torch.float64), seed=5)
     for rank in (8, 64):
-        us_g, vt_g = truncated_svd(delta, rank, method="gram")
+        us_g, vt_g = truncated_svd(delta, rank, method="gram", eig=eig)
         us_s, vt_s = truncated_svd(delta, rank, method="svd")
         peak = vt_g.gather(1, vt_g.abs().argmax(1, keepdim=True))
         assert bool((peak > 0).all())
@@ -153,6 +164,8 @@ def test_zero_rank_and_bad_input():
         truncated_svd(torch.randn(5, 4), -1)
     with pytest.raises(PatchError):
         truncated_svd(torch.randn(5, 4), 2, method="qr")
+    with pytest.raises(PatchError):
+        truncated_svd(torch.randn(5, 4), 2, eig="lanczos")
 
 
 def test_a_non_finite_delta_takes_the_svd_as_before():
@@ -194,6 +207,102 @@ def test_the_checker_fails_on_a_wrong_routine(wrong):
         assert_top_factors(delta, 8, us, vt)
 
 
+# ---------------------------------------------------------------------------- the subspace solver's own guards
+
+
+def _gram(delta: torch.Tensor) -> torch.Tensor:
+    x = delta.to(torch.float64)
+    return x.mT @ x
+
+
+def test_the_solver_auto_takes_per_device(monkeypatch):
+    """``eig="auto"`` is DEFAULT_EIG's entry for Δ's device type: swapping the CPU's entry swaps
+    the solver the CPU runs."""
+    calls = []
+    real = topm.subspace_top_eigenvectors
+    monkeypatch.setattr(topm, "subspace_top_eigenvectors", lambda *a, **k: calls.append(1) or real(*a, **k))
+    delta = CASES["decaying (s from 1 to 1e-4)"]
+    monkeypatch.setitem(topm.DEFAULT_EIG, "cpu", "eigh")
+    truncated_svd(delta, 8)
+    assert not calls
+    monkeypatch.setitem(topm.DEFAULT_EIG, "cpu", "subspace")
+    assert_top_factors(delta, 8, *truncated_svd(delta, 8))
+    assert calls
+
+
+def test_real_layers_converge_without_falling_back(default_deltas):
+    """The route is the subspace iteration itself on real Δs (not its eigh fallback): every layer
+    whose Δ is not all zero passes the residual test (layer 0's V Δ is zero: its token embedding
+    does not see the antecedent; a zero Gram takes eigh, as before)."""
+    _, _, _, dk, dv = default_deltas
+    for d in (dk, dv):
+        g = d.to(torch.float64).mT @ d.to(torch.float64)
+        _, done = subspace_top_eigenvectors(g, 32)
+        zero = g.flatten(1).abs().amax(1) == 0
+        assert bool((done == ~zero).all()), (done, zero)
+
+
+def test_items_that_do_not_converge_fall_back_to_eigh(monkeypatch):
+    """One step (MAX_STEPS = 1): no item passes the residual test, so every item takes eigh, and
+    the factors are still the float64 SVD's."""
+    batch = torch.stack([CASES["gaussian"], CASES["decaying (s from 1 to 1e-4)"], CASES["slow decay (s from 1 to 0.5)"]])
+    _, done = subspace_top_eigenvectors(torch.stack([_gram(d) for d in batch]), 8, max_steps=1)
+    assert not bool(done.any())
+    fell_back = []
+    real = topm._eigh_top
+    monkeypatch.setattr(topm, "_eigh_top", lambda g, m, dev: fell_back.append(len(g)) or real(g, m, dev))
+    monkeypatch.setattr(topm, "MAX_STEPS", 1)
+    us, vt = truncated_svd(batch, 8, eig="subspace")
+    assert fell_back == [3]
+    for i in range(3):
+        assert_top_factors(batch[i], 8, us[i], vt[i])
+
+
+def test_a_batch_mixing_converging_and_fallen_back_items(monkeypatch):
+    """With the step budget at the first check, the fast-converging items pass and the slow ones
+    (λ_{m+p+1}/λ_m near 1) fall back to eigh, only those: every item's factors are the SVD's."""
+    names = ["decaying (s from 1 to 1e-4)", "slow decay (s from 1 to 0.5)", "rank 10",
+             "ill-conditioned (s from 1 to 1e-12)", "gaussian"]
+    batch = torch.stack([CASES[n] for n in names])
+    _, done = subspace_top_eigenvectors(torch.stack([_gram(d) for d in batch]), 8, max_steps=topm.FIRST_CHECK)
+    assert done.tolist() == [True, False, True, True, False]
+    fell_back = []
+    real = topm._eigh_top
+    monkeypatch.setattr(topm, "_eigh_top", lambda g, m, dev: fell_back.append(len(g)) or real(g, m, dev))
+    monkeypatch.setattr(topm, "MAX_STEPS", topm.FIRST_CHECK)
+    us, vt = truncated_svd(batch, 8, eig="subspace")
+    assert fell_back == [2]
+    for i, name in enumerate(names):
+        assert_top_factors(batch[i], 8, us[i], vt[i])
+
+
+@pytest.mark.parametrize("wrong", ["no residual test", "one step"])
+def test_the_oracle_fails_a_subspace_solver_without_its_guards(monkeypatch, wrong, default_deltas):
+    """A solver that accepts its first Rayleigh–Ritz step without the residual test, or stops
+    after one step, returns wrong factors: a slowly decaying spectrum (and, after one step, real
+    layers) fail the oracle."""
+    monkeypatch.setattr(topm, "RESIDUAL_TOL", float("inf"))  # every item "passes" at its first check
+    if wrong == "one step":
+        monkeypatch.setattr(topm, "FIRST_CHECK", 1)
+    cases = [CASES["slower decay (s from 1 to 0.8)"]]
+    if wrong == "one step":
+        cases.append(default_deltas[3][5])  # a real layer's K Δ
+    for delta in cases:
+        us, vt = truncated_svd(delta, 8, eig="subspace")
+        with pytest.raises(AssertionError):
+            assert_top_factors(delta, 8, us, vt)
+
+
+def test_host_eigenproblems_over_threads_equal_one_call(monkeypatch):
+    """The host's batch of eigenproblems cut over threads gives the one call's answer."""
+    g = torch.stack([_gram(CASES[n]) for n in ("gaussian", "rank 10", "outlier row (1e4)", "zero", "decaying (s from 1 to 1e-4)")])
+    want = torch.linalg.eigh(g)
+    monkeypatch.setattr(topm, "HOST_EIG_THREADS", 3)
+    vals, vecs = topm._eigh(g, None)
+    torch.testing.assert_close(vals, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(vecs, want[1], rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------- real Δs
 
 
@@ -214,21 +323,25 @@ def default_deltas(default_backend, one_thread):
     return (default_backend, *_real_deltas(default_backend, ids[:200], ids[200:456]))
 
 
+@pytest.mark.parametrize("eig", EIGS)
 @pytest.mark.parametrize("rank", [8, 32, "full"])
-def test_the_default_models_deltas(default_deltas, rank):
+def test_the_default_models_deltas(default_deltas, rank, eig):
     """Every layer's K and V Δ of a real page (T = 256 ≥ F = 192: the Gram route)."""
     _, _, _, dk, dv = default_deltas
     for d in (dk, dv):
         m = min(d.shape[1:]) if rank == "full" else rank
-        us, vt = truncated_svd(d, m)  # all layers in one batch, as a patch forms them
+        us, vt = truncated_svd(d, m, eig=eig)  # all layers in one batch, as a patch forms them
         for l in range(d.shape[0]):
             assert_top_factors(d[l], m, us[l], vt[l])
 
 
-def test_a_patch_formed_now_relocates_as_the_svds(default_deltas, monkeypatch):
-    """form_patch on the default model: the spectra rank allocation reads are the SVD's, and the
-    relocated page equals the one the float64 SVD's factors give, within float32 rounding."""
+@pytest.mark.parametrize("eig", EIGS)
+def test_a_patch_formed_now_relocates_as_the_svds(default_deltas, monkeypatch, eig):
+    """form_patch on the default model (its device's solver set to ``eig``): the spectra rank
+    allocation reads are the SVD's, and the relocated page equals the one the float64 SVD's
+    factors give, within float32 rounding."""
     backend, a, b, _, _ = default_deltas
+    monkeypatch.setitem(topm.DEFAULT_EIG, backend.device.type, eig)
     new = form_patch(backend, b, [a], rank=32)
     monkeypatch.setattr(patch_base, "truncated_svd", lambda d, r: truncated_svd(d, r, method="svd"))
     old = form_patch(backend, b, [a], rank=32)
@@ -244,14 +357,15 @@ def test_a_patch_formed_now_relocates_as_the_svds(default_deltas, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
 @pytest.mark.parametrize("rank", [2, 8, "full"])
-def test_tiny_models_deltas(tiny_backend_factory, one_thread, arch, rank):
+@pytest.mark.parametrize("eig", EIGS)
+def test_tiny_models_deltas(tiny_backend_factory, one_thread, arch, rank, eig):
     """Tiny models: T = 40 ≥ F (deepseek's 32 / 16) and T < F (llama's 64): both Gram routes and the
     SVD fallback, K and V widths that differ."""
     be = tiny_backend_factory(arch)
     _, _, dk, dv = _real_deltas(be, seeded_ids(24, 1, 200).tolist(), seeded_ids(40, 2, 200).tolist())
     for d in (dk, dv):
         m = min(d.shape[1:]) if rank == "full" else rank
-        us, vt = truncated_svd(d, m)
+        us, vt = truncated_svd(d, m, eig=eig)
         for l in range(d.shape[0]):
             assert_top_factors(d[l], m, us[l], vt[l])
 
@@ -307,8 +421,12 @@ def test_a_patched_windows_kl_is_the_svds(default_backend, one_thread, monkeypat
         return kl_divergence(ref, window_answer_logits(be, win, query))
 
     kl_new, kl_old = kl_after_reverse("auto"), kl_after_reverse("svd")
-    print(f"next-token KL(re-prefill || window) after the reverse: Gram route {kl_new:.9e}, SVD {kl_old:.9e}, "
-          f"difference {abs(kl_new - kl_old):.1e}")
+    monkeypatch.setitem(topm.DEFAULT_EIG, "cpu", "subspace")
+    kl_subspace = kl_after_reverse("auto")
+    print(f"next-token KL(re-prefill || window) after the reverse: Gram route {kl_new:.9e}, by subspace "
+          f"iteration {kl_subspace:.9e}, SVD {kl_old:.9e}, difference {abs(kl_new - kl_old):.1e}, "
+          f"{abs(kl_subspace - kl_old):.1e}")
     assert abs(kl_new - kl_old) <= 1e-6, (kl_new, kl_old)
+    assert abs(kl_subspace - kl_old) <= 1e-6, (kl_subspace, kl_old)
     assert kl_new < 0.05  # a patched window, not a blind one
     assert kl_after_reverse("drop-top") > 2 * kl_new  # the patches' factors decide the window's KL

@@ -124,6 +124,6 @@ def test_bench_cli_json_on_cpu(capsys, one_thread):
     assert row["true_floor_s"] is None and row["apply_device_s"] is None  # CUDA only
     assert [r["policy"] for r in out["window_step"]] == ["latency", "eager"]
     forming = out["forming"]["128"]  # the forward and the factorization, split; both routes on one Δ
-    assert set(forming["factorize_s"]) == {"auto", "svd"}  # the host-eigenproblem variant: CUDA only
+    assert set(forming["factorize_s"]) == {"auto", "subspace", "eigh", "svd"}  # eigh on the host: CUDA only
     assert forming["form_patch_s"] > 0 and forming["forward_s"] > 0 and min(forming["factorize_s"].values()) > 0
     assert forming["svd_vs_auto"] == forming["factorize_s"]["svd"] / forming["factorize_s"]["auto"]

@@ -84,8 +84,9 @@ def run(args: argparse.Namespace) -> int:
         fs = f["factorize_s"]
         console.print(
             f"forming on {T} tokens: {f['form_patch_s']:.3f} s = forward {f['forward_s']:.3f} s + top-m factors "
-            f"{fs['auto']:.3f} s (the float64 SVD: {fs['svd']:.3f} s, [bold]{f['svd_vs_auto']:.1f}x[/] slower)"
-            + (f"; eigenproblems on the host: {fs['auto_eig_cpu']:.3f} s" if "auto_eig_cpu" in fs else "")
+            f"{fs['auto']:.3f} s (the float64 SVD: {fs['svd']:.3f} s, [bold]{f['svd_vs_auto']:.1f}x[/] slower); "
+            f"by solver: subspace {fs['subspace']:.3f} s, eigh {fs['eigh']:.3f} s"
+            + (f", eigh on the host {fs['eigh_host']:.3f} s" if "eigh_host" in fs else "")
         )
     console.print(
         "patch bytes / page bytes: " + ", ".join(f"r{m}: {f:.1%}" for m, f in res["patch_bytes_fraction"].items())

@@ -14,9 +14,10 @@ On the default model (or ``--model``), for chunks of 256/512/1024/2048 tokens of
   the same window (``step_bench.window_step_ttft``; the paper reports 29x at 2,048 tokens);
 - **break-even reuses**: the one forming forward (+ SVD) divided by what each reuse saves;
 - **forming a patch, split**: per chunk size, the conditioned forward and the top-m factorization
-  of every layer's K and V Δ (``contextdeque.patch.topm``) by the route in use (``auto``) against
-  the float64 SVD it replaces, on the same real Δ; on CUDA also with the Gram's small
-  eigenproblems on the host (``eig_device="cpu"``), the one placement the route leaves open;
+  of every layer's K and V Δ (``contextdeque.patch.topm``) by the route in use (``auto``), by
+  each of the Gram's eigen-solvers on Δ's device (``subspace``, ``eigh``) and against the float64
+  SVD it replaces, on the same real Δ; on CUDA also ``eigh`` on the host (``eig_device="cpu"``,
+  the batch spread over the host's threads);
 - **patch bytes / page bytes** at ranks 16, 32, 64.
 
 It prints measured ratios; nothing here is a pass/fail threshold.
@@ -52,8 +53,10 @@ def forming_split(backend: Any, chunk: Any, antecedent: Any, rank: int, device: 
                   repeats: int = 2) -> dict[str, float]:
     """One patch of ``chunk`` on ``antecedent``: ``form_patch_s`` (the whole call, the route in
     use), ``forward_s`` (its conditioned forward) and, on that forward's real Δ (every layer, K
-    and V), ``factorize_s`` per route (``auto``, ``svd``; on CUDA also ``auto_eig_cpu``) and
-    ``svd_vs_auto`` (how many times faster the route in use is). Seconds, best of ``repeats``."""
+    and V), ``factorize_s`` per route (``auto``: the route in use; ``subspace`` / ``eigh``: the
+    Gram route with that eigen-solver on Δ's device; ``svd``: the float64 SVD; on CUDA also
+    ``eigh_host``: ``eigh`` on the host's threads) and ``svd_vs_auto`` (how many times faster the
+    route in use is than the SVD). Seconds, best of ``repeats``."""
     from ..patch import form_patch
     from ..patch.base import PATCH_KINDS, FormContext
     from ..patch.topm import truncated_svd
@@ -63,9 +66,10 @@ def forming_split(backend: Any, chunk: Any, antecedent: Any, rank: int, device: 
     forward_s = _best_of(lambda: exact.target(ctx), 1, device)
     dk, dv = exact.target(ctx)
     m = min(rank, *dk.shape[1:])
-    routes: dict[str, dict[str, Any]] = {"auto": {}, "svd": {"method": "svd"}}
+    routes: dict[str, dict[str, Any]] = {"auto": {}, "subspace": {"eig": "subspace"}, "eigh": {"eig": "eigh"},
+                                         "svd": {"method": "svd"}}
     if torch.device(device).type == "cuda":
-        routes["auto_eig_cpu"] = {"eig_device": "cpu"}
+        routes["eigh_host"] = {"eig": "eigh", "eig_device": "cpu"}
     factorize_s = {}
     for name, kw in routes.items():
         run = lambda: (truncated_svd(dk, m, **kw), truncated_svd(dv, m, **kw))  # noqa: E731

@@ -28,10 +28,32 @@ return the same factors up to rounding.
 
 On CUDA the same code runs batched over layers on the device in float64 (the Gram is one
 batched GEMM; the ``F × F`` eigenproblems are what is left, and they do not grow with ``T``).
+
+Two solvers take the Gram's top-m eigenvectors (``eig=``):
+
+- ``"eigh"``: the full eigendecomposition of every Gram (LAPACK; on CUDA cuSOLVER's ``syevd``,
+  one matrix at a time with host syncs: at SmolLM2's ``F = 192`` that is most of a patch's
+  forming time on an H100). On the host a batch is spread over threads (linalg releases the GIL).
+- ``"subspace"``: block subspace iteration on ``G`` in float64 (batched GEMMs and ``k × k``
+  Cholesky factors; on CUDA each step is a replayed CUDA graph): ``k = m + p``
+  columns (:data:`OVERSAMPLE`) from a seeded random block, each step ``span(X) ← span((G + δI) X)``
+  computed as ``Z = X + R H̃⁻¹`` (``H = XᵀGX``, ``R = GX − XH ⟂ X``, ``H̃ = H + δI``) so that
+  ``ZᵀZ = I + (RH̃⁻¹)ᵀ(RH̃⁻¹) ⪰ I`` and its Cholesky-QR cannot break down, however wide the
+  spectrum or deficient the rank. At checks a Rayleigh–Ritz step (the small ``k × k``
+  eigenproblem, on the host where the device has no batched solver for it) gives the Ritz pairs,
+  and an item is done when every kept direction's residual ``‖G x_i − θ_i x_i‖ ≤ tol·θ_1``
+  (:data:`RESIDUAL_TOL`). Items that are not done after :data:`MAX_STEPS` steps, and all-zero
+  Grams, take ``eigh`` (only those items).
 """
 
 from __future__ import annotations
 
+import math
+import threading
+import warnings
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 from typing import Literal
 
 import torch
@@ -42,13 +64,36 @@ from ..core.errors import PatchError
 Method = Literal["auto", "gram", "svd"]
 METHODS: tuple[str, ...] = ("auto", "gram", "svd")
 
+Eig = Literal["auto", "eigh", "subspace"]
+EIGS: tuple[str, ...] = ("auto", "eigh", "subspace")
+
+#: the eigen-solver ``eig="auto"`` takes per device type (others: ``"eigh"``), measured: on one CPU
+#: thread ``subspace`` took 2.6–3.3x ``eigh``'s time on the default model's Δs at 256 / 1,024
+#: tokens; on an H100 ``eigh`` (cuSOLVER) took 2.4x ``subspace``'s (docs/gpu.md, issue 21)
+DEFAULT_EIG: dict[str, str] = {"cpu": "eigh", "cuda": "subspace"}
+
+#: subspace iteration: extra columns beyond ``m`` (the convergence rate of direction i is
+#: ``λ_{m+p+1} / λ_i``), the residual tolerance relative to ``θ_1``, the shift ``δ`` relative to
+#: the Gram's largest diagonal entry, the step budget before an item falls back to ``eigh``, and
+#: the steps before the first Rayleigh–Ritz check. The tolerance, measured against the oracle of
+#: tests/test_patch_topm.py (p = 16): 1e-4 fails it on the default model's Δs, 1e-5 passes; 1e-8 leaves
+#: margin (a rank-32 patched window's KL then matches the SVD's within 1e-7)
+OVERSAMPLE = 32
+RESIDUAL_TOL = 1e-8
+SHIFT = 1e-10
+MAX_STEPS = 40
+FIRST_CHECK = 16
+#: on CUDA a check (the host's Rayleigh–Ritz eigenproblems, two syncs) costs tens of graphed steps
+CUDA_FIRST_CHECK = 32
+
 #: the float64 working set one batch of layers may take (the batch is cut into groups below it;
 #: each group also gives background work a checkpoint)
 GROUP_BYTES = 64 << 20
 
 
 def truncated_svd(
-    delta: torch.Tensor, rank: int, *, method: Method = "auto", eig_device: "torch.device | str | None" = None
+    delta: torch.Tensor, rank: int, *, method: Method = "auto", eig: Eig = "auto",
+    eig_device: "torch.device | str | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``rank`` factors of ``delta [..., T, F]`` (one Δ or a batch, e.g. one per layer):
     ``(U_m S_m [..., T, m], V_mᵀ [..., m, F])`` fp32 on ``delta``'s device, ``m = min(rank, T, F)``.
@@ -56,11 +101,16 @@ def truncated_svd(
     ``method``: ``"auto"`` (the Gram route where it pays, :func:`gram_serves`, the float64 SVD
     elsewhere; the two agree to float32 rounding: see the module docstring), ``"gram"`` or
     ``"svd"`` (forced; ``"svd"`` is the oracle the tests hold the others to).
-    ``eig_device``: where the Gram route's small eigenproblems run (None: ``delta``'s device; e.g.
-    ``"cpu"`` for a CUDA Δ, the Gram then crosses as ``[F, F]`` per item and ``V_m`` comes back).
+    ``eig``: the Gram route's eigen-solver, ``"eigh"`` or ``"subspace"`` (module docstring);
+    ``"auto"``: :data:`DEFAULT_EIG` for ``delta``'s device type.
+    ``eig_device``: where the eigenproblems run. ``"eigh"``: all of them (None: ``delta``'s
+    device; e.g. ``"cpu"`` for a CUDA Δ, the Gram then crosses as ``[F, F]`` per item and ``V_m``
+    comes back). ``"subspace"``: the iteration stays on ``delta``'s device; its small
+    Rayleigh–Ritz eigenproblems and its fallback ``eigh`` run there (None: on the host for a CUDA
+    block wider than 32, where cuSOLVER has no batched solver, else on the device).
 
     Raises:
-        PatchError: ``delta`` is not at least 2-D, ``rank < 0`` or an unknown ``method``.
+        PatchError: ``delta`` is not at least 2-D, ``rank < 0``, an unknown ``method`` or ``eig``.
     """
     if delta.dim() < 2:
         raise PatchError(f"truncated_svd needs a [..., T, F] Δ, got shape {tuple(delta.shape)}")
@@ -68,6 +118,10 @@ def truncated_svd(
         raise PatchError(f"truncated_svd rank must be >= 0, got {rank}")
     if method not in METHODS:
         raise PatchError(f"unknown factorization method {method!r}; known: {METHODS}")
+    if eig not in EIGS:
+        raise PatchError(f"unknown eigen-solver {eig!r}; known: {EIGS}")
+    if eig == "auto":
+        eig = DEFAULT_EIG.get(delta.device.type, "eigh")  # type: ignore[assignment]
     *batch, T, F = delta.shape
     m = min(int(rank), T, F)
     if m == 0 or delta.numel() == 0:
@@ -75,12 +129,32 @@ def truncated_svd(
     flat = delta.reshape(-1, T, F)
     per_item = T * F * 8 * 3  # Δ in float64, its product with V, the Gram's share
     group = max(1, GROUP_BYTES // per_item)
-    us, vt = [], []
-    for start in range(0, flat.shape[0], group):
+    starts = range(0, flat.shape[0], group)
+    factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    grams: dict[int, torch.Tensor] = {}  # the groups whose eigenproblems are solved together
+
+    def solve_pending() -> None:
+        # several groups' eigenproblems in one batch: one solve, one set of host syncs
+        tops = top_eigenvectors(torch.cat(list(grams.values())), m, eig, eig_device)
+        for start, top in zip(grams, tops.split([len(g) for g in grams.values()])):
+            checkpoint()
+            factors[start] = _from_top_eigenvectors(flat[start:start + group].to(torch.float64), top)
+        grams.clear()
+
+    for start in starts:
         if start:
             checkpoint()  # background formation gives way to foreground work between groups
-        u, w = _factor(flat[start:start + group].to(torch.float64), m, method, eig_device)
-        us.append(u), vt.append(w)
+        x = flat[start:start + group].to(torch.float64)
+        if _takes_svd(x, m, method):
+            factors[start] = _exact(x, m)
+            continue
+        gram = x.mT @ x if T >= F else x @ x.mT
+        if grams and sum(g.numel() for g in grams.values()) * 8 + gram.numel() * 8 > GROUP_BYTES:
+            solve_pending()
+        grams[start] = gram
+    if grams:
+        solve_pending()
+    us, vt = zip(*(factors[start] for start in starts))
     u, w = (torch.cat(us), torch.cat(vt)) if len(us) > 1 else (us[0], vt[0])
     u, w = _fix_signs(u, w)
     # contiguous: the Gram route's V_mᵀ is a transposed view, and a factor's layout decides the
@@ -97,27 +171,207 @@ def gram_serves(n_tokens: int, width: int, rank: int) -> bool:
     return n_tokens >= width or 2 * min(rank, n_tokens) <= n_tokens
 
 
-def _factor(x: torch.Tensor, m: int, method: str, eig_device: "torch.device | str | None") -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [B, T, F]`` float64 -> float64 ``(U_m S_m [B, T, m], V_mᵀ [B, m, F])``, descending."""
+def _takes_svd(x: torch.Tensor, m: int, method: str) -> bool:
+    """Whether ``x [B, T, F]`` is factored by the float64 SVD rather than the Gram route."""
     T, F = x.shape[-2:]
     if method == "svd" or (method == "auto" and not gram_serves(T, F, m)):
-        return _exact(x, m)
-    if method == "auto" and not bool(torch.isfinite(x).all()):
-        return _exact(x, m)  # the SVD's own behaviour on a non-finite Δ, unchanged
+        return True
+    return method == "auto" and not bool(torch.isfinite(x).all())  # the SVD's own behaviour on a non-finite Δ
+
+
+def _from_top_eigenvectors(x: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factors of ``x [B, T, F]`` from its Gram's top eigenvectors: ``V_m [B, F, m]`` of
+    ``ΔᵀΔ`` (``T ≥ F``) or ``U_m [B, T, m]`` of ``ΔΔᵀ``. Float64 ``(U_m S_m, V_mᵀ)``, descending."""
+    T, F = x.shape[-2:]
     if T >= F:
-        Vm = _top_eigenvectors(x.mT @ x, m, eig_device)  # [B, F, m]
-        return x @ Vm, Vm.mT
-    Um = _top_eigenvectors(x @ x.mT, m, eig_device)  # [B, T, m]
+        return x @ top, top.mT
     # U_mᵀ Δ [m, F] has orthogonal rows of norms s; its small SVD gives orthonormal V_mᵀ rows
     # (also where s is zero) and sorts the directions
-    A, S, Wh = torch.linalg.svd(Um.mT @ x, full_matrices=False)
-    return (Um @ A) * S.unsqueeze(-2), Wh
+    A, S, Wh = torch.linalg.svd(top.mT @ x, full_matrices=False)
+    return (top @ A) * S.unsqueeze(-2), Wh
 
 
-def _top_eigenvectors(gram: torch.Tensor, m: int, eig_device: "torch.device | str | None") -> torch.Tensor:
-    """The top-``m`` eigenvectors of symmetric ``gram [B, n, n]``, descending: ``[B, n, m]``."""
-    _, vecs = torch.linalg.eigh(gram if eig_device is None else gram.to(eig_device))  # ascending
+def top_eigenvectors(
+    gram: torch.Tensor, m: int, eig: str = "eigh", eig_device: "torch.device | str | None" = None
+) -> torch.Tensor:
+    """The top-``m`` eigenvectors of symmetric positive semi-definite ``gram [B, n, n]``
+    (float64), descending: ``[B, n, m]`` on ``gram``'s device, by ``eig`` (``"eigh"`` or
+    ``"subspace"``; see :func:`truncated_svd` for ``eig_device``)."""
+    n = gram.shape[-1]
+    if eig == "eigh" or m + OVERSAMPLE >= n:  # a block as wide as G: the full eigh is the solver
+        return _eigh_top(gram, m, eig_device)
+    vecs, done = subspace_top_eigenvectors(gram, m, small_eig_device=eig_device)
+    if not bool(done.all()):
+        rest = (~done).nonzero().flatten()
+        vecs[rest] = _eigh_top(gram[rest], m, eig_device)
+    return vecs
+
+
+def subspace_top_eigenvectors(
+    gram: torch.Tensor, m: int, *, max_steps: int | None = None, tol: float | None = None,
+    oversample: int | None = None, small_eig_device: "torch.device | str | None" = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block subspace iteration for the top-``m`` eigenvectors of PSD ``gram [B, n, n]``
+    (float64): ``(vecs [B, n, m] descending, done [B] bool)``. ``done[b]``: every kept direction
+    passed the residual test ``‖G x_i − θ_i x_i‖ ≤ tol·θ_1`` within ``max_steps`` steps; the
+    rows of ``vecs`` that are not done are zero (the caller solves those items another way).
+    None: :data:`MAX_STEPS`, :data:`RESIDUAL_TOL`, :data:`OVERSAMPLE`."""
+    max_steps = MAX_STEPS if max_steps is None else max_steps
+    tol = RESIDUAL_TOL if tol is None else tol
+    B, n, _ = gram.shape
+    k = min(m + (OVERSAMPLE if oversample is None else oversample), n)
+    peak = gram.diagonal(dim1=-2, dim2=-1).amax(-1)  # ≤ λ_1 ≤ n·peak: G/peak has λ_1 in [1, n]
+    live = peak > 0  # an all-zero Gram has no directions to find: eigh's answer, as before
+    g = gram / torch.where(live, peak, 1.0)[:, None, None]
+    vecs = gram.new_zeros(B, n, m)
+    done = torch.zeros(B, dtype=torch.bool)
+    active = live.cpu().nonzero().flatten()
+    g = g[active] if len(active) < B else g
+    x = _start_block(n, k, gram.device).expand(len(active), n, k)
+    steps_taken, steps = 0, min(CUDA_FIRST_CHECK if gram.is_cuda else FIRST_CHECK, max_steps)
+    while len(active) and steps > 0:
+        x = _power_steps(g, x, steps)
+        steps_taken += steps
+        x = _orthonormalize(x)  # a second Cholesky-QR pass: orthonormal to rounding for Rayleigh–Ritz
+        y = g @ x
+        theta, w = _eigh_small(x.mT @ y, small_eig_device)
+        theta, w = theta.flip(-1), w.flip(-1)  # descending
+        ritz = x @ w[..., :m]
+        residual = (y @ w[..., :m] - ritz * theta[:, None, :m]).norm(dim=-2)  # [b, m]
+        bound = tol * theta[:, :1]
+        passed = (residual <= bound).all(-1)
+        # steps still needed: direction i's residual shrinks by ~ θ_k / θ_i a step
+        rate = ((theta[:, k - 1:k] + SHIFT) / (theta[:, :m] + SHIFT)).clamp(max=1 - 1e-3)
+        need = (torch.log(bound / residual.clamp(min=1e-300)) / torch.log(rate)).clamp(min=0).amax(-1)
+        passed_host, need_host = (t.cpu() for t in (passed, torch.where(passed, 0.0, need)))
+        finished = active[passed_host]
+        vecs[finished.to(vecs.device)] = ritz[passed_host.to(ritz.device)]
+        done[finished] = True
+        keep = (~passed_host).nonzero().flatten()
+        if len(keep) < len(active):
+            active, g, x = active[keep], g[keep.to(g.device)], x[keep.to(x.device)]
+        left = max_steps - steps_taken
+        most = float(need_host.max()) if len(active) else 0.0
+        # θ_k underestimates λ_{k+1}'s pull: a quarter more, and a step, so that one more check is the last
+        steps = min(left, math.ceil(1.25 * most) + 1) if math.isfinite(most) else left  # NaN: run out, fall back
+    return vecs, done
+
+
+#: CUDA: the power steps replay a captured CUDA graph of one step. Eagerly a step is ~70 small
+#: kernel launches (batched Cholesky and triangular solves launch several each) whose host-side cost
+#: (~1 ms on an H100's host, profiled) is ten times their GPU time; a replay is one launch.
+CUDA_GRAPHS = True
+_GRAPH_CACHE = 8  # captured shapes kept (batch sizes shrink as items converge)
+_graphs: "OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]]" = OrderedDict()
+_graphs_lock = threading.Lock()
+
+
+def _power_steps(g: torch.Tensor, x: torch.Tensor, steps: int) -> torch.Tensor:
+    """``steps`` orthonormalized shifted power steps of ``x [b, n, k]`` on ``g [b, n, n]``."""
+    global CUDA_GRAPHS
+    if CUDA_GRAPHS and g.is_cuda:
+        try:
+            return _graphed_power_steps(g, x, steps)
+        except RuntimeError as exc:  # a capture this torch/driver refuses: eager from now on, same values
+            CUDA_GRAPHS = False
+            warnings.warn(f"topm: CUDA graph capture of the power step failed ({exc}); running it eagerly")
+    for _ in range(steps):
+        x = _orthonormalize(_shifted_power_step(g, x))
+    return x
+
+
+def _graphed_power_steps(g: torch.Tensor, x: torch.Tensor, steps: int) -> torch.Tensor:
+    key = (g.device, *x.shape)
+    with _graphs_lock:  # one capture and one set of static buffers per shape: replays are serialized
+        entry = _graphs.pop(key, None)
+        if entry is None:
+            g_in, x_io = g.contiguous().clone(), x.contiguous().clone()
+            side = torch.cuda.Stream(g.device)
+            side.wait_stream(torch.cuda.current_stream(g.device))
+            with torch.cuda.stream(side):  # warm-up off the capture: solver handles and workspaces
+                for _ in range(2):
+                    _orthonormalize(_shifted_power_step(g_in, x_io))
+            torch.cuda.current_stream(g.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                x_io.copy_(_orthonormalize(_shifted_power_step(g_in, x_io)))
+            entry = (graph, g_in, x_io)
+        _graphs[key] = entry
+        while len(_graphs) > _GRAPH_CACHE:
+            _graphs.popitem(last=False)
+        graph, g_in, x_io = entry
+        g_in.copy_(g)
+        x_io.copy_(x)
+        for _ in range(steps):
+            graph.replay()
+        return x_io.clone()
+
+
+def _shifted_power_step(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A block ``Z`` with ``span(Z) = span((G + δI) X)`` for orthonormal ``x [b, n, k]``:
+    ``Z = X + R H̃⁻¹`` (``H = XᵀGX``, ``R = GX − XH``, ``H̃ = H + δI``). ``R ⟂ X``, so
+    ``ZᵀZ = I + (RH̃⁻¹)ᵀ(RH̃⁻¹)``: its Cholesky factor exists however ill-conditioned ``GX`` is
+    (``‖RH̃⁻¹‖² ≤ λ_1/δ``)."""
+    y = g @ x
+    h = x.mT @ y
+    r = torch.baddbmm(y, x, h, alpha=-1)  # R = GX − XH
+    eye = torch.eye(h.shape[-1], dtype=h.dtype, device=h.device)
+    chol, _ = torch.linalg.cholesky_ex(h + SHIFT * eye)  # H̃ = L Lᵀ (its lower triangle is read)
+    # H̃⁻¹ = L⁻ᵀ L⁻¹ from the k × k triangular inverse: a solve on k rows, not on n, then GEMMs
+    l_inv = torch.linalg.solve_triangular(chol, eye, upper=False)
+    return torch.baddbmm(x, r, l_inv.mT @ l_inv)
+
+
+def _orthonormalize(z: torch.Tensor) -> torch.Tensor:
+    """Cholesky-QR: ``Q = Z R⁻¹`` with ``RᵀR = ZᵀZ`` (``ZᵀZ ⪰ I`` here, so ``R⁻¹`` is well
+    conditioned and formed explicitly: a ``k × k`` triangular solve and a batched GEMM)."""
+    chol, _ = torch.linalg.cholesky_ex(z.mT @ z)
+    eye = torch.eye(z.shape[-1], dtype=z.dtype, device=z.device)
+    return z @ torch.linalg.solve_triangular(chol, eye, upper=False).mT
+
+
+@lru_cache(maxsize=16)
+def _start_block(n: int, k: int, device: torch.device) -> torch.Tensor:
+    """A seeded random orthonormal ``[n, k]`` float64 block (the same on every device)."""
+    g = torch.Generator().manual_seed(0)
+    return torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))[0].to(device)
+
+
+def _eigh_small(h: torch.Tensor, eig_device: "torch.device | str | None") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rayleigh–Ritz's ``[b, k, k]`` eigenproblems (ascending): on the host for a CUDA ``k > 32``
+    (cuSOLVER batches ``syevj`` only up to 32; wider ones go one by one with host syncs)."""
+    if eig_device is None and h.is_cuda and h.shape[-1] > 32:
+        eig_device = "cpu"
+    vals, vecs = _eigh(h, eig_device)
+    return vals.to(h.device), vecs.to(h.device)
+
+
+def _eigh_top(gram: torch.Tensor, m: int, eig_device: "torch.device | str | None") -> torch.Tensor:
+    _, vecs = _eigh(gram, eig_device)  # ascending
     return vecs[..., -m:].flip(-1).to(gram.device)
+
+
+#: threads a host batch of eigenproblems is spread over (None: ``torch.get_num_threads()``)
+HOST_EIG_THREADS: int | None = None
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def _eigh(a: torch.Tensor, device: "torch.device | str | None") -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.linalg.eigh`` of ``a [B, n, n]`` on ``device`` (None: ``a``'s); on the host a
+    batch is cut into one slice per thread (LAPACK's batched loop is serial; linalg releases the
+    GIL)."""
+    a = a if device is None else a.to(device)
+    threads = HOST_EIG_THREADS or torch.get_num_threads()
+    if a.is_cuda or threads < 2 or a.shape[0] < 2:
+        return torch.linalg.eigh(a)
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] < threads:  # grown when asked for more threads
+            _pool = (threads, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cdq-eigh"))
+        pool = _pool[1]
+    parts = list(pool.map(torch.linalg.eigh, a.tensor_split(min(threads, a.shape[0]))))
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def _exact(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
