@@ -265,7 +265,8 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         """The store key of ``key``'s patch of ``kind`` on ``prefix`` in its KV states now (as
         ``_store`` records it: the live window keys a patch by its antecedents' KV states)."""
         kind = "exact" if kind == "recall" else kind
-        return ("p", self.content[key], kind, repr(self._antecedent_states(prefix, kind)))
+        states = self._antecedent_states(prefix, kind)  # (an orbit patch's: a set, named in sorted order)
+        return ("p", self.content[key], kind, repr(sorted(map(repr, states)) if isinstance(states, frozenset) else states))
 
 
     # ------------------------------------------------------------------ operations
@@ -369,6 +370,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             self._pending_form[key] = False
         elif action == "refresh-hit":
             self.do(Reuse(self.content[key], self.tokens[key], antecedents=tuple(self.content[p] for p in prefix)))
+            self._read_patch(key, prefix, "exact")
             r.refreshes += 1
             self._set_formed(key, tuple(prefix))  # (the placement's view judged the hit: see view())
         else:  # "refresh" / "removal": one conditioned forward
