@@ -288,11 +288,12 @@ class AgentRun:
 
     def expect(self, labels: Sequence[str], at: int | None = None) -> None:
         """Say what the agent will re-read next: the chunks ``labels`` that left the window, in
-        the order it will recall them from index ``at`` (None: the end). The window prepares that
-        sequence in the next idle time (``window.expect``); nothing is formed now."""
+        the order it will recall them from index ``at`` (None: the end, where :meth:`recall` puts
+        them). The window prepares that sequence in the next idle time (``window.expect``); nothing
+        is formed now."""
         refs = [self.ref_of[lab] for lab in labels if lab in self.ref_of and not self.in_window(lab)]
         if refs and self.config.anticipate:
-            self.window.expect(refs, at=at)
+            self.window.expect(refs, at="end" if at is None else at)  # (as recall asks the window)
 
     def expect_order(self, labels: Sequence[str]) -> None:
         """Say that the next step reorders the window to ``labels`` (all of its chunks): the

@@ -6,7 +6,9 @@ the idle budget `idle_ms / 1000 x R x scale` tokens, a forming charged `--fc` pe
 counted step the window did not answer fresh (-v: every one) and the per-type table.
 `--micro`: a 2-layer random llama instead of the default model (the budget is in tokens, so the
 hits depend on the model only through the prepared re-forwards' byte bound); `--unpinned`: trace
-recalls without an index go where recall(ref) puts them.
+recalls without an index go where recall(ref) puts them. Each trace's line ends with the forming
+carried across gaps (window.forming: tokens banked, credited to preparations that ran, lost).
+`--cascade keep`: a recall's dependents kept as-is (a what-if: the replay prices only "reform").
 Usage: OMP_NUM_THREADS=1 python scripts/hit_rate.py doc-0.jsonl web-0.jsonl --rate 15000 --fc 0.449"""
 import sys, json, time, argparse
 import torch
@@ -29,6 +31,7 @@ ap.add_argument("--micro", action="store_true")
 ap.add_argument("--unpinned", action="store_true")
 ap.add_argument("--upto", type=int, default=None)
 ap.add_argument("--scale", type=float, default=DEFAULT_SCALE)
+ap.add_argument("--cascade", default="reform", help="the window's cascade_policy (keep: a recall's dependents kept as-is)")
 a = ap.parse_args()
 ap2 = None
 if a.micro:
@@ -46,7 +49,7 @@ for path in a.traces:
     t = read_trace(path)
     if a.upto:
         t.events[:] = t.events[: a.upto]
-    win = ContextWindow(backend, placement=a.placement, patch_policy="latency", anticipate=True, recall_predictor="session", factorization_cost=a.fc)
+    win = ContextWindow(backend, placement=a.placement, patch_policy="latency", anticipate=True, recall_predictor="session", factorization_cost=a.fc, cascade_policy=a.cascade)
     hits = HitRate()
     labels = {}
     def on_step(step, rec, hits=hits):
@@ -63,6 +66,7 @@ for path in a.traces:
     d = hits.as_dict()
     print(f"{t.name}: hit_rate={d['hit_rate']} own={d['own_hit_rate']} re_reads={d['re_reads']} "
           + " ".join(f"{k}:{v['hits']}/{v['steps']}(own {v['own_hits']})" for k, v in d["by_step"].items())
+          + f"  forming banked={win.forming.banked:.0f} used={win.forming.used:.0f} lost={win.forming.lost:.0f}"
           + f"  [{time.time()-t0:.0f}s]", flush=True)
     out[t.name] = d
 if a.json:

@@ -214,3 +214,38 @@ def test_an_orbit_patch_is_priced_by_every_order_it_serves(backend):
     assert orbit and orbit[0] in {n for n, _, _ in swap_middle}
     assert [f for n, f, _ in swap_front if n in orbit] == [6]  # one forward per ordering of its three antecedents
     assert estimated_cost([slots[1], slots[0], slots[2], slots[3]], eager)[0] == sum(f for _, f, _ in swap_front)
+
+
+def test_a_reorder_that_moves_new_content_is_prepared(backend):
+    """Latency-first new content has no canonical: a reorder that moves it defers its conditioned
+    re-forward to ``heal``. The order the agent named is prepared anyway (that re-forward run in
+    idle time and kept, ``window.prepared``): the reorder runs no forward, serves nothing stale or
+    blind, and holds what the reorder plus heal hold without anticipation (KL <= 1e-6)."""
+    from contextdeque.core.metrics import kl_divergence
+    from contextdeque.window import ContextWindow
+    from contextdeque.window.anticipate_reorder import patch_needs
+    from helpers import POOL, pool_answer_logits
+
+    def run(anticipate):
+        win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=anticipate)
+        # new content (provisional, no canonical) but the second page, known (its canonical
+        # stored: no slide to prepare, whose canonical the window without anticipation lacks)
+        refs = [win.append(chunk=backend.encode(token_ids=p)) if i == 1 else win.append(token_ids=p)
+                for i, p in enumerate(POOL[:4])]
+        win.heal(anticipate=False)
+        order = [refs[0], refs[2], refs[1], refs[3]]
+        assert any(s.provisional for s in win._state.slots[1:])
+        if anticipate:
+            needs = patch_needs([win.slot(r) for r in order], win._ctx.policy.eager)
+            assert needs and "reforward" in {n[0][0] for n in needs}  # (was None: never prepared)
+            win.expect_order(order)
+            win.heal()
+        return win, win.reorder(order)
+
+    fast, r = run(True)
+    assert r.forwards == 0 and r.answered_fresh and not r.deferred and not fast.pending_refs
+    assert any(what == "anticipated" for _, what in r.served)
+    slow, r_slow = run(False)
+    assert r_slow.deferred or slow.pending_refs
+    slow.heal()
+    assert kl_divergence(pool_answer_logits(backend, slow), pool_answer_logits(backend, fast)) <= 1e-6

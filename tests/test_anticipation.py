@@ -147,7 +147,7 @@ def test_expected_group_is_prepared_as_one_sequence(backend):
         win, refs = build(backend, policy, anticipate=anticipate)
         win.evict(refs[2])
         if anticipate:
-            win.expect([refs[0], refs[2]])
+            win.expect([refs[0], refs[2]], at="end")
         win.heal()
         return win, [win.recall(refs[0], at="end"), win.recall(refs[2], at="end")]
 
@@ -165,6 +165,43 @@ def test_expected_group_is_prepared_as_one_sequence(backend):
     plain.heal()
     plain.recall(refs[0], at="end")
     assert plain.recall(refs[2], at="end").deferred
+
+
+@pytest.mark.parametrize("recall_placement", ["valid", None])
+def test_expect_without_at_prepares_the_recall_where_recall_puts_it(backend, recall_placement):
+    """``expect(ref)`` and ``recall(ref)`` mean the same place: wherever the window's recall
+    placement puts the chunk (``valid``: behind the neighbours it was formed on, where its stored
+    patch still applies; None: the end). The hint reaches the predictor as None (not "end"), the
+    heal prepares that recall, and the recall runs no forward, served fresh."""
+    def run(hint):
+        win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=True, recall_placement=recall_placement)
+        refs = [win.append(token_ids=p) for p in POOL[:4]]
+        win.heal(anticipate=False)
+        win.evict(refs[1])
+        win.heal(anticipate=False)
+        if hint:
+            win.expect(refs[1])
+            assert win.expected == {(refs[1],): None}
+            ranked = recall_candidates(win, win._state)
+            assert ranked[0].recalls == ((refs[1], None),) and ranked[0].source == "expected"
+        win.heal()
+        return win, refs, win.recall(refs[1])
+
+    win, refs, r = run(True)
+    assert r.forwards == 0 and r.answered_fresh and not r.deferred
+    assert dict(r.served)[refs[1]] in ("anticipated", "recurring")
+    plain, refs_p, r_plain = run(False)  # the same recall, placed by the same rule, without the hint
+    assert [i for _, i, _ in r.placed] == [i for _, i, _ in r_plain.placed]
+    if recall_placement is None:
+        assert win.refs[-1] == refs[1]
+
+
+def test_expect_refuses_an_at_recall_would_not_take(backend):
+    win, refs = build(backend, "latency", anticipate=True)
+    with pytest.raises(TypeError):
+        win.expect(refs[0], at="front")
+    with pytest.raises(TypeError):
+        win.expect(refs[0], at=1.5)
 
 
 def test_expect_refuses_what_is_not_a_ref(backend):
@@ -190,7 +227,7 @@ def test_provisional_dependents_of_a_recall_take_the_prepared_reforward(backend)
                 for i, p in enumerate(POOL[:4])]
         win.evict(refs[1])
         if anticipate:
-            win.expect(refs[1])
+            win.expect(refs[1], at="end")
             win.heal(max_tokens=10_000)  # (a budget: the front never left, so no slide is prepared)
         return win, refs, win.recall(refs[1], at="end")
 
@@ -213,7 +250,7 @@ def test_a_budget_prepares_the_likely_recall_not_a_slide_that_never_comes(backen
     refs = [win.append(token_ids=p) for p in POOL[:4]]
     win.evict(refs[3])  # nothing depends on it: its own patch is the whole cost
     assert win.recall_predictor.p_front_leaves() < 0.5
-    win.expect(refs[3])
+    win.expect(refs[3], at="end")
     top = recall_candidates(win, win._state)[0]
     assert top.recalls == ((refs[3], "end"),)
     win.heal(max_tokens=top.cost_tokens)  # its canonical (it left without one) and its patch

@@ -6,7 +6,7 @@ a trace whose recalls follow idle time gets them fresh, the same trace with no i
 from __future__ import annotations
 
 import pytest
-from helpers import micro_llama
+from helpers import POOL, micro_llama
 
 from contextdeque.core.errors import WindowError, WindowTypeError
 from contextdeque.model.hf import HFBackend
@@ -335,7 +335,7 @@ def test_a_budget_too_small_for_the_hinted_chain_prepares_its_first_recalls(back
     for name in ("a", "b", "c"):
         win.evict(refs[name])
     for name in ("a", "b", "c"):
-        win.expect(refs[name])
+        win.expect(refs[name], at="end")
     first_two, _ = chain_tokens(win._state, [(refs["a"], END), (refs["b"], END)])
     whole, _ = chain_tokens(win._state, [(refs[n], END) for n in ("a", "b", "c")])
     assert first_two < whole
@@ -373,3 +373,22 @@ def test_an_announced_reorder_after_the_recalls_is_prepared_with_them(backend, o
     by = hits.by_step()
     assert by["recall"]["hits"] == 2
     assert by["reorder"]["hits"] == int(order_hint)
+
+
+@pytest.mark.parametrize("cascade_policy", ["reform", "keep", "flag"])
+def test_a_prediction_prices_the_cascade_only_where_the_window_re_forms_it(backend, cascade_policy):
+    """A recall's dependents cost forming only under ``cascade_policy="reform"``; a window that keeps
+    them as they are (``keep``, ``flag``) prices the recalled chunk's own forming alone, so a budget
+    that holds it prepares it."""
+    from contextdeque.window.anticipation import recall_candidates
+
+    win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=True, cascade_policy=cascade_policy)
+    refs = [win.append(token_ids=p) for p in POOL[:4]]  # each conditioned on the ones before it
+    win.heal(anticipate=False)
+    win.evict(refs[1])
+    win.expect(refs[1], at=1)
+    (top,) = [p for p in recall_candidates(win, win._state) if p.recalls == ((refs[1], 1),)]
+    own = len(POOL[1]) * (2 if win._state.evicted[refs[1]].owes_encode else 1)  # its forward (and canonical owed)
+    dependents = len(POOL[2]) + len(POOL[3])
+    assert top.cost_tokens == own + (dependents if cascade_policy == "reform" else 0)
+    win.close()

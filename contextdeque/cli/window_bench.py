@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-steps", action="store_true", help="skip the per-step re-read table")
     parser.add_argument("--step-policies", default="eager,latency,default",
                         help="policies for the per-step table (default: the window's defaults, anticipation on; "
-                             "any other name runs with anticipate=False, name+anticipate with anticipate=True)")
+                             "any other name runs with anticipate=False, name+anticipate with anticipate=True, "
+                             "name+keep with cascade_policy=keep)")
     parser.add_argument("--steps", default=None,
                         help="per-step table: which steps, comma-separated (default: all of slide, recall, "
                              "recall-valid, look-back, reorder, fork+reorder, append)")

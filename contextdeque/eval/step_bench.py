@@ -231,7 +231,8 @@ def run_steps(
     A policy named ``"<name>+anticipate"`` runs ``<name>`` with ``anticipate=True``
     (``window.anticipation``: ``heal()`` also prepares the next likely re-reads), any other
     ``<name>`` with ``anticipate=False`` but ``"default"``: the window's defaults (latency-first,
-    anticipation as ``WindowConfig`` says: on); ``"+budget"``
+    anticipation as ``WindowConfig`` says: on); ``"+keep"`` with ``cascade_policy="keep"`` (a
+    recall's dependents kept as they are, the paper's survivors rule); ``"+budget"``
     with ``answer_kl_budget=STEP_KL_BUDGET`` (``window.budget``: a step whose estimate is above it
     forms the one patch that matters most); both may be given (``latency+anticipate+budget``).
 
@@ -263,15 +264,15 @@ def run_steps(
     for policy in sorted(policies, key=lambda p: p.split("+")[0] != "eager"):  # eager first: the others compare to it
         # one store per policy: the eager window must not serve the latency one (or back)
         name, *extras = policy.split("+")
-        unknown = set(extras) - {"anticipate", "budget"}
+        unknown = set(extras) - {"anticipate", "budget", "keep"}
         if unknown:
-            raise ValueError(f"unknown policy option(s) {sorted(unknown)} in {policy!r}: anticipate, budget")
+            raise ValueError(f"unknown policy option(s) {sorted(unknown)} in {policy!r}: anticipate, budget, keep")
         anticipate = _anticipates(policy)
         # compared with the eager policy under the same anticipation setting where that ran, else plain eager
         eager_ran = {_anticipates(p) for p in policies if p.split("+")[0] == "eager"}
         same = anticipate if anticipate in eager_ran else False
         base = ContextWindow(backend, budget_tokens=n_pages * size, rank=rank, patch_policy=name,
-                             anticipate=anticipate,
+                             anticipate=anticipate, cascade_policy="keep" if "keep" in extras else "reform",
                              answer_kl_budget=STEP_KL_BUDGET if "budget" in extras else None)
         # pages the store has seen (their canonicals exist): what a re-read reads
         old_ref = base.append(chunk=canonicals[0])

@@ -176,6 +176,54 @@ def run_hidden_at(
 
 
 @torch.no_grad()
+def run_layers(
+    model: torch.nn.Module,
+    n_pos_axes: int,
+    *,
+    hidden: torch.Tensor,
+    first_layer: int,
+    last_layer: int | None = None,
+    positions: torch.Tensor,
+    past: list[LayerKV],
+) -> tuple[torch.Tensor, list[LayerKV]]:
+    """Run decoder layers ``first_layer..last_layer-1`` (``last_layer`` None: to the last) over
+    ``hidden [T, hidden]`` (the state entering ``first_layer``) at ``positions`` after ``past``
+    (every layer's ``(k [H,S,d], v [H,S,d])`` as cached). Returns the state leaving the last layer
+    run, ``[T, hidden]`` (before the final norm; what the next range starts from), and the new
+    tokens' KV of the layers run, ``(k [H,T,d], v [H,T,d])`` per layer: a forward split by layer
+    ranges (one range per idle gap, ``window.anticipation.ResumableForming``) costs its share of
+    the whole and gives the same KV. The layers keep their own indices (each reads and writes its
+    own cache layer)."""
+    base = _decoder(model)
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    layers = base.layers
+    L = len(layers)
+    last = L if last_layer is None else int(last_layer)
+    if not 0 <= int(first_layer) < last <= L:
+        raise UnsupportedLayoutError(f"layer range must be within 0..{L}, got {first_layer}..{last}", reason="no-layers")
+    past_len = past[0][0].shape[-2] if past else 0
+    cache = compat.cache_from_layers([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in past]) if past else compat.new_cache()
+    emb = hidden.to(device, dtype).reshape(1, -1, hidden.shape[-1])
+    n = emb.shape[1]
+    mask = torch.ones(1, past_len + n, dtype=torch.long, device=device)
+    leaving: list[torch.Tensor] = []
+    hook = layers[last - 1].register_forward_hook(
+        lambda _m, _i, out: leaving.append(out[0] if isinstance(out, tuple) else out))
+    base.layers = torch.nn.ModuleList(list(layers)[int(first_layer):last])
+    try:
+        base(inputs_embeds=emb, position_ids=position_ids(positions, n_pos_axes, device), attention_mask=mask,
+             past_key_values=cache, use_cache=True)
+    finally:
+        base.layers = layers
+        hook.remove()
+    out: list[LayerKV] = []
+    for l in range(int(first_layer), last):
+        k, v = compat.cache_layer(cache, l)
+        out.append((k[0, :, past_len:, :], v[0, :, past_len:, :]))
+    return leaving[-1].reshape(n, -1), out
+
+
 def run_deep_forward(
     model: torch.nn.Module,
     n_pos_axes: int,
@@ -189,27 +237,7 @@ def run_deep_forward(
     ``first_layer``) at ``positions`` after ``past`` (every layer's ``(k [H,S,d], v [H,S,d])`` as
     cached). Returns the new tokens' KV of the layers run, ``(k [H,T,d], v [H,T,d])`` per layer
     from ``first_layer`` on: a shallow-recompute miss path costs ``(L - first_layer) / L`` of a
-    forward. The layers keep their own indices (each reads and writes its own cache layer)."""
-    base = _decoder(model)
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    layers = base.layers
-    L = len(layers)
-    if not 0 <= int(first_layer) < L:
-        raise UnsupportedLayoutError(f"first_layer must be within 0..{L - 1}, got {first_layer}", reason="no-layers")
-    past_len = past[0][0].shape[-2]
-    cache = compat.cache_from_layers([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in past])
-    emb = hidden.to(device, dtype).reshape(1, -1, hidden.shape[-1])
-    n = emb.shape[1]
-    mask = torch.ones(1, past_len + n, dtype=torch.long, device=device)
-    base.layers = torch.nn.ModuleList(list(layers)[int(first_layer):])
-    try:
-        base(inputs_embeds=emb, position_ids=position_ids(positions, n_pos_axes, device), attention_mask=mask,
-             past_key_values=cache, use_cache=True)
-    finally:
-        base.layers = layers
-    out: list[LayerKV] = []
-    for l in range(int(first_layer), L):
-        k, v = compat.cache_layer(cache, l)
-        out.append((k[0, :, past_len:, :], v[0, :, past_len:, :]))
-    return out
+    forward (:func:`run_layers` to the last layer)."""
+    if not past:
+        raise UnsupportedLayoutError("a deep-only forward needs every layer's past", reason="no-layers")
+    return run_layers(model, n_pos_axes, hidden=hidden, first_layer=first_layer, positions=positions, past=past)[1]

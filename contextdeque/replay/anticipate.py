@@ -21,7 +21,9 @@ the window changed since the last one (``WindowAnticipation.anticipation_due``: 
 hints; a fork has its own). Idle-time work is counted in ``tokens_prefilled`` and ``heal_*``, not
 in ``est_seconds``. Given an idle rate (``Replayer(idle_tokens=)``), each step's idle gap is a
 ``healing.HealBudget`` the heal and then these passes draw on, as ``heal(max_tokens=)`` spends it;
-without one, the replay heals and anticipates to completion at every step. Not modelled: recall
+without one, the replay heals and anticipates to completion at every step. A preparation too dear
+for a gap is continued across gaps by the window's own rule (``anticipation.ResumableForming``,
+one per window, a fork's its own), the progress named by the replay's KV states. Not modelled: recall
 predictions without an index (``at=None``, the window's recall placement: priced at the end,
 where a trace's recalls go).
 """
@@ -34,7 +36,8 @@ from itertools import count
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..window.anticipate_reorder import note_reorder, plan_reorders
-from ..window.anticipation import Preparation, fulfil_hints, fulfil_orders, note_hint, note_order, plan_anticipation
+from ..window.anticipation import (Preparation, ResumableForming, fulfil_hints, fulfil_orders, note_hint, note_order,
+                                   forming_task, plan_anticipation)
 from ..window.healing import HealBudget
 from ..window.placement import END
 from ..window.plan import ChunkKeys, Forward, KeySlot, Prepared
@@ -112,6 +115,7 @@ class AnticipationMirror:
         self._simulating = False
         # prepared re-forwards (``window.prepared``, its bound: keys only): (content, antecedent states)
         self._prepared = PreparedForwards()
+        self.forming = ResumableForming()  # forming carried across idle gaps (the window's, per window)
 
     # ------------------------------------------------------------------ bookkeeping
     def _changed(self) -> None:
@@ -166,13 +170,13 @@ class AnticipationMirror:
 
     def _fork_anticipation(self) -> tuple:
         """A fork: its own hints and anticipation (the parent's, returned, come back after it)."""
-        saved = (self.expected, self.expected_orders, self._anticipated_for, self._generation)
-        self.expected, self.expected_orders, self._anticipated_for = {}, [], None
+        saved = (self.expected, self.expected_orders, self._anticipated_for, self._generation, self.forming)
+        self.expected, self.expected_orders, self._anticipated_for, self.forming = {}, [], None, ResumableForming()
         self._changed()
         return saved
 
     def _end_fork_anticipation(self, saved: tuple, committed: bool) -> None:
-        self.expected, self.expected_orders, self._anticipated_for, self._generation = saved
+        self.expected, self.expected_orders, self._anticipated_for, self._generation, self.forming = saved
         if committed:  # the parent now holds the fork's state
             self._changed()
 
@@ -192,24 +196,30 @@ class AnticipationMirror:
         healing, self._healing = self._healing, True
         complete = True
         self._prepared.new_pass()  # (as the window's pass: what earlier passes kept goes first)
+        forming = self.forming
+        forming.begin_pass()
         try:
-            for run, cost in self._anticipation_tasks(budget.bounded):
-                if not budget.fits(cost):
+            for run, cost, work in self._anticipation_tasks(budget.bounded):
+                if not budget.fits(forming.cost(work, cost)):
                     complete = False
-                    continue  # too dear for what is left
-                tokens, factorized = self.r.tokens_prefilled, self.factorized_tokens
+                    forming.missed(work)
+                    continue  # too dear for what is left (started with the gap's rest)
+                tokens, factorized, spent = self.r.tokens_prefilled, self.factorized_tokens, budget.tokens
                 run()
                 if self.r.tokens_prefilled > tokens or self.factorized_tokens > factorized:
                     budget.spend(self.r.tokens_prefilled - tokens, self.factorized_tokens - factorized)
+                forming.ran(work, budget, spent)
+            forming.end_pass(budget)
         finally:
             self._healing = healing
         self._idle_end(idle)
         if complete:
             self._anticipated_for = self._anticipation_token()
 
-    def _anticipation_tasks(self, budgeted: bool) -> Iterator[tuple[Callable[[], Any], float | None]]:
+    def _anticipation_tasks(self, budgeted: bool) -> Iterator[tuple[Callable[[], Any], float | None, tuple]]:
         """The window's anticipation tasks (``anticipation.plan_anticipation``) over the replay's
-        keys: ``(run, cost_tokens)``, most valuable first."""
+        keys: ``(run, cost_tokens, forming)``, most valuable first (forming:
+        ``anticipation.forming_task`` on the window's KV states as the task comes up)."""
         slide = self.tokens[self.order[1]] if len(self.order) >= 2 and self.order[1] in self._no_canon else None
         tasks = plan_anticipation(lambda: key_state(self), self.predictor, self.expected, self.expected_orders, budgeted,
                                   self.factorization_cost, slide,
@@ -227,7 +237,8 @@ class AnticipationMirror:
                 else:
                     self._simulated(self._simulate_reorder, [self._key_of[ref] for ref in task.order])
 
-            yield run, task.cost
+            yield run, task.cost, forming_task(task, [self._kv_state(k) for k in self.order], key_state(self),
+                                               self.factorization_cost, whole=self.cfg.budget_tokens is not None)
 
     def _anticipate_slide(self) -> bool:
         """``anticipation.anticipate_slide``: the provisional slot at index 1 gets its canonical

@@ -113,8 +113,9 @@ def order_probabilities(reorders_seen: "Counter[Perm]", n: int) -> dict[Perm, fl
 
 Need = tuple
 """A patch a reorder needs, named across candidate orders: ``("exact", chunk id, antecedent ids in
-order)`` or ``("orbit", chunk id, frozenset of antecedent ids)`` (an orbit patch is formed on
-settled antecedents and serves every ordering of its set: ``window.kvstate``)."""
+order)``, ``("orbit", chunk id, frozenset of antecedent ids)`` (an orbit patch is formed on
+settled antecedents and serves every ordering of its set: ``window.kvstate``) or ``("reforward",
+chunk id, antecedent ids in order)`` (a provisional chunk's prepared re-forward)."""
 
 
 def patch_needs(slots: "Sequence[Slot | KeySlot]", eager: object) -> list[tuple[Need, int, int]] | None:
@@ -122,9 +123,12 @@ def patch_needs(slots: "Sequence[Slot | KeySlot]", eager: object) -> list[tuple[
     ``(need, forwards, tokens of the slot)``, without running anything: a slot whose antecedents
     (by id, in order) are unchanged and all in front of it unchanged keeps its KV; the front slot
     takes its canonical; any other takes an orbit patch (its antecedent set unchanged, within the
-    policy's orbit limits: one forward per ordering) or an exact one. None when a provisional slot
-    would move (latency-first new content with no canonical: a reorder re-forwards it on heal,
-    nothing can be prepared)."""
+    policy's orbit limits: one forward per ordering) or an exact one. A provisional slot that
+    moves (latency-first new content with no canonical: the reorder defers its conditioned
+    re-forward to ``heal``) needs that re-forward behind its new prefix, one forward kept in
+    ``window.prepared`` for the reorder to take (``("reforward", chunk id, antecedent ids)``).
+    None when a provisional slot would reach the front (its canonical is owed there; a reorder
+    defers it to ``heal``, not prepared here)."""
     orbit_max = int(getattr(eager, "orbit_max_antecedents", 0)) if getattr(eager, "reorder", "orbit") == "orbit" else 0
     max_orderings = int(getattr(eager, "max_orderings", 1))
     needs: list[tuple[Need, int, int]] = []
@@ -134,12 +138,15 @@ def patch_needs(slots: "Sequence[Slot | KeySlot]", eager: object) -> list[tuple[
         carried = tuple(r for r, _ in slot.conditioned_on)
         if carried == before and not changed_in_front:
             continue
-        if slot.provisional:
-            return None
         changed_in_front = True
+        if slot.provisional and not before:
+            return None
         if not before:
             continue  # the canonical: exact at the front, free
         ids = tuple(r.chunk_id for r in before)
+        if slot.provisional:
+            needs.append((("reforward", slot.ref.chunk_id, ids), 1, slot.n_tokens))
+            continue
         if sorted(r.chunk_id for r in carried) == sorted(ids) and len(before) <= orbit_max:
             needs.append((("orbit", slot.ref.chunk_id, frozenset(ids)), min(math.factorial(len(before)), max_orderings),
                           slot.n_tokens))

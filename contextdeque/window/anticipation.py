@@ -26,6 +26,11 @@ work is done, prepares, one transaction each (idle forwards only; the critical p
    set, priced by probability x tokens saved per token formed (``window.anticipate_reorder``),
    simulated the same way (the eager policy's exact and orbit patches, formed and stored).
 
+Under a token budget (``heal(max_tokens=...)``, an idle gap) a preparation too dear for the gap is
+not dropped: the gap's rest is put into it and it is continued in the next gaps
+(:class:`ResumableForming`, progress kept while what it attends to stands, dropped progress
+counted), so a page whose forming is longer than any one gap is still prepared.
+
 Patch keys name the antecedents' KV states (``window.kvstate``), so an anticipation is served
 exactly where the KV in front of the chunk is the KV it was formed on. A pass that completes
 marks the window anticipated until it changes (:attr:`WindowAnticipation.anticipation_due`); the
@@ -47,8 +52,10 @@ from .placement import END, recall_chooser, window_index
 from .plan import Forward
 from .anticipate_reorder import ANTICIPATED_REORDERS, anticipate_reorder, reorder_candidates
 from .healing import HealBudget
+from .kvstate import antecedent_states
 from .policy_latency import HealPolicy
-from .predictor import Prediction, RecallPredictor, factorized_tokens, make_predictor, rank_predictions
+from .predictor import (Prediction, RecallPredictor, as_predicted, factorized_tokens, make_predictor,
+                        rank_predictions)
 from .receipt import Meter, Receipt
 from .reconcile import reconcile
 from .ref import ChunkRef
@@ -73,7 +80,7 @@ def recall_candidates(win: "ContextWindow", state: WindowState) -> list[Predicti
     """The recalls worth preparing, best first: the window's recall predictor
     (``window.predictor``; what ``expect()`` named, recency, the session's statistics), ranked by
     expected benefit per idle token."""
-    return rank_predictions(win.recall_predictor.predict(state, win.expected))
+    return rank_predictions(win.recall_predictor.predict(as_predicted(state, win._ctx.cascade_policy), win.expected))
 
 
 def plan_recalls(predictor: RecallPredictor, state: Any, expected: dict, budgeted: bool) -> list[Prediction]:
@@ -243,6 +250,16 @@ def reorder_after(state: WindowState, recalls: Sequence[tuple[ChunkRef, int | st
     return sum(tokens.get(r, 0) for r in then[first:])
 
 
+def reorder_cost(state: Any, order: Sequence[ChunkRef], factorization_cost: float) -> float:
+    """What preparing the reorder of ``state``'s window to ``order`` is estimated to cost an idle
+    budget: every chunk from the first one the reorder moves on is re-conditioned (a forward and
+    its patch's factorization), as :func:`reorder_after` counts it."""
+    now = list(state.refs)
+    first = next((i for i, (a, b) in enumerate(zip(now, order)) if a != b), len(now))
+    tokens = {s.ref: s.n_tokens for s in state.slots}
+    return sum(tokens.get(r, 0) for r in list(order)[first:]) * (1.0 + factorization_cost)
+
+
 def recall_cost(state: Any, prediction: Prediction, reorder_tokens: int, factorization_cost: float) -> float:
     """What preparing ``prediction`` (and, ``reorder_tokens`` > 0, the hinted reorder after it:
     :func:`reorder_after`) is estimated to cost an idle budget: its forwards and, at
@@ -286,7 +303,8 @@ def plan_anticipation(state_of: Callable[[], Any], predictor: RecallPredictor, e
     best recall: agents that keep their task in front never slide it out), then the recall
     predictions (:func:`plan_recalls`, each with the reorder the agent named right after it, then
     without it; a chain that extends one prepared in this pass costs only the rest), then the
-    ``reorders()`` to prepare."""
+    ``reorders()`` to prepare (priced by :func:`reorder_cost`: a gap is never charged more than
+    its budget, where an unpriced reorder once ran whatever was left)."""
     predictions = plan_recalls(predictor, state_of(), expected, budgeted)
     if slide_tokens is not None:
         top = predictions[0].probability if predictions else 0.0
@@ -307,7 +325,129 @@ def plan_anticipation(state_of: Callable[[], Any], predictor: RecallPredictor, e
             if task.ran:
                 done[prediction.recalls] = max(cost, done.get(prediction.recalls, 0))
     for order in reorders():
-        yield Preparation("reorder", None, order=order)
+        yield Preparation("reorder", reorder_cost(state_of(), order, factorization_cost), order=order)
+
+
+@dataclass(frozen=True)
+class FormingTask:
+    """What names a preparation's forming work across idle gaps (:class:`ResumableForming`):
+    ``key`` the task (its kind, recalls, hinted orders, order); ``arrangement`` the KV states of
+    the window's slots in order when it came up (the window's ``kvstate.antecedent_states``, the
+    replay's ``_kv_state``); ``head_len`` / ``head_cost``: the forming that depends only on the
+    first ``head_len`` of them (a recall chain's own chunks: their forwards attend to what is in
+    front of where they go, and their factorizations), at its estimated budget cost. The rest (the
+    dependents behind, a hinted reorder) depends on the whole arrangement."""
+
+    key: tuple
+    arrangement: tuple
+    head_len: int
+    head_cost: float
+
+
+def forming_task(task: Preparation, arrangement: Sequence[Any], state: Any, factorization_cost: float,
+                 whole: bool = False) -> FormingTask:
+    """:class:`FormingTask` of ``task`` on ``arrangement`` (``state``: the window's
+    :class:`~.state.WindowState`, the replay's key-level one; ``whole``: the head is the whole
+    arrangement: under a token budget a recall's slide depends on every slot)."""
+    arrangement = tuple(arrangement)
+    n = len(arrangement)
+    head_len, head_cost = n, 0.0
+    if task.kind == "slide":
+        head_len = min(2, n)  # its canonical and the patch that keeps it behind the front slot
+    elif task.kind == "recalls" and task.recalls:
+        head_len = min(min(int(at) if isinstance(at, int) else n for _, at in task.recalls), n)
+        for ref, _ in task.recalls:
+            entry = state.evicted.get(ref)
+            if entry is not None:  # its conditioned forward, its factorization, a canonical owed
+                head_cost += entry.n_tokens * (1.0 + factorization_cost) + (entry.n_tokens if entry.owes_encode else 0)
+    key = (task.kind, tuple(task.recalls), tuple(tuple(o) for o in task.orders), tuple(task.order))
+    return FormingTask(key, arrangement, n if whole else head_len, head_cost)
+
+
+class ResumableForming:
+    """Forming work carried across idle gaps: a preparation too dear for one gap is started there
+    and continued in the next gaps instead of never being started (the single-gap budget wasted
+    every gap shorter than a page's forming).
+
+    The rule the window executes and the replay prices (one object per window, a fork has its
+    own): at the end of a bounded pass (``HealBudget.max_tokens``), what is left of the gap is
+    spent on one preparation that did not fit, the one already in progress when it is still
+    planned, else the best ranked one; its progress (tokens, at the budget's price) is credited
+    against its cost in the next gaps, and it runs in the gap where its cost less the credit fits
+    (that gap is charged the rest only). Progress stands for the forming done in order: the
+    recalled chunks' own forwards first (:attr:`FormingTask.head_cost`, valid while the slots in
+    front of where they go stand), then the rest (valid while the whole arrangement stands). When
+    the window moved under a task in progress, the progress beyond what still holds is dropped,
+    and all of it when the task is no longer planned (the prediction changed); what is dropped is
+    counted in :attr:`lost`. A gap is charged at most its budget. Only the token budget carries
+    over (a wall-clock one is the machine's).
+
+    What the window executes is a model of that split: the preparation runs as one transaction in
+    the gap where it completes; a forward run by layer ranges, with the hidden state and the
+    partial KV kept between gaps, gives the same KV (``model.forward.run_layers``, tested)."""
+
+    def __init__(self) -> None:
+        self.task: FormingTask | None = None  # the preparation in progress
+        self.progress = 0.0  # its forming done so far, in budget tokens
+        self.banked = 0.0  # every gap's rest put into a preparation in progress
+        self.used = 0.0  # progress credited to preparations that then ran
+        self.lost = 0.0  # progress dropped (see the class doc)
+        self._missed: FormingTask | None = None
+        self._seen = False
+
+    def begin_pass(self) -> None:
+        self._missed, self._seen = None, False
+
+    def credit(self, task: FormingTask) -> float:
+        """The progress ``task`` has from earlier gaps (0: none). A task in progress whose
+        arrangement changed keeps only what still holds (see the class doc)."""
+        mine = self.task
+        if mine is None or task.key != mine.key:
+            return 0.0
+        if task.arrangement != mine.arrangement:
+            head = task.head_len == mine.head_len and task.arrangement[:task.head_len] == mine.arrangement[:mine.head_len]
+            kept = min(self.progress, mine.head_cost) if head else 0.0
+            self.lost += self.progress - kept
+            self.task, self.progress = (task, kept) if kept > 0 else (None, 0.0)
+        return self.progress if self.task is not None else 0.0
+
+    def cost(self, task: FormingTask, cost: float | None) -> float | None:
+        """``cost`` (a preparation's estimate; None: not priced) less its credit."""
+        return None if cost is None else max(0.0, cost - self.credit(task))
+
+    def missed(self, task: FormingTask) -> None:
+        """``task`` did not fit what was left of the gap."""
+        if self.task is not None and task.key == self.task.key:
+            self._seen = True
+        elif self._missed is None:
+            self._missed = task
+
+    def ran(self, task: FormingTask, budget: HealBudget, tokens_before: float) -> None:
+        """``task`` ran and ``budget`` was charged what it spent since ``tokens_before``: its
+        credit comes off that charge (the gap pays the rest only)."""
+        credit = self.credit(task)
+        if credit:  # (progress beyond what it spent bought nothing: its estimate was above its cost)
+            used = min(credit, budget.tokens - tokens_before)
+            self.used += used
+            self.lost += credit - used
+            budget.tokens = max(tokens_before, budget.tokens - credit)
+            self.task, self.progress = None, 0.0
+
+    def end_pass(self, budget: HealBudget) -> None:
+        """Spend what is left of ``budget`` (a token budget) on the preparation in progress when it
+        was still planned, else on the best one that did not fit (the one in progress dropped)."""
+        if budget.max_tokens is None:
+            return
+        rest = budget.max_tokens - budget.tokens
+        target = self.task if self._seen else self._missed
+        if target is None or rest <= 0:
+            return
+        if target is not self.task:
+            self.lost += self.progress
+            self.task, self.progress = target, 0.0
+        self.progress += rest
+        self.banked += rest
+        budget.tokens = float(budget.max_tokens)
 
 
 class WindowAnticipation:
@@ -316,18 +456,30 @@ class WindowAnticipation:
     @property
     def expected(self) -> dict[tuple[ChunkRef, ...], int | None]:
         """What an agent said it may recall next (:meth:`expect`): groups of refs, recalled in
-        order, with where the first goes (None: the end)."""
+        order, with where the first goes (an index, ``"end"``, or None: where ``recall(ref)``
+        puts it)."""
         return self.__dict__.setdefault("_expected", {})
 
-    def expect(self, ref: "ChunkRef | Sequence[ChunkRef]", at: int | None = None) -> None:
-        """Say that ``ref`` (an evicted chunk) may be recalled next, at index ``at`` (None: the
-        end): with anticipation on, ``heal()`` prepares that recall first. A sequence of refs is
-        one re-read of several chunks, recalled in that order from ``at`` on (a page re-read
-        beside another, a video segment's header and frames): prepared as that sequence. A hint:
-        nothing is formed now, and a recall elsewhere is served as usual."""
+    def expect(self, ref: "ChunkRef | Sequence[ChunkRef]", at: int | str | None = None) -> None:
+        """Say that ``ref`` (an evicted chunk) may be recalled next, ``at`` as :meth:`recall`
+        takes it: index ``at``, ``"end"``, or None (the default, as ``recall(ref)``): wherever the
+        recall without ``at`` will put it (the window's recall placement, anywhere a stored patch
+        stays valid, ``WindowConfig.recall_placement``), decided on the window as it stands when
+        the preparation runs. With anticipation on, ``heal()`` prepares that recall first. A
+        sequence of refs is one re-read of several chunks, recalled in that order from ``at`` on
+        (a page re-read beside another, a video segment's header and frames; None: each where
+        ``recall`` puts it): prepared as that sequence. A hint: nothing is formed now, and a
+        recall elsewhere is served as usual.
+
+        Raises:
+            ArgumentTypeError: ``ref`` is not a ChunkRef or a sequence of them, or ``at`` is
+                neither an int, ``"end"`` nor None.
+            WindowError: a ref named twice, or unknown to the window."""
         self._check_open()
         if not isinstance(ref, (ChunkRef, Sequence)) or isinstance(ref, str):
             raise ArgumentTypeError(f"expect takes a ChunkRef or a sequence of them, got {type(ref).__name__}")
+        if not (at is None or at == END or (isinstance(at, int) and not isinstance(at, bool))):
+            raise ArgumentTypeError(f"expect: at is an index, {END!r} or None, got {at!r}")
         group = (ref,) if isinstance(ref, ChunkRef) else tuple(ref)
         if not group or len(set(group)) != len(group):
             raise WindowError("expect: name each chunk of a re-read once (at least one)")
@@ -388,12 +540,19 @@ class WindowAnticipation:
     def _anticipation_token(self) -> tuple:
         return (id(self._state), self._state.generation, tuple(self.expected.items()), tuple(self.expected_orders))
 
-    def _anticipation_tasks(self, budgeted: bool = False) -> Iterator[tuple[Callable[[WindowState, Meter], tuple[dict[str, Any], None]], bool, float | None]]:
+    @property
+    def forming(self) -> ResumableForming:
+        """The forming work this window carries across idle gaps (:class:`ResumableForming`)."""
+        return self.__dict__.setdefault("_forming", ResumableForming())
+
+    def _anticipation_tasks(self, budgeted: bool = False) -> Iterator[tuple[Callable[[WindowState, Meter], tuple[dict[str, Any], None]], bool, float | None, tuple]]:
         """The anticipation transactions, most valuable first (:func:`plan_anticipation`):
-        ``(body, mutates, cost_tokens)`` for ``_run`` (cost: estimated; None: not priced)."""
+        ``(body, mutates, cost_tokens, forming)`` for ``_run`` (cost: estimated; None: not
+        priced; forming: its :func:`forming_task` on the window as it stands when it comes up)."""
         slots = self._state.slots
         ctx = self._ctx
-        tasks = plan_anticipation(lambda: self._state, self.recall_predictor, self.expected, self.expected_orders,
+        tasks = plan_anticipation(lambda: as_predicted(self._state, ctx.cascade_policy), self.recall_predictor,
+                                  self.expected, self.expected_orders,
                                   budgeted, float(ctx.config.factorization_cost),
                                   slots[1].n_tokens if len(slots) >= 2 and slots[1].provisional else None,
                                   lambda: reorder_candidates(self, self._state))
@@ -410,7 +569,9 @@ class WindowAnticipation:
                 formed = anticipate_reorder(self, state, list(task.order), meter)
                 return {"refs": tuple(task.order) if formed else ()}, None
 
-            yield body, task.kind == "slide", task.cost
+            yield body, task.kind == "slide", task.cost, forming_task(
+                task, antecedent_states(self._state.slots), self._state, float(ctx.config.factorization_cost),
+                whole=ctx.budget_tokens is not None)
 
     def _anticipate(self, budget: "HealBudget | None" = None) -> list[Receipt]:
         """The anticipation steps ``heal()`` (or the idle healer) runs once nothing is queued (see
@@ -425,17 +586,23 @@ class WindowAnticipation:
         if not self.anticipation_due or (budget.max_steps is not None and budget.steps >= budget.max_steps):
             return steps
         self._ctx.prepared.new_pass()  # (what earlier passes prepared goes first when the bound is reached)
+        forming = self.forming
+        forming.begin_pass()
         complete = True
-        for body, mutates, cost in self._anticipation_tasks(budget.bounded):
+        for body, mutates, cost, work in self._anticipation_tasks(budget.bounded):
             if (budget.max_steps is not None and budget.steps >= budget.max_steps) or budget.timed_out():
                 return steps
-            if not budget.fits(cost):
+            if not budget.fits(forming.cost(work, cost)):
                 complete = False
-                continue  # too dear for what is left
+                forming.missed(work)
+                continue  # too dear for what is left (started with the gap's rest: ResumableForming)
+            spent = budget.tokens
             receipt = self._run("anticipate", body, mutates=mutates)[0]
             if receipt.refs or receipt.forwards:  # (prepared re-forwards form no patch but ran forwards)
                 steps.append(receipt)
                 budget.spend_receipt(receipt)
+            forming.ran(work, budget, spent)
+        forming.end_pass(budget)
         if complete:
             self.__dict__["_anticipated_for"] = self._anticipation_token()
         return steps

@@ -18,6 +18,7 @@ never touches the model or the store.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Mapping, Sequence
 
@@ -107,6 +108,29 @@ def rank_predictions(predictions: Iterable[Prediction]) -> list[Prediction]:
     return out
 
 
+class KeptCascade:
+    """A conditioning graph as a window whose recalls keep their dependents as they are
+    (``cascade_policy`` ``"keep"`` / ``"flag"``) shows it to predictions: no recall cascade to
+    re-form, so a prediction costs and saves only the recalled chunks' own forming."""
+
+    def __init__(self, graph: Any) -> None:
+        self._graph = graph
+
+    def preview_cascade(self, ref: ChunkRef, order: Sequence[ChunkRef]) -> tuple[ChunkRef, ...]:
+        return ()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._graph, name)
+
+
+def as_predicted(state: "WindowState", cascade_policy: str) -> "WindowState":
+    """``state`` as predictions price it under ``cascade_policy`` (``WindowConfig``): itself when
+    a recall re-forms its cascade (``"reform"``), else with a :class:`KeptCascade` graph."""
+    if cascade_policy == "reform":
+        return state
+    return dataclasses.replace(state, graph=KeptCascade(state.graph))
+
+
 def _chain_cascades(state: "WindowState", recalls: Sequence[Recall]) -> Iterator[tuple[Any, list[ChunkRef]]]:
     """``(evicted entry, dependents)`` per recall of ``recalls`` still evicted: the in-window
     chunks its recall cascade would re-form (the conditioning graph's dependents of it), each once
@@ -156,13 +180,11 @@ def priced(state: "WindowState", recalls: Sequence[Recall], probability: float, 
 def hinted(state: "WindowState", expected: Mapping) -> list[list[Recall]]:
     """The agent's hints (``window.expect``: a ref or a group of refs -> ``at``), in the order
     given, as recall chains of their members still evicted (a group's later members follow the
-    first; ``at`` None, the end, is ``"end"``)."""
-    from .placement import END
-
+    first; ``at`` as ``recall`` takes it: an index, ``"end"``, or None, where ``recall(ref)``
+    without ``at`` puts it, the window's recall placement; each member so)."""
     out = []
     for group, at in expected.items():
         group = (group,) if isinstance(group, ChunkRef) else tuple(group)
-        at = END if at is None else at  # (expect's None: the end)
         chain = [(r, at + i if isinstance(at, int) else at) for i, r in enumerate(group) if r in state.evicted]
         if chain:
             out.append(chain)
