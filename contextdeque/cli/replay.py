@@ -92,12 +92,13 @@ def run(args: argparse.Namespace) -> int:
                                   progress=lambda done, total: bar.update(task, completed=done, total=total))
         extra = {}
         if args.fidelity:
-            from ..replay.fidelity import factorization_cost, run_fidelity_mode
+            from ..replay.fidelity import factorization_cost, factorization_fixed, run_fidelity_mode
 
             apply_threads_argument(args)
             options = window_options(args)
-            if idle_rate is not None:  # (a forming costs the idle budget its forward and its SVD)
-                options.update(anticipate=True, recall_predictor=args.predictor, factorization_cost=factorization_cost(cost))
+            if idle_rate is not None:  # (a forming costs the idle budget its forward and its factorization)
+                options.update(anticipate=True, recall_predictor=args.predictor, factorization_cost=factorization_cost(cost),
+                               factorization_fixed=factorization_fixed(cost))
             fid = run_fidelity_mode([str(p) for p in args.traces], combos, args.fidelity, seed=args.seed, console=err,
                                     patch_policy=args.patch_policy, window_options=options, idle_rate=idle_rate,
                                     hints=not args.ignore_hints)

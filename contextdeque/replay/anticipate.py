@@ -195,10 +195,10 @@ class AnticipationMirror:
                 if not budget.fits(cost):
                     complete = False
                     continue  # too dear for what is left
-                tokens, factorized = self.r.tokens_prefilled, self.factorized_tokens
+                tokens, factorized = self.r.tokens_prefilled, self._factorized()
                 run()
-                if self.r.tokens_prefilled > tokens or self.factorized_tokens > factorized:
-                    budget.spend(self.r.tokens_prefilled - tokens, self.factorized_tokens - factorized)
+                if self.r.tokens_prefilled > tokens or self._factorized() != factorized:
+                    budget.spend(self.r.tokens_prefilled - tokens, *self._factorized_since(factorized))
         finally:
             self._healing = healing
         self._idle_end(idle)
@@ -210,7 +210,7 @@ class AnticipationMirror:
         keys: ``(run, cost_tokens)``, most valuable first."""
         slide = self.tokens[self.order[1]] if len(self.order) >= 2 and self.order[1] in self._no_canon else None
         tasks = plan_anticipation(lambda: key_state(self), self.predictor, self.expected, self.expected_orders, budgeted,
-                                  self.factorization_cost, slide,
+                                  (self.factorization_cost, self.factorization_fixed), slide,
                                   lambda: plan_reorders(self.eager, self.reorders_seen, self.expected_orders,
                                                         key_state(self).slots))
         for task in tasks:

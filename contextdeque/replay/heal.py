@@ -53,13 +53,13 @@ class HealMirror:
             return
         self._forget_departed()
         while (self._pending_keys() or self._leave_canon) and budget.allows_step():
-            idle, factorized = self._idle_start(), self.factorized_tokens
+            idle, factorized = self._idle_start(), self._factorized()
             pending = self._pending_keys()
             if pending:
                 self._heal_pass(set(heal_batch(self.order, pending, self._heal_priority)))
             else:  # (the window's ``_unhealed_evicted``: one a step, in eviction order)
                 self._heal_pass(set(), owed=next(iter(self._leave_canon)))
-            budget.spend(self.r.tokens_prefilled - idle[0], self.factorized_tokens - factorized)
+            budget.spend(self.r.tokens_prefilled - idle[0], *self._factorized_since(factorized))
             self._idle_end(idle)
 
     def _forget_departed(self) -> None:
@@ -76,7 +76,8 @@ class HealMirror:
         and then, once none is left, anticipation, on one budget (``healing.HealBudget``)."""
         if max_tokens <= 0:
             return
-        budget = HealBudget(max_tokens=max_tokens, factorization_cost=self.factorization_cost)
+        budget = HealBudget(max_tokens=max_tokens, factorization_cost=self.factorization_cost,
+                            factorization_fixed=self.factorization_fixed)
         self.heal(budget)
         if not self._pending_keys():
             self.anticipate(budget)
@@ -184,6 +185,14 @@ class HealMirror:
 
     def _idle_start(self) -> tuple[int, int, float]:
         return self.r.tokens_prefilled, self.r.forwards, self.r.est_seconds
+
+    def _factorized(self) -> tuple[int, int]:
+        """``(tokens, patches)`` factorized so far (``Replayer.do``: what an idle budget charges for)."""
+        return self.factorized_tokens, self.factorized_patches
+
+    def _factorized_since(self, start: tuple[int, int]) -> tuple[int, int]:
+        """``(tokens, patches)`` factorized since ``start`` (:meth:`_factorized`): ``HealBudget.spend``'s."""
+        return self.factorized_tokens - start[0], self.factorized_patches - start[1]
 
     def _idle_end(self, start: tuple[int, int, float]) -> None:
         """What ran since ``start`` (``_idle_start``) was idle time: ``heal_*``, not ``est_seconds``."""
