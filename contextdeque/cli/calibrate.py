@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # a model that cannot be loaded, a cache directory that cannot be written or a model with
     # nothing to calibrate η on: one line, exit 2 (contextdeque.cli.main)
-    lengths, form_lengths = _lengths(args.lengths), _lengths(args.form_lengths, "--form-lengths")
+    lengths, form_lengths = _lengths(args.lengths), _lengths(args.form_lengths, "--form-lengths", at_least=2)
     backend = load_backend(args.model, threads=args.threads, device=args.device)
     if not args.only_envelope:
         model = calibrate(backend, lengths=lengths, rank=args.rank, repeats=args.repeats, form_lengths=form_lengths)
@@ -99,14 +99,15 @@ def form_split_line(model: Any) -> str:
             f"the fit at the traces' median chunk lengths: {at})")
 
 
-def _lengths(spec: str, option: str = "--lengths") -> tuple[int, ...]:
-    """``--lengths`` (``option``): positive token counts, comma-separated, in increasing order."""
+def _lengths(spec: str, option: str = "--lengths", at_least: int = 1) -> tuple[int, ...]:
+    """``--lengths`` (``option``): ``at_least`` positive token counts, comma-separated, in increasing order."""
     from ..core.errors import ArgumentError
 
     try:
         lengths = tuple(int(x) for x in spec.split(","))
     except ValueError:
         lengths = ()
-    if not lengths or min(lengths) < 1 or list(lengths) != sorted(set(lengths)):
-        raise ArgumentError(f"{option}: expected increasing positive token counts such as 64,256,1024, got {spec!r}")
+    if len(lengths) < at_least or min(lengths) < 1 or list(lengths) != sorted(set(lengths)):
+        raise ArgumentError(f"{option}: expected {at_least} or more increasing positive token counts such as 64,256,1024, "
+                            f"got {spec!r}")
     return lengths
