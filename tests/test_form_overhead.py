@@ -9,14 +9,14 @@ import json
 
 import pytest
 
-from contextdeque.core.errors import ArgumentError, WindowError
+from contextdeque.core.errors import ArgumentError
 from contextdeque.replay.calibrate import fit_form_overhead
 from contextdeque.scheduler.cost_model import CostModel, load_calibration
-from contextdeque.window import ContextWindow, WindowConfig
-from contextdeque.window.healing import HealBudget, idle_spent
+from contextdeque.window import ContextWindow
+from contextdeque.window.healing import HealBudget
 from contextdeque.window.plan import Difference, Form
 
-from test_predictor import backend, window  # noqa: F401  (the tiny llama and its window of pages)
+from test_predictor import backend  # noqa: F401  (the tiny llama)
 
 
 @pytest.mark.parametrize(("fixed", "per_token"), [(0.035, 0.0), (0.0, 2e-5), (0.012, 3.5e-6)])
@@ -69,28 +69,14 @@ def test_a_real_calibration_splits_the_forming_overhead(tmp_path, tiny_backend_f
         calibrate(be, lengths=(16,), form_lengths=(64,))
 
 
-def test_the_idle_budget_charges_each_patch_its_fixed_part(backend):
-    """A forming costs the budget ``factorization_fixed`` per patch (``Form`` or ``Difference``)
-    beside ``factorization_cost`` per token; a budget that paid a whole anticipation's forwards
-    buys less of it once each patch costs a fixed charge, and stays within itself."""
+def test_a_heal_step_is_charged_per_patch_and_per_token():
+    """``HealBudget.spend``: the forwards' tokens, ``factorization_fixed`` per patch and
+    ``factorization_cost`` per factorized token (a window's heal: tests/test_predictor.py)."""
     budget = HealBudget(max_tokens=1000, factorization_cost=0.5, factorization_fixed=30.0)
     budget.spend(100, factorized=80, patches=2)
-    assert budget.tokens == pytest.approx(100 + 0.5 * 80 + 30.0 * 2)
-
-    def run(max_tokens, fixed):
-        win, refs = window(backend, factorization_fixed=fixed)
-        for name in ("a", "b", "c"):
-            win.evict(refs[name])
-        return win.heal(max_tokens=max_tokens)
-
-    free = run(None, 0.0)
-    patches = sum(isinstance(op, (Form, Difference)) for op in free.plan)
-    assert patches > 0 and idle_spent([free], 0.0, 10.0) == free.tokens_prefilled + 10.0 * patches
-    honest = run(free.tokens_prefilled, 10.0)
-    assert idle_spent([honest], 0.0, 10.0) <= free.tokens_prefilled
-    assert honest.tokens_prefilled < free.tokens_prefilled
-    with pytest.raises(WindowError, match="factorization_fixed"):
-        WindowConfig(factorization_fixed=-1.0)
+    assert budget.tokens == pytest.approx(100 + 0.5 * 80 + 30.0 * 2) and budget.allows_step()
+    budget.spend(0, factorized=0, patches=27)
+    assert not budget.allows_step()
 
 
 def test_the_replay_scales_the_per_patch_charge_like_its_chunks():
