@@ -86,10 +86,10 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
     from ..core.errors import ArgumentError
     from ..core.operator import relocate
     from ..patch import form_patch
+    from ..stores import DiskTier, StoreEntry
 
     if len(set(form_lengths)) < 2 or min(form_lengths) < 1:
         raise ArgumentError(f"form_lengths: two or more distinct positive chunk lengths, got {tuple(form_lengths)}")
-    from ..stores import DiskTier, StoreEntry
 
     lay = backend.layout
     dev = torch.device(getattr(backend, "device", "cpu"))
@@ -115,7 +115,7 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
     overhead = []
     for n in form_lengths:
         b = backend.encode(token_ids=ids(n))
-        patch = form_patch(backend, b, [a], rank=min(rank, b.n_tokens))  # (warm: a length's first solve)
+        form_patch(backend, b, [a], rank=min(rank, b.n_tokens))  # (warm: a length's first solve)
         t_form = timed(lambda: form_patch(backend, b, [a], rank=min(rank, b.n_tokens)), repeats)
         t_cond = timed(lambda: backend.encode(token_ids=ctx_ids + b.token_ids.tolist()), repeats) - t_ctx
         overhead.append((int(n), max(0.0, t_form - max(t_cond, 0.0))))
