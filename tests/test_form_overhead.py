@@ -98,3 +98,32 @@ def test_a_saved_window_keeps_its_per_patch_charge(tmp_path, backend):
     win.save(path)
     again = ContextWindow.open(path, backend)
     assert again._ctx.config.factorization_fixed == 12.0 and again._ctx.config.factorization_cost == 0.25
+
+
+def test_replay_idle_rate_sets_both_charges_from_the_calibration(tmp_path, monkeypatch, capsys):
+    """``replay --fidelity N --idle-rate R`` passes the window both charges from the cost model,
+    the per-patch one at the replay's scale (the fidelity run itself is stubbed: what is checked
+    is what it is handed)."""
+    import contextdeque.replay.fidelity as fidelity
+    from contextdeque.cli import main
+    from contextdeque.scheduler.cost_model import save_calibration
+    from contextdeque.traces import generate
+    from contextdeque.traces.io import write_trace
+
+    seen = {}
+
+    def fake_run(paths, combos, n, **kw):
+        seen.update(kw["window_options"])
+        return {}
+
+    monkeypatch.setattr(fidelity, "run_fidelity_mode", fake_run)
+    cost = CostModel(form_fixed_s=0.035, svd_s_per_token=2e-6, fingerprint="f" * 32, source="calibration")
+    cal = save_calibration(cost, tmp_path)
+    t = generate("doc", seed=0)
+    trace = write_trace(tmp_path / "doc-0.jsonl", t.header, t.events)
+    assert main(["replay", str(trace), "--arm", "patch", "--placement", "arrival", "--jobs", "1", "--fidelity", "1",
+                 "--idle-rate", "1000", "--calibration", str(cal), "--json"]) == 0
+    capsys.readouterr()
+    assert seen["factorization_fixed"] > 0
+    assert seen["factorization_fixed"] == pytest.approx(fidelity.factorization_fixed(cost, fidelity.DEFAULT_SCALE))
+    assert seen["factorization_cost"] == pytest.approx(fidelity.factorization_cost(cost))
