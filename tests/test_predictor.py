@@ -125,25 +125,35 @@ def test_the_idle_budget_is_tokens_and_deterministic(backend):
     assert a == b
 
 
-def test_the_idle_budget_charges_the_factorization(backend):
-    """With ``factorization_cost`` a forming costs the budget its forward and its SVD (issue 21,
-    the honest budget): the budget that paid the forwards of a whole anticipation at cost 0 pays
-    less of it at cost 1, and what it spent, SVDs included, stays within the budget."""
+@pytest.mark.parametrize("charge", [{"factorization_cost": 1.0}, {"factorization_fixed": 10.0}], ids=["per-token", "per-patch"])
+def test_the_idle_budget_charges_the_factorization(backend, charge):
+    """With ``factorization_cost`` (per token) or ``factorization_fixed`` (per patch: issue 21's
+    fixed part) a forming costs the budget its forward and its factorization (the honest budget):
+    the budget that paid the forwards of a whole anticipation uncharged pays less of it charged,
+    and what it spent, factorizations included, stays within the budget."""
     from contextdeque.window.healing import idle_spent
+    from contextdeque.window.plan import Difference, Form
 
-    def run(budget, cost):
-        win, refs = window(backend, factorization_cost=cost)
+    def run(budget, **charged):
+        win, refs = window(backend, **charged)
         for name in ("a", "b", "c"):
             win.evict(refs[name])
         return win.heal(max_tokens=budget)
 
-    free = run(None, 0.0)
-    assert free.tokens_prefilled > 0 and idle_spent([free], 1.0) > free.tokens_prefilled  # (patches factorized)
-    honest = run(free.tokens_prefilled, 1.0)
-    assert idle_spent([honest], 1.0) <= free.tokens_prefilled
+    def spent(receipt):
+        return idle_spent([receipt], charge.get("factorization_cost", 0.0), charge.get("factorization_fixed", 0.0))
+
+    free = run(None)
+    sizes = [op.tokens for op in free.plan if isinstance(op, (Form, Difference))]
+    assert free.tokens_prefilled > 0 and sizes  # (patches factorized)
+    assert spent(free) == free.tokens_prefilled + charge.get("factorization_cost", 0.0) * sum(sizes) + charge.get(
+        "factorization_fixed", 0.0) * len(sizes)
+    honest = run(free.tokens_prefilled, **charge)
+    assert spent(honest) <= free.tokens_prefilled
     assert honest.tokens_prefilled < free.tokens_prefilled
-    with pytest.raises(WindowError, match="factorization_cost"):
-        WindowConfig(factorization_cost=-1.0)
+    (name,) = charge
+    with pytest.raises(WindowError, match=name):
+        WindowConfig(**{name: -1.0})
 
 
 def four_chunk_trace() -> TraceBuilder:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..replay.calibrate import calibrate
+from ..replay.calibrate import DEFAULT_FORM_LENGTHS, calibrate
 from ..scheduler.cost_model import save_calibration
 from .model_spec import MODEL_HELP, add_threads_argument, load_backend
 from .window_options import add_window_arguments
@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="64,256,1024", metavar="N[,N...]",
                         help="chunk lengths whose prefill speed is measured (default 64,256,1024; a GPU's rate keeps "
                              "rising past 1,024 tokens: add 2048,4096 there)")
+    parser.add_argument("--form-lengths", default=",".join(map(str, DEFAULT_FORM_LENGTHS)), metavar="N,N[,N...]",
+                        help="chunk lengths whose forming overhead (form_patch less its conditioned forward) is measured "
+                             "and split into a fixed part per patch and a per-token part (default "
+                             f"{','.join(map(str, DEFAULT_FORM_LENGTHS))}; two or more)")
     parser.add_argument("--envelope", action="store_true",
                         help="also measure the model's fidelity envelope (energy -> η on a few probe items; minutes "
                              "on a CPU) and cache it beside the layout proofs, measured afresh even when cached")
@@ -65,15 +69,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # a model that cannot be loaded, a cache directory that cannot be written or a model with
     # nothing to calibrate η on: one line, exit 2 (contextdeque.cli.main)
-    lengths = _lengths(args.lengths)
+    lengths, form_lengths = _lengths(args.lengths), _lengths(args.form_lengths, "--form-lengths", at_least=2)
     backend = load_backend(args.model, threads=args.threads, device=args.device)
     if not args.only_envelope:
-        model = calibrate(backend, lengths=lengths, rank=args.rank, repeats=args.repeats)
+        model = calibrate(backend, lengths=lengths, rank=args.rank, repeats=args.repeats, form_lengths=form_lengths)
         path = save_calibration(model, args.cache_dir)
         print(f"calibration saved to {path}")
         for k, v in model.to_json().items():
             if k != "extra":
                 print(f"  {k}: {v}")
+        print(form_split_line(model))
     if args.envelope or args.only_envelope:
         from ..eval.fidelity.envelope import ensure_envelope
 
@@ -83,14 +88,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lengths(spec: str) -> tuple[int, ...]:
-    """``--lengths``: positive token counts, comma-separated, in increasing order."""
+def form_split_line(model: Any) -> str:
+    """One line: the forming overhead per patch and per token, the measured points, and what the
+    fit gives at the traces' median chunk lengths."""
+    points = model.extra.get("form_overhead_s", [])
+    measured = ", ".join(f"{int(t)}: {s * 1e3:.2f} ms" for t, s in points)
+    at = ", ".join(f"{t}: {model.factorize_s(t) * 1e3:.2f} ms" for t in (324, 512, 866))
+    return (f"  forming beyond its forward: {model.form_fixed_s * 1e3:.3f} ms per patch + "
+            f"{model.svd_s_per_token * 1e6:.3f} us per token (measured by chunk length: {measured}; "
+            f"the fit at the traces' median chunk lengths: {at})")
+
+
+def _lengths(spec: str, option: str = "--lengths", at_least: int = 1) -> tuple[int, ...]:
+    """``--lengths`` (``option``): ``at_least`` positive token counts, comma-separated, in increasing order."""
     from ..core.errors import ArgumentError
 
     try:
         lengths = tuple(int(x) for x in spec.split(","))
     except ValueError:
         lengths = ()
-    if not lengths or min(lengths) < 1 or list(lengths) != sorted(set(lengths)):
-        raise ArgumentError(f"--lengths: expected increasing positive token counts such as 64,256,1024, got {spec!r}")
+    if len(lengths) < at_least or min(lengths) < 1 or list(lengths) != sorted(set(lengths)):
+        raise ArgumentError(f"{option}: expected {at_least} or more increasing positive token counts such as 64,256,1024, "
+                            f"got {spec!r}")
     return lengths

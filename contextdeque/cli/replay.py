@@ -83,11 +83,13 @@ def run(args: argparse.Namespace) -> int:
         idle = {} if idle_rate is None else {"anticipate": True, "recall_predictor": args.predictor}
         config = ReplayConfig(budget_tokens=args.budget_tokens, device_bytes=int(args.device_gb * GiB),
                               host_bytes=int(args.host_gb * GiB), rank=args.rank, overlap_loads=args.overlap_loads, **idle)
-        fc = 0.0
+        fc = ff = 0.0
         if idle_rate is not None:
-            from ..replay.fidelity import factorization_cost
+            from ..replay.fidelity import factorization_cost, factorization_fixed
 
-            fc = factorization_cost(cost)
+            # the cost model's side runs the trace at full scale, the fidelity mode's window at its
+            # scale: a per-patch charge is scaled with the budgets (replay.fidelity.factorization_fixed)
+            fc, ff = factorization_cost(cost), factorization_fixed(cost, 1.0)
         jobs = args.jobs or default_jobs()
         err.print(f"[dim]{note}[/dim]")
         err.print(f"[dim]replaying {len(args.traces)} trace(s) x {len(combos)} combo(s) on {jobs} process(es)[/dim]")
@@ -98,15 +100,16 @@ def run(args: argparse.Namespace) -> int:
             task = bar.add_task("replay", total=None)
             results = replay_many([str(p) for p in args.traces], combos, cost, config, jobs=jobs,
                                   progress=lambda done, total: bar.update(task, completed=done, total=total),
-                                  idle_rate=idle_rate, factorization_cost=fc)
+                                  idle_rate=idle_rate, factorization_cost=fc, factorization_fixed=ff)
         extra = {}
         if args.fidelity:
-            from ..replay.fidelity import run_fidelity_mode
+            from ..replay.fidelity import factorization_fixed, run_fidelity_mode
 
             apply_threads_argument(args)
             options = window_options(args)
-            if idle_rate is not None:  # (a forming costs the idle budget its forward and its SVD)
-                options.update(anticipate=True, recall_predictor=args.predictor, factorization_cost=fc)
+            if idle_rate is not None:  # (a forming costs the idle budget its forward and its factorization)
+                options.update(anticipate=True, recall_predictor=args.predictor, factorization_cost=fc,
+                               factorization_fixed=factorization_fixed(cost))
             fid = run_fidelity_mode([str(p) for p in args.traces], combos, args.fidelity, seed=args.seed, console=err,
                                     patch_policy=args.patch_policy, window_options=options, idle_rate=idle_rate,
                                     hints=not args.ignore_hints)

@@ -204,10 +204,10 @@ class AnticipationMirror:
                     complete = False
                     forming.missed(work)
                     continue  # too dear for what is left (started with the gap's rest)
-                tokens, factorized, spent = self.r.tokens_prefilled, self.factorized_tokens, budget.tokens
+                tokens, factorized, spent = self.r.tokens_prefilled, self._factorized(), budget.tokens
                 run()
-                if self.r.tokens_prefilled > tokens or self.factorized_tokens > factorized:
-                    budget.spend(self.r.tokens_prefilled - tokens, self.factorized_tokens - factorized)
+                if self.r.tokens_prefilled > tokens or self._factorized() != factorized:
+                    budget.spend(self.r.tokens_prefilled - tokens, *self._factorized_since(factorized))
                 forming.ran(work, budget, spent)
             forming.end_pass(budget)
         finally:
@@ -222,7 +222,7 @@ class AnticipationMirror:
         ``anticipation.forming_task`` on the window's KV states as the task comes up)."""
         slide = self.tokens[self.order[1]] if len(self.order) >= 2 and self.order[1] in self._no_canon else None
         tasks = plan_anticipation(lambda: key_state(self), self.predictor, self.expected, self.expected_orders, budgeted,
-                                  self.factorization_cost, slide,
+                                  (self.factorization_cost, self.factorization_fixed), slide,
                                   lambda: plan_reorders(self.eager, self.reorders_seen, self.expected_orders,
                                                         key_state(self).slots))
         for task in tasks:

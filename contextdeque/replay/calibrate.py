@@ -1,10 +1,11 @@
 """``contextdeque calibrate``: measure the replay cost model's constants on this machine's backend.
 
 Prefill tokens/s by length (a chunk encode after the root, at several lengths), decode tokens/s,
-apply bandwidth (relocation + a rank-m patch into a page), the per-token cost of forming a patch
-beyond its conditioned forward (factorization), and host / disk tier bandwidth (a tensor copied
-between buffers, a safetensors entry written and read back through the disk tier). Saved with the
-model's fingerprint under ``<cache>/calibration/`` (atomic write); ``replay`` uses it.
+apply bandwidth (relocation + a rank-m patch into a page), the cost of forming a patch beyond its
+conditioned forward (its factorization) split into a fixed part per patch and a per-token part
+(:func:`fit_form_overhead`), and host / disk tier bandwidth (a tensor copied between buffers, a
+safetensors entry written and read back through the disk tier). Saved with the model's fingerprint
+under ``<cache>/calibration/`` (atomic write); ``replay`` uses it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -36,14 +37,59 @@ def _timed(fn: Callable[[], Any], repeats: int, device: torch.device | None = No
     return statistics.median(times)
 
 
+DEFAULT_FORM_LENGTHS = (128, 512)
+"""The chunk lengths whose forming overhead :func:`calibrate` measures (two: a fixed and a per-token part)."""
+FORM_CONTEXT = 256
+"""Tokens of the antecedent every calibration patch is formed on."""
+
+
+def fit_form_overhead(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """``(fixed_s, per_token_s)``, both >= 0, of the line ``fixed + per_token x T`` closest (least
+    squares) to ``points`` = ``[(T, seconds)]`` (at least two distinct T): the forming overhead
+    per patch and per token. Two points give the line through them; where that line's slope or
+    intercept is negative (a noisy measurement: forming never gets cheaper with length, nor costs
+    less than nothing), that part is 0 and the other is the least-squares fit alone (the mean of
+    the seconds; or the slope through the origin, ``sum(T s) / sum(T^2)``).
+
+    Raises:
+        ArgumentError: fewer than two distinct lengths, or a length that is not positive.
+    """
+    from ..core.errors import ArgumentError
+
+    ts = [float(t) for t, _ in points]
+    ys = [float(y) for _, y in points]
+    if len(set(ts)) < 2 or min(ts) <= 0:
+        raise ArgumentError(f"fitting a fixed and a per-token part needs two distinct positive lengths, got {sorted(set(ts))}")
+    mt, my = statistics.fmean(ts), statistics.fmean(ys)
+    slope = sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / sum((t - mt) ** 2 for t in ts)
+    fixed = my - slope * mt
+    if slope < 0:
+        return max(0.0, my), 0.0
+    if fixed < 0:
+        return 0.0, max(0.0, sum(t * y for t, y in zip(ts, ys)) / sum(t * t for t in ts))
+    return fixed, slope
+
+
 def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank: int = DEFAULT_RANK, repeats: int = 2,
-              disk_dir: str | None = None) -> CostModel:
+              disk_dir: str | None = None, form_lengths: tuple[int, ...] = DEFAULT_FORM_LENGTHS) -> CostModel:
     """Measure a :class:`CostModel` on ``backend`` (an ``HFBackend``, on the CPU or a CUDA device:
     the prefill, forming, apply and decode speeds are the device's, the host and disk bandwidths
-    the host's). ``lengths``: the chunk lengths whose prefill speed is measured."""
+    the host's). ``lengths``: the chunk lengths whose prefill speed is measured.
+
+    The forming overhead: at each of ``form_lengths`` (at least two) a ``T``-token chunk's patch on
+    a :data:`FORM_CONTEXT`-token antecedent is formed (``form_patch``: its conditioned forward and
+    its factorization), less that conditioned forward alone (an encode of antecedent + chunk less
+    one of the antecedent), each the median of ``repeats`` timed runs after a warm one (on CUDA
+    synchronized before and after: :func:`_timed`); :func:`fit_form_overhead` splits the
+    differences into ``form_fixed_s`` (per patch: the factorization's F x F eigenproblems do not
+    grow with T) and ``svd_s_per_token``. The measured points are kept in ``extra["form_overhead_s"]``."""
+    from ..core.errors import ArgumentError
     from ..core.operator import relocate
     from ..patch import form_patch
     from ..stores import DiskTier, StoreEntry
+
+    if len(set(form_lengths)) < 2 or min(form_lengths) < 1:
+        raise ArgumentError(f"form_lengths: two or more distinct positive chunk lengths, got {tuple(form_lengths)}")
 
     lay = backend.layout
     dev = torch.device(getattr(backend, "device", "cpu"))
@@ -63,14 +109,19 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
         backend.encode(token_ids=x)  # warm
         s = timed(lambda: backend.encode(token_ids=x), repeats)
         prefill.append((int(backend.root_len + n), n / s))
-    ctx_ids, q = ids(256), ids(1)
+    ctx_ids, q = ids(FORM_CONTEXT), ids(1)
     a = backend.encode(token_ids=ctx_ids)
-    b = backend.encode(token_ids=ids(256))
+    t_ctx = timed(lambda: backend.encode(token_ids=ctx_ids), repeats)
+    overhead = []
+    for n in form_lengths:
+        b = backend.encode(token_ids=ids(n))
+        form_patch(backend, b, [a], rank=min(rank, b.n_tokens))  # (warm: a length's first solve)
+        t_form = timed(lambda: form_patch(backend, b, [a], rank=min(rank, b.n_tokens)), repeats)
+        t_cond = timed(lambda: backend.encode(token_ids=ctx_ids + b.token_ids.tolist()), repeats) - t_ctx
+        overhead.append((int(n), max(0.0, t_form - max(t_cond, 0.0))))
+    form_fixed, svd_per_token = fit_form_overhead(overhead)
+    b = backend.encode(token_ids=ids(256))  # the apply and decode probes: a 256-token page
     patch = form_patch(backend, b, [a], rank=min(rank, b.n_tokens))
-    t_form = timed(lambda: form_patch(backend, b, [a], rank=min(rank, b.n_tokens)), repeats)
-    t_cond = timed(lambda: backend.encode(token_ids=ctx_ids + b.token_ids.tolist()), repeats) - timed(
-        lambda: backend.encode(token_ids=ctx_ids), repeats)
-    svd_per_token = max(0.0, t_form - max(t_cond, 0.0)) / b.n_tokens
     page = relocate(b, 1000, layout=lay, patch=[patch], beyond_trained=True)
     page_bytes = kv_nbytes(page)
     t_apply = timed(lambda: relocate(b, 1000, layout=lay, patch=[patch], beyond_trained=True), max(3, repeats))
@@ -100,6 +151,7 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
         decode_tokens_per_s=1.0 / t_dec,
         apply_bytes_per_s=page_bytes / t_apply,
         svd_s_per_token=svd_per_token,
+        form_fixed_s=form_fixed,
         host_bytes_per_s=buf.numel() / t_host,
         disk_bytes_per_s=2 * n_bytes / t_disk,
         rank=rank,
@@ -107,7 +159,7 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
         fingerprint=backend.fingerprint,
         model=str(getattr(backend, "name", "")),
         extra={"threads": torch.get_num_threads(), "torch": torch.__version__, "device": _device_name(dev),
-               "lengths": list(lengths)},
+               "lengths": list(lengths), "form_overhead_s": [list(p) for p in overhead]},
     )
 
 

@@ -46,15 +46,17 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
     def __init__(self, trace: Trace, placement: "str | PlacementPolicy" = "arrival", eviction: "str | EvictionPolicy" = "lru",
                  arm: "str | ReuseCost" = "patch", cost: CostModel | None = None, config: ReplayConfig | None = None,
                  plan: Plan | None = None, idle_tokens: Callable[[float], int] | None = None,
-                 factorization_cost: float = 0.0) -> None:
+                 factorization_cost: float = 0.0, factorization_fixed: float = 0.0) -> None:
         self.trace = trace
         #: the heal budget of a step's idle gap, in prefilled tokens (``replay.live.drive_window``'s
         #: ``idle_tokens``, the same budget the live window heals within); None: heal to completion;
-        #: ``factorization_cost``: what that budget charges per token a patch factorizes (the
-        #: window's ``WindowConfig.factorization_cost``, ``healing.HealBudget``)
+        #: ``factorization_cost`` / ``factorization_fixed``: what that budget charges per token a patch
+        #: factorizes and per patch (the window's ``WindowConfig`` fields, ``healing.HealBudget``)
         self.idle_tokens = idle_tokens
         self.factorization_cost = float(factorization_cost)
+        self.factorization_fixed = float(factorization_fixed)
         self.factorized_tokens = 0  # tokens of the patches formed or differenced so far (what it charges for)
+        self.factorized_patches = 0  # and how many patches
         #: the window operations this replay decides (``window.plan``), recorded when given
         self.plan = plan
         self.placement = make_placement(placement)
@@ -144,6 +146,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             r.patch_hits += counts.get("patches_reused", 0)
         if isinstance(op, (Form, Difference)):
             self.factorized_tokens += op.tokens
+            self.factorized_patches += 1
         stored = op.stored()
         if stored is not None and stored[1]:
             r.stored[stored[0]] = r.stored.get(stored[0], 0) + stored[1]
@@ -672,7 +675,8 @@ def _access_log(eng: Replayer) -> list[str]:
     """The pool's access sequence for this trace, placement and arm (it does not depend on the
     eviction policy: what is read is decided by the trace and the placement)."""
     probe = Replayer(eng.trace, type(eng.placement)(), "lru", eng.arm.copy(), eng.cost, eng.cfg,
-                     idle_tokens=eng.idle_tokens, factorization_cost=eng.factorization_cost)
+                     idle_tokens=eng.idle_tokens, factorization_cost=eng.factorization_cost,
+                     factorization_fixed=eng.factorization_fixed)
     probe.pool.log = []
     probe._prepare_future()
     probe._run()

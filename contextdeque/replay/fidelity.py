@@ -24,8 +24,10 @@ Idle gaps (``idle_rate``, trace tokens the model prefills per idle second): each
 time (``traces.idle_gaps``) becomes a deterministic heal budget of ``idle_ms / 1000 x idle_rate x
 scale`` prefilled tokens (the trace's idle time, in the scaled trace's tokens), spent by ``heal``
 and, with ``anticipate=True``, by anticipation, instead of healing to completion at every step.
-A forming costs that budget its forward and its factorization (:func:`factorization_cost`, from
-the cost model, passed as the window's ``factorization_cost``).
+A forming costs that budget its forward and its factorization: per token :func:`factorization_cost`
+and per patch :func:`factorization_fixed` (from the cost model, passed as the window's
+``factorization_cost`` / ``factorization_fixed``; the per-patch charge scaled like the chunks and
+the budget, a per-token one needs no scaling).
 The patch arm then reports the anticipation hit rate per step type (``replay.hits``: re-read
 steps answered fresh with 0 forwards, from the receipts).
 TTFT: wall time of (assembling the arm's KV + prefilling the query) over (re-prefilling the
@@ -113,6 +115,17 @@ def factorization_cost(cost: Any) -> float:
     :data:`IDLE_CONTEXT`, i.e. the calibrated machine's ratio of SVD time to prefill time, taken to
     hold at any ``--idle-rate`` (both run on the same device)."""
     return float(cost.svd_s_per_token) * float(cost.tokens_per_s(IDLE_CONTEXT))
+
+
+def factorization_fixed(cost: Any, scale: float = DEFAULT_SCALE) -> float:
+    """What factorizing one patch costs an idle budget beyond its per-token part (the window's
+    ``factorization_fixed``), in the scaled trace's prefill tokens: the cost model's
+    ``form_fixed_s`` x its prefill rate at :data:`IDLE_CONTEXT` (as :func:`factorization_cost`) x
+    ``scale``. The replay scales chunks and idle budgets by ``scale`` while a patch stays one
+    patch, so a per-patch charge in real prefill tokens is scaled the same way (the per-token
+    charge is a ratio of tokens to tokens and needs no scaling): a patch then takes the same
+    share of an idle gap as at full scale."""
+    return float(cost.form_fixed_s) * float(cost.tokens_per_s(IDLE_CONTEXT)) * float(scale)
 
 
 def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

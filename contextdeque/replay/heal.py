@@ -49,7 +49,7 @@ class HealMirror:
         budget = budget if budget is not None else HealBudget()
         self._forget_departed()
         while (self._pending_keys() or self._leave_canon) and budget.allows_step():
-            idle, factorized = self._idle_start(), self.factorized_tokens
+            idle, factorized = self._idle_start(), self._factorized()
             # the window's step (``healing.plan_heal_step``): its batch, or one canonical owed by a
             # chunk that left (``_unhealed_evicted``, in eviction order)
             tasks = plan_heal_step(self.order, self._pending_keys(), self._heal_priority, self._heal_need,
@@ -58,7 +58,7 @@ class HealMirror:
                 self._heal_pass(set(), owed=tasks[0].key)
             else:
                 self._heal_pass({t.key for t in tasks})
-            budget.spend(self.r.tokens_prefilled - idle[0], self.factorized_tokens - factorized)
+            budget.spend(self.r.tokens_prefilled - idle[0], *self._factorized_since(factorized))
             self._idle_end(idle)
             self.pool.install(self.order)  # (each step is one window operation)
 
@@ -76,7 +76,8 @@ class HealMirror:
         and then, once none is left, anticipation, on one budget (``healing.HealBudget``)."""
         if max_tokens <= 0:
             return
-        budget = HealBudget(max_tokens=max_tokens, factorization_cost=self.factorization_cost)
+        budget = HealBudget(max_tokens=max_tokens, factorization_cost=self.factorization_cost,
+                            factorization_fixed=self.factorization_fixed)
         self.heal(budget)
         if not self._pending_keys():
             self.anticipate(budget)
@@ -188,6 +189,14 @@ class HealMirror:
 
     def _idle_start(self) -> tuple[int, int, float]:
         return self.r.tokens_prefilled, self.r.forwards, self.r.est_seconds
+
+    def _factorized(self) -> tuple[int, int]:
+        """``(tokens, patches)`` factorized so far (``Replayer.do``: what an idle budget charges for)."""
+        return self.factorized_tokens, self.factorized_patches
+
+    def _factorized_since(self, start: tuple[int, int]) -> tuple[int, int]:
+        """``(tokens, patches)`` factorized since ``start`` (:meth:`_factorized`): ``HealBudget.spend``'s."""
+        return self.factorized_tokens - start[0], self.factorized_patches - start[1]
 
     def _idle_end(self, start: tuple[int, int, float]) -> None:
         """What ran since ``start`` (``_idle_start``) was idle time: ``heal_*``, not ``est_seconds``."""

@@ -34,7 +34,9 @@ class CostModel:
     ``storage_bytes`` (bytes per stored element). Speeds: ``prefill`` = ``[(context length,
     tokens/s)]`` measured for prefills ending at that length (interpolated in between, flat outside),
     ``decode_tokens_per_s``, ``apply_bytes_per_s`` (relocate + rank-m patch, bytes of page written),
-    ``svd_s_per_token`` (the per-token cost of forming a patch beyond its conditioned forward),
+    ``form_fixed_s`` + ``svd_s_per_token`` x tokens (the cost of forming a patch beyond its
+    conditioned forward: a fixed part per patch, its factorization's F x F eigenproblems whatever
+    the chunk's length, and a per-token part; 0.0 fixed in calibrations saved before it was split),
     ``host_bytes_per_s`` / ``disk_bytes_per_s`` (tier transfers). ``rank``: the patch rank m.
     ``source``: ``"calibration"`` or ``"defaults"``; ``fingerprint`` / ``model``: whose numbers.
     """
@@ -47,6 +49,7 @@ class CostModel:
     decode_tokens_per_s: float = 40.0
     apply_bytes_per_s: float = 2.0e9
     svd_s_per_token: float = 2.0e-5
+    form_fixed_s: float = 0.0
     host_bytes_per_s: float = 8.0e9
     disk_bytes_per_s: float = 1.0e9
     rank: int = DEFAULT_RANK
@@ -90,15 +93,20 @@ class CostModel:
         """Seconds to prefill ``tokens`` after ``context`` cached tokens."""
         return tokens / self.tokens_per_s(context + tokens) if tokens > 0 else 0.0
 
+    def factorize_s(self, tokens: int) -> float:
+        """Seconds to factorize one patch of ``tokens`` tokens beyond its forward (a ``Difference``,
+        or a ``Form``'s factorization): ``form_fixed_s + tokens x svd_s_per_token``."""
+        return self.form_fixed_s + tokens * self.svd_s_per_token if tokens > 0 else 0.0
+
     def form_s(self, tokens: int, context: int) -> float:
         """Seconds to form one patch: its conditioned forward plus the factorization."""
-        return self.prefill_s(tokens, context) + tokens * self.svd_s_per_token
+        return self.prefill_s(tokens, context) + self.factorize_s(tokens)
 
     def form_floor_s(self, tokens: int) -> float:
         """The fewest seconds forming a patch of ``tokens`` tokens can take behind any context
         (at the fastest prefill speed): a lower bound of :meth:`form_s` (the scheduler's search
         bounds by it)."""
-        return tokens / _fastest(self.prefill) + tokens * self.svd_s_per_token if tokens > 0 else 0.0
+        return tokens / _fastest(self.prefill) + self.factorize_s(tokens) if tokens > 0 else 0.0
 
     def seconds(self, op: Op) -> float:
         """Modelled seconds of one planned operation (``window.plan``): the one price list the
@@ -108,9 +116,10 @@ class CostModel:
         if isinstance(op, Forward):
             return self.prefill_s(op.tokens, op.context)
         if isinstance(op, Form):
-            return op.forwards * self.form_s(op.tokens, op.context)
+            # its forwards, then one factorization (a kind that runs two forwards factorizes once)
+            return op.forwards * self.prefill_s(op.tokens, op.context) + self.factorize_s(op.tokens)
         if isinstance(op, Difference):
-            return op.tokens * self.svd_s_per_token
+            return self.factorize_s(op.tokens)
         if isinstance(op, Load):
             return op.nbytes / (self.host_bytes_per_s if op.tier == "host" else self.disk_bytes_per_s)
         return 0.0  # a store hit, a keep or a clear: no model work

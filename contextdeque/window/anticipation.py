@@ -51,10 +51,10 @@ from . import ingest
 from .placement import END, recall_chooser, window_index
 from .plan import Forward
 from .anticipate_reorder import ANTICIPATED_REORDERS, anticipate_reorder, reorder_candidates
-from .healing import HealBudget
+from .healing import HealBudget, factorization_charge
 from .kvstate import antecedent_states
 from .policy_latency import HealPolicy
-from .predictor import (Prediction, RecallPredictor, as_predicted, factorized_tokens, make_predictor,
+from .predictor import (Prediction, RecallPredictor, as_predicted, factorized_patches, make_predictor,
                         rank_predictions)
 from .receipt import Meter, Receipt
 from .reconcile import reconcile
@@ -260,21 +260,25 @@ def reorder_cost(state: Any, order: Sequence[ChunkRef], factorization_cost: floa
     return sum(tokens.get(r, 0) for r in list(order)[first:]) * (1.0 + factorization_cost)
 
 
-def recall_cost(state: Any, prediction: Prediction, reorder_tokens: int, factorization_cost: float) -> float:
+def recall_cost(state: Any, prediction: Prediction, reorder_tokens: int, factorization_cost: float,
+                factorization_fixed: float = 0.0) -> float:
     """What preparing ``prediction`` (and, ``reorder_tokens`` > 0, the hinted reorder after it:
     :func:`reorder_after`) is estimated to cost an idle budget: its forwards and, at
-    ``factorization_cost``, its patches' factorizations (``healing.idle_spent``). ``state``: a
-    :class:`~.state.WindowState` (the replay's key-level one too)."""
+    ``factorization_fixed`` per patch and ``factorization_cost`` per token, its patches'
+    factorizations (``healing.idle_spent``; the reorder's by its tokens only: how many patches it
+    re-forms is not estimated). ``state``: a :class:`~.state.WindowState` (the replay's key-level
+    one too)."""
     cost = prediction.cost_tokens + reorder_tokens * (1.0 + factorization_cost)
-    if factorization_cost:
-        cost += factorization_cost * factorized_tokens(state, prediction.recalls)
+    if factorization_cost or factorization_fixed:
+        sizes = factorized_patches(state, prediction.recalls)
+        cost += factorization_charge(sum(sizes), len(sizes), factorization_cost, factorization_fixed)
     return cost
 
 
-def slide_cost(n_tokens: int, factorization_cost: float) -> float:
+def slide_cost(n_tokens: int, factorization_cost: float, factorization_fixed: float = 0.0) -> float:
     """What preparing the next slide costs an idle budget: the canonical's forward and its patch's
     factorization (an SVD of the provisional KV)."""
-    return n_tokens * (1.0 + factorization_cost)
+    return n_tokens + factorization_charge(n_tokens, 1, factorization_cost, factorization_fixed)
 
 
 @dataclass
@@ -293,7 +297,7 @@ class Preparation:
 
 
 def plan_anticipation(state_of: Callable[[], Any], predictor: RecallPredictor, expected: dict,
-                      expected_orders: Sequence[Sequence[ChunkRef]], budgeted: bool, factorization_cost: float,
+                      expected_orders: Sequence[Sequence[ChunkRef]], budgeted: bool, factorization: tuple[float, float],
                       slide_tokens: int | None, reorders: Callable[[], Sequence[Sequence[ChunkRef]]]) -> Iterator[Preparation]:
     """The anticipation tasks of one pass, most valuable first: the planning the window executes
     and the replay prices (``replay/anticipate.py``), over ``state_of()`` (read anew after each
@@ -304,13 +308,15 @@ def plan_anticipation(state_of: Callable[[], Any], predictor: RecallPredictor, e
     predictions (:func:`plan_recalls`, each with the reorder the agent named right after it, then
     without it; a chain that extends one prepared in this pass costs only the rest), then the
     ``reorders()`` to prepare (priced by :func:`reorder_cost`: a gap is never charged more than
-    its budget, where an unpriced reorder once ran whatever was left)."""
+    its budget, where an unpriced reorder once ran whatever was left). ``factorization``: the idle
+    budget's ``(factorization_cost, factorization_fixed)`` (``healing.HealBudget``), what the
+    estimates charge per factorized token and per patch."""
     predictions = plan_recalls(predictor, state_of(), expected, budgeted)
     if slide_tokens is not None:
         top = predictions[0].probability if predictions else 0.0
         if not budgeted or predictor.p_front_leaves() >= top:
             # first: it changes the window (a canonical), which the other patches' keys name
-            yield Preparation("slide", slide_cost(slide_tokens, factorization_cost))
+            yield Preparation("slide", slide_cost(slide_tokens, *factorization))
             predictions = plan_recalls(predictor, state_of(), expected, budgeted)  # (as it now stands)
     done: dict[tuple, float] = {}  # chains prepared in this pass -> their estimated cost
     for prediction in predictions:
@@ -318,14 +324,14 @@ def plan_anticipation(state_of: Callable[[], Any], predictor: RecallPredictor, e
         for orders in ((expected_orders, ()) if then else ((),)):
             if not orders and any(chain[: len(prediction.recalls)] == prediction.recalls for chain in done):
                 continue  # the start of a chain prepared in this pass: all stored
-            cost = recall_cost(state_of(), prediction, then if orders else 0, factorization_cost)
+            cost = recall_cost(state_of(), prediction, then if orders else 0, *factorization)
             head = max((c for chain, c in done.items() if prediction.recalls[: len(chain)] == chain), default=0)
             task = Preparation("recalls", max(0, cost - head), recalls=prediction.recalls, orders=orders)
             yield task
             if task.ran:
                 done[prediction.recalls] = max(cost, done.get(prediction.recalls, 0))
     for order in reorders():
-        yield Preparation("reorder", reorder_cost(state_of(), order, factorization_cost), order=order)
+        yield Preparation("reorder", reorder_cost(state_of(), order, factorization[0]), order=order)
 
 
 @dataclass(frozen=True)
@@ -552,8 +558,8 @@ class WindowAnticipation:
         slots = self._state.slots
         ctx = self._ctx
         tasks = plan_anticipation(lambda: as_predicted(self._state, ctx.cascade_policy), self.recall_predictor,
-                                  self.expected, self.expected_orders,
-                                  budgeted, float(ctx.config.factorization_cost),
+                                  self.expected, self.expected_orders, budgeted,
+                                  (float(ctx.config.factorization_cost), float(ctx.config.factorization_fixed)),
                                   slots[1].n_tokens if len(slots) >= 2 and slots[1].provisional else None,
                                   lambda: reorder_candidates(self, self._state))
         for task in tasks:

@@ -101,17 +101,26 @@ def plan_heal_step(order: Sequence[K], pending: Collection[K], priority: Callabl
     return [HealTask(k, need_of(k, index[k]), tuple(order[: index[k]])) for k in batch]
 
 
-def idle_spent(receipts: Iterable[Receipt], factorization_cost: float) -> float:
+def idle_spent(receipts: Iterable[Receipt], factorization_cost: float, factorization_fixed: float = 0.0) -> float:
     """What ``receipts`` (heal and anticipation steps) cost a heal's token budget
-    (``heal(max_tokens=...)``): the tokens their forwards prefilled, plus ``factorization_cost``
-    (``WindowConfig.factorization_cost``) per token a patch factorized (a ``Form``'s SVD, once
-    whatever its forwards, or a ``Difference`` taken from a forward already run)."""
+    (``heal(max_tokens=...)``): the tokens their forwards prefilled, plus, per patch factorized (a
+    ``Form``'s factorization, once whatever its forwards, or a ``Difference`` taken from a forward
+    already run), ``factorization_fixed`` and ``factorization_cost`` per token of it
+    (``WindowConfig.factorization_fixed`` / ``factorization_cost``: :func:`factorization_charge`)."""
     spent = 0.0
     for r in receipts:
         spent += r.tokens_prefilled
-        if factorization_cost:
-            spent += factorization_cost * sum(op.tokens for op in r.plan if isinstance(op, (Form, Difference)))
+        if factorization_cost or factorization_fixed:
+            sizes = [op.tokens for op in r.plan if isinstance(op, (Form, Difference))]
+            spent += factorization_charge(sum(sizes), len(sizes), factorization_cost, factorization_fixed)
     return spent
+
+
+def factorization_charge(tokens: int, patches: int, factorization_cost: float, factorization_fixed: float) -> float:
+    """What factorizing ``patches`` patches of ``tokens`` tokens in all costs an idle budget, in
+    prefill tokens: ``factorization_fixed`` per patch (one top-m factorization over all layers,
+    whose cost does not grow with the chunk) plus ``factorization_cost`` per token."""
+    return factorization_fixed * patches + factorization_cost * tokens
 
 
 @dataclass
@@ -121,13 +130,15 @@ class HealBudget:
     trace executor's idle gaps), until ``deadline`` (``time.perf_counter()``; the live window's
     only). The heal's queued work and then anticipation's preparations draw on the same budget;
     the window executes the steps, the replay prices them, both under this one rule. A step costs
-    the tokens its forwards prefilled plus ``factorization_cost`` per token a patch factorized
-    (``WindowConfig.factorization_cost``: :func:`idle_spent`)."""
+    the tokens its forwards prefilled plus, per patch it factorized, ``factorization_fixed`` and
+    ``factorization_cost`` per token (``WindowConfig.factorization_fixed`` /
+    ``factorization_cost``: :func:`idle_spent`)."""
 
     max_steps: int | None = None
     max_tokens: int | None = None
     deadline: float | None = None
     factorization_cost: float = 0.0
+    factorization_fixed: float = 0.0
     steps: int = 0
     tokens: float = 0.0
 
@@ -149,15 +160,16 @@ class HealBudget:
         """Whether a preparation estimated at ``cost_tokens`` (None: not priced) fits what is left."""
         return self.max_tokens is None or (self.tokens < self.max_tokens and self.tokens + (cost_tokens or 0) <= self.max_tokens)
 
-    def spend(self, tokens: int, factorized: int = 0) -> None:
-        """One step done, which prefilled ``tokens`` and factorized patches of ``factorized`` tokens."""
+    def spend(self, tokens: int, factorized: int = 0, patches: int = 0) -> None:
+        """One step done, which prefilled ``tokens`` and factorized ``patches`` patches of
+        ``factorized`` tokens in all."""
         self.steps += 1
-        self.tokens += tokens + self.factorization_cost * factorized
+        self.tokens += tokens + factorization_charge(factorized, patches, self.factorization_cost, self.factorization_fixed)
 
     def spend_receipt(self, receipt: Receipt) -> None:
         """One step done, as its receipt says (:func:`idle_spent`)."""
         self.steps += 1
-        self.tokens += idle_spent((receipt,), self.factorization_cost)
+        self.tokens += idle_spent((receipt,), self.factorization_cost, self.factorization_fixed)
 
 
 class WindowHealing:
@@ -205,7 +217,8 @@ class WindowHealing:
             raise WindowTypeError(f"anticipate must be a bool, got {type(anticipate).__name__}")
         t0 = time.perf_counter()
         budget = HealBudget(None if max_steps is None else int(max_steps), None if max_tokens is None else int(max_tokens),
-                            None if max_ms is None else t0 + float(max_ms) / 1000.0, float(self._ctx.config.factorization_cost))
+                            None if max_ms is None else t0 + float(max_ms) / 1000.0, float(self._ctx.config.factorization_cost),
+                            float(self._ctx.config.factorization_fixed))
         steps: list[Receipt] = []
         while (self._state.pending or self._unhealed_evicted()) and budget.allows_step():
             steps.append(self._heal_step())

@@ -161,14 +161,14 @@ def chain_tokens(state: "WindowState", recalls: Sequence[Recall]) -> tuple[int, 
     return cost, saved
 
 
-def factorized_tokens(state: "WindowState", recalls: Sequence[Recall]) -> int:
-    """Tokens the patches of recalling ``recalls`` in order would factorize (an estimate, as
+def factorized_patches(state: "WindowState", recalls: Sequence[Recall]) -> list[int]:
+    """The tokens of each patch recalling ``recalls`` in order would factorize (an estimate, as
     :func:`chain_tokens`): each recalled chunk's patch and the recall cascade's re-forms of
     dependents with a canonical (a provisional dependent is re-forwarded, nothing factorized).
-    What ``WindowConfig.factorization_cost`` charges on top of the forwards."""
+    What ``WindowConfig.factorization_fixed`` / ``factorization_cost`` charge on top of the forwards."""
     tokens = {s.ref: s.n_tokens for s in state.slots if not getattr(s, "provisional", False)}
-    return sum(entry.n_tokens + sum(tokens.get(r, 0) for r in dependents)
-               for entry, dependents in _chain_cascades(state, recalls))
+    return [n for entry, dependents in _chain_cascades(state, recalls)
+            for n in (entry.n_tokens, *(tokens[r] for r in dependents if r in tokens))]
 
 
 def priced(state: "WindowState", recalls: Sequence[Recall], probability: float, source: str) -> Prediction:

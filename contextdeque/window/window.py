@@ -187,6 +187,9 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             forward already run), in prefill tokens: the cost model's ``svd_s_per_token`` x its
             prefill tokens/s (``replay --idle-rate`` sets it from the calibration). 0: the budget
             counts forwards only.
+        factorization_fixed: what that budget charges per patch factorized (one top-m factorization
+            over all layers, whose cost does not grow with the chunk), in prefill tokens: the cost
+            model's ``form_fixed_s`` x its prefill tokens/s. 0: no per-patch charge.
     """
 
     def __init__(
@@ -217,6 +220,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
         blind_kl: float = DEFAULT_BLIND_KL,
         recall_predictor: "str | RecallPredictor" = "session",
         factorization_cost: float = 0.0,
+        factorization_fixed: float = 0.0,
     ) -> None:
         root = self._checked_root(backend, root)
         config = WindowConfig(
@@ -227,7 +231,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             beyond_trained=beyond_trained, chunk_template=chunk_template, max_evicted=max_evicted,
             anticipate=anticipate, recall_placement=recall_placement, answer_kl_budget=answer_kl_budget,
             kl_budget_ms=kl_budget_ms, blind_kl=blind_kl, recall_predictor=recall_predictor,
-            factorization_cost=factorization_cost,
+            factorization_cost=factorization_cost, factorization_fixed=factorization_fixed,
         )
         self._start(backend_with_root(backend, root), store, config)
 
