@@ -104,7 +104,8 @@ def test_window_step_ttft_rows(backend):
     for r in rows:
         assert r["window_tokens"] == 32 and r["page_tokens"] == 8 and r["repeats"] == 2
         assert 0 < r["step_ms"] <= r["ttft_ms"] and r["reprefill_ms"] > 0
-        assert r["ttft_vs_reprefill"] == round(r["reprefill_ms"] / r["ttft_ms"], 3)
+        # the row's times are shown rounded, the ratio is taken before rounding
+        assert r["ttft_vs_reprefill"] == pytest.approx(r["reprefill_ms"] / r["ttft_ms"], rel=1e-2, abs=2e-3)
         assert r["kl_answer_max"] >= 0.0
 
 
