@@ -122,11 +122,14 @@ def test_a_recall_chain_s_head_is_its_own_chunks_in_front_of_where_they_go(backe
     refs = [win.append(chunk=backend.encode(token_ids=p)) for p in POOL[:4]]
     win.evict(refs[1])
     state = win._state
-    pinned = forming_task(Preparation("recalls", 1.0, recalls=((refs[1], 1),)), ("a", "b", "c"), state, 0.5)
+    pinned = forming_task(Preparation("recalls", 1.0, recalls=((refs[1], 1),)), ("a", "b", "c"), state, (0.5, 0.0))
     assert pinned.head_len == 1 and pinned.head_cost == len(POOL[1]) * 1.5
-    at_end = forming_task(Preparation("recalls", 1.0, recalls=((refs[1], "end"),)), ("a", "b", "c"), state, 0.5)
+    # the per-patch charge too (healing.factorization_charge), as the budget spends it
+    fixed = forming_task(Preparation("recalls", 1.0, recalls=((refs[1], 1),)), ("a", "b", "c"), state, (0.5, 3.0))
+    assert fixed.head_cost == len(POOL[1]) * 1.5 + 3.0
+    at_end = forming_task(Preparation("recalls", 1.0, recalls=((refs[1], "end"),)), ("a", "b", "c"), state, (0.5, 0.0))
     assert at_end.head_len == 3
-    whole = forming_task(Preparation("recalls", 1.0, recalls=((refs[1], 1),)), ("a", "b", "c"), state, 0.5, whole=True)
+    whole = forming_task(Preparation("recalls", 1.0, recalls=((refs[1], 1),)), ("a", "b", "c"), state, (0.5, 0.0), whole=True)
     assert whole.head_len == 3
     win.close()
 

@@ -238,7 +238,8 @@ class AnticipationMirror:
                     self._simulated(self._simulate_reorder, [self._key_of[ref] for ref in task.order])
 
             yield run, task.cost, forming_task(task, [self._kv_state(k) for k in self.order], key_state(self),
-                                               self.factorization_cost, whole=self.cfg.budget_tokens is not None)
+                                               (self.factorization_cost, self.factorization_fixed),
+                                               whole=self.cfg.budget_tokens is not None)
 
     def _anticipate_slide(self) -> bool:
         """``anticipation.anticipate_slide``: the provisional slot at index 1 gets its canonical

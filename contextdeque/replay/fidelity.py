@@ -46,8 +46,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..core.errors import PolicyError
-from ..core.errors import TraceError
+from ..core.errors import PolicyError, TraceError
 from ..traces.io import Trace, read_trace
 from .hits import HitRate
 from .live import drive_window, idle_budget

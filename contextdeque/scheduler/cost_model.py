@@ -16,7 +16,7 @@ import functools
 import json
 import os
 import tempfile
-from dataclasses import asdict, fields, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 

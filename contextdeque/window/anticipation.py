@@ -350,11 +350,12 @@ class FormingTask:
     head_cost: float
 
 
-def forming_task(task: Preparation, arrangement: Sequence[Any], state: Any, factorization_cost: float,
+def forming_task(task: Preparation, arrangement: Sequence[Any], state: Any, factorization: tuple[float, float],
                  whole: bool = False) -> FormingTask:
     """:class:`FormingTask` of ``task`` on ``arrangement`` (``state``: the window's
-    :class:`~.state.WindowState`, the replay's key-level one; ``whole``: the head is the whole
-    arrangement: under a token budget a recall's slide depends on every slot)."""
+    :class:`~.state.WindowState`, the replay's key-level one; ``factorization``: the idle budget's
+    ``(factorization_cost, factorization_fixed)``, as :func:`plan_anticipation` takes it; ``whole``:
+    the head is the whole arrangement: under a token budget a recall's slide depends on every slot)."""
     arrangement = tuple(arrangement)
     n = len(arrangement)
     head_len, head_cost = n, 0.0
@@ -365,7 +366,8 @@ def forming_task(task: Preparation, arrangement: Sequence[Any], state: Any, fact
         for ref, _ in task.recalls:
             entry = state.evicted.get(ref)
             if entry is not None:  # its conditioned forward, its factorization, a canonical owed
-                head_cost += entry.n_tokens * (1.0 + factorization_cost) + (entry.n_tokens if entry.owes_encode else 0)
+                head_cost += (entry.n_tokens + factorization_charge(entry.n_tokens, 1, *factorization)
+                              + (entry.n_tokens if entry.owes_encode else 0))
     key = (task.kind, tuple(task.recalls), tuple(tuple(o) for o in task.orders), tuple(task.order))
     return FormingTask(key, arrangement, n if whole else head_len, head_cost)
 
@@ -576,7 +578,8 @@ class WindowAnticipation:
                 return {"refs": tuple(task.order) if formed else ()}, None
 
             yield body, task.kind == "slide", task.cost, forming_task(
-                task, antecedent_states(self._state.slots), self._state, float(ctx.config.factorization_cost),
+                task, antecedent_states(self._state.slots), self._state,
+                (float(ctx.config.factorization_cost), float(ctx.config.factorization_fixed)),
                 whole=ctx.budget_tokens is not None)
 
     def _anticipate(self, budget: "HealBudget | None" = None) -> list[Receipt]:
