@@ -15,7 +15,7 @@ from contextdeque.core.errors import UnsupportedLayoutError
 from contextdeque.model.forward import run_deep_forward, run_forward, run_hidden_at, run_layers
 from contextdeque.window import ContextWindow
 from contextdeque.window.anticipation import FormingTask, Preparation, ResumableForming, forming_task
-from contextdeque.window.healing import HealBudget, idle_spent
+from contextdeque.window.healing import HealBudget, IdlePrices, idle_spent
 
 backend = micro_llama_backend_fixture(7, "tiny-resumable-llama")
 
@@ -122,14 +122,16 @@ def test_a_recall_chain_s_head_is_its_own_chunks_in_front_of_where_they_go(backe
     refs = [win.append(chunk=backend.encode(token_ids=p)) for p in POOL[:4]]
     win.evict(refs[1])
     state = win._state
-    pinned = forming_task(Preparation("recalls", 1.0, recalls=((refs[1], 1),)), ("a", "b", "c"), state, (0.5, 0.0))
+    per_token = IdlePrices(factorization_cost=0.5)
+    pinned = forming_task(Preparation("recalls", 1.0, recalls=((refs[1], 1),)), ("a", "b", "c"), state, per_token)
     assert pinned.head_len == 1 and pinned.head_cost == len(POOL[1]) * 1.5
-    # the per-patch charge too (healing.factorization_charge), as the budget spends it
-    fixed = forming_task(Preparation("recalls", 1.0, recalls=((refs[1], 1),)), ("a", "b", "c"), state, (0.5, 3.0))
-    assert fixed.head_cost == len(POOL[1]) * 1.5 + 3.0
-    at_end = forming_task(Preparation("recalls", 1.0, recalls=((refs[1], "end"),)), ("a", "b", "c"), state, (0.5, 0.0))
+    # the per-patch and per-forward charges too (healing.IdlePrices), as the budget spends them
+    fixed = forming_task(Preparation("recalls", 1.0, recalls=((refs[1], 1),)), ("a", "b", "c"), state,
+                         IdlePrices(factorization_cost=0.5, factorization_fixed=3.0, forward_fixed=7.0))
+    assert fixed.head_cost == len(POOL[1]) * 1.5 + 3.0 + 7.0
+    at_end = forming_task(Preparation("recalls", 1.0, recalls=((refs[1], "end"),)), ("a", "b", "c"), state, per_token)
     assert at_end.head_len == 3
-    whole = forming_task(Preparation("recalls", 1.0, recalls=((refs[1], 1),)), ("a", "b", "c"), state, (0.5, 0.0), whole=True)
+    whole = forming_task(Preparation("recalls", 1.0, recalls=((refs[1], 1),)), ("a", "b", "c"), state, per_token, whole=True)
     assert whole.head_len == 3
     win.close()
 

@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fidelity mode: honour the traces' idle gaps (step idle / time): each becomes a heal budget of "
                              "idle seconds x TOKENS_PER_S trace tokens (scaled like the chunks), spent by heal() with "
                              "anticipation on, and the patch arm reports the anticipation hit rate per step type; "
-                             "'calibrated': the cost model's prefill rate at 2,048 tokens of context")
+                             "'calibrated': the cost model's prefill rate at 2,048 tokens of context beyond a forward's fixed part "
+                             "(which every forward is charged besides: CostModel.forward_fixed_s)")
     parser.add_argument("--ignore-hints", action="store_true",
                         help="with --idle-rate: do not pass the traces' expect events (what the agent said it will re-read) on")
     parser.add_argument("--predictor", default="session",
@@ -83,13 +84,13 @@ def run(args: argparse.Namespace) -> int:
         idle = {} if idle_rate is None else {"anticipate": True, "recall_predictor": args.predictor}
         config = ReplayConfig(budget_tokens=args.budget_tokens, device_bytes=int(args.device_gb * GiB),
                               host_bytes=int(args.host_gb * GiB), rank=args.rank, overlap_loads=args.overlap_loads, **idle)
-        fc = ff = 0.0
+        charges: dict[str, float] = {}
         if idle_rate is not None:
-            from ..replay.fidelity import factorization_cost, factorization_fixed
+            from ..replay.fidelity import idle_charges
 
             # the cost model's side runs the trace at full scale, the fidelity mode's window at its
-            # scale: a per-patch charge is scaled with the budgets (replay.fidelity.factorization_fixed)
-            fc, ff = factorization_cost(cost), factorization_fixed(cost, 1.0)
+            # scale: per-forward and per-patch charges are scaled with the budgets (replay.fidelity)
+            charges = idle_charges(cost, 1.0)
         jobs = args.jobs or default_jobs()
         err.print(f"[dim]{note}[/dim]")
         err.print(f"[dim]replaying {len(args.traces)} trace(s) x {len(combos)} combo(s) on {jobs} process(es)[/dim]")
@@ -100,16 +101,15 @@ def run(args: argparse.Namespace) -> int:
             task = bar.add_task("replay", total=None)
             results = replay_many([str(p) for p in args.traces], combos, cost, config, jobs=jobs,
                                   progress=lambda done, total: bar.update(task, completed=done, total=total),
-                                  idle_rate=idle_rate, factorization_cost=fc, factorization_fixed=ff)
+                                  idle_rate=idle_rate, hints=not args.ignore_hints, **charges)
         extra = {}
         if args.fidelity:
-            from ..replay.fidelity import factorization_fixed, run_fidelity_mode
+            from ..replay.fidelity import idle_charges, run_fidelity_mode
 
             apply_threads_argument(args)
             options = window_options(args)
-            if idle_rate is not None:  # (a forming costs the idle budget its forward and its factorization)
-                options.update(anticipate=True, recall_predictor=args.predictor, factorization_cost=fc,
-                               factorization_fixed=factorization_fixed(cost))
+            if idle_rate is not None:  # (a forming costs the idle budget its forwards and its factorization)
+                options.update(anticipate=True, recall_predictor=args.predictor, **idle_charges(cost))
             fid = run_fidelity_mode([str(p) for p in args.traces], combos, args.fidelity, seed=args.seed, console=err,
                                     patch_policy=args.patch_policy, window_options=options, idle_rate=idle_rate,
                                     hints=not args.ignore_hints)
@@ -156,13 +156,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _idle_rate(spec: str | None, cost) -> float | None:
-    """``--idle-rate``: a number of tokens per second, or ``calibrated`` (the cost model's prefill rate)."""
+    """``--idle-rate``: a number of tokens per second, or ``calibrated`` (the cost model's prefill
+    rate per token beyond a forward's fixed part, ``replay.fidelity.idle_token_s``)."""
     if spec is None:
         return None
     if spec == "calibrated":
-        from ..replay.fidelity import IDLE_CONTEXT
+        from ..replay.fidelity import idle_token_s
 
-        return float(cost.tokens_per_s(IDLE_CONTEXT))
+        return 1.0 / idle_token_s(cost)
     try:
         rate = float(spec)
     except ValueError:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 from ..window.anticipate_reorder import note_reorder, plan_reorders
 from ..window.anticipation import (Preparation, ResumableForming, fulfil_hints, fulfil_orders, note_hint, note_order,
                                    forming_task, plan_anticipation)
-from ..window.healing import HealBudget
+from ..window.healing import HealBudget, IdlePrices
 from ..window.placement import END
 from ..window.plan import ChunkKeys, Forward, KeySlot, Prepared
 from ..window.prepared import PreparedForwards
@@ -204,10 +204,11 @@ class AnticipationMirror:
                     complete = False
                     forming.missed(work)
                     continue  # too dear for what is left (started with the gap's rest)
-                tokens, factorized, spent = self.r.tokens_prefilled, self._factorized(), budget.tokens
+                tokens, forwards, factorized, spent = self.r.tokens_prefilled, self.r.forwards, self._factorized(), budget.tokens
                 run()
-                if self.r.tokens_prefilled > tokens or self._factorized() != factorized:
-                    budget.spend(self.r.tokens_prefilled - tokens, *self._factorized_since(factorized))
+                if self.r.tokens_prefilled > tokens or self.r.forwards > forwards or self._factorized() != factorized:
+                    budget.spend(self.r.tokens_prefilled - tokens, *self._factorized_since(factorized),
+                                 forwards=self.r.forwards - forwards)
                 forming.ran(work, budget, spent)
             forming.end_pass(budget)
         finally:
@@ -221,8 +222,9 @@ class AnticipationMirror:
         keys: ``(run, cost_tokens, forming)``, most valuable first (forming:
         ``anticipation.forming_task`` on the window's KV states as the task comes up)."""
         slide = self.tokens[self.order[1]] if len(self.order) >= 2 and self.order[1] in self._no_canon else None
+        prices = IdlePrices(self.factorization_cost, self.factorization_fixed, self.forward_fixed)
         tasks = plan_anticipation(lambda: key_state(self), self.predictor, self.expected, self.expected_orders, budgeted,
-                                  (self.factorization_cost, self.factorization_fixed), slide,
+                                  prices, slide,
                                   lambda: plan_reorders(self.eager, self.reorders_seen, self.expected_orders,
                                                         key_state(self).slots))
         for task in tasks:
@@ -237,8 +239,7 @@ class AnticipationMirror:
                 else:
                     self._simulated(self._simulate_reorder, [self._key_of[ref] for ref in task.order])
 
-            yield run, task.cost, forming_task(task, [self._kv_state(k) for k in self.order], key_state(self),
-                                               (self.factorization_cost, self.factorization_fixed),
+            yield run, task.cost, forming_task(task, [self._kv_state(k) for k in self.order], key_state(self), prices,
                                                whole=self.cfg.budget_tokens is not None)
 
     def _anticipate_slide(self) -> bool:

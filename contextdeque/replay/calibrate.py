@@ -1,6 +1,7 @@
 """``contextdeque calibrate``: measure the replay cost model's constants on this machine's backend.
 
-Prefill tokens/s by length (a chunk encode after the root, at several lengths), decode tokens/s,
+Prefill tokens/s by length (a chunk encode after the root, at several lengths) and the fixed part
+of every forward (the intercept of those times, ``CostModel.forward_fixed_s``), decode tokens/s,
 apply bandwidth (relocation + a rank-m patch into a page), the cost of forming a patch beyond its
 conditioned forward (its factorization) split into a fixed part per patch and a per-token part
 (:func:`fit_form_overhead`), and host / disk tier bandwidth (a tensor copied between buffers, a
@@ -14,13 +15,13 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
 from ..core.kv import kv_nbytes
 from ..window.config import DEFAULT_RANK
-from ..scheduler.cost_model import CostModel
+from ..scheduler.cost_model import CostModel, fit_fixed_and_slope, fit_forward_fixed
 
 
 def _timed(fn: Callable[[], Any], repeats: int, device: torch.device | None = None) -> float:
@@ -43,38 +44,18 @@ FORM_CONTEXT = 256
 """Tokens of the antecedent every calibration patch is formed on."""
 
 
-def fit_form_overhead(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
-    """``(fixed_s, per_token_s)``, both >= 0, of the line ``fixed + per_token x T`` closest (least
-    squares) to ``points`` = ``[(T, seconds)]`` (at least two distinct T): the forming overhead
-    per patch and per token. Two points give the line through them; where that line's slope or
-    intercept is negative (a noisy measurement: forming never gets cheaper with length, nor costs
-    less than nothing), that part is 0 and the other is the least-squares fit alone (the mean of
-    the seconds; or the slope through the origin, ``sum(T s) / sum(T^2)``).
-
-    Raises:
-        ArgumentError: fewer than two distinct lengths, or a length that is not positive.
-    """
-    from ..core.errors import ArgumentError
-
-    ts = [float(t) for t, _ in points]
-    ys = [float(y) for _, y in points]
-    if len(set(ts)) < 2 or min(ts) <= 0:
-        raise ArgumentError(f"fitting a fixed and a per-token part needs two distinct positive lengths, got {sorted(set(ts))}")
-    mt, my = statistics.fmean(ts), statistics.fmean(ys)
-    slope = sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / sum((t - mt) ** 2 for t in ts)
-    fixed = my - slope * mt
-    if slope < 0:
-        return max(0.0, my), 0.0
-    if fixed < 0:
-        return 0.0, max(0.0, sum(t * y for t, y in zip(ts, ys)) / sum(t * t for t in ts))
-    return fixed, slope
+fit_form_overhead = fit_fixed_and_slope
+"""The forming overhead's split, ``(fixed_s, per_token_s)`` from ``[(T, seconds)]``: the cost
+model's one line fit (:func:`~contextdeque.scheduler.cost_model.fit_fixed_and_slope`)."""
 
 
 def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank: int = DEFAULT_RANK, repeats: int = 2,
               disk_dir: str | None = None, form_lengths: tuple[int, ...] = DEFAULT_FORM_LENGTHS) -> CostModel:
     """Measure a :class:`CostModel` on ``backend`` (an ``HFBackend``, on the CPU or a CUDA device:
     the prefill, forming, apply and decode speeds are the device's, the host and disk bandwidths
-    the host's). ``lengths``: the chunk lengths whose prefill speed is measured.
+    the host's). ``lengths``: the chunk lengths whose prefill speed is measured; a forward's fixed
+    part (``forward_fixed_s``) is the intercept of their times (:func:`fit_forward_fixed`: a
+    launch and per-layer floor the rate would scale away; at least two lengths for it, else 0).
 
     The forming overhead: at each of ``form_lengths`` (at least two) a ``T``-token chunk's patch on
     a :data:`FORM_CONTEXT`-token antecedent is formed (``form_patch``: its conditioned forward and
@@ -152,6 +133,7 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
         apply_bytes_per_s=page_bytes / t_apply,
         svd_s_per_token=svd_per_token,
         form_fixed_s=form_fixed,
+        forward_fixed_s=fit_forward_fixed(prefill, lengths),
         host_bytes_per_s=buf.numel() / t_host,
         disk_bytes_per_s=2 * n_bytes / t_disk,
         rank=rank,

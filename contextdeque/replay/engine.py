@@ -46,15 +46,21 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
     def __init__(self, trace: Trace, placement: "str | PlacementPolicy" = "arrival", eviction: "str | EvictionPolicy" = "lru",
                  arm: "str | ReuseCost" = "patch", cost: CostModel | None = None, config: ReplayConfig | None = None,
                  plan: Plan | None = None, idle_tokens: Callable[[float], int] | None = None,
-                 factorization_cost: float = 0.0, factorization_fixed: float = 0.0) -> None:
+                 factorization_cost: float = 0.0, factorization_fixed: float = 0.0, forward_fixed: float = 0.0,
+                 hints: bool = True) -> None:
         self.trace = trace
+        #: pass the trace's ``expect`` events on (False: ``replay --ignore-hints``, as the live
+        #: window's ``drive_window(hints=False)``)
+        self.hints = bool(hints)
         #: the heal budget of a step's idle gap, in prefilled tokens (``replay.live.drive_window``'s
         #: ``idle_tokens``, the same budget the live window heals within); None: heal to completion;
         #: ``factorization_cost`` / ``factorization_fixed``: what that budget charges per token a patch
-        #: factorizes and per patch (the window's ``WindowConfig`` fields, ``healing.HealBudget``)
+        #: factorizes and per patch, ``forward_fixed`` per forward beside its tokens (the window's
+        #: ``WindowConfig`` fields, ``healing.IdlePrices``)
         self.idle_tokens = idle_tokens
         self.factorization_cost = float(factorization_cost)
         self.factorization_fixed = float(factorization_fixed)
+        self.forward_fixed = float(forward_fixed)
         self.factorized_tokens = 0  # tokens of the patches formed or differenced so far (what it charges for)
         self.factorized_patches = 0  # and how many patches
         #: the window operations this replay decides (``window.plan``), recorded when given
@@ -585,6 +591,8 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
                 self.logical = [k for k in ev.order if k in set(self.order)]
                 self._reorder(list(ev.order))
                 self._observe("reorder", self.order)
+            elif op == "expect" and not self.hints:
+                pass  # the agent's hints are not passed on
             elif op == "expect" and getattr(ev, "order", None) is not None:
                 self.expect_order(ev.order)
             elif op == "expect":
@@ -676,7 +684,7 @@ def _access_log(eng: Replayer) -> list[str]:
     eviction policy: what is read is decided by the trace and the placement)."""
     probe = Replayer(eng.trace, type(eng.placement)(), "lru", eng.arm.copy(), eng.cost, eng.cfg,
                      idle_tokens=eng.idle_tokens, factorization_cost=eng.factorization_cost,
-                     factorization_fixed=eng.factorization_fixed)
+                     factorization_fixed=eng.factorization_fixed, forward_fixed=eng.forward_fixed, hints=eng.hints)
     probe.pool.log = []
     probe._prepare_future()
     probe._run()

@@ -24,10 +24,11 @@ Idle gaps (``idle_rate``, trace tokens the model prefills per idle second): each
 time (``traces.idle_gaps``) becomes a deterministic heal budget of ``idle_ms / 1000 x idle_rate x
 scale`` prefilled tokens (the trace's idle time, in the scaled trace's tokens), spent by ``heal``
 and, with ``anticipate=True``, by anticipation, instead of healing to completion at every step.
-A forming costs that budget its forward and its factorization: per token :func:`factorization_cost`
-and per patch :func:`factorization_fixed` (from the cost model, passed as the window's
-``factorization_cost`` / ``factorization_fixed``; the per-patch charge scaled like the chunks and
-the budget, a per-token one needs no scaling).
+A forming costs that budget its forward and its factorization: every forward its tokens plus
+:func:`forward_fixed` (its fixed part), per factorized token :func:`factorization_cost` and per
+patch :func:`factorization_fixed` (from the cost model, :func:`idle_charges`, passed as the
+window's ``forward_fixed`` / ``factorization_cost`` / ``factorization_fixed``; the per-forward and
+per-patch charges scaled like the chunks and the budget, a per-token one needs no scaling).
 The patch arm then reports the anticipation hit rate per step type (``replay.hits``: re-read
 steps answered fresh with 0 forwards, from the receipts).
 TTFT: wall time of (assembling the arm's KV + prefilling the query) over (re-prefilling the
@@ -110,21 +111,45 @@ def trace_chunk_ids(backend: Any, trace: Trace) -> dict[str, list[int]]:
 
 def factorization_cost(cost: Any) -> float:
     """What one token a patch factorizes costs an idle budget counted in prefill tokens (the
-    window's ``factorization_cost``): the cost model's ``svd_s_per_token`` x its prefill rate at
-    :data:`IDLE_CONTEXT`, i.e. the calibrated machine's ratio of SVD time to prefill time, taken to
-    hold at any ``--idle-rate`` (both run on the same device)."""
-    return float(cost.svd_s_per_token) * float(cost.tokens_per_s(IDLE_CONTEXT))
+    window's ``factorization_cost``): the cost model's ``svd_s_per_token`` over the seconds one
+    budget token stands for (:func:`idle_token_s`), i.e. the calibrated machine's ratio of SVD time
+    to prefill time, taken to hold at any ``--idle-rate`` (both run on the same device)."""
+    return float(cost.svd_s_per_token) / idle_token_s(cost)
 
 
 def factorization_fixed(cost: Any, scale: float = DEFAULT_SCALE) -> float:
     """What factorizing one patch costs an idle budget beyond its per-token part (the window's
     ``factorization_fixed``), in the scaled trace's prefill tokens: the cost model's
-    ``form_fixed_s`` x its prefill rate at :data:`IDLE_CONTEXT` (as :func:`factorization_cost`) x
-    ``scale``. The replay scales chunks and idle budgets by ``scale`` while a patch stays one
-    patch, so a per-patch charge in real prefill tokens is scaled the same way (the per-token
-    charge is a ratio of tokens to tokens and needs no scaling): a patch then takes the same
-    share of an idle gap as at full scale."""
-    return float(cost.form_fixed_s) * float(cost.tokens_per_s(IDLE_CONTEXT)) * float(scale)
+    ``form_fixed_s`` in budget tokens (as :func:`factorization_cost`) x ``scale``. The replay
+    scales chunks and idle budgets by ``scale`` while a patch stays one patch, so a per-patch
+    charge in real prefill tokens is scaled the same way (the per-token charge is a ratio of
+    tokens to tokens and needs no scaling): a patch then takes the same share of an idle gap as
+    at full scale."""
+    return float(cost.form_fixed_s) / idle_token_s(cost) * float(scale)
+
+
+def forward_fixed(cost: Any, scale: float = DEFAULT_SCALE) -> float:
+    """What every forward costs an idle budget beside its tokens (the window's ``forward_fixed``),
+    in the scaled trace's prefill tokens: the cost model's ``forward_fixed_s`` in budget tokens x
+    ``scale`` (a forward stays one forward at any scale, as a patch does:
+    :func:`factorization_fixed`)."""
+    return float(cost.forward_fixed_s) / idle_token_s(cost) * float(scale)
+
+
+def idle_token_s(cost: Any) -> float:
+    """Seconds one token of an idle budget stands for: what one more token adds to a forward at
+    :data:`IDLE_CONTEXT` (``CostModel.per_token_s``; the table's ``1 / tokens_per_s`` when forwards
+    have no fixed part), so that with :func:`forward_fixed` per forward a forward there is priced
+    at its modelled seconds. ``--idle-rate calibrated`` is its inverse."""
+    return 1.0 / float(cost.marginal_tokens_per_s(IDLE_CONTEXT))
+
+
+def idle_charges(cost: Any, scale: float = DEFAULT_SCALE) -> dict[str, float]:
+    """The window options that price idle work by ``cost`` at ``scale`` (``WindowConfig``'s
+    ``factorization_cost``, ``factorization_fixed``, ``forward_fixed``; the replay's cost-model side
+    takes them at scale 1)."""
+    return {"factorization_cost": factorization_cost(cost), "factorization_fixed": factorization_fixed(cost, scale),
+            "forward_fixed": forward_fixed(cost, scale)}
 
 
 def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

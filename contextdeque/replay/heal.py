@@ -58,7 +58,7 @@ class HealMirror:
                 self._heal_pass(set(), owed=tasks[0].key)
             else:
                 self._heal_pass({t.key for t in tasks})
-            budget.spend(self.r.tokens_prefilled - idle[0], *self._factorized_since(factorized))
+            budget.spend(self.r.tokens_prefilled - idle[0], *self._factorized_since(factorized), forwards=self.r.forwards - idle[1])
             self._idle_end(idle)
             self.pool.install(self.order)  # (each step is one window operation)
 
@@ -77,7 +77,7 @@ class HealMirror:
         if max_tokens <= 0:
             return
         budget = HealBudget(max_tokens=max_tokens, factorization_cost=self.factorization_cost,
-                            factorization_fixed=self.factorization_fixed)
+                            factorization_fixed=self.factorization_fixed, forward_fixed=self.forward_fixed)
         self.heal(budget)
         if not self._pending_keys():
             self.anticipate(budget)

@@ -61,12 +61,13 @@ def _cached_trace(path: str) -> Trace:
 _SHARED: list[Trace] = []  # traces handed to forked workers by index (inherited, never pickled)
 
 
-def _one(task: tuple[Any, Combo, dict, dict, float | None, float, float]) -> dict[str, Any]:
-    trace, (p, e, a), cost_d, cfg_d, idle_rate, factorization_cost, factorization_fixed = task
+def _one(task: tuple[Any, Combo, dict, dict, float | None, float, float, float, bool]) -> dict[str, Any]:
+    trace, (p, e, a), cost_d, cfg_d, idle_rate, factorization_cost, factorization_fixed, forward_fixed, hints = task
     t = _cached_trace(trace) if isinstance(trace, str) else _SHARED[trace] if isinstance(trace, int) else trace
     idle_tokens = None if idle_rate is None else idle_budget(idle_rate)
     eng = Replayer(t, p, e, a, CostModel.from_json(cost_d), ReplayConfig(**cfg_d), idle_tokens=idle_tokens,
-                   factorization_cost=factorization_cost, factorization_fixed=factorization_fixed)
+                   factorization_cost=factorization_cost, factorization_fixed=factorization_fixed, forward_fixed=forward_fixed,
+                   hints=hints)
     return eng.run().as_dict()
 
 
@@ -79,14 +80,15 @@ def check_budgets(traces: Sequence[Trace], cost: CostModel, config: ReplayConfig
 def replay_many(traces: Sequence["str | Trace"], combos: Sequence[Combo], cost: CostModel | None = None,
                 config: ReplayConfig | None = None, jobs: int = 1, progress: Callable[[int, int], None] | None = None,
                 idle_rate: float | None = None, factorization_cost: float = 0.0,
-                factorization_fixed: float = 0.0) -> list[dict[str, Any]]:
+                factorization_fixed: float = 0.0, forward_fixed: float = 0.0, hints: bool = True) -> list[dict[str, Any]]:
     """Every (trace, combo) result, sorted. ``traces``: paths (validated whole, once per worker)
     or :class:`Trace` objects. ``jobs``: worker processes (1: in this process). ``progress(done,
     total)`` is called as runs finish (their order of finishing does not change the result).
     ``idle_rate`` (trace tokens prefilled per idle second; None: heal to completion at every
     step): each ``step``'s idle gap is a heal budget (``live.idle_budget``) charging
-    ``factorization_cost`` per factorized token and ``factorization_fixed`` per factorized patch,
-    as the fidelity mode's live window spends it."""
+    ``factorization_cost`` per factorized token, ``factorization_fixed`` per factorized patch and
+    ``forward_fixed`` per forward, as the fidelity mode's live window spends it. ``hints``: pass
+    the traces' ``expect`` events on (False: ``--ignore-hints``, on both sides)."""
     cost = cost or CostModel()
     config = config or ReplayConfig()
     loaded = [_cached_trace(str(t)) if not isinstance(t, Trace) else t for t in traces]  # validate all first
@@ -101,7 +103,7 @@ def replay_many(traces: Sequence["str | Trace"], combos: Sequence[Combo], cost: 
     else:
         refs = [str(t) if not isinstance(t, Trace) else lt for t, lt in zip(traces, loaded)]
     tasks = [(ref, c, cost.to_json(), asdict(config), idle_rate, float(factorization_cost),
-              float(factorization_fixed)) for ref in refs for c in combos]
+              float(factorization_fixed), float(forward_fixed), bool(hints)) for ref in refs for c in combos]
     results: list[dict[str, Any]] = []
 
     def done(r: dict[str, Any]) -> None:

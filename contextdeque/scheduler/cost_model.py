@@ -15,10 +15,11 @@ import bisect
 import functools
 import json
 import os
+import statistics
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from ..patch.rank import DEFAULT_RANK
 from ..window.plan import Difference, Encode, Form, Forward, Load, Op
@@ -33,7 +34,10 @@ class CostModel:
     Geometry: ``num_layers``, ``kv_width_k`` / ``kv_width_v`` (H_kv * d per layer),
     ``storage_bytes`` (bytes per stored element). Speeds: ``prefill`` = ``[(context length,
     tokens/s)]`` measured for prefills ending at that length (interpolated in between, flat outside),
-    ``decode_tokens_per_s``, ``apply_bytes_per_s`` (relocate + rank-m patch, bytes of page written),
+    ``forward_fixed_s`` (what every forward costs whatever its length: a launch and per-layer floor,
+    e.g. ~25 ms on the H100 of docs/gpu-results/h100/, which a rate alone scales away; fitted by
+    ``calibrate`` as the intercept of the prefill table's times, :func:`fit_forward_fixed`, and
+    derived so when a calibration saved before it is loaded), ``decode_tokens_per_s``, ``apply_bytes_per_s`` (relocate + rank-m patch, bytes of page written),
     ``form_fixed_s`` + ``svd_s_per_token`` x tokens (the cost of forming a patch beyond its
     conditioned forward: a fixed part per patch, its factorization's F x F eigenproblems whatever
     the chunk's length, and a per-token part; 0.0 fixed in calibrations saved before it was split),
@@ -50,6 +54,7 @@ class CostModel:
     apply_bytes_per_s: float = 2.0e9
     svd_s_per_token: float = 2.0e-5
     form_fixed_s: float = 0.0
+    forward_fixed_s: float = 0.0
     host_bytes_per_s: float = 8.0e9
     disk_bytes_per_s: float = 1.0e9
     rank: int = DEFAULT_RANK
@@ -89,9 +94,39 @@ class CostModel:
         (x0, y0), (x1, y1) = self.prefill[i - 1], self.prefill[i]
         return y0 + (y1 - y0) * (length - x0) / (x1 - x0)
 
+    def per_token_s(self, length: int) -> float:
+        """Seconds one more token adds to a forward ending at ``length`` tokens: the table's seconds
+        per token there less the fixed part spread over a full prefill of that length
+        (``1 / tokens_per_s(L) - forward_fixed_s / L``, at least 0), so that a full prefill of ``L``
+        tokens from scratch costs what the table says."""
+        if length <= 0:
+            return 0.0
+        return max(0.0, 1.0 / self.tokens_per_s(length) - self.forward_fixed_s / length)
+
     def prefill_s(self, tokens: int, context: int = 0) -> float:
-        """Seconds to prefill ``tokens`` after ``context`` cached tokens."""
-        return tokens / self.tokens_per_s(context + tokens) if tokens > 0 else 0.0
+        """Seconds of one forward of ``tokens`` tokens after ``context`` cached tokens: the fixed
+        part once, plus :meth:`per_token_s` at the length it ends at per token
+        (``forward_fixed_s + tokens x per_token_s(context + tokens)``; with no fixed part, the
+        table's ``tokens / tokens_per_s(context + tokens)``)."""
+        return self.forward_fixed_s + tokens * self.per_token_s(context + tokens) if tokens > 0 else 0.0
+
+    def marginal_tokens_per_s(self, length: int) -> float:
+        """Tokens per second one more token of a forward ending at ``length`` runs at
+        (``1 / per_token_s(length)``; the table's rate when there is no fixed part): the rate that,
+        with :attr:`forward_fixed_s` per forward, prices a forward exactly there (an idle budget
+        counted in tokens: ``replay --idle-rate calibrated``).
+
+        Raises:
+            ArgumentError: the fixed part leaves no time per token at ``length`` (a table whose
+                time there is the fixed part itself).
+        """
+        from ..core.errors import ArgumentError
+
+        per_token = self.per_token_s(length)
+        if per_token <= 0:
+            raise ArgumentError(f"the cost model's fixed part per forward ({self.forward_fixed_s * 1e3:.3g} ms) leaves no "
+                                f"time per token at {length} tokens: no marginal rate there")
+        return 1.0 / per_token
 
     def factorize_s(self, tokens: int) -> float:
         """Seconds to factorize one patch of ``tokens`` tokens beyond its forward (a ``Difference``,
@@ -105,8 +140,12 @@ class CostModel:
     def form_floor_s(self, tokens: int) -> float:
         """The fewest seconds forming a patch of ``tokens`` tokens can take behind any context
         (at the fastest prefill speed): a lower bound of :meth:`form_s` (the scheduler's search
-        bounds by it)."""
-        return tokens / _fastest(self.prefill) + self.factorize_s(tokens) if tokens > 0 else 0.0
+        bounds by it): a forward costs at least its fixed part, and at least ``tokens`` at the
+        table's fastest rate (``prefill_s`` >= ``forward_fixed_s + tokens / fastest - forward_fixed_s``
+        as ``tokens <= context + tokens``)."""
+        if tokens <= 0:
+            return 0.0
+        return max(self.forward_fixed_s, tokens / _fastest(self.prefill)) + self.factorize_s(tokens)
 
     def seconds(self, op: Op) -> float:
         """Modelled seconds of one planned operation (``window.plan``): the one price list the
@@ -149,7 +188,63 @@ class CostModel:
             d["prefill"] = tuple((int(a), float(b)) for a, b in d["prefill"])
         except (KeyError, TypeError, ValueError) as e:
             raise ArgumentError(f"not a calibration: no prefill table of [length, tokens/s] pairs ({e!r})") from None
+        if "forward_fixed_s" not in d:  # saved before forwards had a fixed part: its own table's intercept
+            extra = dict(d.get("extra") or {})
+            d["forward_fixed_s"] = fit_forward_fixed(d["prefill"], extra.get("lengths"))
+            extra["forward_fixed_s_derived"] = True
+            d["extra"] = extra
         return cls(**d)
+
+    @property
+    def derivation_note(self) -> str:
+        """A sentence saying that :attr:`forward_fixed_s` was derived at load (a calibration saved
+        before it), or ""."""
+        if not self.extra.get("forward_fixed_s_derived"):
+            return ""
+        return (f"forward_fixed_s not in the file (saved before it): derived from its prefill table, "
+                f"{self.forward_fixed_s * 1e3:.2f} ms per forward")
+
+
+def fit_fixed_and_slope(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(fixed, slope)``, both >= 0, of the line ``fixed + slope x n`` closest (least squares) to
+    ``points`` = ``[(n, seconds)]`` (at least two distinct n): a cost's fixed part and its part per
+    unit (per token, per forward token). Two points give the line through them; where that line's
+    slope or intercept is negative (a noisy measurement: a cost never falls with size, nor is
+    below nothing), that part is 0 and the other is the least-squares fit alone (the mean of the
+    seconds; or the slope through the origin, ``sum(n s) / sum(n^2)``).
+
+    Raises:
+        ArgumentError: fewer than two distinct n, or an n that is not positive.
+    """
+    from ..core.errors import ArgumentError
+
+    ns = [float(n) for n, _ in points]
+    ys = [float(y) for _, y in points]
+    if len(set(ns)) < 2 or min(ns) <= 0:
+        raise ArgumentError(f"fitting a fixed and a per-token part needs two distinct positive lengths, got {sorted(set(ns))}")
+    mn, my = statistics.fmean(ns), statistics.fmean(ys)
+    slope = sum((n - mn) * (y - my) for n, y in zip(ns, ys)) / sum((n - mn) ** 2 for n in ns)
+    fixed = my - slope * mn
+    if slope < 0:
+        return max(0.0, my), 0.0
+    if fixed < 0:
+        return 0.0, max(0.0, sum(n * y for n, y in zip(ns, ys)) / sum(n * n for n in ns))
+    return fixed, slope
+
+
+def fit_forward_fixed(prefill: Sequence[tuple[int, float]], lengths: Sequence[int] | None = None) -> float:
+    """A forward's fixed part, in seconds, from a prefill table ``[(length, tokens/s)]``: the
+    intercept ``a`` of ``time = a + n / r`` fitted (least squares, :func:`fit_fixed_and_slope`) to
+    each measured prefill's time, at most the shortest measured time (no forward costs more than
+    one measured whole). ``lengths``: the tokens each measurement prefilled (``calibrate``'s
+    ``--lengths``, behind the model's root; its time is ``n / tokens/s``); None (or not one per
+    row): the table's lengths (a prefill from scratch). 0.0 for fewer than two distinct lengths."""
+    ns = [int(n) for n in lengths] if lengths is not None and len(lengths) == len(prefill) else [int(L) for L, _ in prefill]
+    points = [(n, n / float(rate)) for n, (_, rate) in zip(ns, prefill) if n > 0 and rate > 0]
+    if len({n for n, _ in points}) < 2:
+        return 0.0
+    fixed, _ = fit_fixed_and_slope(points)
+    return min(fixed, min(s for _, s in points))
 
 
 @functools.lru_cache(maxsize=64)
@@ -189,16 +284,21 @@ def load_calibration(fingerprint: str | None = None, cache_dir: str | os.PathLik
     """The saved calibration (by explicit ``path``, by ``fingerprint``, or else the newest one
     saved), and a sentence saying which was used — or :data:`DEFAULTS` and why."""
     if path is not None:
-        p = Path(path)
-        return CostModel.from_json(json.loads(p.read_text())), f"calibration {p}"
+        return _loaded(Path(path))
     d = calibration_dir(cache_dir)
     if fingerprint is not None:
         p = d / f"{fingerprint}.json"
         if p.exists():
-            return CostModel.from_json(json.loads(p.read_text())), f"calibration {p}"
+            return _loaded(p)
         return DEFAULTS, f"no calibration saved for model {fingerprint[:12]}: using built-in defaults (run `contextdeque calibrate`)"
     found = sorted(d.glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name)) if d.exists() else []
     if not found:
         return DEFAULTS, "no calibration found: using built-in defaults (run `contextdeque calibrate`)"
-    p = found[-1]
-    return CostModel.from_json(json.loads(p.read_text())), f"calibration {p}"
+    return _loaded(found[-1])
+
+
+def _loaded(path: Path) -> tuple[CostModel, str]:
+    """The calibration at ``path`` and the sentence naming it (with what was derived at load)."""
+    model = CostModel.from_json(json.loads(path.read_text()))
+    note = model.derivation_note
+    return model, f"calibration {path}" + (f" ({note})" if note else "")

@@ -51,11 +51,10 @@ from . import ingest
 from .placement import END, recall_chooser, window_index
 from .plan import Forward
 from .anticipate_reorder import ANTICIPATED_REORDERS, anticipate_reorder, reorder_candidates
-from .healing import HealBudget, factorization_charge
+from .healing import HealBudget, IdlePrices
 from .kvstate import antecedent_states
 from .policy_latency import HealPolicy
-from .predictor import (Prediction, RecallPredictor, as_predicted, factorized_patches, make_predictor,
-                        rank_predictions)
+from .predictor import Prediction, RecallPredictor, as_predicted, chain_work, make_predictor, rank_predictions
 from .receipt import Meter, Receipt
 from .reconcile import reconcile
 from .ref import ChunkRef
@@ -235,50 +234,56 @@ def _simulate_recall(win: "ContextWindow", sim: WindowState, ref: ChunkRef, at: 
 
 
 def reorder_after(state: WindowState, recalls: Sequence[tuple[ChunkRef, int | str | None]],
-                  orders: Sequence[Sequence[ChunkRef]]) -> int:
-    """Estimated tokens of preparing the reorder an ``expect_order`` hint names right after
-    ``recalls`` (0: none of ``orders`` reorders the arrangement they leave): every chunk from the
-    first one the reorder moves on is re-conditioned (a patch or a provisional re-forward)."""
+                  orders: Sequence[Sequence[ChunkRef]]) -> list[ChunkRef]:
+    """The chunks preparing the reorder an ``expect_order`` hint names right after ``recalls``
+    re-conditions (empty: none of ``orders`` reorders the arrangement they leave): every chunk
+    from the first one the reorder moves on (a patch or a provisional re-forward)."""
     after = list(state.refs)
     for ref, at in recalls:
         after.insert(min(int(at), len(after)) if isinstance(at, int) else len(after), ref)
     then = next((o for o in orders if set(o) == set(after) and list(o) != after), None)
     if then is None:
-        return 0
+        return []
     first = next(i for i, (a, b) in enumerate(zip(after, then)) if a != b)
+    return list(then[first:])
+
+
+def reconditioning_cost(state: Any, refs: Sequence[ChunkRef], prices: IdlePrices) -> float:
+    """What re-conditioning ``refs`` (in the window, or evicted and recalled first) is estimated to
+    cost an idle budget at ``prices``: a forward each, and a factorized patch each but for a
+    provisional chunk (re-forwarded, nothing factorized)."""
     tokens = {s.ref: s.n_tokens for s in state.slots} | {r: e.n_tokens for r, e in state.evicted.items()}
-    return sum(tokens.get(r, 0) for r in then[first:])
+    provisional = {s.ref for s in state.slots if getattr(s, "provisional", False)}
+    sizes = [tokens.get(r, 0) for r in refs]
+    factorized = [tokens.get(r, 0) for r in refs if r not in provisional]
+    return prices.charge(sum(sizes), len(sizes), sum(factorized), len(factorized))
 
 
-def reorder_cost(state: Any, order: Sequence[ChunkRef], factorization_cost: float) -> float:
+def reorder_cost(state: Any, order: Sequence[ChunkRef], prices: IdlePrices) -> float:
     """What preparing the reorder of ``state``'s window to ``order`` is estimated to cost an idle
-    budget: every chunk from the first one the reorder moves on is re-conditioned (a forward and
-    its patch's factorization), as :func:`reorder_after` counts it."""
+    budget: every chunk from the first one the reorder moves on is re-conditioned
+    (:func:`reconditioning_cost`), as :func:`reorder_after` counts it."""
     now = list(state.refs)
     first = next((i for i, (a, b) in enumerate(zip(now, order)) if a != b), len(now))
-    tokens = {s.ref: s.n_tokens for s in state.slots}
-    return sum(tokens.get(r, 0) for r in list(order)[first:]) * (1.0 + factorization_cost)
+    return reconditioning_cost(state, list(order)[first:], prices)
 
 
-def recall_cost(state: Any, prediction: Prediction, reorder_tokens: int, factorization_cost: float,
-                factorization_fixed: float = 0.0) -> float:
-    """What preparing ``prediction`` (and, ``reorder_tokens`` > 0, the hinted reorder after it:
-    :func:`reorder_after`) is estimated to cost an idle budget: its forwards and, at
-    ``factorization_fixed`` per patch and ``factorization_cost`` per token, its patches'
-    factorizations (``healing.idle_spent``; the reorder's by its tokens only: how many patches it
-    re-forms is not estimated). ``state``: a :class:`~.state.WindowState` (the replay's key-level
-    one too)."""
-    cost = prediction.cost_tokens + reorder_tokens * (1.0 + factorization_cost)
-    if factorization_cost or factorization_fixed:
-        sizes = factorized_patches(state, prediction.recalls)
-        cost += factorization_charge(sum(sizes), len(sizes), factorization_cost, factorization_fixed)
-    return cost
+def recall_cost(state: Any, prediction: Prediction, reorder: Sequence[ChunkRef], prices: IdlePrices) -> float:
+    """What preparing ``prediction`` (and the hinted reorder after it, ``reorder``: the chunks it
+    re-conditions, :func:`reorder_after`; empty: none) is estimated to cost an idle budget at
+    ``prices`` (``healing.IdlePrices``, what ``healing.idle_spent`` charges): its forwards' tokens,
+    each forward's fixed part and its patches' factorizations (``predictor.chain_work``), and the
+    reorder's (:func:`reconditioning_cost`). ``state``: a :class:`~.state.WindowState` (the
+    replay's key-level one too)."""
+    forwards, sizes = chain_work(state, prediction.recalls)
+    cost = prices.charge(prediction.cost_tokens, forwards, sum(sizes), len(sizes))
+    return cost + (reconditioning_cost(state, reorder, prices) if reorder else 0.0)
 
 
-def slide_cost(n_tokens: int, factorization_cost: float, factorization_fixed: float = 0.0) -> float:
+def slide_cost(n_tokens: int, prices: IdlePrices) -> float:
     """What preparing the next slide costs an idle budget: the canonical's forward and its patch's
     factorization (an SVD of the provisional KV)."""
-    return n_tokens + factorization_charge(n_tokens, 1, factorization_cost, factorization_fixed)
+    return prices.charge(n_tokens, 1, n_tokens, 1)
 
 
 @dataclass
@@ -297,7 +302,7 @@ class Preparation:
 
 
 def plan_anticipation(state_of: Callable[[], Any], predictor: RecallPredictor, expected: dict,
-                      expected_orders: Sequence[Sequence[ChunkRef]], budgeted: bool, factorization: tuple[float, float],
+                      expected_orders: Sequence[Sequence[ChunkRef]], budgeted: bool, prices: IdlePrices,
                       slide_tokens: int | None, reorders: Callable[[], Sequence[Sequence[ChunkRef]]]) -> Iterator[Preparation]:
     """The anticipation tasks of one pass, most valuable first: the planning the window executes
     and the replay prices (``replay/anticipate.py``), over ``state_of()`` (read anew after each
@@ -308,15 +313,15 @@ def plan_anticipation(state_of: Callable[[], Any], predictor: RecallPredictor, e
     predictions (:func:`plan_recalls`, each with the reorder the agent named right after it, then
     without it; a chain that extends one prepared in this pass costs only the rest), then the
     ``reorders()`` to prepare (priced by :func:`reorder_cost`: a gap is never charged more than
-    its budget, where an unpriced reorder once ran whatever was left). ``factorization``: the idle
-    budget's ``(factorization_cost, factorization_fixed)`` (``healing.HealBudget``), what the
-    estimates charge per factorized token and per patch."""
+    its budget, where an unpriced reorder once ran whatever was left). ``prices``: the idle
+    budget's (``healing.HealBudget.prices``), what the estimates charge per forward and per
+    factorized patch and token."""
     predictions = plan_recalls(predictor, state_of(), expected, budgeted)
     if slide_tokens is not None:
         top = predictions[0].probability if predictions else 0.0
         if not budgeted or predictor.p_front_leaves() >= top:
             # first: it changes the window (a canonical), which the other patches' keys name
-            yield Preparation("slide", slide_cost(slide_tokens, *factorization))
+            yield Preparation("slide", slide_cost(slide_tokens, prices))
             predictions = plan_recalls(predictor, state_of(), expected, budgeted)  # (as it now stands)
     done: dict[tuple, float] = {}  # chains prepared in this pass -> their estimated cost
     for prediction in predictions:
@@ -324,14 +329,14 @@ def plan_anticipation(state_of: Callable[[], Any], predictor: RecallPredictor, e
         for orders in ((expected_orders, ()) if then else ((),)):
             if not orders and any(chain[: len(prediction.recalls)] == prediction.recalls for chain in done):
                 continue  # the start of a chain prepared in this pass: all stored
-            cost = recall_cost(state_of(), prediction, then if orders else 0, *factorization)
+            cost = recall_cost(state_of(), prediction, then if orders else (), prices)
             head = max((c for chain, c in done.items() if prediction.recalls[: len(chain)] == chain), default=0)
             task = Preparation("recalls", max(0, cost - head), recalls=prediction.recalls, orders=orders)
             yield task
             if task.ran:
                 done[prediction.recalls] = max(cost, done.get(prediction.recalls, 0))
     for order in reorders():
-        yield Preparation("reorder", reorder_cost(state_of(), order, factorization[0]), order=order)
+        yield Preparation("reorder", reorder_cost(state_of(), order, prices), order=order)
 
 
 @dataclass(frozen=True)
@@ -350,11 +355,11 @@ class FormingTask:
     head_cost: float
 
 
-def forming_task(task: Preparation, arrangement: Sequence[Any], state: Any, factorization: tuple[float, float],
+def forming_task(task: Preparation, arrangement: Sequence[Any], state: Any, prices: IdlePrices,
                  whole: bool = False) -> FormingTask:
     """:class:`FormingTask` of ``task`` on ``arrangement`` (``state``: the window's
-    :class:`~.state.WindowState`, the replay's key-level one; ``factorization``: the idle budget's
-    ``(factorization_cost, factorization_fixed)``, as :func:`plan_anticipation` takes it; ``whole``:
+    :class:`~.state.WindowState`, the replay's key-level one; ``prices``: the idle budget's, as
+    :func:`plan_anticipation` takes them; ``whole``:
     the head is the whole arrangement: under a token budget a recall's slide depends on every slot)."""
     arrangement = tuple(arrangement)
     n = len(arrangement)
@@ -366,8 +371,8 @@ def forming_task(task: Preparation, arrangement: Sequence[Any], state: Any, fact
         for ref, _ in task.recalls:
             entry = state.evicted.get(ref)
             if entry is not None:  # its conditioned forward, its factorization, a canonical owed
-                head_cost += (entry.n_tokens + factorization_charge(entry.n_tokens, 1, *factorization)
-                              + (entry.n_tokens if entry.owes_encode else 0))
+                owed = int(bool(entry.owes_encode))
+                head_cost += prices.charge(entry.n_tokens * (1 + owed), 1 + owed, entry.n_tokens, 1)
     key = (task.kind, tuple(task.recalls), tuple(tuple(o) for o in task.orders), tuple(task.order))
     return FormingTask(key, arrangement, n if whole else head_len, head_cost)
 
@@ -456,6 +461,12 @@ class ResumableForming:
         self.progress += rest
         self.banked += rest
         budget.tokens = float(budget.max_tokens)
+
+
+def idle_prices(config: Any) -> IdlePrices:
+    """What a window's idle budget charges (``WindowConfig.factorization_cost`` /
+    ``factorization_fixed`` / ``forward_fixed``)."""
+    return IdlePrices(float(config.factorization_cost), float(config.factorization_fixed), float(config.forward_fixed))
 
 
 class WindowAnticipation:
@@ -559,9 +570,9 @@ class WindowAnticipation:
         priced; forming: its :func:`forming_task` on the window as it stands when it comes up)."""
         slots = self._state.slots
         ctx = self._ctx
+        prices = idle_prices(ctx.config)
         tasks = plan_anticipation(lambda: as_predicted(self._state, ctx.cascade_policy), self.recall_predictor,
-                                  self.expected, self.expected_orders, budgeted,
-                                  (float(ctx.config.factorization_cost), float(ctx.config.factorization_fixed)),
+                                  self.expected, self.expected_orders, budgeted, prices,
                                   slots[1].n_tokens if len(slots) >= 2 and slots[1].provisional else None,
                                   lambda: reorder_candidates(self, self._state))
         for task in tasks:
@@ -578,9 +589,7 @@ class WindowAnticipation:
                 return {"refs": tuple(task.order) if formed else ()}, None
 
             yield body, task.kind == "slide", task.cost, forming_task(
-                task, antecedent_states(self._state.slots), self._state,
-                (float(ctx.config.factorization_cost), float(ctx.config.factorization_fixed)),
-                whole=ctx.budget_tokens is not None)
+                task, antecedent_states(self._state.slots), self._state, prices, whole=ctx.budget_tokens is not None)
 
     def _anticipate(self, budget: "HealBudget | None" = None) -> list[Receipt]:
         """The anticipation steps ``heal()`` (or the idle healer) runs once nothing is queued (see

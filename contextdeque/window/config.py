@@ -69,6 +69,7 @@ class WindowConfig:
     recall_predictor: "str | RecallPredictor" = "session"
     factorization_cost: float = 0.0
     factorization_fixed: float = 0.0
+    forward_fixed: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kv_selection is not None and not isinstance(self.kv_selection, SelectionPolicy):
@@ -117,6 +118,7 @@ class WindowConfig:
             blind_kl=check_float("blind_kl", self.blind_kl, minimum=0.0, open_min=True, error=WindowError),
             factorization_cost=check_float("factorization_cost", self.factorization_cost, minimum=0.0, error=WindowError),
             factorization_fixed=check_float("factorization_fixed", self.factorization_fixed, minimum=0.0, error=WindowError),
+            forward_fixed=check_float("forward_fixed", self.forward_fixed, minimum=0.0, error=WindowError),
         )
         if isinstance(self.patch_precisions, str) or not isinstance(self.patch_precisions, (tuple, list)):
             raise WindowTypeError(f"patch_precisions must be a tuple of precision names, got {type(self.patch_precisions).__name__}")

@@ -101,18 +101,19 @@ def plan_heal_step(order: Sequence[K], pending: Collection[K], priority: Callabl
     return [HealTask(k, need_of(k, index[k]), tuple(order[: index[k]])) for k in batch]
 
 
-def idle_spent(receipts: Iterable[Receipt], factorization_cost: float, factorization_fixed: float = 0.0) -> float:
+def idle_spent(receipts: Iterable[Receipt], factorization_cost: float, factorization_fixed: float = 0.0,
+               forward_fixed: float = 0.0) -> float:
     """What ``receipts`` (heal and anticipation steps) cost a heal's token budget
-    (``heal(max_tokens=...)``): the tokens their forwards prefilled, plus, per patch factorized (a
-    ``Form``'s factorization, once whatever its forwards, or a ``Difference`` taken from a forward
-    already run), ``factorization_fixed`` and ``factorization_cost`` per token of it
-    (``WindowConfig.factorization_fixed`` / ``factorization_cost``: :func:`factorization_charge`)."""
+    (``heal(max_tokens=...)``): :meth:`IdlePrices.charge` of the tokens their forwards prefilled,
+    ``forward_fixed`` per forward, and per patch factorized (a ``Form``'s factorization, once
+    whatever its forwards, or a ``Difference`` taken from a forward already run)
+    ``factorization_fixed`` plus ``factorization_cost`` per token of it
+    (``WindowConfig.forward_fixed`` / ``factorization_fixed`` / ``factorization_cost``)."""
+    prices = IdlePrices(factorization_cost, factorization_fixed, forward_fixed)
     spent = 0.0
     for r in receipts:
-        spent += r.tokens_prefilled
-        if factorization_cost or factorization_fixed:
-            sizes = [op.tokens for op in r.plan if isinstance(op, (Form, Difference))]
-            spent += factorization_charge(sum(sizes), len(sizes), factorization_cost, factorization_fixed)
+        sizes = [op.tokens for op in r.plan if isinstance(op, (Form, Difference))]
+        spent += prices.charge(r.tokens_prefilled, r.forwards, sum(sizes), len(sizes))
     return spent
 
 
@@ -123,6 +124,27 @@ def factorization_charge(tokens: int, patches: int, factorization_cost: float, f
     return factorization_fixed * patches + factorization_cost * tokens
 
 
+@dataclass(frozen=True)
+class IdlePrices:
+    """What idle-time work costs a heal's token budget, in prefill tokens (the window's
+    ``WindowConfig`` charges; ``replay --idle-rate`` sets them from the cost model,
+    ``replay.fidelity.idle_prices``): a forward its tokens plus ``forward_fixed`` (a forward's
+    fixed part, ``CostModel.forward_fixed_s``, which no rate scales away), a factorized patch
+    ``factorization_fixed`` plus ``factorization_cost`` per token. The one price list of the
+    budget (:class:`HealBudget`, :func:`idle_spent`) and of anticipation's estimates
+    (``window.anticipation``), the window's and the replay's alike."""
+
+    factorization_cost: float = 0.0
+    factorization_fixed: float = 0.0
+    forward_fixed: float = 0.0
+
+    def charge(self, tokens: float, forwards: int, factorized: float = 0, patches: int = 0) -> float:
+        """``forwards`` forwards prefilling ``tokens`` tokens in all, and ``patches`` patches
+        factorizing ``factorized`` tokens in all."""
+        return (tokens + self.forward_fixed * forwards
+                + factorization_charge(factorized, patches, self.factorization_cost, self.factorization_fixed))
+
+
 @dataclass
 class HealBudget:
     """What one ``heal()`` may spend, checked between its steps (each a whole transaction): at
@@ -130,17 +152,23 @@ class HealBudget:
     trace executor's idle gaps), until ``deadline`` (``time.perf_counter()``; the live window's
     only). The heal's queued work and then anticipation's preparations draw on the same budget;
     the window executes the steps, the replay prices them, both under this one rule. A step costs
-    the tokens its forwards prefilled plus, per patch it factorized, ``factorization_fixed`` and
-    ``factorization_cost`` per token (``WindowConfig.factorization_fixed`` /
-    ``factorization_cost``: :func:`idle_spent`)."""
+    what :class:`IdlePrices` charges its forwards and factorizations (``forward_fixed`` per forward
+    beside its tokens; ``factorization_fixed`` per patch and ``factorization_cost`` per token:
+    :func:`idle_spent`)."""
 
     max_steps: int | None = None
     max_tokens: int | None = None
     deadline: float | None = None
     factorization_cost: float = 0.0
     factorization_fixed: float = 0.0
+    forward_fixed: float = 0.0
     steps: int = 0
     tokens: float = 0.0
+
+    @property
+    def prices(self) -> IdlePrices:
+        """What this budget charges (:class:`IdlePrices`)."""
+        return IdlePrices(self.factorization_cost, self.factorization_fixed, self.forward_fixed)
 
     @property
     def bounded(self) -> bool:
@@ -160,16 +188,16 @@ class HealBudget:
         """Whether a preparation estimated at ``cost_tokens`` (None: not priced) fits what is left."""
         return self.max_tokens is None or (self.tokens < self.max_tokens and self.tokens + (cost_tokens or 0) <= self.max_tokens)
 
-    def spend(self, tokens: int, factorized: int = 0, patches: int = 0) -> None:
-        """One step done, which prefilled ``tokens`` and factorized ``patches`` patches of
-        ``factorized`` tokens in all."""
+    def spend(self, tokens: int, factorized: int = 0, patches: int = 0, forwards: int = 0) -> None:
+        """One step done, which ran ``forwards`` forwards prefilling ``tokens`` and factorized
+        ``patches`` patches of ``factorized`` tokens in all."""
         self.steps += 1
-        self.tokens += tokens + factorization_charge(factorized, patches, self.factorization_cost, self.factorization_fixed)
+        self.tokens += self.prices.charge(tokens, forwards, factorized, patches)
 
     def spend_receipt(self, receipt: Receipt) -> None:
         """One step done, as its receipt says (:func:`idle_spent`)."""
         self.steps += 1
-        self.tokens += idle_spent((receipt,), self.factorization_cost, self.factorization_fixed)
+        self.tokens += idle_spent((receipt,), self.factorization_cost, self.factorization_fixed, self.forward_fixed)
 
 
 class WindowHealing:
@@ -218,7 +246,7 @@ class WindowHealing:
         t0 = time.perf_counter()
         budget = HealBudget(None if max_steps is None else int(max_steps), None if max_tokens is None else int(max_tokens),
                             None if max_ms is None else t0 + float(max_ms) / 1000.0, float(self._ctx.config.factorization_cost),
-                            float(self._ctx.config.factorization_fixed))
+                            float(self._ctx.config.factorization_fixed), float(self._ctx.config.forward_fixed))
         steps: list[Receipt] = []
         while (self._state.pending or self._unhealed_evicted()) and budget.allows_step():
             steps.append(self._heal_step())

@@ -161,14 +161,20 @@ def chain_tokens(state: "WindowState", recalls: Sequence[Recall]) -> tuple[int, 
     return cost, saved
 
 
-def factorized_patches(state: "WindowState", recalls: Sequence[Recall]) -> list[int]:
-    """The tokens of each patch recalling ``recalls`` in order would factorize (an estimate, as
-    :func:`chain_tokens`): each recalled chunk's patch and the recall cascade's re-forms of
-    dependents with a canonical (a provisional dependent is re-forwarded, nothing factorized).
-    What ``WindowConfig.factorization_fixed`` / ``factorization_cost`` charge on top of the forwards."""
-    tokens = {s.ref: s.n_tokens for s in state.slots if not getattr(s, "provisional", False)}
-    return [n for entry, dependents in _chain_cascades(state, recalls)
-            for n in (entry.n_tokens, *(tokens[r] for r in dependents if r in tokens))]
+def chain_work(state: "WindowState", recalls: Sequence[Recall]) -> tuple[int, list[int]]:
+    """``(forwards, factorized)`` of recalling ``recalls`` in order (an estimate, as
+    :func:`chain_tokens`): the forwards it runs (each recalled chunk's forming forward and its
+    canonical when owed, one per dependent its recall cascade re-forms) and the tokens of each
+    patch it factorizes (each recalled chunk's, and the re-forms of dependents with a canonical: a
+    provisional dependent is re-forwarded, nothing factorized). What ``WindowConfig.forward_fixed``
+    / ``factorization_fixed`` / ``factorization_cost`` charge on top of the forwards' tokens."""
+    in_window = {s.ref for s in state.slots}
+    settled = {s.ref: s.n_tokens for s in state.slots if not getattr(s, "provisional", False)}
+    forwards, factorized = 0, []
+    for entry, dependents in _chain_cascades(state, recalls):
+        forwards += 1 + int(bool(entry.owes_encode)) + sum(1 for r in dependents if r in in_window)
+        factorized += [entry.n_tokens, *(settled[r] for r in dependents if r in settled)]
+    return forwards, factorized
 
 
 def priced(state: "WindowState", recalls: Sequence[Recall], probability: float, source: str) -> Prediction:

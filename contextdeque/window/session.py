@@ -186,6 +186,7 @@ class ConfigModel(_Model):
     recall_predictor: str = "session"  # (the same; its learned statistics are not saved)
     factorization_cost: float = 0.0  # (the same)
     factorization_fixed: float = 0.0  # (the same)
+    forward_fixed: float = 0.0  # (the same)
 
 
 ReceiptSummary = create_model(

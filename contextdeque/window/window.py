@@ -190,6 +190,10 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
         factorization_fixed: what that budget charges per patch factorized (one top-m factorization
             over all layers, whose cost does not grow with the chunk), in prefill tokens: the cost
             model's ``form_fixed_s`` x its prefill tokens/s. 0: no per-patch charge.
+        forward_fixed: what that budget charges per forward beside its tokens (a forward's fixed
+            part, which no rate scales away), in prefill tokens: the cost model's
+            ``forward_fixed_s`` x its prefill tokens/s (``replay --idle-rate`` sets it from the
+            calibration). 0: a forward costs its tokens only.
     """
 
     def __init__(
@@ -221,6 +225,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
         recall_predictor: "str | RecallPredictor" = "session",
         factorization_cost: float = 0.0,
         factorization_fixed: float = 0.0,
+        forward_fixed: float = 0.0,
     ) -> None:
         root = self._checked_root(backend, root)
         config = WindowConfig(
@@ -231,7 +236,7 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
             beyond_trained=beyond_trained, chunk_template=chunk_template, max_evicted=max_evicted,
             anticipate=anticipate, recall_placement=recall_placement, answer_kl_budget=answer_kl_budget,
             kl_budget_ms=kl_budget_ms, blind_kl=blind_kl, recall_predictor=recall_predictor,
-            factorization_cost=factorization_cost, factorization_fixed=factorization_fixed,
+            factorization_cost=factorization_cost, factorization_fixed=factorization_fixed, forward_fixed=forward_fixed,
         )
         self._start(backend_with_root(backend, root), store, config)
 
