@@ -75,12 +75,12 @@ def _tiers(tiers: tuple[int, int]) -> TieredStore:
 
 
 def _window_receipt(backend, trace, placement: str, policy: str, budget: int | None = None, anticipate: bool = False,
-                    idle_rate: float | None = None, factorization_cost: float = 0.0, factorization_fixed: float = 0.0,
+                    idle_rate: float | None = None, charges: dict | None = None,
                     tiers: tuple[int, int] = (UNBOUNDED, UNBOUNDED)):
     store = _tiers(tiers)
     win = ContextWindow(backend, rank=RANK, placement=placement, patch_policy=policy, beyond_trained=True,
                         budget_tokens=budget, store=store, anticipate=anticipate,
-                        factorization_cost=factorization_cost, factorization_fixed=factorization_fixed)
+                        **(charges or {}))
     ids = trace_chunk_ids(backend, trace)
     live = drive_window(win, trace, lambda ev: ids[ev.id], idle_tokens=_idle_tokens(idle_rate))
     t = store.total_traffic
@@ -88,13 +88,13 @@ def _window_receipt(backend, trace, placement: str, policy: str, budget: int | N
 
 
 def _replay_plan(backend, trace, placement: str, rule: str, budget: int | None = None,
-                 anticipate: bool = False, idle_rate: float | None = None, factorization_cost: float = 0.0,
-                 factorization_fixed: float = 0.0, tiers: tuple[int, int] = (UNBOUNDED, UNBOUNDED)) -> tuple[Plan, dict]:
+                 anticipate: bool = False, idle_rate: float | None = None, charges: dict | None = None,
+                 tiers: tuple[int, int] = (UNBOUNDED, UNBOUNDED)) -> tuple[Plan, dict]:
     cost = CostModel.geometry_of(backend, storage_bytes=4, rank=RANK)
     plan = Plan()
     config = ReplayConfig(rank=RANK, budget_tokens=budget, anticipate=anticipate, device_bytes=tiers[0], host_bytes=tiers[1])
     r = Replayer(trace, placement, "lru", rule, cost, config, plan=plan, idle_tokens=_idle_tokens(idle_rate),
-                 factorization_cost=factorization_cost, factorization_fixed=factorization_fixed).run()
+                 **(charges or {})).run()
     queries = [e for e in trace.events if e.op == "query"]
     totals = {"forwards": r.forwards - len(queries), "tokens_prefilled": r.tokens_prefilled - sum(q.tokens for q in queries),
               "encodes": r.encodes}
@@ -114,15 +114,16 @@ def test_the_rules_and_placements_cover_the_window():
 
 
 def _check(backend, kind: str, rule: str, placement: str, budget: int | None = None, anticipate: bool = False,
-           seed: int = 0, idle_rate: float | None = None, factorization_cost: float = 0.0,
-           factorization_fixed: float = 0.0, tiers: tuple[int, int] = (UNBOUNDED, UNBOUNDED)) -> dict:
-    """Returns the live store's traffic (what each tier read, wrote and evicted)."""
+           seed: int = 0, idle_rate: float | None = None, charges: dict | None = None,
+           tiers: tuple[int, int] = (UNBOUNDED, UNBOUNDED)) -> dict:
+    """Returns the live store's traffic (what each tier read, wrote and evicted). ``charges``: what
+    the idle budget charges (``factorization_cost`` / ``factorization_fixed`` / ``forward_fixed``,
+    the window's options and the replay's arguments alike)."""
     backend.root_kv()  # the root's one prefill is the backend's, not the trace's
     trace = scaled_trace(generate(kind, seed=seed), SCALE, minimum=2)
     live, traffic = _window_receipt(backend, trace, placement, REUSE_COSTS[rule].window_policy, budget, anticipate,
-                                    idle_rate, factorization_cost, factorization_fixed, tiers)
-    plan, predicted = _replay_plan(backend, trace, placement, rule, budget, anticipate, idle_rate, factorization_cost,
-                                   factorization_fixed, tiers)
+                                    idle_rate, charges, tiers)
+    plan, predicted = _replay_plan(backend, trace, placement, rule, budget, anticipate, idle_rate, charges, tiers)
     replayed_traffic, replayed_bytes = predicted.pop("traffic"), predicted.pop("bytes")
     executed = plan_totals(live.plan)
     # the window's plan is what it ran: its totals are the backend's own counters
@@ -194,10 +195,10 @@ def test_replay_predicts_the_live_anticipating_window_under_a_token_budget(tiny_
 IDLE_CASES = [("patch", True), *((rule, a) for rule in ("patch-latency", "patch-latency-shared") for a in (False, True))]
 
 
-# (tokens per ms of idle gap, what the budget charges per token a patch factorizes)
-# idle rate (tokens per ms), per-token and per-patch factorization charges (prefill tokens)
-IDLE_RATES = {"tight": (0.05, 0.0, 0.0), "roomy": (0.5, 0.0, 0.0), "priced": (0.5, 0.5, 0.0), "per-patch": (0.5, 0.0, 24.0),
-              "split": (0.5, 0.25, 12.0)}
+# idle rate (tokens per ms), per-token and per-patch factorization charges and the per-forward
+# charge (prefill tokens)
+IDLE_RATES = {"tight": (0.05, 0.0, 0.0, 0.0), "roomy": (0.5, 0.0, 0.0, 0.0), "priced": (0.5, 0.5, 0.0, 0.0),
+              "per-patch": (0.5, 0.0, 24.0, 0.0), "split": (0.5, 0.25, 12.0, 0.0), "per-forward": (0.5, 0.25, 12.0, 6.0)}
 
 
 @pytest.mark.parametrize("rate", sorted(IDLE_RATES))
@@ -212,10 +213,12 @@ def test_replay_heals_within_the_trace_s_idle_gaps_as_the_window_does(tiny_backe
     same steps. (An eager window queues nothing: only its anticipation draws on the budget.)
     ``priced``: the budget also charges each patch's factorization (``factorization_cost``, l21b),
     in the steps' costs and in anticipation's estimates; ``per-patch`` / ``split``: a fixed charge
-    per patch factorized (``factorization_fixed``, issue 21), alone and beside the per-token one."""
-    idle_rate, svd, fixed = IDLE_RATES[rate]
+    per patch factorized (``factorization_fixed``, issue 21), alone and beside the per-token one;
+    ``per-forward``: besides, a fixed charge per forward (``forward_fixed``: a forward's fixed
+    part, ``CostModel.forward_fixed_s``), in the steps' costs and in every estimate."""
+    idle_rate, svd, fixed, per_forward = IDLE_RATES[rate]
     _check(tiny_backend_factory("llama"), kind, rule, "arrival", anticipate=anticipate, idle_rate=idle_rate,
-           factorization_cost=svd, factorization_fixed=fixed)
+           charges={"factorization_cost": svd, "factorization_fixed": fixed, "forward_fixed": per_forward})
 
 
 def _built(steps) -> "Trace":

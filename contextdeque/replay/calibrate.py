@@ -21,7 +21,7 @@ import torch
 
 from ..core.kv import kv_nbytes
 from ..window.config import DEFAULT_RANK
-from ..scheduler.cost_model import CostModel, fit_fixed_and_slope, fit_forward_fixed
+from ..scheduler.cost_model import CostModel, fit_fixed_and_slope, split_forward_fixed
 
 
 def _timed(fn: Callable[[], Any], repeats: int, device: torch.device | None = None) -> float:
@@ -54,8 +54,10 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
     """Measure a :class:`CostModel` on ``backend`` (an ``HFBackend``, on the CPU or a CUDA device:
     the prefill, forming, apply and decode speeds are the device's, the host and disk bandwidths
     the host's). ``lengths``: the chunk lengths whose prefill speed is measured; a forward's fixed
-    part (``forward_fixed_s``) is the intercept of their times (:func:`fit_forward_fixed`: a
-    launch and per-layer floor the rate would scale away; at least two lengths for it, else 0).
+    part (``forward_fixed_s``) is the intercept of their times (``cost_model.split_forward_fixed``:
+    a launch and per-layer floor the rate would scale away; at least two lengths for it, else 0),
+    and the table is saved as the rates of full prefills that, with it, price each measured
+    prefill at its measured time.
 
     The forming overhead: at each of ``form_lengths`` (at least two) a ``T``-token chunk's patch on
     a :data:`FORM_CONTEXT`-token antecedent is formed (``form_patch``: its conditioned forward and
@@ -101,6 +103,7 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
         t_cond = timed(lambda: backend.encode(token_ids=ctx_ids + b.token_ids.tolist()), repeats) - t_ctx
         overhead.append((int(n), max(0.0, t_form - max(t_cond, 0.0))))
     form_fixed, svd_per_token = fit_form_overhead(overhead)
+    forward_fixed, table = split_forward_fixed(prefill, lengths)
     b = backend.encode(token_ids=ids(256))  # the apply and decode probes: a 256-token page
     patch = form_patch(backend, b, [a], rank=min(rank, b.n_tokens))
     page = relocate(b, 1000, layout=lay, patch=[patch], beyond_trained=True)
@@ -128,12 +131,12 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
     return CostModel.geometry_of(
         backend,
         storage_bytes=b.keys.element_size(),
-        prefill=tuple(prefill),
+        prefill=table,
         decode_tokens_per_s=1.0 / t_dec,
         apply_bytes_per_s=page_bytes / t_apply,
         svd_s_per_token=svd_per_token,
         form_fixed_s=form_fixed,
-        forward_fixed_s=fit_forward_fixed(prefill, lengths),
+        forward_fixed_s=forward_fixed,
         host_bytes_per_s=buf.numel() / t_host,
         disk_bytes_per_s=2 * n_bytes / t_disk,
         rank=rank,
@@ -141,7 +144,8 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
         fingerprint=backend.fingerprint,
         model=str(getattr(backend, "name", "")),
         extra={"threads": torch.get_num_threads(), "torch": torch.__version__, "device": _device_name(dev),
-               "lengths": list(lengths), "form_overhead_s": [list(p) for p in overhead]},
+               "lengths": list(lengths), "form_overhead_s": [list(p) for p in overhead],
+               "prefill_measured": [list(p) for p in prefill]},
     )
 
 

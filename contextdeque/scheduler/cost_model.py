@@ -32,12 +32,14 @@ class CostModel:
     """Per-backend constants of the replay's cost model.
 
     Geometry: ``num_layers``, ``kv_width_k`` / ``kv_width_v`` (H_kv * d per layer),
-    ``storage_bytes`` (bytes per stored element). Speeds: ``prefill`` = ``[(context length,
-    tokens/s)]`` measured for prefills ending at that length (interpolated in between, flat outside),
-    ``forward_fixed_s`` (what every forward costs whatever its length: a launch and per-layer floor,
-    e.g. ~25 ms on the H100 of docs/gpu-results/h100/, which a rate alone scales away; fitted by
-    ``calibrate`` as the intercept of the prefill table's times, :func:`fit_forward_fixed`, and
-    derived so when a calibration saved before it is loaded), ``decode_tokens_per_s``, ``apply_bytes_per_s`` (relocate + rank-m patch, bytes of page written),
+    ``storage_bytes`` (bytes per stored element). Speeds: ``prefill`` = ``[(length, tokens/s)]``,
+    the rate of a full prefill of that length from scratch (interpolated in between, flat
+    outside); ``forward_fixed_s``, what every forward costs whatever its length (a launch and
+    per-layer floor, ~25 ms on the H100 of docs/gpu-results/h100/, which a rate alone scales
+    away: :meth:`prefill_s` charges it once per forward; fitted by ``calibrate`` as the intercept
+    of the prefill times, :func:`split_forward_fixed`, and derived so when a calibration saved
+    before it is loaded); ``decode_tokens_per_s``, ``apply_bytes_per_s`` (relocate + rank-m
+    patch, bytes of page written),
     ``form_fixed_s`` + ``svd_s_per_token`` x tokens (the cost of forming a patch beyond its
     conditioned forward: a fixed part per patch, its factorization's F x F eigenproblems whatever
     the chunk's length, and a per-token part; 0.0 fixed in calibrations saved before it was split),
@@ -190,7 +192,7 @@ class CostModel:
             raise ArgumentError(f"not a calibration: no prefill table of [length, tokens/s] pairs ({e!r})") from None
         if "forward_fixed_s" not in d:  # saved before forwards had a fixed part: its own table's intercept
             extra = dict(d.get("extra") or {})
-            d["forward_fixed_s"] = fit_forward_fixed(d["prefill"], extra.get("lengths"))
+            d["forward_fixed_s"], d["prefill"] = split_forward_fixed(d["prefill"], extra.get("lengths"))
             extra["forward_fixed_s_derived"] = True
             d["extra"] = extra
         return cls(**d)
@@ -239,12 +241,27 @@ def fit_forward_fixed(prefill: Sequence[tuple[int, float]], lengths: Sequence[in
     one measured whole). ``lengths``: the tokens each measurement prefilled (``calibrate``'s
     ``--lengths``, behind the model's root; its time is ``n / tokens/s``); None (or not one per
     row): the table's lengths (a prefill from scratch). 0.0 for fewer than two distinct lengths."""
+    return split_forward_fixed(prefill, lengths)[0]
+
+
+def split_forward_fixed(prefill: Sequence[tuple[int, float]],
+                        lengths: Sequence[int] | None = None) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """``(forward_fixed_s, table)``: :func:`fit_forward_fixed`'s fixed part, and the table restated
+    as what :class:`CostModel` reads it as, the rate of a full prefill of each row's length ``L``
+    from scratch: ``L / (a + L x (s - a) / n)`` for ``n`` tokens measured in ``s`` seconds behind
+    ``L - n`` (the root's tokens at that measurement's time per token), so that
+    ``prefill_s(n, L - n)`` is the measured ``s``. With no fixed part (or ``n == L``) the table as
+    measured."""
     ns = [int(n) for n in lengths] if lengths is not None and len(lengths) == len(prefill) else [int(L) for L, _ in prefill]
-    points = [(n, n / float(rate)) for n, (_, rate) in zip(ns, prefill) if n > 0 and rate > 0]
-    if len({n for n, _ in points}) < 2:
-        return 0.0
-    fixed, _ = fit_fixed_and_slope(points)
-    return min(fixed, min(s for _, s in points))
+    rows = [(int(L), n, n / float(rate)) for n, (L, rate) in zip(ns, prefill) if n > 0 and rate > 0]
+    table = tuple((int(L), float(rate)) for L, rate in prefill)
+    if len({n for _, n, _ in rows}) < 2:
+        return 0.0, table
+    fixed, _ = fit_fixed_and_slope([(n, s) for _, n, s in rows])
+    fixed = min(fixed, min(s for _, _, s in rows))
+    if fixed <= 0 or len(rows) != len(table):
+        return max(0.0, fixed), table
+    return fixed, tuple((L, L / (fixed + L * (s - fixed) / n)) for L, n, s in rows)
 
 
 @functools.lru_cache(maxsize=64)
