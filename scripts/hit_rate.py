@@ -2,17 +2,20 @@
 real window driven as `replay --fidelity N --idle-rate R --placement arrival --patch-policy latency`
 drives it (latency-first, anticipation on, the session predictor, the traces' hints, scale 1/16),
 the idle budget `idle_ms / 1000 x R x scale` tokens, a forming charged `--fc` per factorized token
-(the window's factorization_cost) and `--fixed` per patch, in full-scale prefill tokens (e.g. a
-35 ms factorization at R tokens/s: 0.035 x R), passed to the window x scale like the chunks and the
-budget (the window's factorization_fixed; `replay --idle-rate` sets both from the cost model:
-replay.fidelity.factorization_cost / factorization_fixed). Prints every
+(the window's factorization_cost) and `--fixed` per patch, every forward `--forward-fixed` beside its
+tokens, both in full-scale prefill tokens (e.g. a 35 ms factorization at R tokens/s: 0.035 x R),
+passed to the window x scale like the chunks and the budget (the window's factorization_fixed and
+forward_fixed). `--calibration FILE` takes R and all three from a cost model as
+`replay --idle-rate calibrated --calibration FILE` does (replay.fidelity.idle_charges: R is the
+marginal prefill rate at 2,048 tokens, a forward's fixed part charged apart). Prints every
 counted step the window did not answer fresh (-v: every one) and the per-type table.
 `--micro`: a 2-layer random llama instead of the default model (the budget is in tokens, so the
 hits depend on the model only through the prepared re-forwards' byte bound); `--unpinned`: trace
 recalls without an index go where recall(ref) puts them. Each trace's line ends with the forming
 carried across gaps (window.forming: tokens banked, credited to preparations that ran, lost).
 `--cascade keep`: a recall's dependents kept as-is (a what-if: the replay prices only "reform").
-Usage: OMP_NUM_THREADS=1 python scripts/hit_rate.py doc-0.jsonl web-0.jsonl --rate 15000 --fc 0.449 --fixed 1648"""
+Usage: OMP_NUM_THREADS=1 python scripts/hit_rate.py doc-0.jsonl web-0.jsonl --rate 15000 --fc 0.449 --fixed 1648
+   or: OMP_NUM_THREADS=1 python scripts/hit_rate.py doc-0.jsonl --calibration docs/gpu-results/h100/calibration-2026-11-26-subspace.json"""
 import sys, json, time, argparse
 import torch
 torch.set_num_threads(1)
@@ -31,6 +34,9 @@ ap.add_argument("-v", action="store_true")
 ap.add_argument("--json", default=None)
 ap.add_argument("--fc", type=float, default=0.0)
 ap.add_argument("--fixed", type=float, default=0.0, help="prefill tokens (full scale) charged per patch factorized")
+ap.add_argument("--forward-fixed", type=float, default=0.0, help="prefill tokens (full scale) charged per forward")
+ap.add_argument("--calibration", default=None, help="a cost model: --rate, --fc, --fixed and --forward-fixed from it")
+ap.add_argument("--ignore-hints", action="store_true", help="do not pass the traces' expect events on")
 ap.add_argument("--micro", action="store_true")
 ap.add_argument("--unpinned", action="store_true")
 ap.add_argument("--upto", type=int, default=None)
@@ -48,13 +54,22 @@ if a.micro:
 else:
     backend = load_model()
 scale = a.scale
+if a.calibration:
+    from contextdeque.replay.fidelity import idle_charges, idle_token_s
+    from contextdeque.scheduler.cost_model import load_calibration
+    cost, note = load_calibration(path=a.calibration)
+    charges = idle_charges(cost, 1.0)
+    a.rate, a.fc, a.fixed, a.forward_fixed = (1.0 / idle_token_s(cost), charges["factorization_cost"],
+                                              charges["factorization_fixed"], charges["forward_fixed"])
+    print(f"{note}: rate {a.rate:.0f} tok/s, fc {a.fc:.4g}, fixed {a.fixed:.0f}, forward_fixed {a.forward_fixed:.0f} "
+          f"(full-scale prefill tokens)")
 out = {}
 for path in a.traces:
     t = read_trace(path)
     if a.upto:
         t.events[:] = t.events[: a.upto]
     win = ContextWindow(backend, placement=a.placement, patch_policy="latency", anticipate=True, recall_predictor="session", factorization_cost=a.fc,
-                        factorization_fixed=a.fixed * scale, cascade_policy=a.cascade)
+                        factorization_fixed=a.fixed * scale, forward_fixed=a.forward_fixed * scale, cascade_policy=a.cascade)
     hits = HitRate()
     labels = {}
     def on_step(step, rec, hits=hits):
@@ -65,9 +80,11 @@ for path in a.traces:
                   f"served={[(lab(r), w) for r, w in rec.served]} deferred={[(lab(r), s) for r, s, _ in rec.deferred]} placed={[(lab(r), i, w) for r,i,w in rec.placed]}")
     t0 = time.time()
     idle = idle_budget(a.rate, scale)
-    print(f"== {t.name} rate={a.rate} fc={a.fc} fixed={a.fixed} (x scale {scale:g}: {a.fixed * scale:g} per patch)")
+    print(f"== {t.name} rate={a.rate:.0f} fc={a.fc:.4g} fixed={a.fixed:.0f} forward_fixed={a.forward_fixed:.0f} "
+          f"(x scale {scale:g}: {a.fixed * scale:.1f} per patch, {a.forward_fixed * scale:.1f} per forward)")
     total = drive_window(win, t, scaled_chunk_ids(backend, scale),
-                         heal_at_end=False, on_step=on_step, idle_tokens=idle, pin_recalls=not a.unpinned)
+                         heal_at_end=False, on_step=on_step, idle_tokens=idle, pin_recalls=not a.unpinned,
+                         hints=not a.ignore_hints)
     d = hits.as_dict()
     print(f"{t.name}: hit_rate={d['hit_rate']} own={d['own_hit_rate']} re_reads={d['re_reads']} "
           + " ".join(f"{k}:{v['hits']}/{v['steps']}(own {v['own_hits']})" for k, v in d["by_step"].items())

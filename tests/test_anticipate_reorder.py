@@ -249,3 +249,77 @@ def test_a_reorder_that_moves_new_content_is_prepared(backend):
     assert r_slow.deferred or slow.pending_refs
     slow.heal()
     assert kl_divergence(pool_answer_logits(backend, slow), pool_answer_logits(backend, fast)) <= 1e-6
+
+
+def test_a_provisional_chunk_a_reorder_brings_to_the_front_is_prepared(backend):
+    """Latency-first new content has no canonical; a reorder that brings it to the front serves it
+    there as its own conditioned forward on what used to be in front of it (not exact) and queues
+    its canonical for ``heal``. Anticipation now prepares that order too: the chunk gets its
+    canonical where it stands first (``anticipation.anticipate_canonical``, priced as the slide's),
+    then the order's patches are formed; the reorder runs no forward, serves nothing deferred, and
+    holds what the reorder plus heal hold without anticipation (KL <= 1e-6). (Before: the order had
+    no needs, ``patch_needs`` None, and was never prepared.)"""
+    from contextdeque.core.metrics import kl_divergence
+    from contextdeque.window import ContextWindow
+    from helpers import POOL, pool_answer_logits
+
+    def run(anticipate):
+        win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=anticipate)
+        # new content but the second page, known (no slide to prepare: it would give that page a
+        # canonical the window without anticipation lacks, as in the test above)
+        refs = [win.append(chunk=backend.encode(token_ids=p)) if i == 1 else win.append(token_ids=p)
+                for i, p in enumerate(POOL[:4])]
+        win.heal(anticipate=False)
+        order = [refs[2], refs[0], refs[1], refs[3]]
+        assert win.slot(refs[2]).provisional
+        if anticipate:
+            needs = patch_needs([win.slot(r) for r in order], win._ctx.policy.eager)
+            assert ("canonical", refs[2].chunk_id, ()) in {n[0] for n in needs}
+            win.expect_order(order)
+            healed = win.heal()
+            assert healed.forwards > 0 and not win.slot(refs[2]).provisional  # its canonical, where it stood
+        return win, win.reorder(order)
+
+    fast, r = run(True)
+    assert r.forwards == 0 and r.answered_fresh and not r.deferred and not fast.pending_refs
+    slow, r_slow = run(False)
+    assert r_slow.deferred and slow.pending_refs
+    assert dict(r_slow.served)[slow.refs[0]] == "conditioned"  # (the front without its canonical)
+    slow.heal()
+    assert kl_divergence(pool_answer_logits(backend, slow), pool_answer_logits(backend, fast)) <= 1e-6
+
+
+def test_a_hinted_reorder_s_estimate_charges_forwards_and_patches():
+    """A recall chain with the reorder the agent named after it (``recall_cost``) and a reorder
+    alone (``reorder_cost``) are priced as the budget spends them (``healing.IdlePrices``): per
+    chunk re-conditioned its tokens, a forward's fixed part and, but for a provisional chunk, its
+    patch's factorization per token and per patch; a chunk brought to the front costs nothing (its
+    canonical is exact there). (Before: the hinted reorder's tokens x (1 + per-token charge) only.)"""
+    from types import SimpleNamespace
+
+    from contextdeque.window.anticipation import recall_cost, reorder_after, reorder_cost
+    from contextdeque.window.healing import IdlePrices
+    from contextdeque.window.predictor import Prediction
+    from contextdeque.window.ref import ChunkRef
+
+    a, b, c, d = (ChunkRef(i, f"c{i}", 10) for i in range(4))
+    slot = lambda ref, n, provisional=False: SimpleNamespace(ref=ref, n_tokens=n, provisional=provisional)  # noqa: E731
+
+    class Graph:
+        @staticmethod
+        def preview_cascade(ref, order):
+            return ()
+
+    state = SimpleNamespace(slots=[slot(a, 10), slot(b, 20, True), slot(c, 30)], refs=[a, b, c],
+                            evicted={d: SimpleNamespace(n_tokens=40, owes_encode=False)}, graph=Graph())
+    prices = IdlePrices(factorization_cost=0.5, factorization_fixed=3.0, forward_fixed=7.0)
+    recalls = ((d, 3),)
+    then = reorder_after(state, recalls, [(a, c, b, d)])
+    assert then == [c, b, d]
+    chain = 40 + 7.0 + 0.5 * 40 + 3.0  # the recalled chunk: its forward and its patch
+    reorder = (30 + 20 + 40) + 3 * 7.0 + 0.5 * (30 + 40) + 2 * 3.0  # b is provisional: re-forwarded, not factorized
+    prediction = Prediction(recalls, 1.0, 40, 40, "test")
+    assert recall_cost(state, prediction, then, prices) == pytest.approx(chain + reorder)
+    assert recall_cost(state, prediction, (), prices) == pytest.approx(chain)
+    assert reorder_cost(state, [a, c, b], prices) == pytest.approx(30 + 20 + 2 * 7.0 + 0.5 * 30 + 3.0)
+    assert reorder_cost(state, [c, a, b], prices) == pytest.approx(10 + 20 + 2 * 7.0 + 0.5 * 10 + 3.0)  # c: front, free

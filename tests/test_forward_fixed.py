@@ -121,6 +121,9 @@ def test_calibrate_on_the_tiny_model_fits_a_known_synthetic_table(tmp_path, tiny
                                        form_lengths=(16, 64))
     assert model.forward_fixed_s == pytest.approx(0.020, rel=1e-4)
     assert model.prefill_s(48, be.root_len) == pytest.approx(0.020 + 48 / 10_000, rel=1e-3)
+    from contextdeque.cli.calibrate import forward_fixed_line
+
+    assert "fixed part: 20.000 ms" in forward_fixed_line(model) and "48: 24.8 ms" in forward_fixed_line(model)
 
 
 def test_an_idle_budget_charges_each_forward_its_fixed_part(backend):

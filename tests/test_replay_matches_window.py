@@ -255,6 +255,29 @@ def test_replay_heals_as_the_window_does(tiny_backend_factory, one_thread, case,
     assert _costly(plan) == _costly(live.plan)
 
 
+# anticipation of a named reorder that brings new content (no canonical yet) to the front: its
+# canonical is made where it stands first ("canonical" preparation), then the order's patches
+ANTICIPATION_CASES = {
+    "named-reorder-to-the-front": [*_chunks(("a", 5), ("b", 4), ("c", 6), ("d", 3)), ("step",),
+                                   ("expect_order", ["c", "a", "b", "d"]), ("step",), ("reorder", ["c", "a", "b", "d"]),
+                                   ("step",), ("expect_order", ["d", "c", "a", "b"]), ("step",),
+                                   ("reorder", ["d", "c", "a", "b"]), ("step",)],
+}
+
+
+@pytest.mark.parametrize("rule", ["patch-latency", "patch-latency-shared"])
+@pytest.mark.parametrize("case", sorted(ANTICIPATION_CASES))
+def test_replay_anticipates_as_the_window_does(tiny_backend_factory, one_thread, case, rule):
+    backend = tiny_backend_factory("llama")
+    backend.root_kv()
+    trace = _built(ANTICIPATION_CASES[case])
+    live, traffic = _window_receipt(backend, trace, "arrival", REUSE_COSTS[rule].window_policy, anticipate=True)
+    plan, predicted = _replay_plan(backend, trace, "arrival", rule, anticipate=True)
+    assert (predicted["forwards"], predicted["tokens_prefilled"]) == (live.forwards, live.tokens_prefilled)
+    assert predicted["traffic"] == traffic
+    assert _costly(plan) == _costly(live.plan)
+
+
 def test_a_trace_s_distinct_contents_get_distinct_tokens(tiny_backend_factory, one_thread):
     """The window names a chunk by its tokens, the trace by its content hash: two contents given the
     same token ids are one chunk to the window (one canonical stored, found by the second), two to

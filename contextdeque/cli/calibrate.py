@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
             if k != "extra":
                 print(f"  {k}: {v}")
         print(form_split_line(model))
+        print(forward_fixed_line(model))
     if args.envelope or args.only_envelope:
         from ..eval.fidelity.envelope import ensure_envelope
 
@@ -97,6 +98,17 @@ def form_split_line(model: Any) -> str:
     return (f"  forming beyond its forward: {model.form_fixed_s * 1e3:.3f} ms per patch + "
             f"{model.svd_s_per_token * 1e6:.3f} us per token (measured by chunk length: {measured}; "
             f"the fit at the traces' median chunk lengths: {at})")
+
+
+def forward_fixed_line(model: Any) -> str:
+    """One line: a forward's fixed part, the measured prefill times it was fitted to, and what it
+    changes for the issue's case (a 512-token forward behind 1,536 cached tokens)."""
+    measured = ", ".join(f"{int(n)}: {n / rate * 1e3:.1f} ms" for n, (_, rate) in
+                         zip(model.extra.get("lengths", []), model.extra.get("prefill_measured", [])))
+    rate_alone = 512 / model.tokens_per_s(2048)
+    return (f"  a forward's fixed part: {model.forward_fixed_s * 1e3:.3f} ms (the intercept of the prefill times by "
+            f"tokens: {measured or 'not kept'}); a 512-token forward behind 1,536 tokens: "
+            f"{model.prefill_s(512, 1536) * 1e3:.2f} ms (the rate alone: {rate_alone * 1e3:.2f} ms)")
 
 
 def _lengths(spec: str, option: str = "--lengths", at_least: int = 1) -> tuple[int, ...]:

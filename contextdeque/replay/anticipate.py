@@ -231,8 +231,10 @@ class AnticipationMirror:
 
             def run(task: Preparation = task) -> None:
                 task.ran = True
-                if task.kind == "slide":
-                    if self._anticipate_slide():
+                if task.kind in ("slide", "canonical"):
+                    key = (self.order[1] if len(self.order) >= 2 else None) if task.kind == "slide" else \
+                        self._key_of[task.order[0]]
+                    if self._anticipate_canonical(key):
                         self._changed()
                 elif task.kind == "recalls":
                     self._simulated(self._simulate_recalls, (task.recalls, task.orders))
@@ -242,13 +244,14 @@ class AnticipationMirror:
             yield run, task.cost, forming_task(task, [self._kv_state(k) for k in self.order], key_state(self), prices,
                                                whole=self.cfg.budget_tokens is not None)
 
-    def _anticipate_slide(self) -> bool:
-        """``anticipation.anticipate_slide``: the provisional slot at index 1 gets its canonical
-        (and, where its forward ran behind exactly the front slot as it stands, the difference as
-        its stored patch), then the eager policy's ``append`` decision there (a store hit)."""
-        if len(self.order) < 2 or self.order[1] not in self._no_canon:
+    def _anticipate_canonical(self, key: str | None) -> bool:
+        """``anticipation.anticipate_canonical`` (``anticipate_slide``: the slot at index 1): the
+        provisional slot ``key`` gets its canonical (and, where its forward ran behind exactly the
+        slots in front of it as they stand, the difference as its stored patch), then the eager
+        policy's ``append`` decision there (a store hit)."""
+        if key is None or key not in self.order or key not in self._no_canon:
             return False
-        key, prefix = self.order[1], self.order[:1]
+        prefix = self.order[:self.order.index(key)]
         valid = self.valid(key, prefix)
         del self._no_canon[key]
         self._canon_due.discard(key)

@@ -114,11 +114,12 @@ def order_probabilities(reorders_seen: "Counter[Perm]", n: int) -> dict[Perm, fl
 Need = tuple
 """A patch a reorder needs, named across candidate orders: ``("exact", chunk id, antecedent ids in
 order)``, ``("orbit", chunk id, frozenset of antecedent ids)`` (an orbit patch is formed on
-settled antecedents and serves every ordering of its set: ``window.kvstate``) or ``("reforward",
-chunk id, antecedent ids in order)`` (a provisional chunk's prepared re-forward)."""
+settled antecedents and serves every ordering of its set: ``window.kvstate``), ``("reforward",
+chunk id, antecedent ids in order)`` (a provisional chunk's prepared re-forward) or ``("canonical",
+chunk id, ())`` (a provisional chunk's canonical, for the front)."""
 
 
-def patch_needs(slots: "Sequence[Slot | KeySlot]", eager: object) -> list[tuple[Need, int, int]] | None:
+def patch_needs(slots: "Sequence[Slot | KeySlot]", eager: object) -> list[tuple[Need, int, int]]:
     """The patches the eager policy would form for ``slots`` (the window in its new order), each
     ``(need, forwards, tokens of the slot)``, without running anything: a slot whose antecedents
     (by id, in order) are unchanged and all in front of it unchanged keeps its KV; the front slot
@@ -127,8 +128,9 @@ def patch_needs(slots: "Sequence[Slot | KeySlot]", eager: object) -> list[tuple[
     moves (latency-first new content with no canonical: the reorder defers its conditioned
     re-forward to ``heal``) needs that re-forward behind its new prefix, one forward kept in
     ``window.prepared`` for the reorder to take (``("reforward", chunk id, antecedent ids)``).
-    None when a provisional slot would reach the front (its canonical is owed there; a reorder
-    defers it to ``heal``, not prepared here)."""
+    A provisional slot that reaches the front needs its canonical there (``("canonical", chunk id,
+    ())``, one forward: ``anticipation.anticipate_canonical`` makes it where the slot stands, and
+    the reorder then serves it exact)."""
     orbit_max = int(getattr(eager, "orbit_max_antecedents", 0)) if getattr(eager, "reorder", "orbit") == "orbit" else 0
     max_orderings = int(getattr(eager, "max_orderings", 1))
     needs: list[tuple[Need, int, int]] = []
@@ -140,7 +142,8 @@ def patch_needs(slots: "Sequence[Slot | KeySlot]", eager: object) -> list[tuple[
             continue
         changed_in_front = True
         if slot.provisional and not before:
-            return None
+            needs.append((("canonical", slot.ref.chunk_id, ()), 1, slot.n_tokens))
+            continue
         if not before:
             continue  # the canonical: exact at the front, free
         ids = tuple(r.chunk_id for r in before)
@@ -155,12 +158,10 @@ def patch_needs(slots: "Sequence[Slot | KeySlot]", eager: object) -> list[tuple[
     return needs
 
 
-def estimated_cost(slots: "Sequence[Slot | KeySlot]", eager: object) -> tuple[int, int, int] | None:
+def estimated_cost(slots: "Sequence[Slot | KeySlot]", eager: object) -> tuple[int, int, int]:
     """``(forwards, tokens formed, tokens fixed)`` the eager policy would spend on ``slots`` (the
-    window in its new order): :func:`patch_needs` summed. None where it is None."""
+    window in its new order): :func:`patch_needs` summed."""
     needs = patch_needs(slots, eager)
-    if needs is None:
-        return None
     return (sum(n for _, n, _ in needs), sum(n * t for _, n, t in needs), sum(t for _, _, t in needs))
 
 
@@ -182,7 +183,9 @@ def plan_reorders(eager: object, reorders_seen: "Counter[Perm]", expected_orders
     prefix) x the tokens it keeps from being served blind; an order's score is the value of the
     patches it still needs over the tokens forming them costs (what an order chosen before formed
     is free). Orders are taken greedily, best score first, while the score is at least
-    :data:`MIN_SAVED_PER_FORMED` (an order the agent named, ``expect_order``, always)."""
+    :data:`MIN_SAVED_PER_FORMED` (an order the agent named, ``expect_order``, always; only such an
+    order is prepared when it brings a provisional chunk to the front, whose canonical is then
+    made where it stands: a change to the window, not taken on a guess)."""
     refs = [s.ref for s in slots]
     probs = order_probabilities(reorders_seen, len(refs))
     hinted: set[Perm] = set()
@@ -195,8 +198,10 @@ def plan_reorders(eager: object, reorders_seen: "Counter[Perm]", expected_orders
     value: dict[Need, float] = {}
     for perm, p in probs.items():
         needs = patch_needs([slots[j] for j in perm], eager)
-        if not needs:
-            continue  # nothing to form (or nothing can be)
+        if not needs or (perm not in hinted and any(need[0] == "canonical" for need, _, _ in needs)):
+            # nothing to form; or a guessed order would need a canonical made where the chunk stands
+            # now, which changes the window (its exact forward for canonical + patch): named orders only
+            continue
         needs_of[perm] = {need: (forwards, tokens) for need, forwards, tokens in needs}
         for need, _, tokens in needs:
             value[need] = value.get(need, 0.0) + p * tokens

@@ -145,15 +145,26 @@ def anticipate_slide(win: "ContextWindow", state: WindowState, meter: Meter) -> 
     doc, 1.). Returns its ref, or None when there is nothing to do."""
     if len(state.slots) < 2 or not state.slots[1].provisional:
         return None
+    return anticipate_canonical(win, state, state.slots[1].ref, meter)
+
+
+def anticipate_canonical(win: "ContextWindow", state: WindowState, ref: ChunkRef, meter: Meter) -> ChunkRef | None:
+    """Give provisional ``ref`` its canonical where it stands (a step that brings it to the front,
+    a slide or a reorder, then serves the canonical there: exact, 0 forwards). The patch that keeps
+    it where it stands is the SVD of its provisional KV where that KV ran behind the slots in front
+    of it as they stand (no second forward; else the eager policy's ``append`` decision forms it).
+    Changes ``state``. Returns ``ref``, or None when it is not a provisional slot."""
+    if ref not in state.refs or not state.slots[state.index(ref)].provisional:
+        return None
     ctx = win._ctx
     eager = getattr(ctx.policy, "eager", ctx.policy)
     slots = list(state.slots)
-    slot = slots[1]
+    i = state.index(ref)
     before = len(meter.formed_keys)
-    slots[1] = win._canonicalize(slot, slots[:1], "append", eager, meter)
-    state.slots, _ = reconcile(ctx, slots, {slot.ref: "append"}, meter, policy=HealPolicy(eager))
+    slots[i] = win._canonicalize(slots[i], slots[:i], "append", eager, meter)
+    state.slots, _ = reconcile(ctx, slots, {ref: "append"}, meter, policy=HealPolicy(eager))
     ctx.anticipated_keys.update(meter.formed_keys[before:])
-    return slot.ref
+    return ref
 
 
 def anticipate_recalls(win: "ContextWindow", state: WindowState, recalls: Sequence[tuple[ChunkRef, int | None]],
@@ -262,10 +273,11 @@ def reconditioning_cost(state: Any, refs: Sequence[ChunkRef], prices: IdlePrices
 def reorder_cost(state: Any, order: Sequence[ChunkRef], prices: IdlePrices) -> float:
     """What preparing the reorder of ``state``'s window to ``order`` is estimated to cost an idle
     budget: every chunk from the first one the reorder moves on is re-conditioned
-    (:func:`reconditioning_cost`), as :func:`reorder_after` counts it."""
+    (:func:`reconditioning_cost`), as :func:`reorder_after` counts it, but for one it brings to
+    the front (its canonical is exact there: free, or a preparation of its own when it has none)."""
     now = list(state.refs)
     first = next((i for i, (a, b) in enumerate(zip(now, order)) if a != b), len(now))
-    return reconditioning_cost(state, list(order)[first:], prices)
+    return reconditioning_cost(state, list(order)[max(first, 1):], prices)
 
 
 def recall_cost(state: Any, prediction: Prediction, reorder: Sequence[ChunkRef], prices: IdlePrices) -> float:
@@ -289,9 +301,12 @@ def slide_cost(n_tokens: int, prices: IdlePrices) -> float:
 @dataclass
 class Preparation:
     """One anticipation task :func:`plan_anticipation` hands its executor: ``kind`` ``"slide"``
-    (the next slide's canonical), ``"recalls"`` (the chain ``recalls``, with the hinted reorders
-    ``orders`` after it) or ``"reorder"`` (to ``order``); ``cost``: its estimated cost to an idle
-    budget, in prefill tokens (None: not priced). The executor sets ``ran`` once it ran it."""
+    (the next slide's canonical), ``"canonical"`` (the canonical of the provisional chunk
+    ``order[0]``, which a reorder to be prepared brings to the front: :func:`anticipate_canonical`),
+    ``"recalls"`` (the chain ``recalls``, with the hinted reorders ``orders`` after it) or
+    ``"reorder"`` (to ``order``); ``cost``: its estimated cost to an idle budget, in prefill tokens
+    (None: not priced). The executor sets ``ran`` once it ran it; ``"slide"`` and ``"canonical"``
+    change the window, the others only read it."""
 
     kind: str
     cost: float | None
@@ -313,7 +328,8 @@ def plan_anticipation(state_of: Callable[[], Any], predictor: RecallPredictor, e
     predictions (:func:`plan_recalls`, each with the reorder the agent named right after it, then
     without it; a chain that extends one prepared in this pass costs only the rest), then the
     ``reorders()`` to prepare (priced by :func:`reorder_cost`: a gap is never charged more than
-    its budget, where an unpriced reorder once ran whatever was left). ``prices``: the idle
+    its budget, where an unpriced reorder once ran whatever was left), each after the canonical
+    of a provisional chunk it brings to the front (``"canonical"``, priced as the slide's). ``prices``: the idle
     budget's (``healing.HealBudget.prices``), what the estimates charge per forward and per
     factorized patch and token."""
     predictions = plan_recalls(predictor, state_of(), expected, budgeted)
@@ -335,7 +351,13 @@ def plan_anticipation(state_of: Callable[[], Any], predictor: RecallPredictor, e
             yield task
             if task.ran:
                 done[prediction.recalls] = max(cost, done.get(prediction.recalls, 0))
+    named = {tuple(o) for o in expected_orders}
     for order in reorders():
+        front = next((slot for slot in state_of().slots[1:] if slot.ref == order[0]), None)
+        if front is not None and front.provisional and tuple(order) in named:
+            # brought to the front: its canonical is what it needs there (a named order only:
+            # ``anticipate_reorder.plan_reorders``)
+            yield Preparation("canonical", slide_cost(front.n_tokens, prices), order=(order[0],))
         yield Preparation("reorder", reorder_cost(state_of(), order, prices), order=order)
 
 
@@ -366,6 +388,8 @@ def forming_task(task: Preparation, arrangement: Sequence[Any], state: Any, pric
     head_len, head_cost = n, 0.0
     if task.kind == "slide":
         head_len = min(2, n)  # its canonical and the patch that keeps it behind the front slot
+    elif task.kind == "canonical" and task.order and task.order[0] in state.refs:
+        head_len = min(list(state.refs).index(task.order[0]) + 1, n)  # (the same, behind the slots in front of it)
     elif task.kind == "recalls" and task.recalls:
         head_len = min(min(int(at) if isinstance(at, int) else n for _, at in task.recalls), n)
         for ref, _ in task.recalls:
@@ -579,8 +603,9 @@ class WindowAnticipation:
 
             def body(state: WindowState, meter: Meter, task: Preparation = task) -> tuple[dict[str, Any], None]:
                 task.ran = True
-                if task.kind == "slide":
-                    ref = anticipate_slide(self, state, meter)
+                if task.kind in ("slide", "canonical"):
+                    ref = anticipate_slide(self, state, meter) if task.kind == "slide" else \
+                        anticipate_canonical(self, state, task.order[0], meter)
                     return {"refs": () if ref is None else (ref,)}, None
                 if task.kind == "recalls":
                     formed = anticipate_recalls(self, state, task.recalls, meter, task.orders)
@@ -588,7 +613,7 @@ class WindowAnticipation:
                 formed = anticipate_reorder(self, state, list(task.order), meter)
                 return {"refs": tuple(task.order) if formed else ()}, None
 
-            yield body, task.kind == "slide", task.cost, forming_task(
+            yield body, task.kind in ("slide", "canonical"), task.cost, forming_task(
                 task, antecedent_states(self._state.slots), self._state, prices, whole=ctx.budget_tokens is not None)
 
     def _anticipate(self, budget: "HealBudget | None" = None) -> list[Receipt]:
