@@ -216,11 +216,17 @@ def test_an_orbit_patch_is_priced_by_every_order_it_serves(backend):
     assert estimated_cost([slots[1], slots[0], slots[2], slots[3]], eager)[0] == sum(f for _, f, _ in swap_front)
 
 
-def test_a_reorder_that_moves_new_content_is_prepared(backend):
+@pytest.mark.parametrize(("order", "need"), [((0, 2, 1, 3), "reforward"), ((2, 0, 1, 3), "canonical")],
+                         ids=["behind-the-front", "to-the-front"])
+def test_a_reorder_that_moves_new_content_is_prepared(backend, order, need):
     """Latency-first new content has no canonical: a reorder that moves it defers its conditioned
-    re-forward to ``heal``. The order the agent named is prepared anyway (that re-forward run in
-    idle time and kept, ``window.prepared``): the reorder runs no forward, serves nothing stale or
-    blind, and holds what the reorder plus heal hold without anticipation (KL <= 1e-6)."""
+    re-forward to ``heal`` (behind the front), or its canonical (brought to the front: served there
+    as its own forward on what used to be in front of it). The order the agent named is prepared
+    anyway (the re-forward run in idle time and kept, ``window.prepared``; the canonical made where
+    the chunk stands, ``anticipation.anticipate_canonical``, before the order's patches): the reorder
+    runs no forward, serves nothing stale or blind, and holds what the reorder plus heal hold
+    without anticipation (KL <= 1e-6). (Before: ``patch_needs`` was None for either; then the
+    front's canonical stayed None: never prepared.)"""
     from contextdeque.core.metrics import kl_divergence
     from contextdeque.window import ContextWindow
     from contextdeque.window.anticipate_reorder import patch_needs
@@ -233,58 +239,21 @@ def test_a_reorder_that_moves_new_content_is_prepared(backend):
         refs = [win.append(chunk=backend.encode(token_ids=p)) if i == 1 else win.append(token_ids=p)
                 for i, p in enumerate(POOL[:4])]
         win.heal(anticipate=False)
-        order = [refs[0], refs[2], refs[1], refs[3]]
-        assert any(s.provisional for s in win._state.slots[1:])
+        new_order = [refs[i] for i in order]
+        assert win.slot(refs[2]).provisional
         if anticipate:
-            needs = patch_needs([win.slot(r) for r in order], win._ctx.policy.eager)
-            assert needs and "reforward" in {n[0][0] for n in needs}  # (was None: never prepared)
-            win.expect_order(order)
+            needs = patch_needs([win.slot(r) for r in new_order], win._ctx.policy.eager)
+            assert need in {n[0][0] for n in needs}
+            win.expect_order(new_order)
             win.heal()
-        return win, win.reorder(order)
+            assert not win.slot(refs[2]).provisional or need == "reforward"  # (the canonical, where it stood)
+        return win, win.reorder(new_order)
 
     fast, r = run(True)
     assert r.forwards == 0 and r.answered_fresh and not r.deferred and not fast.pending_refs
     assert any(what == "anticipated" for _, what in r.served)
     slow, r_slow = run(False)
-    assert r_slow.deferred or slow.pending_refs
-    slow.heal()
-    assert kl_divergence(pool_answer_logits(backend, slow), pool_answer_logits(backend, fast)) <= 1e-6
-
-
-def test_a_provisional_chunk_a_reorder_brings_to_the_front_is_prepared(backend):
-    """Latency-first new content has no canonical; a reorder that brings it to the front serves it
-    there as its own conditioned forward on what used to be in front of it (not exact) and queues
-    its canonical for ``heal``. Anticipation now prepares that order too: the chunk gets its
-    canonical where it stands first (``anticipation.anticipate_canonical``, priced as the slide's),
-    then the order's patches are formed; the reorder runs no forward, serves nothing deferred, and
-    holds what the reorder plus heal hold without anticipation (KL <= 1e-6). (Before: the order had
-    no needs, ``patch_needs`` None, and was never prepared.)"""
-    from contextdeque.core.metrics import kl_divergence
-    from contextdeque.window import ContextWindow
-    from helpers import POOL, pool_answer_logits
-
-    def run(anticipate):
-        win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=anticipate)
-        # new content but the second page, known (no slide to prepare: it would give that page a
-        # canonical the window without anticipation lacks, as in the test above)
-        refs = [win.append(chunk=backend.encode(token_ids=p)) if i == 1 else win.append(token_ids=p)
-                for i, p in enumerate(POOL[:4])]
-        win.heal(anticipate=False)
-        order = [refs[2], refs[0], refs[1], refs[3]]
-        assert win.slot(refs[2]).provisional
-        if anticipate:
-            needs = patch_needs([win.slot(r) for r in order], win._ctx.policy.eager)
-            assert ("canonical", refs[2].chunk_id, ()) in {n[0] for n in needs}
-            win.expect_order(order)
-            healed = win.heal()
-            assert healed.forwards > 0 and not win.slot(refs[2]).provisional  # its canonical, where it stood
-        return win, win.reorder(order)
-
-    fast, r = run(True)
-    assert r.forwards == 0 and r.answered_fresh and not r.deferred and not fast.pending_refs
-    slow, r_slow = run(False)
     assert r_slow.deferred and slow.pending_refs
-    assert dict(r_slow.served)[slow.refs[0]] == "conditioned"  # (the front without its canonical)
     slow.heal()
     assert kl_divergence(pool_answer_logits(backend, slow), pool_answer_logits(backend, fast)) <= 1e-6
 
