@@ -35,7 +35,7 @@ def test_new_content_is_entering_then_forwarded_then_canonical_at_the_heal():
     assert p.heal_keys(["x", "a"]) == {"a"} and p.heal_keys(["x"]) == set()
     # under lazy canonicals, a forwarded chunk appended once keeps its forward where it stands
     assert p.heal_need("a", 2, lazy=True) == "keep" and p.heal_need("a", 2, lazy=False) == "canonical"
-    del p.forwarded["a"]
+    assert p.take_forwarded("a") == ("ha",) and not p.forwarded
     p.keep_uncanonical("a")
     assert p.unencoded("a") and not p.queued_work()
     p.owe_canonical("a")  # it reached the front
@@ -95,6 +95,10 @@ def test_a_discarded_fork_gives_the_parent_back_its_work():
     fork.owe_canonical("v")
     fork.restore_queue(before)  # (an operation that changed no slot queues nothing)
     assert fork == before
+    fork.owe_canonical("v")
+    # back in the parent's window (q, f): what the fork forwarded is queued outside it, owed
+    # front canonicals outside it are forgotten
+    assert fork.forget_outside(["q", "f"]) == {"g"} and not fork.canonical_due
 
 
 def test_the_window_settles_its_queue_after_an_operation():

@@ -65,11 +65,9 @@ class HealMirror:
     def _forget_departed(self) -> None:
         """Drop the queued work of chunks no longer in the window (gone with a discarded fork):
         the window's queue holds residents only."""
-        resident = set(self.order)
-        departed = {k for k in (*self.pending.forwarded, *self.pending.queued) if k not in resident}
+        departed = self.pending.forget_outside(self.order)
         if departed:
             self._heal_pass(departed)
-        self.pending.canonical_due &= resident
 
     def _idle_step(self, max_tokens: int) -> None:
         """``heal(max_tokens=)`` at a step (nothing when the gap affords no token): the queued work
@@ -137,7 +135,7 @@ class HealMirror:
                     healed_before.add(key)
             for key in [k for k in pending.forwarded if k in keys]:
                 need = self._heal_need(key, self.order.index(key)) if key in resident else None
-                pc = pending.forwarded.pop(key)
+                pc = pending.take_forwarded(key)
                 if need is None:  # gone with a discarded fork: its canonical is never made
                     k = ("c", self.content[key])
                     if k not in self.pool.pinned:

@@ -210,6 +210,10 @@ class PendingWork(Mapping[K, Pending], Generic[K]):
         keys, self.entering = list(self.entering), {}
         return keys
 
+    def take_forwarded(self, key: K) -> tuple[Hashable, ...]:
+        """The content prefix ``key`` was forwarded behind, taken off (the heal decides its canonical now)."""
+        return self.forwarded.pop(key)
+
     def keep_uncanonical(self, key: K) -> None:
         """The heal leaves ``key`` as forwarded: no canonical until something re-reads it elsewhere."""
         self.uncanonical[key] = None
@@ -217,6 +221,14 @@ class PendingWork(Mapping[K, Pending], Generic[K]):
     def owe_canonical(self, key: K) -> None:
         """An uncanonical ``key`` reached the front or lost its conditioning: canonical at the heal."""
         self.canonical_due.add(key)
+
+    def forget_outside(self, order: Sequence[K]) -> set[K]:
+        """Forget the canonicals owed at the front by keys not in ``order`` (the window's); returns
+        the keys not in it whose conditioning or canonical is still queued (gone with a discarded
+        fork: the heal drops their work)."""
+        resident = set(order)
+        self.canonical_due &= resident
+        return {k for k in (*self.forwarded, *self.queued) if k not in resident}
 
     def canonicalized(self, key: K) -> None:
         """``key``'s canonical was computed: it owes none any more."""
