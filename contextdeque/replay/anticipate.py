@@ -232,6 +232,7 @@ class AnticipationMirror:
                 if task.kind == "slide":
                     if self._anticipate_slide():
                         self._changed()
+                        self.pool.install(self.order)  # (a window operation: its slot holds what it formed)
                 elif task.kind == "recalls":
                     self._simulated(self._simulate_recalls, (task.recalls, task.orders))
                 else:
