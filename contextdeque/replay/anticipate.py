@@ -39,6 +39,7 @@ from ..window.anticipate_reorder import note_reorder, plan_reorders
 from ..window.anticipation import (Preparation, ResumableForming, fulfil_hints, fulfil_orders, note_hint, note_order,
                                    forming_task, plan_anticipation)
 from ..window.healing import HealBudget
+from ..window.pending import PendingWork
 from ..window.placement import END
 from ..window.plan import ChunkKeys, Forward, KeySlot, Prepared
 from ..window.prepared import PreparedForwards
@@ -51,9 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: the replay window's fields a simulation changes and puts back (the store, the pool's contents
 #: and the costs keep what it did)
-_SNAPSHOT = ("order", "logical", "formed", "window_tokens", "_no_canon", "_pending_form", "_pending_canon",
-             "_pending_reason", "_canon_due", "_provisional", "_leave_canon", "_state", "_formed_states",
-             "evicted", "_owes")
+_SNAPSHOT = ("order", "logical", "formed", "window_tokens", "pending", "_state", "_formed_states", "evicted")
 _COUNTS_KEPT = ("window_evictions", "stale_keeps", "cascade_reforms", "refreshes")
 
 
@@ -93,7 +92,7 @@ def key_state(eng: "Replayer") -> WindowState:
     ``WindowState`` of key-only slots (in order), the evicted chunks (eviction order) and the
     replay's conditioning as its graph (``preview_cascade``)."""
     return WindowState(slots=tuple(eng.anticipation_slot(k) for k in eng.order),  # type: ignore[arg-type]
-                       evicted={eng.ref_of(k): EvictedKeys(eng.tokens[k], k in eng._owes) for k in eng.evicted},  # type: ignore[misc]
+                       evicted={eng.ref_of(k): EvictedKeys(eng.tokens[k], k in eng.pending.owes) for k in eng.evicted},  # type: ignore[misc]
                        graph=KeyGraph(eng))  # type: ignore[arg-type]
 
 
@@ -106,8 +105,7 @@ class AnticipationMirror:
         self.reorders_seen: Counter = Counter()
         self.expected: dict[tuple[ChunkRef, ...], Any] = {}  # the current window's hints
         self.expected_orders: list[tuple[ChunkRef, ...]] = []  # ... and its order hints
-        self.evicted: dict[str, None] = {}  # evicted keys, in eviction order
-        self._owes: set[str] = set()  # evicted with no canonical computed (``EvictedEntry.owes_encode``)
+        self.evicted: dict[str, None] = {}  # evicted keys, in eviction order (what each owes: ``pending.owes``)
         self._key_of: dict[ChunkRef, str] = {}
         self._generations = count(1)
         self._generation = 0  # changes with the window (``WindowState`` identity and generation)
@@ -130,9 +128,8 @@ class AnticipationMirror:
         """``key`` as a slot of :class:`key_state` (provisional: latency-first content with no
         canonical yet)."""
         formed = self.formed.get(key, ())
-        provisional = key in self._no_canon or key in self._pending_canon or key in self._provisional
         return KeySlot(self.ref_of(key), ChunkKeys(self.content[key], self.tokens[key]),
-                       tuple((self.ref_of(a), "") for a in formed), ("patch",) if formed else (), provisional)
+                       tuple((self.ref_of(a), "") for a in formed), ("patch",) if formed else (), self.pending.provisional(key))
 
     def _observe(self, op: str, keys: Sequence[str] = (), left: Sequence[str] = ()) -> None:
         """The predictor learns from a finished window operation, as ``ContextWindow._record``
@@ -220,7 +217,7 @@ class AnticipationMirror:
         """The window's anticipation tasks (``anticipation.plan_anticipation``) over the replay's
         keys: ``(run, cost_tokens, forming)``, most valuable first (forming:
         ``anticipation.forming_task`` on the window's KV states as the task comes up)."""
-        slide = self.tokens[self.order[1]] if len(self.order) >= 2 and self.order[1] in self._no_canon else None
+        slide = self.tokens[self.order[1]] if len(self.order) >= 2 and self.order[1] in self.pending.uncanonical else None
         tasks = plan_anticipation(lambda: key_state(self), self.predictor, self.expected, self.expected_orders, budgeted,
                                   (self.factorization_cost, self.factorization_fixed), slide,
                                   lambda: plan_reorders(self.eager, self.reorders_seen, self.expected_orders,
@@ -246,12 +243,11 @@ class AnticipationMirror:
         """``anticipation.anticipate_slide``: the provisional slot at index 1 gets its canonical
         (and, where its forward ran behind exactly the front slot as it stands, the difference as
         its stored patch), then the eager policy's ``append`` decision there (a store hit)."""
-        if len(self.order) < 2 or self.order[1] not in self._no_canon:
+        if len(self.order) < 2 or self.order[1] not in self.pending.uncanonical:
             return False
         key, prefix = self.order[1], self.order[:1]
         valid = self.valid(key, prefix)
-        del self._no_canon[key]
-        self._canon_due.discard(key)
+        self.pending.canonicalized(key)
         self._encode(key)
         if valid and not self._is_stored(key, prefix, "exact"):
             self._difference(key, prefix)
@@ -264,7 +260,7 @@ class AnticipationMirror:
         ``prefix`` (``reconcile``'s ``prepared``): in a simulation the forward runs now and is kept
         (``"run"``); in a window operation the one kept for exactly these antecedent states is taken
         (``"take"``: no forward, nothing queued). Returns whether it was handled."""
-        if not (self._defers and self._lazy and self._anticipating) or not prefix or key not in self._no_canon:
+        if not (self._defers and self._lazy and self._anticipating) or not prefix or key not in self.pending.uncanonical:
             return False
         states = (self.content[key], tuple(map(self._kv_state, prefix)))
         kept = self._prepared.get(states) is not None  # (found: it belongs to this pass, as the window's)
@@ -275,8 +271,7 @@ class AnticipationMirror:
             pass
         elif kept:
             self.do(Prepared(self.content[key], self.tokens[key], antecedents=tuple(self.content[p] for p in prefix)))
-            for queue in (self._pending_form, self._pending_reason):
-                queue.pop(key, None)
+            self.pending.pop(key)  # (nothing left queued for it)
         else:
             return False
         self._set_formed(key, tuple(prefix), "inline")
@@ -325,5 +320,5 @@ class AnticipationMirror:
 
 
 def _copied(value: Any) -> Any:
-    """A shallow copy of a snapshot field (lists, dicts and sets; numbers as they are)."""
-    return value.copy() if isinstance(value, (list, dict, set)) else value
+    """A shallow copy of a snapshot field (lists, dicts, sets and the pending record; numbers as they are)."""
+    return value.copy() if isinstance(value, (list, dict, set, PendingWork)) else value

@@ -72,7 +72,7 @@ class CascadeMirror:
     def _cascade_reform(self, i: int, d: str) -> None:
         """``d`` (at index ``i``) re-formed by the cascade: the eager policy's ``cascade`` decision."""
         if i == 0:  # at the front its canonical is exact: nothing to re-form
-            if not (self._simulating and d in self._no_canon):  # (a provisional one keeps its KV)
+            if not (self._simulating and d in self.pending.uncanonical):  # (a provisional one keeps its KV)
                 self._set_formed(d, ())
             return
         if self._reforward_prepared(d, self.order[:i]):

@@ -46,7 +46,7 @@ class PolicyDecisions:
     def decide(self, reason: str, key: str, prefix: Sequence[str], stop: int | None = None) -> Decision:
         """The window's own (eager) patch policy's decision for ``key`` behind ``prefix`` (its
         first ``stop`` keys, when given: no copy of the window's order per survivor)."""
-        if self._simulating and key in self._no_canon:
+        if self._simulating and key in self.pending.uncanonical:
             return KEEP  # anticipation keeps a provisional slot as it is (``HealPolicy``)
         n = len(prefix) if stop is None else stop
         valid = self.valid(key, prefix, n)

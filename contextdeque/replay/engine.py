@@ -27,6 +27,7 @@ from ..window.policy_default import ORBIT_MAX_ANTECEDENTS, ORBIT_MAX_ORDERINGS
 from ..patch import PATCH_KINDS
 from ..window.policy import make_policy
 from ..window.placement import ArrivalPlacement, PlacementPolicy, PlacementView, make_placement
+from ..window.pending import PendingWork
 from ..window.plan import Difference, Encode, Form, Forward, KeySlot, Load, Op, Plan, Reuse
 from .anticipate import AnticipationMirror
 from .cascade import CascadeMirror
@@ -108,19 +109,13 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         self._healing = False
         self._recalling = False
         self._entering: frozenset[str] = frozenset()  # the chunks the current admission brings in
-        self._provisional: dict[str, None] = {}  # entered without a canonical, not yet forwarded
-        self._pending_canon: dict[str, tuple[str, ...]] = {}  # forwarded behind this content prefix; canonical at heal
-        # healed with no canonical: its forward's KV is what the eager policy would keep there (its
-        # prefix is the one it ran after, or lost only chunks that left: a survivor keeps its KV), so
-        # the canonical waits until something re-reads it elsewhere; a chunk read once never needs one
-        self._no_canon: dict[str, None] = {}
-        # ``patch-latency-shared``: every canonical computed while healing, also of chunks that left
-        # before the heal (queued here; a recall before the heal encodes it then)
+        # what the heal owes each chunk key (``window.pending``: the record the live window keeps
+        # too): conditioning queued, entering / forwarded / uncanonical chunks (no canonical yet; a
+        # healed one whose forward the eager policy would keep waits until something re-reads it
+        # elsewhere), canonicals owed at the front, by chunks that left (``patch-latency-shared``:
+        # the heal computes every canonical, also of chunks that left before it) and by evicted ones
+        self.pending: PendingWork[str] = PendingWork()
         self._lazy = self.arm.lazy_canonicals
-        self._leave_canon: dict[str, None] = {}
-        self._canon_due: set[str] = set()  # no-canonical chunks to turn blind (at the front): canonical at heal
-        self._pending_form: dict[str, bool] = {}  # key -> re-form even where its prefix is unchanged (cascade)
-        self._pending_reason: dict[str, str] = {}  # key -> why it was first deferred (what the heal decides on)
         self._cascading = False
         self._before_op: dict[str, tuple[str, ...]] | None = None  # ``formed`` before a recall (its cascade)
         self._before_states: dict[str, tuple[str, ...]] | None = None  # ... and the KV states it was formed on
@@ -171,7 +166,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         pc = tuple(map(self.content.__getitem__, prefix))
         c = self.content[key]
         r = self.r
-        if self._healing and key in self._no_canon:
+        if self._healing and key in self.pending.uncanonical:
             # no canonical to patch: one conditioned forward behind this prefix, and still none (a
             # stored patch would cost as much: the canonical's forward)
             t = self.tokens[key]
@@ -185,26 +180,23 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             self.do(Reuse(c, self.tokens[key], kind=kind, antecedents=pc))
             self._read_patch(key, prefix, kind)
         elif self._defers and not self._healing:
-            if key in self._provisional and PATCH_KINDS[kind].exact_on_prefix:
+            if key in self.pending.entering and PATCH_KINDS[kind].exact_on_prefix:
                 # new content: one forward of its tokens after the window (a prefix cache's append);
                 # its KV is exactly conditioned on this prefix, the canonical and patch come at heal
-                del self._provisional[key]
                 t = self.tokens[key]
                 if ctx is None:
                     ctx = sum(map(self.tokens.__getitem__, prefix))
                 self.do(Forward(c, t, context=ctx))
-                self._pending_canon[key] = pc
+                self.pending.forward(key, pc)
             else:  # no forward on the critical path: it keeps what it has until the heal
-                self._pending_form[key] = self._pending_form.get(key, False) or self._cascading
+                self.pending.defer(key, reason, self._cascading)
                 self._stand_in(key, prefix)
-                if reason is not None:
-                    self._pending_reason.setdefault(key, reason)
                 if self._recalling and not self._cascading and tuple(prefix) != self.formed.get(key, ()):
                     # its KV will change at the heal: the chunks conditioned on it now re-form then
                     # (the recall cascade, decided at the recall as the eager policy does)
                     for d in self.dependents(key):
                         if d != key:
-                            self._pending_form[d] = True
+                            self.pending.defer(d, cascade=True)
                 return
         else:
             t = self.tokens[key]
@@ -218,7 +210,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             if kind != "removal":
                 self.graph.add(c, pc, kind)
                 self._store(key, prefix, kind)
-        provisional = self._defers and key in self._pending_canon or (self._healing and key in self._no_canon)
+        provisional = self._defers and key in self.pending.forwarded or (self._healing and key in self.pending.uncanonical)
         self._set_formed(key, tuple(prefix), "inline" if provisional else kind)
 
     def _prefix_content(self, key: str) -> tuple[str, ...]:
@@ -233,13 +225,12 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         c = self.content[key]
         pool = self.pool
         t = self.tokens[key]
-        if key in self._leave_canon and not self._healing:  # left before the heal computed its canonical: now
-            del self._leave_canon[key]
+        if not self._healing and self.pending.take_departed(key):  # left before the heal computed its canonical: now
             pool.access(("c", c), self._entry_bytes(t), store=False)
             self._encode(key)
         elif pool.access(("c", c), self._entry_bytes(t), store=False) is None:
             if self._defers and not self._healing:
-                self._provisional[key] = None  # its forward comes with its conditioning (_form)
+                self.pending.enter(key)  # its forward comes with its conditioning (_form)
                 pool.hold(("c", c), key)
                 return
             self._encode(key)
@@ -320,8 +311,8 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         self.evicted[key] = None  # (eviction order: the last one left most recently)
         self._changed()
         self._leave(key)
-        if i == 0 and self.order and self.order[0] in self._no_canon:
-            self._canon_due.add(self.order[0])
+        if i == 0 and self.order and self.order[0] in self.pending.uncanonical:
+            self.pending.owe_canonical(self.order[0])
         elif i == 0 and self.order and self.arm.patches and self.formed.get(self.order[0]):
             self._set_formed(self.order[0], ())  # a survivor at the front drops its patches: the canonical
         if not self.arm.patches or i >= len(self.order):
@@ -330,7 +321,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             order = self.order
             for j in range(i, len(order)):
                 k = order[j]
-                if j == 0 and (k in self._no_canon or k in self._pending_canon):
+                if j == 0 and self.pending.unencoded(k):
                     continue  # no canonical to clear to (the window's provisional slot): the heal computes it
                 d = self.decide("survivor", k, order, j)
                 if d.action == "keep":  # (the common answer: nothing to price)
@@ -364,13 +355,13 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         elif action == "keep":
             r.stale_keeps += 1
         elif action == "clear":
-            if key in self._no_canon:
-                self._canon_due.add(key)
+            if key in self.pending.uncanonical:
+                self.pending.owe_canonical(key)
             else:
                 self._set_formed(key, ())
-        elif action == "refresh-hit" and key in self._no_canon:  # the stored patch needs its canonical: at heal
+        elif action == "refresh-hit" and key in self.pending.uncanonical:  # the stored patch needs its canonical: at heal
             r.refreshes += 1
-            self._pending_form[key] = False
+            self.pending.requeue(key)
         elif action == "refresh-hit":
             self.do(Reuse(self.content[key], self.tokens[key], antecedents=tuple(self.content[p] for p in prefix)))
             self._read_patch(key, prefix, "exact")
@@ -392,13 +383,11 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             self._left, self._not_kept = [], set()
             for k, _ in entering:
                 self.evicted.pop(k, None)
-                self._owes.discard(k)
+                self.pending.clear_owed(k)
             self._changed()
             self._admit_inner(index, entering, recall)
-            if self._provisional:  # at the front or a store hit: its canonical is needed now
-                for k in list(self._provisional):
-                    del self._provisional[k]
-                    self._encode(k)
+            for k in self.pending.take_entering():  # at the front or a store hit: its canonical is needed now
+                self._encode(k)
         finally:
             self._recalling, self._entering = False, frozenset()
             self._before_op = self._before_states = None
@@ -486,7 +475,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         if not (self._defers and self.arm.canonicals) or self._healing or len(entering) != 1 or not self.order:
             return False
         key, at = entering[0]
-        if key in self._leave_canon or self.pool.contains(("c", self.content[key])):
+        if key in self.pending.departed or self.pool.contains(("c", self.content[key])):
             return False
         if not recall:
             return True
@@ -508,11 +497,10 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             return
         # a reorder that changes no slot leaves the window as it was, its deferrals included
         # (``window._same_state``: nothing is installed, so nothing is queued)
-        before = (dict(self.formed), dict(self._state), dict(self._pending_form), dict(self._pending_reason),
-                  set(self._canon_due))
+        before = (dict(self.formed), dict(self._state), self.pending.copy())
         self._reorder_slots(new_order)
         if new_order == old and before[:2] == (self.formed, self._state):
-            self._pending_form, self._pending_reason, self._canon_due = before[2], before[3], before[4]
+            self.pending.restore_queue(before[2])
         else:
             self._changed()
 
@@ -523,12 +511,12 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
                 continue  # (valid: the policy keeps it; a slot that did not move but carries stale
                 # conditioning is decided like any other, as ``window.reorder`` asks about every slot)
             if not prefix:
-                if k in self._no_canon:
-                    self._canon_due.add(k)
+                if k in self.pending.uncanonical:
+                    self.pending.owe_canonical(k)
                 else:
                     self._set_formed(k, ())
                 continue
-            if k in self._no_canon:  # no canonical for a stored patch to serve: re-forwarded at the heal
+            if k in self.pending.uncanonical:  # no canonical for a stored patch to serve: re-forwarded at the heal
                 if not self._reforward_prepared(k, prefix) and not self._simulating:  # (prepared, or
                     self._form(k, prefix, reason="reorder")  # anticipation keeps it: ``HealPolicy``)
                 continue
@@ -600,9 +588,8 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
                     self.on_step()
             elif op == "fork":
                 stack.append((list(self.order), list(self.logical), dict(self.formed), self.window_tokens,
-                              self.pool.fork(self.order), dict(self._no_canon), dict(self._pending_form),
-                              dict(self._pending_canon), dict(self._state), dict(self._formed_states), set(self._canon_due),
-                              dict(self.evicted), set(self._owes), self._fork_anticipation()))
+                              self.pool.fork(self.order), self.pending.copy(), dict(self._state), dict(self._formed_states),
+                              dict(self.evicted), self._fork_anticipation()))
                 self._observe("fork", self.order)
                 self._observe("fork", self.order)  # (recorded by the parent and by the fork)
             elif op == "commit":
@@ -614,20 +601,13 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             elif op == "discard":
                 fork_order = list(self.order)
                 self._observe("discard", self.order)
-                (order, logical, formed, wt, pinned, no_canon, pending_form, pending_canon, states, formed_states,
-                 canon_due, evicted, owes, anticipation) = stack.pop()
-                self.evicted, self._owes = evicted, owes
+                order, logical, formed, wt, pinned, pending, states, formed_states, evicted, anticipation = stack.pop()
+                self.evicted = evicted
                 self._end_fork_anticipation(anticipation, committed=False)
                 self._state, self._formed_states = states, formed_states  # the parent's KV states as they were
-                # the parent's slots as they were, less the canonicals the fork computed (they stay stored)
-                in_fork = set(self.order)
-                self._no_canon = {k: None for k in no_canon if k in self._no_canon or k not in in_fork}
-                # the parent's front-canonicals owed, as they were (the fork's own went with it)
-                self._canon_due = {k for k in canon_due if k in self._no_canon}
-                # the parent's queued work as it was (its pending chunks are back); what the fork
-                # forwarded stays queued so the heal knows its canonical is never made
-                self._pending_form = pending_form
-                self._pending_canon = {**pending_canon, **{k: v for k, v in self._pending_canon.items() if k not in pending_canon}}
+                # the parent's queued work as it was, less the canonicals the fork computed (they stay
+                # stored); what the fork forwarded stays queued so the heal knows its canonical is never made
+                self.pending.discard_fork(pending, self.order)
                 self.order, self.logical, self.formed, self.window_tokens = order, logical, formed, wt
                 self._formed_set = {}
                 self.pool.end_fork(pinned, committed=False, order=fork_order, parent_order=order)

@@ -1,14 +1,14 @@
 """The replay's latency-first bookkeeping: the heal at a step boundary (the conditioning the
 latency-first policy deferred, the canonicals owed, the recall cascade's re-forms), what a chunk
 leaving the window before it was healed leaves behind, and the idle-time accounting. A mixin of
-:class:`~.engine.Replayer`, which owns the queues it reads (``_pending_canon``, ``_pending_form``,
-``_pending_reason``, ``_canon_due``, ``_no_canon``, ``_leave_canon``, ``_provisional``)."""
+:class:`~.engine.Replayer`; what is owed per chunk key is the ``Replayer.pending`` record
+(``window.pending.PendingWork``, the one the live window keeps), changed through its transitions."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from ..window.healing import HealBudget, HealNeed, heal_need, plan_heal_step
+from ..window.healing import HealBudget, HealNeed, plan_heal_step
 from ..window.plan import Difference
 from ..window.staleness import staleness_score
 
@@ -28,12 +28,12 @@ class HealMirror:
         self._store(key, prefix, "exact")
 
     def _has_heal_work(self) -> bool:
-        return bool(self._defers and (self._pending_canon or self._pending_form or self._canon_due or self._leave_canon))
+        return self._defers and self.pending.heal_work()
 
     def _has_pending(self) -> bool:
         """In-window work queued for the heal (``ContextWindow.pending_refs``: what makes the
         trace executor heal at a step; chunks that left unhealed wait for a heal called anyway)."""
-        return bool(self._defers and (self._pending_canon or self._pending_form or self._canon_due))
+        return self._defers and self.pending.queued_work()
 
     def heal(self, budget: HealBudget | None = None) -> None:
         """Latency-first: the idle-time work queued since the last heal, on the window as it stands
@@ -48,12 +48,12 @@ class HealMirror:
             return
         budget = budget if budget is not None else HealBudget()
         self._forget_departed()
-        while (self._pending_keys() or self._leave_canon) and budget.allows_step():
+        while (self._pending_keys() or self.pending.departed) and budget.allows_step():
             idle, factorized = self._idle_start(), self._factorized()
             # the window's step (``healing.plan_heal_step``): its batch, or one canonical owed by a
             # chunk that left (``_unhealed_evicted``, in eviction order)
             tasks = plan_heal_step(self.order, self._pending_keys(), self._heal_priority, self._heal_need,
-                                   list(self._leave_canon))
+                                   list(self.pending.departed))
             if tasks[0].need == "departed":
                 self._heal_pass(set(), owed=tasks[0].key)
             else:
@@ -65,11 +65,9 @@ class HealMirror:
     def _forget_departed(self) -> None:
         """Drop the queued work of chunks no longer in the window (gone with a discarded fork):
         the window's queue holds residents only."""
-        resident = set(self.order)
-        departed = {k for k in (*self._pending_canon, *self._pending_form) if k not in resident}
+        departed = self.pending.forget_outside(self.order)
         if departed:
             self._heal_pass(departed)
-        self._canon_due &= resident
 
     def _idle_step(self, max_tokens: int) -> None:
         """``heal(max_tokens=)`` at a step (nothing when the gap affords no token): the queued work
@@ -84,15 +82,11 @@ class HealMirror:
 
     def _pending_keys(self) -> set[str]:
         """The window's ``state.pending``, over keys: resident chunks queued for the heal."""
-        resident = set(self.order)
-        return (set(self._pending_canon) | set(self._pending_form) | self._canon_due) & resident
+        return self.pending.heal_keys(self.order)
 
     def _heal_need(self, key: str, index: int) -> HealNeed:
-        """``healing.heal_need`` of a queued chunk, from the replay's queues: provisional (forwarded,
-        no canonical: ``_pending_canon`` / ``_no_canon``); re-conditioned (deferred again:
-        ``_pending_form``, or its front canonical owed: ``_canon_due``)."""
-        provisional = key in self._pending_canon or key in self._no_canon
-        return heal_need(index, provisional, self._lazy, key in self._pending_form or key in self._canon_due)
+        """``healing.heal_need`` of a queued chunk, from what it owes (``PendingWork.heal_need``)."""
+        return self.pending.heal_need(key, index, self._lazy)
 
     def _heal_priority(self, key: str) -> float:
         """``ContextWindow.heal_priority`` over keys: the staleness of what ``key`` carries (a
@@ -110,23 +104,22 @@ class HealMirror:
         self._healing = True
         try:
             resident = set(self.order)
-            for key in [owed] if owed is not None else []:
-                del self._leave_canon[key]
-                if key not in resident:
-                    self._encode(key)
-                    self._owes.discard(key)
+            pending = self.pending
+            if owed is not None and pending.take_departed(owed) and owed not in resident:
+                self._encode(owed)
+                pending.clear_owed(owed)
             front = self.order[0] if self.order else None
-            for key in sorted(self._canon_due & resident & keys, key=self.order.index):
+            for key in sorted(pending.canonical_due & resident & keys, key=self.order.index):
                 i = self.order.index(key)
                 need = self._heal_need(key, i)  # (while it is still due)
-                self._canon_due.discard(key)
-                if key not in self._no_canon:
+                pending.canonical_due.discard(key)
+                if key not in pending.uncanonical:
                     continue
                 if need == "canonical":  # its forward's KV is stale at the front, where the canonical is exact
-                    del self._no_canon[key]
+                    pending.canonicalized(key)
                     self._encode(key)
                     self._set_formed(key, ())
-                elif need == "reforward" and key not in self._pending_form:  # something came in front of it
+                elif need == "reforward" and key not in pending.queued:  # something came in front of it
                     self._form(key, self.order[:i])  # meanwhile: re-forwarded behind that (once: a queued
                     # re-form does it below)
             # a forward's KV differs from its canonical + patch once the chunks it ran after are
@@ -134,15 +127,15 @@ class HealMirror:
             # as it stands, and the eager policy forms one anew (what ContextWindow.heal does)
             healed_before: set[str] = set()
             anew: set[str] = set()
-            queued = (set(self._pending_canon) | set(self._pending_form)) & keys
+            queued = (set(pending.forwarded) | set(pending.queued)) & keys
             for key in self.order:
-                if key in self._pending_canon and key in keys and healed_before:
+                if key in pending.forwarded and key in keys and healed_before:
                     anew.add(key)
                 if key in queued:
                     healed_before.add(key)
-            for key in [k for k in self._pending_canon if k in keys]:
+            for key in [k for k in pending.forwarded if k in keys]:
                 need = self._heal_need(key, self.order.index(key)) if key in resident else None
-                pc = self._pending_canon.pop(key)
+                pc = pending.take_forwarded(key)
                 if need is None:  # gone with a discarded fork: its canonical is never made
                     k = ("c", self.content[key])
                     if k not in self.pool.pinned:
@@ -151,7 +144,7 @@ class HealMirror:
                 if need != "canonical":
                     # kept as forwarded, or (queued to re-form) re-forwarded behind its new prefix
                     # below: either way no canonical until a stored patch could serve it
-                    self._no_canon[key] = None
+                    pending.keep_uncanonical(key)
                     continue
                 self._encode(key)
                 prefix = tuple(self.order[: self.order.index(key)])
@@ -163,13 +156,13 @@ class HealMirror:
                     self._read_patch(key, prefix, "exact")  # (the eager policy's store hit on it)
                     self._set_formed(key, prefix)
                 else:  # moved since its forward, or what it ran after was healed: the eager policy forms anew
-                    self._pending_form.setdefault(key, False)
+                    pending.defer(key)
                     anew.add(key)
             pos = {k: i for i, k in enumerate(self.order)}
-            for key, force in sorted([kv for kv in self._pending_form.items() if kv[0] in keys],
-                                     key=lambda kv: pos.get(kv[0], -1)):
-                del self._pending_form[key]
-                reason = self._pending_reason.pop(key, None)
+            for key, queued_as in sorted([kv for kv in pending.queued.items() if kv[0] in keys],
+                                         key=lambda kv: pos.get(kv[0], -1)):
+                pending.pop(key)
+                force, reason = queued_as.cascade, queued_as.reason
                 i = pos.get(key)
                 if i is None:
                     continue
@@ -180,7 +173,7 @@ class HealMirror:
                     if force:
                         self.r.cascade_reforms += 1
                     reason = "cascade" if force else reason
-                    if key in anew or key in self._no_canon or reason is None:
+                    if key in anew or key in pending.uncanonical or reason is None:
                         self._form(key, prefix)
                     else:  # the eager policy's decision on the slot as it was deferred (what it carried)
                         self.carry_out(key, prefix, self.decide(reason, key, prefix))
@@ -214,16 +207,7 @@ class HealMirror:
         k = ("c", self.content[key])
         self.pool.release(k, key)
         self.pool.condition(key, None)
-        pinned = self.pool.pinned
-        if self._defers:
-            self._pending_form.pop(key, None)
-            self._pending_reason.pop(key, None)
-            self._canon_due.discard(key)
-            was_provisional = self._provisional.pop(key, "x") is None
-            forwarded = self._pending_canon.pop(key, None) is not None or self._no_canon.pop(key, "x") is None
-            if (was_provisional or forwarded) and k not in pinned:
-                self._owes.add(key)  # (a recall or the heal encodes it: ``EvictedEntry.owes_encode``)
-            if forwarded and not self._lazy and k not in pinned:
-                self._leave_canon[key] = None  # latency-shared: its canonical at the heal all the same
-            elif (was_provisional or forwarded) and k not in pinned and not self._simulating:
-                self.pool.drop(k)  # its canonical was never computed: nothing of it stays
+        # its queued work goes; left with no canonical computed it owes one (a recall or, under
+        # ``latency-shared``, the heal encodes it: ``EvictedEntry.owes_encode``)
+        if self._defers and self.pending.leave(key, k in self.pool.pinned, self._lazy) and not self._simulating:
+            self.pool.drop(k)  # its canonical was never computed: nothing of it stays

@@ -36,10 +36,10 @@ class KVStateMirror:
         """What a deferred slot serves meanwhile (``LatencyPolicy._stand_in``): its stale patch
         within the staleness budget, else its blind canonical (its state then: the canonical)."""
         formed, states = self.formed.get(key, ()), self._formed_states.get(key)
-        if key in self._entering and formed and key not in self._no_canon and key not in self._pending_canon:
+        if key in self._entering and formed and not self.pending.unencoded(key):
             self._set_formed(key, ())  # (it enters as its canonical: no patch to keep meanwhile)
             return
-        if not formed or states is None or key in self._no_canon or key in self._pending_canon:
+        if not formed or states is None or self.pending.unencoded(key):
             return
         tok = self.tokens.__getitem__
         score = staleness_score([((a, st), tok(a)) for a, st in zip(formed, states)],

@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Collection, Generic, Hashable, Iterable, Literal, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Collection, Generic, Hashable, Iterable, Sequence, TypeVar
 
 from ..core.args import check_float, check_int
 from ..core.errors import WindowError, WindowTypeError
 from ..patch import form_patch
 from . import ingest
+from .pending import HealNeed, heal_need
 from .plan import Difference, Form
 from .policy import PatchPolicy
 from .policy_latency import HealPolicy
@@ -43,25 +44,6 @@ def heal_batch(order: Sequence[K], pending: Collection[K], priority: Callable[[K
     return queued[: queued.index(chosen) + 1]
 
 
-HealNeed = Literal["canonical", "keep", "reforward", "recondition", "departed"]
-"""What one chunk needs in a heal step (:func:`heal_need`; the ``window.plan`` ops each executes as):
-
-- ``canonical``: a provisional chunk (a conditioned forward, no canonical yet) gets its canonical
-  (``Encode``); where its forward ran after the chunks in front of it as they stand, the patch the
-  eager policy wants there is that forward minus the canonical (``Difference``: no forward); then
-  the eager policy decides on it as on any deferred slot (``Reuse`` of that patch, or a ``Form``);
-- ``keep``: a provisional chunk appended once under lazy canonicals: its forward is exact where it
-  stands, and no canonical is made until something re-reads it elsewhere (nothing);
-- ``reforward``: a provisional chunk the eager policy would re-condition under lazy canonicals:
-  one conditioned forward behind the chunks in front of it, healed first (``Forward``; still no
-  canonical);
-- ``recondition``: a chunk with a canonical whose conditioning was deferred: the eager policy's
-  decision on the window as it stands, for the reason it was deferred (``Reuse`` / ``Form`` /
-  ``Keep`` / ``Clear``);
-- ``departed``: nothing is pending; a chunk that left before its canonical was computed gets it
-  (``Encode``; lazy canonicals: never, a recall that needs one encodes it)."""
-
-
 @dataclass(frozen=True)
 class HealTask(Generic[K]):
     """One chunk's work in a heal step, over keys: ``need`` (:data:`HealNeed`) of ``key``, which
@@ -71,19 +53,6 @@ class HealTask(Generic[K]):
     key: K
     need: HealNeed
     prefix: tuple[K, ...] = ()
-
-
-def heal_need(index: int, provisional: bool, lazy: bool, reconditions: bool) -> HealNeed:
-    """What a pending chunk at window ``index`` needs (:data:`HealNeed`): ``provisional`` (its KV
-    a conditioned forward with no canonical computed), ``lazy`` (the policy's lazy canonicals:
-    ``latency``, not ``latency-shared``), ``reconditions`` (the eager policy would re-condition it:
-    anything but an append not deferred again since). At the front a canonical is exact; without
-    lazy canonicals every provisional chunk gets one."""
-    if not provisional:
-        return "recondition"
-    if index == 0 or not lazy:
-        return "canonical"
-    return "reforward" if reconditions else "keep"
 
 
 def plan_heal_step(order: Sequence[K], pending: Collection[K], priority: Callable[[K], float],
@@ -245,8 +214,7 @@ class WindowHealing:
             index = {s.ref: i for i, s in enumerate(slots)}
 
             def need_of(ref: ChunkRef, i: int) -> HealNeed:
-                p = state.pending[ref]
-                return heal_need(i, slots[i].provisional, lazy, not (p.reason == "append" and not p.requeued))
+                return heal_need(i, slots[i].provisional, lazy, state.pending[ref].reconditions)
 
             departed = self._unhealed_evicted() if not state.pending else []
             tasks = plan_heal_step(state.refs, state.pending, self.heal_priority, need_of, departed, target)

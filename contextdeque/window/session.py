@@ -53,7 +53,8 @@ from .graph import ConditioningGraph
 from .receipt import Meter, Receipt
 from .ref import ChunkRef, new_ref
 from .slot import Conditioning, Slot
-from .state import EvictedEntry, Pending, WindowState
+from .pending import Pending, PendingWork
+from .state import EvictedEntry, WindowState
 
 if TYPE_CHECKING:  # pragma: no cover
     from .window import ContextWindow
@@ -561,8 +562,8 @@ def open_window(cls: type, path: str | os.PathLike[str], backend: Any, **overrid
             source=None if e.source is None else _source(e.source),
             unhealed=e.unhealed,
         )
-    state.pending = {ref(p.ref): Pending(reason=p.reason, since=p.since, carried=tuple(tag(x) for x in p.carried), requeued=p.requeued)
-                     for p in m.pending}
+    state.pending = PendingWork({ref(p.ref): Pending(reason=p.reason, since=p.since, carried=tuple(tag(x) for x in p.carried),
+                                                     requeued=p.requeued) for p in m.pending})
     g = nx.DiGraph()
     for n in m.graph_nodes:
         g.add_node(ref(n.ref), chunk_id=n.chunk_id, version=version_of(n.ref, n.version), in_window=n.in_window)

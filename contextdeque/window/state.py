@@ -9,11 +9,12 @@ failed operation leaves the window exactly as it was.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..core.errors import ArgumentTypeError, UnknownRefError, WindowError
 from ..core.chunk import Chunk
 from .graph import ConditioningGraph
+from .pending import Pending, PendingWork
 from .ref import ChunkRef
 from .slot import Slot, Tag
 from .store import WindowStore
@@ -45,32 +46,20 @@ class EvictedEntry:
         return self.unhealed or self.provisional is not None
 
 
-@dataclass(frozen=True)
-class Pending:
-    """A slot whose conditioning a latency-first policy deferred: ``reason`` is why the eager
-    policy would have re-conditioned it (the first deferral's), ``since`` the window generation
-    it was queued at, ``carried`` the antecedents its conditioning was formed on before that
-    deferral (a blind stand-in carries none; the eager policy's decision depends on what the
-    slot carried, e.g. an orbit patch for a pure permutation of those antecedents)."""
-
-    reason: str | None
-    since: int
-    carried: tuple[Tag, ...] = ()
-    requeued: bool = False  # deferred again by a later operation (a provisional slot: moved, re-read)
-
-
 @dataclass
 class WindowState:
-    """``pending``: in-window slots queued for healing (see ``policy_latency``)."""
+    """``pending``: the work a latency-first policy left for the heal, per ref (``window.pending``;
+    as a mapping, the in-window slots whose conditioning is queued: see ``policy_latency``); the
+    slots themselves hold the KV (``Slot.provisional``), the evicted entries what a recall owes."""
 
     slots: tuple[Slot, ...] = ()
     evicted: dict[ChunkRef, EvictedEntry] = field(default_factory=dict)
     graph: ConditioningGraph = field(default_factory=ConditioningGraph)
     generation: int = 0
-    pending: dict[ChunkRef, Pending] = field(default_factory=dict)
+    pending: PendingWork[ChunkRef] = field(default_factory=PendingWork)
 
     def copy(self) -> "WindowState":
-        return WindowState(self.slots, dict(self.evicted), self.graph.copy(), self.generation, dict(self.pending))
+        return WindowState(self.slots, dict(self.evicted), self.graph.copy(), self.generation, self.pending.copy())
 
     def settle_pending(
         self,
@@ -79,16 +68,9 @@ class WindowState:
         carried: dict[ChunkRef, tuple[Tag, ...]] | None = None,
     ) -> None:
         """After an operation: forget slots that left or were re-conditioned, queue the deferred
-        ones (keeping the reason and carried conditioning of a slot already queued)."""
-        here = {s.ref for s in self.slots}
-        carried = carried or {}
-        pending = {r: p for r, p in self.pending.items() if r in here and r not in reconditioned}
-        for ref, reason in deferred.items():
-            if ref in here and ref not in pending:
-                pending[ref] = Pending(reason=reason, since=self.generation, carried=carried.get(ref, ()))
-            elif ref in here and not pending[ref].requeued:
-                pending[ref] = replace(pending[ref], requeued=True)
-        self.pending = pending
+        ones (keeping the reason and carried conditioning of a slot already queued:
+        ``PendingWork.settle``)."""
+        self.pending.settle((s.ref for s in self.slots), self.generation, deferred, reconditioned, carried)
 
     @property
     def refs(self) -> tuple[ChunkRef, ...]:
