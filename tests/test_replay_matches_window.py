@@ -166,16 +166,24 @@ def test_replay_predicts_the_live_window_under_a_token_budget(tiny_backend_facto
     _check(tiny_backend_factory("llama"), kind, rule, "arrival", BUDGET, seed=seed)
 
 
-@pytest.mark.parametrize("anticipate", [False, True], ids=["queued-only", "anticipating"])
-@pytest.mark.parametrize("rule", ["patch", "patch-latency-shared"])
+# (rule, anticipate) that spill under ``TIGHT``: the rules that store what they compute (a
+# latency-first window that does not anticipate computes few canonicals), and the window's default
+# (``patch-latency`` anticipating: its slide preparation computes the next front canonical)
+TIGHT_CASES = [*((rule, a) for rule in ("patch", "patch-latency-shared") for a in (False, True)), ("patch-latency", True)]
+
+
+@pytest.mark.parametrize(("rule", "anticipate"), TIGHT_CASES,
+                         ids=[f"{r}-{'anticipating' if a else 'queued-only'}" for r, a in TIGHT_CASES])
 @pytest.mark.parametrize("kind", ["doc", "web", "video"])
 def test_replay_predicts_the_live_store_s_traffic_under_tight_tiers(tiny_backend_factory, one_thread, kind, rule,
                                                                      anticipate):
     """``TIGHT`` device and host budgets: the device spills into the host and the host into the
     disk, a hit below the device is copied up, a released entry is demoted; the replay's tier
     stack (the same ``TieredStore`` over key tiers, victims least recently used first) moves the
-    same bytes through each tier, and spills did happen. (The rules that store what they compute:
-    a latency-first window computes few canonicals, ``patch-latency-shared`` all of them.)"""
+    same bytes through each tier, and spills did happen. (Doc under the window's default: the slide
+    preparation is a window operation of its own, whose slot holds the difference it stored before
+    the later preparations' puts spill it; the replay once held it only at the step's end, and
+    promoted it back.)"""
     traffic = _check(tiny_backend_factory("llama"), kind, rule, "arrival", anticipate=anticipate, tiers=TIGHT)
     assert traffic["evicted"].get("device", 0) > 0 and traffic["evicted"].get("host", 0) > 0
     assert traffic["written"].get("disk", 0) > 0

@@ -142,6 +142,34 @@ def test_traffic_record_accumulates_and_merges(tmp_path: Path) -> None:
     assert store.total_traffic.written == {"device": 100}
 
 
+def test_journal_records_each_operation_that_moved_bytes(tmp_path: Path) -> None:
+    """``journal``: each operation that moved bytes, in order, with its key and its own traffic
+    (what ``scripts/replay_vs_window.py --diverge`` compares); none by default."""
+    store = three_tiers(tmp_path)
+    store.put("a", small(0))
+    assert store.journal is None
+    store.journal = []
+    for i in range(1, 4):
+        store.put(f"k{i}", small(i))  # the device holds two: k2 spills "a" into the host, k3 spills k1
+    store.get("zz")  # a miss moves nothing: not journalled
+    store.get("a")  # served from the host and copied up, spilling k2
+    store.demote("k3")  # the host is full: its oldest spills to disk
+    assert [(op, key) for op, key, _ in store.journal] == [("put", "k1"), ("put", "k2"), ("put", "k3"), ("get", "a"),
+                                                            ("demote", "k3")]
+    first, _, spill, hit, demotion = (tr for _, _, tr in store.journal)
+    assert first.written == {"device": 100} and not first.evicted
+    assert spill.written == {"device": 100, "host": 100} and spill.evicted == {"device": 100}
+    assert hit.read == {"host": 100} and hit.written == {"device": 100, "host": 100} and hit.evicted == {"device": 100}
+    assert demotion.read == {"device": 100} and demotion.written == {"host": 100, "disk": 100}
+    assert demotion.evicted == {"device": 100, "host": 100}
+    total = TierTraffic()
+    for _, _, tr in store.journal:
+        total += tr
+    total.add_written("device", 100)  # ("a", put before the journal began)
+    assert (total.read, total.written, total.evicted) == (store.total_traffic.read, store.total_traffic.written,
+                                                          store.total_traffic.evicted)
+
+
 def test_budgets_never_exceeded_random_ops(tmp_path: Path) -> None:
     rng = random.Random(1234)
     store = TieredStore(

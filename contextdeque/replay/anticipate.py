@@ -233,6 +233,7 @@ class AnticipationMirror:
                         self._key_of[task.order[0]]
                     if self._anticipate_canonical(key):
                         self._changed()
+                        self.pool.install(self.order)  # (a window operation: its slot holds what it formed)
                 elif task.kind == "recalls":
                     self._simulated(self._simulate_recalls, (task.recalls, task.orders))
                 else:

@@ -34,7 +34,10 @@ class TieredStore:
       already holds the key); only when no lower tier can take it is it dropped, and the
       drop is reported in `TierTraffic.dropped`.
     - Every operation records a `TierTraffic` (``last_traffic``; accumulated in
-      ``total_traffic``; also merged into the ``traffic=`` record a caller passes).
+      ``total_traffic``; also merged into the ``traffic=`` record a caller passes). With
+      ``journal`` a list, each one that moved bytes is also appended to it, as
+      ``(operation, key, traffic)``: where two stacks' totals differ, the first entry that
+      differs says which key went another way (``scripts/replay_vs_window.py --diverge``).
     - A remote tier that is away (e.g. `ValkeyTier` unreachable) answers reads as misses
       and refuses writes with `StoreUnavailableError`: the operation goes on with the other
       tiers, and the record's ``fallbacks`` says so.
@@ -67,6 +70,7 @@ class TieredStore:
         self._lock = threading.RLock()
         self.last_traffic = TierTraffic()
         self.total_traffic = TierTraffic()
+        self.journal: list[tuple[str, str, TierTraffic]] | None = None
 
     # ------------------------------------------------------------------ introspection
 
@@ -119,7 +123,7 @@ class TieredStore:
     # ------------------------------------------------------------------ traffic
 
     @contextmanager
-    def _op(self, traffic: TierTraffic | None) -> Iterator[TierTraffic]:
+    def _op(self, traffic: TierTraffic | None, op: str, key: str) -> Iterator[TierTraffic]:
         tr = TierTraffic()
         with self._lock, recording(tr):
             try:
@@ -127,6 +131,8 @@ class TieredStore:
             finally:
                 self.last_traffic = tr
                 self.total_traffic.merge(tr)
+                if self.journal is not None and (tr.read or tr.written or tr.evicted):
+                    self.journal.append((op, key, tr))
                 if traffic is not None:
                     traffic.merge(tr)
 
@@ -155,7 +161,7 @@ class TieredStore:
             promote: copy a hit into the faster tiers.
             traffic: a record to add this operation's traffic to.
         """
-        with self._op(traffic) as tr:
+        with self._op(traffic, "get", key) as tr:
             entry: StoreEntry | None = None
             found = -1
             for i, tier in enumerate(self._tiers):
@@ -183,7 +189,7 @@ class TieredStore:
         """Copy ``entry``, just read from tier ``found`` outside the store (e.g. by a
         `Prefetcher`), into every faster tier, as ``get`` does on a hit; returns the copy from the
         highest tier it reached. Counts the read from tier ``found``."""
-        with self._op(traffic) as tr:
+        with self._op(traffic, "promote", key) as tr:
             tr.add_read(self._tiers[found].name, entry.nbytes)
             return self._promote(key, entry, found, tr) if found > 0 else entry
 
@@ -225,7 +231,7 @@ class TieredStore:
             StoreCapacityError: no tier can hold the entry.
         """
         entry.user_meta_check()
-        with self._op(traffic) as tr:
+        with self._op(traffic, "put", key) as tr:
             if not overwrite:
                 for t in self._tiers:
                     try:
@@ -262,7 +268,7 @@ class TieredStore:
 
     def delete(self, key: str, *, traffic: TierTraffic | None = None) -> bool:
         """Remove ``key`` from every tier (pinned or not); True if any held it."""
-        with self._op(traffic):
+        with self._op(traffic, "delete", key):
             self._pins.discard(key)
             hit = False
             for t in self._tiers:
@@ -286,7 +292,7 @@ class TieredStore:
             KeyError: ``to`` names no tier.
             CorruptEntryError: the copy to move fails verification.
         """
-        with self._op(traffic) as tr:
+        with self._op(traffic, "demote", key) as tr:
             top = next((i for i, t in enumerate(self._tiers) if t.contains(key)), None)
             if top is None:
                 return False
