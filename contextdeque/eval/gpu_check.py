@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         cal["extra"]["weights"] = "random (torch.manual_seed(0)), fp32, SmolLM2-135M-Instruct's config and tokenizer"
         _write(args.out, "calibration.json", cal)  # as saved: `replay --calibration` reads it
         return {"prefill": cal["prefill"], "svd_s_per_token": cal["svd_s_per_token"], "form_fixed_s": cal["form_fixed_s"],
-                "form_overhead_s": cal["extra"]["form_overhead_s"]}
+                "form_overhead_s": cal["extra"]["form_overhead_s"], "forward_fixed_s": cal["forward_fixed_s"],
+                "prefill_measured": cal["extra"]["prefill_measured"]}
 
     step("calibrate", calibration, None)  # writes calibration.json itself
     step("sweep", lambda: {"rows": sweep()}, "sweep.json")
