@@ -294,6 +294,23 @@ def test_an_expect_event_steers_a_small_idle_budget(backend):
         trace_from_events(TraceHeader(generator="test"), [Expect(id="ghost")])
 
 
+def test_ignoring_hints_drops_them_on_the_replay_side_too():
+    """``replay --ignore-hints`` (``Replayer(hints=False)``, as ``drive_window(hints=False)``): the
+    cost-model side skips the trace's ``expect`` events, so a hinted trace replays as the same trace
+    without them (before: the replay read them anyway, the live side did not)."""
+    from contextdeque.replay import ReplayConfig, Replayer
+
+    def replayed(trace, hints):
+        return Replayer(trace, "arrival", "lru", "patch-latency", config=ReplayConfig(anticipate=True),
+                        idle_tokens=lambda ms: int(ms), hints=hints).run().as_dict()
+
+    keys = ("tokens_prefilled", "forwards", "patch_forms", "patch_hits", "heal_tokens")
+    ignored, unhinted = replayed(old_recall_trace(True), False), replayed(old_recall_trace(False), True)
+    assert {k: ignored[k] for k in keys} == {k: unhinted[k] for k in keys}
+    hinted = replayed(old_recall_trace(True), True)
+    assert {k: hinted[k] for k in keys} != {k: ignored[k] for k in keys}  # (the hint changes what is prepared)
+
+
 def test_session_predictor_memory_is_bounded_by_the_evicted_set(backend, monkeypatch):
     from contextdeque.window import predictor_session
 
