@@ -10,7 +10,6 @@ and conditioning are unchanged keep their page object (no bytes written).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Mapping, Sequence
 
 from ..core.kv import concat_kv
@@ -185,12 +184,6 @@ def execute(
         return (*slot.stack, cond) if decision.stack else (cond,)
 
 
-def _keeps_on_miss(decision: Decision) -> bool:
-    """A store-only patch that falls back to a plain keep (``Decision.may_keep``: the eager
-    policy's ``inserted``)."""
-    return decision.reuse_only and decision.fallback is not None and decision.fallback.may_keep
-
-
 def _defers_reforward(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], reason: str | None, valid: bool,
                       in_cascade: bool) -> bool:
     """Whether the window's policy defers provisional ``slot`` to a re-forward by ``heal`` here
@@ -277,14 +270,6 @@ def reconcile(
         if in_cascade and ctx.cascade_policy == "reform" and decision.may_keep:
             reason = "cascade"
             decision = policy.decide(reason, slot, prefix, valid=False, rank=ctx.rank)
-        elif in_cascade and ctx.cascade_policy == "reform" and _keeps_on_miss(decision):
-            # a chunk a recall is inserted before takes its stored patch on the new prefix; on a
-            # miss a dependent of the recalled chunk is re-formed, as "reform" promises, where the
-            # policy forms on the critical path (a latency-first policy's cascade is deferred:
-            # keeping what it carries serves it better than blind until heal)
-            redo = policy.decide("cascade", slot, prefix, valid=False, rank=ctx.rank)
-            if not redo.deferred:
-                decision = replace(decision, fallback=redo)
         redone = None
         if prepared is not None and slot.provisional and prefix and reason != "append" and \
                 (prepared == "run" or len(ctx.prepared)) and _defers_reforward(ctx, slot, prefix, reason, valid, in_cascade):
