@@ -78,7 +78,8 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             if self.cfg.device_bytes < biggest * self.kv_bpt:
                 raise BudgetError(f"device budget of {self.cfg.device_bytes} bytes is below one chunk "
                                   f"({where} has {biggest} tokens = {biggest * self.kv_bpt} bytes)")
-        self.pool = Pool(self.cfg.device_bytes, self.cfg.host_bytes, self.eviction, self.r, self.do)
+        self.pool = Pool(self.cfg.device_bytes, self.cfg.host_bytes, self.eviction, self.r, self.do,
+                         provisional=lambda key: self.pending.provisional(key))
         self.graph = PatchGraph()
         # the window's own patch policy decides (over key-only slots, ``window.plan.KeySlot``):
         # latency-first rules price its eager policy's decisions and defer them as it does
