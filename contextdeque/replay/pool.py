@@ -152,14 +152,18 @@ class Pool:
             self.store.put(skey, sized_entry(size, _kind(key)), traffic=self.traffic)
         return None
 
-    def write(self, key: Hashable, size: int, *, read_back: bool = False) -> None:
+    def write(self, key: Hashable, size: int, *, read_back: bool = False) -> str:
         """Store ``key`` (computed: an encode, a formed patch) where the tier policy admits it;
-        ``read_back``: then read it, as the window reads a canonical it just encoded."""
+        ``read_back``: then read it, as the window reads a canonical it just encoded. Returns the
+        tier it landed in, as the window's plan records a stored entry (``WindowStore.tier_of``
+        after the put: below the device when the device cannot take it)."""
         skey = store_key(key)
         self._touch(skey, size)
         self.store.put(skey, sized_entry(size, _kind(key)), traffic=self.traffic)
+        where = self.store.where(skey)
         if read_back:
             self.store.get(skey, traffic=self.traffic)
+        return where[0] if where else "none"
 
     def contains(self, key: Hashable) -> bool:
         return self.store.contains(store_key(key))
