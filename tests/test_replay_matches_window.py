@@ -189,6 +189,36 @@ def test_replay_predicts_the_live_store_s_traffic_under_tight_tiers(tiny_backend
     assert traffic["written"].get("disk", 0) > 0
 
 
+# tighter still: a heal step's later puts spill a canonical it computed before the step ends
+TIGHTER = (45_000, 100_000)
+
+
+@pytest.mark.parametrize("kind", ["doc", "web", "video"])
+def test_replay_holds_a_provisional_chunk_s_canonical_from_the_operation_that_computes_it(tiny_backend_factory,
+                                                                                          one_thread, kind):
+    """A provisional slot holds no canonical (``WindowState.held_keys``): the window holds it at the
+    end of the heal step that computes it, and brings it back up when that step's later puts spilled
+    it (doc: the 33-token image chunk's canonical, 34 KiB of a 45 KB device, pushed out by its own
+    difference patch). The replay's pool once counted the claim from the chunk's arrival, so it
+    never promoted it (and the patch stayed where the window's promotion evicts it)."""
+    traffic = _check(tiny_backend_factory("llama"), kind, "patch-latency", "arrival", anticipate=True, tiers=TIGHTER)
+    assert traffic["evicted"].get("device", 0) > 0 and traffic["evicted"].get("host", 0) > 0
+
+
+# a device that holds the largest chunk's KV (37 tokens: 37,888 B) but not its entry (KV and source:
+# 38,480 B), which the store then puts into the host
+BELOW_AN_ENTRY = (38_000, 60_000)
+
+
+@pytest.mark.parametrize("kind", ["doc", "web", "video"])
+def test_replay_records_an_entry_the_device_cannot_take_in_the_tier_it_lands_in(tiny_backend_factory, one_thread,
+                                                                                kind):
+    """The window's plan records a stored canonical or patch in the tier the put left it in
+    (``WindowStore.tier_of``), the replay's in the tier its pool's put did: the host for web's
+    37-token chunks on a 38 KB device (the replay once wrote them all to the device's account)."""
+    _check(tiny_backend_factory("llama"), kind, "patch", "arrival", tiers=BELOW_AN_ENTRY)
+
+
 @pytest.mark.parametrize("kind", ["doc", "web", "video"])
 def test_replay_predicts_the_live_anticipating_window_under_a_token_budget(tiny_backend_factory, one_thread, kind):
     """Anticipation under a budget: each simulated recall slides the window as the recall would.

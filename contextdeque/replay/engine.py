@@ -84,7 +84,8 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             if self.cfg.device_bytes < biggest * self.kv_bpt:
                 raise BudgetError(f"device budget of {self.cfg.device_bytes} bytes is below one chunk "
                                   f"({where} has {biggest} tokens = {biggest * self.kv_bpt} bytes)")
-        self.pool = Pool(self.cfg.device_bytes, self.cfg.host_bytes, self.eviction, self.r, self.do)
+        self.pool = Pool(self.cfg.device_bytes, self.cfg.host_bytes, self.eviction, self.r, self.do,
+                         provisional=lambda key: self.pending.provisional(key))
         self.graph = PatchGraph()
         # the window's own patch policy decides (over key-only slots, ``window.plan.KeySlot``):
         # latency-first rules price its eager policy's decisions and defer them as it does
@@ -210,9 +211,9 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
                 ctx = sum(map(self.tokens.__getitem__, prefix))
             n_fw = min(math.factorial(len(prefix)), max_orderings) if kind == "orbit" else 1
             pb = self.cost.patch_bytes(t, self.rank)
-            self.do(Form(c, t, kind=kind, antecedents=pc, forwards=n_fw, context=ctx, tier="device", nbytes=pb))
+            tier = self.pool.write(self._patch_key(key, prefix, kind), pb)
+            self.do(Form(c, t, kind=kind, antecedents=pc, forwards=n_fw, context=ctx, tier=tier, nbytes=pb))
             r.patch_bytes += pb
-            self.pool.write(self._patch_key(key, prefix, kind), pb)
             if kind != "removal":
                 self.graph.add(c, pc, kind)
                 self._store(key, prefix, kind)
@@ -247,9 +248,8 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         window's ``encode_and_store``)."""
         t = self.tokens[key]
         nbytes = self.arm.canonical_bytes(t, self.kv_bpt)
-        self.do(Encode(self.content[key], t, tier="device", nbytes=nbytes))
-        if self.arm.canonicals:
-            self.pool.write(("c", self.content[key]), self._entry_bytes(t), read_back=True)
+        tier = self.pool.write(("c", self.content[key]), self._entry_bytes(t), read_back=True) if self.arm.canonicals else "device"
+        self.do(Encode(self.content[key], t, tier=tier, nbytes=nbytes))
 
     def _entry_bytes(self, tokens: int) -> int:
         """A canonical's store entry: its KV at rest (the arm's) and its source (token ids and

@@ -21,9 +21,9 @@ class HealMirror:
         forward: ``Difference``), stored."""
         t, pc = self.tokens[key], tuple(self.content[p] for p in prefix)
         pb = self.cost.patch_bytes(t, self.rank)
-        self.do(Difference(self.content[key], t, antecedents=pc, tier="device", nbytes=pb))
+        tier = self.pool.write(self._patch_key(key, prefix, "exact"), pb)
+        self.do(Difference(self.content[key], t, antecedents=pc, tier=tier, nbytes=pb))
         self.r.patch_bytes += pb
-        self.pool.write(self._patch_key(key, prefix, "exact"), pb)
         self.graph.add(self.content[key], pc, "exact")
         self._store(key, prefix, "exact")
 

@@ -94,10 +94,14 @@ class Pool:
     ``stores/keytier.py``) with the device budget (its eviction policy, told every access), the
     host budget and an unbounded disk, and the live `WindowStore`'s holds: an entry is held while
     window slots hold it, and demoted one tier when its last holder lets go. Canonicals and
-    patches are entries; every read, write and eviction is counted per tier (`TierTraffic`)."""
+    patches are entries; every read, write and eviction is counted per tier (`TierTraffic`).
+    ``provisional(resident)``: whether the resident has no canonical yet; its slot's claim on its
+    canonical waits until it has one (``WindowState.held_keys`` leaves a provisional slot's chunk
+    out), and is then held, brought up if it was spilled meanwhile, as the window's ``hold`` does
+    at the end of the operation that computed it."""
 
     def __init__(self, device_bytes: int, host_bytes: int, policy: EvictionPolicy, r: ReplayResult,
-                 do: Callable[[Op], None]) -> None:
+                 do: Callable[[Op], None], provisional: Callable[[str], bool] = lambda resident: False) -> None:
         self.store = key_stack([("device", int(device_bytes)), ("host", int(host_bytes)), ("disk", None)], policy)
         self.top = self.store.tiers[0].name
         self.policy, self.r = policy, r
@@ -107,6 +111,9 @@ class Pool:
         self.pinned: Counter = Counter()
         #: every window's and fork's holds, as ``WindowStore`` counts them (what decides demotion)
         self.holds: Counter = Counter()
+        self.provisional = provisional
+        #: claims on canonicals of residents with none yet: not held until computed (``provisional``)
+        self._waiting: Counter = Counter()
         self._changes: dict[Hashable, int] = {}  # the operation's net holds per key, until `install`
         self._holder: dict[Hashable, str] = {}  # key -> the resident whose slot held or let go of it last
         self._positions: dict[str, int] = {}  # resident -> index, as the last operation left the window
@@ -145,14 +152,18 @@ class Pool:
             self.store.put(skey, sized_entry(size, _kind(key)), traffic=self.traffic)
         return None
 
-    def write(self, key: Hashable, size: int, *, read_back: bool = False) -> None:
+    def write(self, key: Hashable, size: int, *, read_back: bool = False) -> str:
         """Store ``key`` (computed: an encode, a formed patch) where the tier policy admits it;
-        ``read_back``: then read it, as the window reads a canonical it just encoded."""
+        ``read_back``: then read it, as the window reads a canonical it just encoded. Returns the
+        tier it landed in, as the window's plan records a stored entry (``WindowStore.tier_of``
+        after the put: below the device when the device cannot take it)."""
         skey = store_key(key)
         self._touch(skey, size)
         self.store.put(skey, sized_entry(size, _kind(key)), traffic=self.traffic)
+        where = self.store.where(skey)
         if read_back:
             self.store.get(skey, traffic=self.traffic)
+        return where[0] if where else "none"
 
     def contains(self, key: Hashable) -> bool:
         return self.store.contains(store_key(key))
@@ -195,9 +206,23 @@ class Pool:
         now = {r: i for i, r in enumerate(order)}
         before = self._positions if released_from is None else {r: i for i, r in enumerate(released_from)}
         self._positions = now
-        for key in self._slot_order([k for k, n in changes.items() if n > 0], now):
+        for key in [k for k, n in changes.items() if n < 0 and k in self._waiting]:  # (never held: nothing to let go)
+            let_go = min(self._waiting[key], -changes[key])
+            self._waiting[key] -= let_go
+            changes[key] += let_go
+            if self._waiting[key] <= 0:
+                del self._waiting[key]
+        held: dict[Hashable, int] = {}
+        for key, n in changes.items():
+            if n > 0 and _kind(key) == "chunk" and self.provisional(self._holder.get(key, "")):
+                self._waiting[key] += n
+            elif n > 0:
+                held[key] = n
+        for key in [k for k in self._waiting if not self.provisional(self._holder.get(k, ""))]:
+            held[key] = held.get(key, 0) + self._waiting.pop(key)  # its canonical is computed: held now
+        for key in self._slot_order(list(held), now):
             first = self.holds[key] == 0
-            self.holds[key] += changes[key]
+            self.holds[key] += held[key]
             where = self.store.where(store_key(key)) if first else ()
             if where and where[0] != self.top:
                 self.store.get(store_key(key), traffic=self.traffic)  # promotes
