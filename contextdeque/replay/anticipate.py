@@ -113,6 +113,9 @@ class AnticipationMirror:
         self._simulating = False
         # prepared re-forwards (``window.prepared``, its bound: keys only): (content, antecedent states)
         self._prepared = PreparedForwards()
+        # the KV states behind the last prepared re-forward (None: a forward ran since): the next
+        # one there joins its forward (``ingest.reforward_run``: one forward of consecutive chunks)
+        self._open_run: tuple | None = None
         self.forming = ResumableForming()  # forming carried across idle gaps (the window's, per window)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -269,8 +272,14 @@ class AnticipationMirror:
         states = (self.content[key], tuple(map(self._kv_state, prefix)))
         kept = self._prepared.get(states) is not None  # (found: it belongs to this pass, as the window's)
         if self._simulating and not kept:  # (one kept already: nothing to run)
-            self.do(Forward(self.content[key], self.tokens[key], context=sum(map(self.tokens.__getitem__, prefix))))
+            # right behind the chunk re-forwarded last, nothing run since: one forward of both
+            joined = self._open_run is not None and self._open_run == states[1]
+            self.do(Forward(self.content[key], self.tokens[key], context=sum(map(self.tokens.__getitem__, prefix)),
+                            joined=joined))
             self._prepared.put(states, True, nbytes=0)
+            self._set_formed(key, tuple(prefix), "inline")
+            self._open_run = (*states[1], self._kv_state(key))
+            return True
         elif self._simulating:
             pass
         elif kept:
@@ -286,6 +295,7 @@ class AnticipationMirror:
         the pool's contents and the costs keep what it formed (``anticipation``: a simulation on a
         copy of the state)."""
         saved = {name: _copied(getattr(self, name)) for name in _SNAPSHOT}
+        self._open_run = None
         slots = self.pool.snapshot()
         kept = {name: getattr(self.r, name) for name in _COUNTS_KEPT}
         self._simulating = self.pool.simulating = True

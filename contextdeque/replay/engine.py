@@ -140,6 +140,8 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
         part of the window's plan (False: a query's own read or an arm's recompute)."""
         r = self.r
         counts = op.counts()
+        if counts.get("tokens_prefilled"):  # (a forward in between: the next re-forward runs a forward of its own)
+            self._open_run = None
         if counts:
             r.forwards += counts.get("forwards", 0)
             r.tokens_prefilled += counts.get("tokens_prefilled", 0)
@@ -379,6 +381,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
 
     def _admit(self, index: int, entering: list[tuple[str, int | None]], recall: bool) -> None:
         est0, load0 = self.r.est_seconds, self.r.load_seconds
+        self._open_run = None  # (the window's re-forwards join within one reconcile pass)
         try:
             self._recalling, self._entering = recall, frozenset(k for k, _ in entering)
             # the conditioning before the operation: what the recall cascade is judged on (the
@@ -511,6 +514,7 @@ class Replayer(PolicyDecisions, KVStateMirror, CascadeMirror, AnticipationMirror
             self._changed()
 
     def _reorder_slots(self, new_order: list[str]) -> None:
+        self._open_run = None  # (the window's re-forwards join within one reconcile pass)
         for i, k in enumerate(new_order):
             prefix = new_order[:i]
             if self.valid(k, prefix):

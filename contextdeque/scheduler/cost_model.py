@@ -154,8 +154,8 @@ class CostModel:
         replay charges a plan by."""
         if isinstance(op, Encode):
             return self.prefill_s(op.tokens, 0)
-        if isinstance(op, Forward):
-            return self.prefill_s(op.tokens, op.context)
+        if isinstance(op, Forward):  # (joined: its tokens ran in the forward in front of it, whose fixed part that paid)
+            return self.prefill_s(op.tokens, op.context) - (self.forward_fixed_s if op.joined and op.tokens > 0 else 0.0)
         if isinstance(op, Form):
             # its forwards, then one factorization (a kind that runs two forwards factorizes once)
             return op.forwards * self.prefill_s(op.tokens, op.context) + self.factorize_s(op.tokens)

@@ -54,7 +54,8 @@ from .anticipate_reorder import ANTICIPATED_REORDERS, anticipate_reorder, reorde
 from .healing import HealBudget, IdlePrices
 from .kvstate import antecedent_states
 from .policy_latency import HealPolicy
-from .predictor import Prediction, RecallPredictor, as_predicted, chain_work, make_predictor, rank_predictions
+from .predictor import (Prediction, RecallPredictor, as_predicted, chain_work, make_predictor, rank_predictions,
+                        reforward_runs)
 from .receipt import Meter, Receipt
 from .reconcile import reconcile
 from .ref import ChunkRef
@@ -261,13 +262,15 @@ def reorder_after(state: WindowState, recalls: Sequence[tuple[ChunkRef, int | st
 
 def reconditioning_cost(state: Any, refs: Sequence[ChunkRef], prices: IdlePrices) -> float:
     """What re-conditioning ``refs`` (in the window, or evicted and recalled first) is estimated to
-    cost an idle budget at ``prices``: a forward each, and a factorized patch each but for a
-    provisional chunk (re-forwarded, nothing factorized)."""
+    cost an idle budget at ``prices``: a forward and a factorized patch each, but for provisional
+    chunks (re-forwarded, nothing factorized; consecutive ones in one forward,
+    ``predictor.reforward_runs``)."""
     tokens = {s.ref: s.n_tokens for s in state.slots} | {r: e.n_tokens for r, e in state.evicted.items()}
     provisional = {s.ref for s in state.slots if getattr(s, "provisional", False)}
     sizes = [tokens.get(r, 0) for r in refs]
     factorized = [tokens.get(r, 0) for r in refs if r not in provisional]
-    return prices.charge(sum(sizes), len(sizes), sum(factorized), len(factorized))
+    forwards = len(factorized) + reforward_runs(refs, provisional)  # (consecutive re-forwards: one forward)
+    return prices.charge(sum(sizes), forwards, sum(factorized), len(factorized))
 
 
 def reorder_cost(state: Any, order: Sequence[ChunkRef], prices: IdlePrices) -> float:

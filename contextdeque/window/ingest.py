@@ -213,36 +213,74 @@ def provisional(ctx: WindowContext, pending: Unencoded, prefix: Sequence[Slot], 
     """New content placed after ``prefix`` with one conditioned forward (what a prefix cache
     runs): a provisional slot holding ``KV(B | prefix)`` in the content frame. ``ref``: the slot's
     ref when the content is already the window's (a re-forward, a recall), else a new one."""
+    return provisional_run(ctx, [pending], prefix, meter, refs=[ref], label=label)[0]
+
+
+def provisional_run(ctx: WindowContext, pendings: Sequence[Unencoded], prefix: Sequence[Slot], meter: Meter,
+                    refs: Sequence[ChunkRef | None], label: str | None = None) -> list[Slot]:
+    """``pendings`` placed one after the other behind ``prefix`` by ONE conditioned forward of
+    their concatenation: each a provisional slot holding ``KV(B_j | prefix, B_1 .. B_j-1)``, the
+    KV a forward of each behind the ones before it gives (causal attention: a chunk's KV does not
+    depend on what follows it), paying one forward's fixed cost. The plan records a ``Forward``
+    per chunk, those after the first ``joined`` (no forward of their own). ``refs``: each slot's
+    ref (None: a new one)."""
     backend = ctx.backend
-    inp = pending.inputs
     start = decode.next_position(ctx, prefix)
-    probe = backend._encode_inputs(None, inp["token_ids"], inp["embeds"], inp["rel_positions"], inp["span"], ctx.storage)
-    pos = probe.rel_positions + start
+    context = sum(s.n_tokens for s in prefix)
+    probes, positions, starts = [], [], []
+    for pending in pendings:
+        inp = pending.inputs
+        probe = backend._encode_inputs(None, inp["token_ids"], inp["embeds"], inp["rel_positions"], inp["span"], ctx.storage)
+        probes.append(probe)
+        positions.append(probe.rel_positions + start)
+        starts.append(start)
+        start += probe.span
     past = concat_kv([backend.root_kv(), *(s.page for s in prefix)])
-    res = backend.forward(
-        input_ids=probe.token_ids, inputs_embeds=inp["embeds"] if probe.token_ids is None else None,
-        positions=pos, past=past, logits="none",
-    )
-    keys, values = to_content_frame(res.kv, ctx.layout, pos)
-    meter.plan.add(Forward(pending.chunk_id, pending.n_tokens, context=sum(s.n_tokens for s in prefix)))
-    chunk = Chunk(
-        id=pending.chunk_id, fingerprint=ctx.fingerprint, layout_signature=ctx.layout.signature,
-        root_digest=backend.root_digest, keys=keys.to(ctx.storage).contiguous(),
-        values=values.to(ctx.storage).contiguous(), rel_positions=probe.rel_positions, span=probe.span,
-        canonical_start=start, token_ids=probe.token_ids,
-        embeds=None if inp["embeds"] is None else inp["embeds"].detach().to("cpu").clone(),
-        modality=inp["modality"] or ("text" if probe.token_ids is not None else "image"),
-        meta={"input_digest": probe.input_digest, "provisional": "1"},
-    )
-    ref = ref if ref is not None else new_ref(chunk.id, chunk.n_tokens, label)
-    return Slot(ref=ref, chunk=chunk, inline_on=tuple((s.ref, s.version) for s in prefix))
+    if all(p.token_ids is not None for p in probes):
+        input_ids, embeds = torch.cat([p.token_ids for p in probes]), None
+    else:  # a mixed run: the token chunks as the model's input embeddings, beside the others' embeddings
+        first = next(p["embeds"] for p in (q.inputs for q in pendings) if p["embeds"] is not None)
+        input_ids, embeds = None, torch.cat([
+            backend.embed_tokens(p.token_ids).to(first.dtype) if p.token_ids is not None
+            else q.inputs["embeds"].to(device=backend.device, dtype=first.dtype) for p, q in zip(probes, pendings)])
+        embeds = embeds.to(device=backend.device)
+    res = backend.forward(input_ids=input_ids, inputs_embeds=embeds, positions=torch.cat(positions, dim=-1),
+                          past=past, logits="none")
+    out: list[Slot] = []
+    at = 0
+    for j, (pending, probe, pos, first_pos) in enumerate(zip(pendings, probes, positions, starts)):
+        n = pos.shape[-1]
+        keys, values = to_content_frame([(k[..., at:at + n, :], v[..., at:at + n, :]) for k, v in res.kv], ctx.layout, pos)
+        at += n
+        inp = pending.inputs
+        meter.plan.add(Forward(pending.chunk_id, pending.n_tokens, context=context, joined=j > 0))
+        context += pending.n_tokens
+        chunk = Chunk(
+            id=pending.chunk_id, fingerprint=ctx.fingerprint, layout_signature=ctx.layout.signature,
+            root_digest=backend.root_digest, keys=keys.to(ctx.storage).contiguous(),
+            values=values.to(ctx.storage).contiguous(), rel_positions=probe.rel_positions, span=probe.span,
+            canonical_start=first_pos,
+            token_ids=probe.token_ids,
+            embeds=None if inp["embeds"] is None else inp["embeds"].detach().to("cpu").clone(),
+            modality=inp["modality"] or ("text" if probe.token_ids is not None else "image"),
+            meta={"input_digest": probe.input_digest, "provisional": "1"},
+        )
+        ref = refs[j] if refs[j] is not None else new_ref(chunk.id, chunk.n_tokens, label)
+        out.append(Slot(ref=ref, chunk=chunk, inline_on=tuple((s.ref, s.version) for s in [*prefix, *out])))
+    return out
 
 
 def reforward(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], meter: Meter) -> Slot:
     """A provisional slot conditioned anew behind ``prefix``: one conditioned forward of its
     content, and still no canonical (a stored patch would need the canonical's forward as well)."""
-    pending = Unencoded(slot.chunk.id, slot.n_tokens, source_of(slot.chunk))
-    return provisional(ctx, pending, prefix, meter, ref=slot.ref)
+    return reforward_run(ctx, [slot], prefix, meter)[0]
+
+
+def reforward_run(ctx: WindowContext, run: Sequence[Slot], prefix: Sequence[Slot], meter: Meter) -> list[Slot]:
+    """Provisional slots ``run`` (consecutive in the window) conditioned anew behind ``prefix``,
+    each behind the ones before it: one forward of their concatenation (:func:`provisional_run`)."""
+    pendings = [Unencoded(s.chunk.id, s.n_tokens, source_of(s.chunk)) for s in run]
+    return provisional_run(ctx, pendings, prefix, meter, refs=[s.ref for s in run])
 
 def check_chunk(ctx: WindowContext, chunk: Chunk) -> None:
     """Refuse a chunk encoded by another model, layout or root."""

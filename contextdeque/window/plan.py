@@ -20,7 +20,8 @@ operation          what it is (forwards x tokens it prefills; bytes it stores)
 ``Encode``         a canonical ``KV(B | root)``: one forward of B's tokens; stores the canonical
 ``Forward``        one forward of B's tokens after ``context`` cached tokens that keeps no
                    canonical (latency-first new content, a provisional chunk re-forwarded,
-                   a query or a baseline arm's recompute)
+                   a query or a baseline arm's recompute); ``joined``: B ran in the forward
+                   of the chunk in front of it (consecutive re-forwards: 0 forwards)
 ``Form``           a conditioning patch of ``kind`` on ``antecedents``: ``forwards`` conditioned
                    forwards of B's tokens (an orbit patch runs one per ordering) + the SVD;
                    stores the patch
@@ -85,12 +86,15 @@ class Encode(Op):
 
 @dataclass(frozen=True)
 class Forward(Op):
-    """One forward of B's tokens after ``context`` cached tokens; no canonical kept."""
+    """One forward of B's tokens after ``context`` cached tokens; no canonical kept.
+    ``joined``: B's tokens ran in the forward of the chunk in front of it (one forward of their
+    concatenation, ``ingest.provisional_run``): its tokens, no forward (nor its fixed cost) of its own."""
 
     context: int = 0
+    joined: bool = False
 
     def counts(self) -> dict[str, int]:
-        return {"forwards": 1, "tokens_prefilled": self.tokens}
+        return {"forwards": 0 if self.joined else 1, "tokens_prefilled": self.tokens}
 
 
 @dataclass(frozen=True)

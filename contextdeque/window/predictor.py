@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Collection, Iterable, Iterator, Mapping, Sequence
 
 from ..core.errors import WindowError
 from ..core.registry import Registered, Registry
@@ -166,15 +166,29 @@ def chain_work(state: "WindowState", recalls: Sequence[Recall]) -> tuple[int, li
     :func:`chain_tokens`): the forwards it runs (each recalled chunk's forming forward and its
     canonical when owed, one per dependent its recall cascade re-forms) and the tokens of each
     patch it factorizes (each recalled chunk's, and the re-forms of dependents with a canonical: a
-    provisional dependent is re-forwarded, nothing factorized). What ``WindowConfig.forward_fixed``
+    provisional dependent is re-forwarded, nothing factorized; consecutive ones in one forward,
+    :func:`reforward_runs`). What ``WindowConfig.forward_fixed``
     / ``factorization_fixed`` / ``factorization_cost`` charge on top of the forwards' tokens."""
-    in_window = {s.ref for s in state.slots}
+    order = [s.ref for s in state.slots]
     settled = {s.ref: s.n_tokens for s in state.slots if not getattr(s, "provisional", False)}
     forwards, factorized = 0, []
     for entry, dependents in _chain_cascades(state, recalls):
-        forwards += 1 + int(bool(entry.owes_encode)) + sum(1 for r in dependents if r in in_window)
+        redone = {r for r in dependents if r in order and r not in settled}
+        forwards += 1 + int(bool(entry.owes_encode)) + sum(1 for r in dependents if r in settled) + reforward_runs(order, redone)
         factorized += [entry.n_tokens, *(settled[r] for r in dependents if r in settled)]
     return forwards, factorized
+
+
+def reforward_runs(order: Sequence[ChunkRef], redone: Collection[ChunkRef]) -> int:
+    """Forwards that re-forwarding the provisional chunks ``redone`` runs where they stand in
+    ``order``: one per run of consecutive ones (each behind the one before it: one forward of
+    their concatenation, ``ingest.reforward_run``)."""
+    runs, before = 0, False
+    for ref in order:
+        here = ref in redone
+        runs += int(here and not before)
+        before = here
+    return runs
 
 
 def priced(state: "WindowState", recalls: Sequence[Recall], probability: float, source: str) -> Prediction:

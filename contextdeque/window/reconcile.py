@@ -18,7 +18,7 @@ from ..patch.rank import FULL, is_full
 from ..core.cooperative import checkpoint
 from .context import WindowContext
 from .graph import Cascade
-from .ingest import reforward
+from .ingest import reforward_run
 from .kvstate import antecedent_states
 from .plan import Clear, Form, Keep, Prepared, Reuse
 from .prepared import prepared_key
@@ -202,8 +202,8 @@ def _prepared(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], mode: str,
     for the step that lands here; ``"take"``: the one kept for exactly this prefix (None: none)."""
     key = prepared_key(slot.chunk.id, prefix)
     found = ctx.prepared.get(key)
-    if found is None and mode == "run":
-        out = reforward(ctx, slot, prefix, meter)
+    if found is None and mode == "run":  # (``reconcile`` runs it ahead, with the ones behind it)
+        out = reforward_run(ctx, [slot], prefix, meter)[0]
         ctx.prepared.put(key, out.chunk)
         return out
     if found is None:
@@ -247,9 +247,10 @@ def reconcile(
     direct: list[ChunkRef] = []
     reformed: list[ChunkRef] = []
     flagged: list[ChunkRef] = []
-    for i, slot in enumerate(slots):
-        checkpoint()
-        prefix = tuple(out)
+    def decide(i: int, slot: Slot, prefix: tuple[Slot, ...], implied: Sequence[ChunkRef],
+               new_version: Mapping[ChunkRef, str]) -> tuple[str | None, Decision, bool, bool, bool]:
+        """``(reason, decision, in_cascade, is_direct, reforward)`` of ``slot`` at ``i`` behind
+        ``prefix``; ``reforward``: a provisional slot re-forwarded per ``prepared``."""
         prefix_tags: tuple[Tag, ...] = tuple((s.ref, s.version) for s in prefix)
         reason = reasons.get(slot.ref)
         valid = slot.conditioned_on == prefix_tags
@@ -270,9 +271,39 @@ def reconcile(
         if in_cascade and ctx.cascade_policy == "reform" and decision.may_keep:
             reason = "cascade"
             decision = policy.decide(reason, slot, prefix, valid=False, rank=ctx.rank)
+        reforward = bool(prepared is not None and slot.provisional and prefix and reason != "append" and
+                         (prepared == "run" or len(ctx.prepared)) and
+                         _defers_reforward(ctx, slot, prefix, reason, valid, in_cascade))
+        return reason, decision, in_cascade, is_direct, reforward
+
+    def run_ahead(i: int, slot: Slot, prefix: tuple[Slot, ...], in_cascade: bool) -> None:
+        """Slot ``i``'s prepared re-forward and those of the slots right behind it that the pass
+        will re-forward next, each behind the ones before it: one forward of their concatenation
+        (``ingest.reforward_run``), kept in ``ctx.prepared`` for the pass to take in turn."""
+        run, ahead = [slot], list(prefix)
+        implied_ahead, versions = [*implied, *([slot.ref] if in_cascade else [])], dict(new_version)
+        for j in range(i, len(slots)):
+            if j > i:
+                _, _, cascade_j, _, again = decide(j, slots[j], tuple(ahead), implied_ahead, versions)
+                if not again or ctx.prepared.get(prepared_key(slots[j].chunk.id, ahead)) is not None:
+                    break
+                run.append(slots[j])
+                if cascade_j:
+                    implied_ahead.append(slots[j].ref)
+            # (the slot as the pass will hold it: its content behind the ones in front of it)
+            ahead.append(Slot(ref=slots[j].ref, chunk=slots[j].chunk, inline_on=tuple((s.ref, s.version) for s in ahead)))
+            versions[slots[j].ref] = ahead[-1].version
+        for k, new in enumerate(reforward_run(ctx, run, prefix, meter)):
+            ctx.prepared.put(prepared_key(new.chunk.id, ahead[:len(prefix) + k]), new.chunk)
+
+    for i, slot in enumerate(slots):
+        checkpoint()
+        prefix = tuple(out)
+        reason, decision, in_cascade, is_direct, reforward = decide(i, slot, prefix, implied, new_version)
         redone = None
-        if prepared is not None and slot.provisional and prefix and reason != "append" and \
-                (prepared == "run" or len(ctx.prepared)) and _defers_reforward(ctx, slot, prefix, reason, valid, in_cascade):
+        if reforward:
+            if prepared == "run" and ctx.prepared.get(prepared_key(slot.chunk.id, prefix)) is None:
+                run_ahead(i, slot, prefix, in_cascade)
             redone = _prepared(ctx, slot, prefix, prepared, meter)
             if redone is not None:
                 slot, decision = redone, KEEP
