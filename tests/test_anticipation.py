@@ -242,6 +242,65 @@ def test_provisional_dependents_of_a_recall_take_the_prepared_reforward(backend)
     assert kl_divergence(answer_logits(backend, slow), answer_logits(backend, fast)) <= 1e-6
 
 
+def test_consecutive_prepared_reforwards_run_as_one_forward(backend):
+    """The recall cascade's consecutive provisional dependents are re-forwarded by ONE forward of
+    their concatenation (``ingest.reforward_run``: one forward's fixed cost, what loses a hinted
+    recall under the H200's prices), each joined ``Forward`` in the plan, and the recall takes
+    them as before (the test above holds its KV equal to the sequential heal's re-forwards)."""
+    win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=True)
+    refs = [win.append(chunk=backend.encode(token_ids=p)) if i == 1 else win.append(token_ids=p)
+            for i, p in enumerate(POOL[:5])]
+    win.evict(refs[1])
+    win.expect(refs[1], at="end")
+    before = backend.forwards_run
+    win.heal(max_tokens=10_000)
+    prepared = [r for r in win.receipts if r.op == "anticipate" and refs[1] in r.refs]
+    assert len(prepared) == 1
+    forwards = [op for op in prepared[0].plan if type(op).__name__ == "Forward"]
+    # refs[2..4] behind refs[0]: one forward (two joined), then refs[1]'s patch behind them (one)
+    assert [op.joined for op in forwards] == [False, True, True]
+    assert prepared[0].forwards == 2 and backend.forwards_run - before >= 2
+    r = win.recall(refs[1], at="end")
+    assert r.forwards == 0 and r.answered_fresh and set(r.cascade.implied) == {refs[2], refs[3], refs[4]}
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["tokens", "tokens-and-embeddings"])
+def test_a_reforward_run_equals_reforwarding_each_behind_the_one_before(backend, mixed):
+    """``reforward_run``: one forward of consecutive provisional chunks gives each the KV that
+    re-forwarding it behind the re-forwarded ones in front of it gives (causal attention), a
+    run of token chunks and of token chunks beside an embeddings chunk alike."""
+    from contextdeque.window import ingest
+    from contextdeque.window.receipt import Meter
+
+    win = ContextWindow(backend, rank=2, patch_policy="latency")
+    for i, p in enumerate(POOL[:4]):
+        if mixed and i == 2:
+            win.append(embeds=backend.embed_tokens(torch.tensor(p)).float().cpu())
+        else:
+            win.append(token_ids=p)
+    ctx, slots = win._ctx, list(win._state.slots)
+    prefix, run = slots[:1], slots[1:]
+    before = backend.forwards_run
+    batched = ingest.reforward_run(ctx, run, prefix, Meter(ctx, "test"))
+    assert backend.forwards_run - before == 1
+    one_by_one: list = []
+    for s in run:  # each behind the ones re-forwarded before it, placed (its page what the next attends to)
+        front = [*prefix, *one_by_one]
+        one_by_one.append(_placed(ctx, ingest.reforward(ctx, s, front, Meter(ctx, "test")), front))
+    for a, b in zip(batched, one_by_one):
+        assert a.chunk.id == b.chunk.id and a.version == b.version
+        torch.testing.assert_close(a.chunk.keys, b.chunk.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a.chunk.values, b.chunk.values, rtol=1e-4, atol=1e-4)
+
+
+def _placed(ctx, slot, prefix):
+    from contextdeque.window.decode import next_position
+    from contextdeque.window.reconcile import place
+    from contextdeque.window.receipt import Meter
+
+    return place(ctx, slot, next_position(ctx, prefix), slot.stack, Meter(ctx, "test"))
+
+
 def test_a_budget_prepares_the_likely_recall_not_a_slide_that_never_comes(backend):
     """Under an idle budget the next slide's canonical is prepared only when the front leaving is
     as likely as the best recall prediction: an agent that keeps its task in front and said what
