@@ -31,6 +31,13 @@ not dropped: the gap's rest is put into it and it is continued in the next gaps
 (:class:`ResumableForming`, progress kept while what it attends to stands, dropped progress
 counted), so a page whose forming is longer than any one gap is still prepared.
 
+A preparation's consecutive provisional re-forwards (a recall cascade's dependents side by side,
+a reorder's moved latency-first content) run as ONE forward of their concatenation, each behind
+the ones before it (``ingest.reforward_run``: the KV each sequential re-forward gives, one
+forward's fixed cost), and the estimates price them so (``predictor.reforward_runs``): under a
+calibrated fixed part per forward (23.6 ms on the H200) a page's cascade of ~20 re-forwards cost
+more in fixed parts than in tokens and no idle gap fitted it.
+
 Patch keys name the antecedents' KV states (``window.kvstate``), so an anticipation is served
 exactly where the KV in front of the chunk is the KV it was formed on. A pass that completes
 marks the window anticipated until it changes (:attr:`WindowAnticipation.anticipation_due`); the

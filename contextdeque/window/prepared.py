@@ -6,7 +6,8 @@ canonical). When a re-read makes the eager policy re-condition such a chunk — 
 (the chunk was conditioned on the recalled one, which now sits behind it or came back changed),
 a reorder that moves it — the window defers it (served ``"conditioned"``) and ``heal`` later runs
 one conditioned forward of it behind its new prefix (``ingest.reforward``). Anticipation runs
-that very forward on its simulated arrangement and keeps the result here, keyed by the chunk and
+that very forward on its simulated arrangement (consecutive chunks in one forward of their
+concatenation, ``ingest.reforward_run``: the same KV) and keeps the result here, keyed by the chunk and
 the KV states in front of it (``window.kvstate``, as patch keys are); the step that lands in that
 arrangement takes it (``reconcile``), 0 forwards, and holds exactly what the heal would have
 built. Any other arrangement has other keys and finds nothing.
