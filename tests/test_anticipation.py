@@ -301,6 +301,29 @@ def _placed(ctx, slot, prefix):
     return place(ctx, slot, next_position(ctx, prefix), slot.stack, Meter(ctx, "test"))
 
 
+def test_a_canonical_an_earlier_preparation_stored_is_not_priced_again(backend):
+    """A chunk evicted before its canonical was computed owes it (a recall encodes it); once a
+    preparation (simulated on a copy: the entry still owes it) stored it, the recall finds it and
+    the predictions' estimates no longer charge its encode (they did, and a gap's hinted chain
+    then did not fit on the H200's prices)."""
+    from contextdeque.window.predictor import chain_tokens
+
+    win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=True)
+    refs = [win.append(token_ids=p) for p in POOL[:4]]
+    win.evict(refs[2])
+    entry = win._state.evicted[refs[2]]
+    assert entry.owes_encode and not win._ctx.store.has(entry.chunk_key)
+    before = next(p for p in recall_candidates(win, win._state) if p.recalls == ((refs[2], "end"),))
+    win.expect(refs[2], at="end")
+    win.heal(max_tokens=10_000)
+    assert win._state.evicted[refs[2]].owes_encode and win._ctx.store.has(entry.chunk_key)
+    after = next(p for p in recall_candidates(win, win._state) if p.recalls == ((refs[2], "end"),))
+    assert chain_tokens(win._state, after.recalls)[0] == before.cost_tokens  # (the raw entry still owes it)
+    assert after.cost_tokens == before.cost_tokens - entry.n_tokens
+    r = win.recall(refs[2], at="end")
+    assert r.encodes == 0 and r.forwards == 0  # (found, as the estimate now says)
+
+
 def test_a_budget_prepares_the_likely_recall_not_a_slide_that_never_comes(backend):
     """Under an idle budget the next slide's canonical is prepared only when the front leaving is
     as likely as the best recall prediction: an agent that keeps its task in front and said what

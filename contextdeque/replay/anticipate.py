@@ -92,7 +92,9 @@ def key_state(eng: "Replayer") -> WindowState:
     ``WindowState`` of key-only slots (in order), the evicted chunks (eviction order) and the
     replay's conditioning as its graph (``preview_cascade``)."""
     return WindowState(slots=tuple(eng.anticipation_slot(k) for k in eng.order),  # type: ignore[arg-type]
-                       evicted={eng.ref_of(k): EvictedKeys(eng.tokens[k], k in eng.pending.owes) for k in eng.evicted},  # type: ignore[misc]
+                       # (a canonical owed that an earlier preparation stored: owed no more, ``predictor.as_predicted``)
+                       evicted={eng.ref_of(k): EvictedKeys(eng.tokens[k], k in eng.pending.owes and not eng.canonical_stored(k))
+                                for k in eng.evicted},  # type: ignore[misc]
                        graph=KeyGraph(eng))  # type: ignore[arg-type]
 
 
@@ -126,6 +128,10 @@ class AnticipationMirror:
         ref = self._refs[key]
         self._key_of[ref] = key
         return ref
+
+    def canonical_stored(self, key: str) -> bool:
+        """Whether ``key``'s canonical is in the store (the window's ``WindowStore.has``)."""
+        return bool(self.arm.canonicals) and self.pool.contains(("c", self.content[key]))
 
     def anticipation_slot(self, key: str) -> KeySlot:
         """``key`` as a slot of :class:`key_state` (provisional: latency-first content with no

@@ -87,7 +87,7 @@ def recall_candidates(win: "ContextWindow", state: WindowState) -> list[Predicti
     """The recalls worth preparing, best first: the window's recall predictor
     (``window.predictor``; what ``expect()`` named, recency, the session's statistics), ranked by
     expected benefit per idle token."""
-    return rank_predictions(win.recall_predictor.predict(as_predicted(state, win._ctx.cascade_policy), win.expected))
+    return rank_predictions(win.recall_predictor.predict(win._predicted(state), win.expected))
 
 
 def plan_recalls(predictor: RecallPredictor, state: Any, expected: dict, budgeted: bool) -> list[Prediction]:
@@ -605,7 +605,7 @@ class WindowAnticipation:
         slots = self._state.slots
         ctx = self._ctx
         prices = idle_prices(ctx.config)
-        tasks = plan_anticipation(lambda: as_predicted(self._state, ctx.cascade_policy), self.recall_predictor,
+        tasks = plan_anticipation(lambda: self._predicted(self._state), self.recall_predictor,
                                   self.expected, self.expected_orders, budgeted, prices,
                                   slots[1].n_tokens if len(slots) >= 2 and slots[1].provisional else None,
                                   lambda: reorder_candidates(self, self._state))
@@ -624,7 +624,14 @@ class WindowAnticipation:
                 return {"refs": tuple(task.order) if formed else ()}, None
 
             yield body, task.kind in ("slide", "canonical"), task.cost, forming_task(
-                task, antecedent_states(self._state.slots), self._state, prices, whole=ctx.budget_tokens is not None)
+                task, antecedent_states(self._state.slots), self._predicted(self._state), prices,
+                whole=ctx.budget_tokens is not None)
+
+    def _predicted(self, state: WindowState) -> WindowState:
+        """``state`` as predictions and their estimates read it (``predictor.as_predicted``: the
+        cascade policy, the canonicals owed that the store holds already)."""
+        store = self._ctx.store
+        return as_predicted(state, self._ctx.cascade_policy, lambda entry: store.has(entry.chunk_key))
 
     def _anticipate(self, budget: "HealBudget | None" = None) -> list[Receipt]:
         """The anticipation steps ``heal()`` (or the idle healer) runs once nothing is queued (see

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Collection, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Collection, Iterable, Iterator, Mapping, Sequence
 
 from ..core.errors import WindowError
 from ..core.registry import Registered, Registry
@@ -123,9 +123,18 @@ class KeptCascade:
         return getattr(self._graph, name)
 
 
-def as_predicted(state: "WindowState", cascade_policy: str) -> "WindowState":
+def as_predicted(state: "WindowState", cascade_policy: str,
+                 has_canonical: "Callable[[Any], bool] | None" = None) -> "WindowState":
     """``state`` as predictions price it under ``cascade_policy`` (``WindowConfig``): itself when
-    a recall re-forms its cascade (``"reform"``), else with a :class:`KeptCascade` graph."""
+    a recall re-forms its cascade (``"reform"``), else with a :class:`KeptCascade` graph.
+    ``has_canonical(entry)``: whether the canonical an evicted chunk owes is in the store already
+    (an earlier preparation encoded it, where the recall then finds it): such an entry is shown
+    owing nothing (an estimate that charged that encode again kept a gap's best chains from
+    fitting)."""
+    owed = [r for r, e in state.evicted.items() if e.owes_encode and has_canonical is not None and has_canonical(e)]
+    if owed:
+        state = dataclasses.replace(state, evicted={
+            r: dataclasses.replace(e, unhealed=False, provisional=None) if r in owed else e for r, e in state.evicted.items()})
     if cascade_policy == "reform":
         return state
     return dataclasses.replace(state, graph=KeptCascade(state.graph))
