@@ -107,9 +107,9 @@ class IdlePrices:
 
     def spent(self, receipts: Iterable[Receipt]) -> float:
         """What ``receipts`` (heal and anticipation steps) cost: :meth:`charge` of the tokens their
-        forwards prefilled and their forwards, and per patch factorized (a ``Form``'s
-        factorization, once whatever its forwards, or a ``Difference`` taken from a forward already
-        run) its tokens."""
+        forwards prefilled, their forwards, and the patches they factorized with those patches'
+        tokens (a ``Form``'s factorization, once whatever its forwards, or a ``Difference`` taken
+        from a forward already run)."""
         spent = 0.0
         for r in receipts:
             sizes = [op.tokens for op in r.plan if isinstance(op, (Form, Difference))]
@@ -160,7 +160,7 @@ class HealBudget:
         self.tokens += self.prices.charge(tokens, forwards, factorized, patches)
 
     def spend_receipt(self, receipt: Receipt) -> None:
-        """One step done, as its receipt says (:func:`idle_spent`)."""
+        """One step done, as its receipt says (:meth:`IdlePrices.spent`)."""
         self.steps += 1
         self.tokens += self.prices.spent((receipt,))
 
