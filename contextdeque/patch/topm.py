@@ -42,8 +42,16 @@ Two solvers take the Gram's top-m eigenvectors (``eig=``):
   spectrum or deficient the rank. At checks a Rayleigh–Ritz step (the small ``k × k``
   eigenproblem, on the host where the device has no batched solver for it) gives the Ritz pairs,
   and an item is done when every kept direction's residual ``‖G x_i − θ_i x_i‖ ≤ tol·θ_1``
-  (:data:`RESIDUAL_TOL`). Items that are not done after :data:`MAX_STEPS` steps, and all-zero
-  Grams, take ``eigh`` (only those items).
+  (:data:`RESIDUAL_TOL`). Items that are not done after :data:`MAX_STEPS` steps take ``eigh``
+  (only those items); an all-zero Gram takes eigh's answer for it (the identity's columns).
+
+How the iteration runs is a :class:`SubspaceSettings`: the block's oversampling, when the first
+check comes, the step budget, where the checks' eigenproblems run (host threads, numpy, the
+device), whether the batch keeps a stable size as items converge (a new size is a new CUDA graph
+capture), and whether an iteration multiplies by ``G`` or ``G²``. The host runs the module
+constants' settings; CUDA a named preset of :data:`CUDA_PRESETS` (:data:`CUDA_PRESET`, or
+``$CONTEXTDEQUE_TOPM_CUDA``), picked by measurement: scripts/gpu_forming_sweep.py times each
+preset on a device and checks its factors against the float64 SVD there (issue 21).
 """
 
 from __future__ import annotations
@@ -114,19 +122,25 @@ class SubspaceSettings:
     is a new CUDA graph capture), ``"pow2"`` (padded to the next power of two with copies of
     unfinished items), ``"full"`` (the first batch's size throughout). ``power``: each
     iteration multiplies by ``G^power`` (``2``: one iteration does two steps' work for one
-    step's kernels; the checks stay on ``G``). The step budget :data:`MAX_STEPS` and the
-    caller's ``max_steps`` count steps of ``G``: ``power`` iterations of ``G`` make one of
-    ``G^power``."""
+    step's kernels; the checks stay on ``G``, so the answers are ``G``'s; ``G²`` resolves
+    directions down to ``s_i ≈ 1e-5 s_1`` (``λ²`` against rounding and the shift ``δ``): an item
+    whose top ``k`` spectrum is wider does not pass and takes ``eigh``, right but slower; the
+    default model's real Δs have ``s_32 / s_1`` of 0.06–0.3). ``max_steps``: the step budget before an item
+    falls back to ``eigh`` (on CUDA one ``eigh`` of an ``F × F`` Gram costs several graphed
+    steps). ``first_check`` counts iterations, ``max_steps`` (as the caller's ``max_steps``)
+    steps of ``G``: one iteration of ``G^power`` makes ``power`` of them."""
 
     oversample: int = OVERSAMPLE
     first_check: int = FIRST_CHECK
     ritz: Ritz = "host-pool"
     pad: Pad = "none"
     power: int = 1
+    max_steps: int = MAX_STEPS
 
     def __post_init__(self) -> None:
-        if self.oversample < 0 or self.first_check < 1 or self.power not in (1, 2):
-            raise PatchError(f"subspace settings need oversample >= 0, first_check >= 1 and power 1 or 2: {self}")
+        if self.oversample < 0 or self.first_check < 1 or self.power not in (1, 2) or self.max_steps < 1:
+            raise PatchError(f"subspace settings need oversample >= 0, first_check >= 1, max_steps >= 1 and power "
+                             f"1 or 2: {self}")
         if self.ritz not in RITZ or self.pad not in PADS:
             raise PatchError(f"subspace settings: ritz one of {RITZ}, pad one of {PADS}: {self}")
 
@@ -136,18 +150,24 @@ class SubspaceSettings:
 #: settings the H100 and H200 runs of 2026-11-26 measured (37 ms a rank-32 patch in the bench,
 #: 72 ms in calibrate); a check there costs tens of graphed steps (the host's eigenproblems, syncs)
 CUDA_PRESETS: dict[str, SubspaceSettings] = {
-    "graphed": SubspaceSettings(oversample=32, first_check=32, ritz="host-pool", pad="none", power=1),
-    "p16": SubspaceSettings(oversample=16, first_check=48, ritz="host-pool", pad="none", power=1),
-    "ritz-serial": SubspaceSettings(oversample=32, first_check=32, ritz="host-serial", pad="none", power=1),
-    "ritz-1": SubspaceSettings(oversample=32, first_check=32, ritz="host-1", pad="none", power=1),
-    "ritz-numpy": SubspaceSettings(oversample=32, first_check=32, ritz="numpy", pad="none", power=1),
-    "ritz-device": SubspaceSettings(oversample=32, first_check=32, ritz="device", pad="none", power=1),
-    "pow2": SubspaceSettings(oversample=32, first_check=32, ritz="host-pool", pad="pow2", power=1),
-    "full": SubspaceSettings(oversample=32, first_check=32, ritz="host-pool", pad="full", power=1),
-    "squared": SubspaceSettings(oversample=32, first_check=16, ritz="host-pool", pad="none", power=2),
-    "squared-pow2-1": SubspaceSettings(oversample=32, first_check=16, ritz="host-1", pad="pow2", power=2),
-    "squared-p16-pow2-1": SubspaceSettings(oversample=16, first_check=24, ritz="host-1", pad="pow2", power=2),
-    "squared-pow2-device": SubspaceSettings(oversample=32, first_check=16, ritz="device", pad="pow2", power=2),
+    "graphed": SubspaceSettings(oversample=32, first_check=32),
+    # one factor changed at a time
+    "p16": SubspaceSettings(oversample=16, first_check=48, max_steps=80),  # the H100 sweep's 20–25% (then capped at 40)
+    "budget80": SubspaceSettings(oversample=32, first_check=32, max_steps=80),
+    "ritz-serial": SubspaceSettings(oversample=32, first_check=32, ritz="host-serial"),
+    "ritz-1": SubspaceSettings(oversample=32, first_check=32, ritz="host-1"),
+    "ritz-numpy": SubspaceSettings(oversample=32, first_check=32, ritz="numpy"),
+    "ritz-device": SubspaceSettings(oversample=32, first_check=32, ritz="device"),
+    "pow2": SubspaceSettings(oversample=32, first_check=32, pad="pow2"),
+    "full": SubspaceSettings(oversample=32, first_check=32, pad="full"),
+    "squared": SubspaceSettings(oversample=32, first_check=16, power=2, max_steps=80),
+    # combinations
+    "squared-pow2-1": SubspaceSettings(oversample=32, first_check=16, ritz="host-1", pad="pow2", power=2, max_steps=80),
+    "squared-pow2-numpy": SubspaceSettings(oversample=32, first_check=16, ritz="numpy", pad="pow2", power=2, max_steps=80),
+    "squared-p16-pow2-1": SubspaceSettings(oversample=16, first_check=24, ritz="host-1", pad="pow2", power=2, max_steps=80),
+    "squared-p16-pow2-numpy": SubspaceSettings(oversample=16, first_check=24, ritz="numpy", pad="pow2", power=2,
+                                               max_steps=80),
+    "squared-pow2-device": SubspaceSettings(oversample=32, first_check=16, ritz="device", pad="pow2", power=2, max_steps=80),
 }
 #: CUDA's default preset (one of :data:`CUDA_PRESETS`); ``$CONTEXTDEQUE_TOPM_CUDA`` overrides it
 #: for a process: a preset's name, or a JSON object of :class:`SubspaceSettings` fields over it
@@ -161,7 +181,7 @@ class SubspaceCounts(Tally):
     resets it with ``SUBSPACE_COUNTS.reset()``): ``solves`` (batches it was called on),
     ``items`` (eigenproblems in them), ``iterations`` (power-step iterations, each on the whole
     padded batch), ``checks`` (Rayleigh–Ritz checks), ``fallback_items`` (items left to
-    ``eigh``: not converged, or an all-zero Gram), ``graph_captures`` (CUDA graphs captured)."""
+    ``eigh``: not converged; an all-zero Gram takes eigh's answer without it), ``graph_captures`` (CUDA graphs captured)."""
 
     solves: int = adds()
     items: int = adds()
@@ -187,7 +207,7 @@ def solver_settings(device: "torch.device | str") -> SubspaceSettings:
         PatchError: ``$CONTEXTDEQUE_TOPM_CUDA`` names no preset and is no JSON object of fields.
     """
     if torch.device(device).type != "cuda":
-        return SubspaceSettings(oversample=OVERSAMPLE, first_check=FIRST_CHECK)
+        return SubspaceSettings(oversample=OVERSAMPLE, first_check=FIRST_CHECK, max_steps=MAX_STEPS)
     return parse_cuda_settings(os.environ.get(CUDA_SETTINGS_ENV, ""))
 
 
@@ -333,9 +353,22 @@ def top_eigenvectors(
     vecs, done = subspace_top_eigenvectors(gram, m, small_eig_device=eig_device, settings=settings)
     if not bool(done.all()):
         rest = (~done).nonzero().flatten()
+        # an all-zero Gram: eigh's answer without a solver call (LAPACK's and cuSOLVER's
+        # eigenvectors of a zero matrix are the identity's columns; every patch's first-layer V Δ is zero)
+        zero = (gram[rest.to(gram.device)].flatten(1).abs().amax(1) == 0).cpu()
+        if bool(zero.any()):
+            vecs[rest[zero].to(vecs.device)] = _zero_gram_top(n, m, gram.dtype, gram.device)
+        rest = rest[~zero]
         SUBSPACE_COUNTS.fallback_items += len(rest)
-        vecs[rest] = _eigh_top(gram[rest], m, eig_device)
+        if len(rest):
+            vecs[rest.to(vecs.device)] = _eigh_top(gram[rest.to(gram.device)], m, eig_device)
     return vecs
+
+
+def _zero_gram_top(n: int, m: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What :func:`_eigh_top` answers for an all-zero ``[n, n]`` Gram: the identity's last ``m``
+    columns, last first (``eigh`` of a zero matrix: eigenvalues 0, eigenvectors the identity)."""
+    return torch.eye(n, dtype=dtype, device=device)[:, n - m:].flip(-1)
 
 
 def subspace_top_eigenvectors(
@@ -347,10 +380,10 @@ def subspace_top_eigenvectors(
     (float64): ``(vecs [B, n, m] descending, done [B] bool)``. ``done[b]``: every kept direction
     passed the residual test ``‖G x_i − θ_i x_i‖ ≤ tol·θ_1`` within ``max_steps`` steps of ``G``;
     the rows of ``vecs`` that are not done are zero (the caller solves those items another way).
-    None: :data:`MAX_STEPS`, :data:`RESIDUAL_TOL`, ``settings.oversample``; ``settings`` None:
-    :func:`solver_settings` of ``gram``'s device."""
+    None: ``settings.max_steps``, :data:`RESIDUAL_TOL`, ``settings.oversample``; ``settings``
+    None: :func:`solver_settings` of ``gram``'s device."""
     s = solver_settings(gram.device) if settings is None else settings
-    max_steps = MAX_STEPS if max_steps is None else max_steps
+    max_steps = s.max_steps if max_steps is None else max_steps
     tol = RESIDUAL_TOL if tol is None else tol
     B, n, _ = gram.shape
     k = min(m + (s.oversample if oversample is None else oversample), n)

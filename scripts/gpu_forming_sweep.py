@@ -1,0 +1,320 @@
+"""Issue 21: what a patch's top-m factorization costs on a device, per candidate setting of the
+subspace iteration (``contextdeque.patch.topm``'s ``CUDA_PRESETS``), each checked against the
+float64 SVD; and where calibrate's forming overhead (72 ms a patch on an H200) goes.
+
+Usage, from the repository root (contextdeque need not be installed):
+
+    python scripts/gpu_forming_sweep.py OUT_DIR                 # a CUDA device; ~2 minutes on an H200
+    python scripts/gpu_forming_sweep.py OUT_DIR --device cpu    # checks the script (< 1 minute)
+
+What it does, with SmolLM2-135M's architecture and random fp32 weights (timings do not depend on
+the weights; random weights' flatter spectra make the iteration take more steps than real ones):
+
+1. Real Δs: per chunk length (``--lengths``, calibrate's 128 and 512), ``1 + --distinct`` chunks
+   each on a 256-token antecedent (calibrate's ``FORM_CONTEXT``): every layer's K and V Δ, as
+   ``form_patch`` measures them.
+2. Per host thread count (``--threads``; calibrate ran with 2 on the H200's 16 cores) and per
+   variant (``--variants``: preset names, ``eigh`` = cuSOLVER's ``eigh`` for reference, a
+   ``+kv`` suffix = K and V factored in one call of 60 items instead of two of 30): the time of a
+   patch's factorization (K and V, rank 32) as ``best`` of ``--repeats`` on one Δ after a warm-up
+   (what the bench measured) and ``fresh``, the mean over the distinct Δs each factored once
+   (what anticipation meets: new Δs, new batch sizes as items converge, so new CUDA graph
+   captures unless the batch is padded); the solver's counts (iterations, checks, captures,
+   items left to ``eigh``) per patch. Every variant starts with no captured graphs.
+3. Each variant's factors (every layer, every Δ, at the first thread count) against the float64
+   SVD computed on the device, by tests/test_patch_topm.py's own checks (``assert_top_factors``:
+   the test's tolerance).
+4. The forming split per length: ``form_patch`` whole, its conditioned forward + Δ
+   (``PATCH_KINDS["exact"].target``), its factorization, and calibrate's estimate of the
+   conditioned forward (an encode of antecedent + chunk less one of the antecedent: a difference
+   of two forwards cancels a forward's fixed cost, which ``form_patch``'s forward pays), so
+   calibrate's ``form_overhead_s`` is reproduced and explained; for the current preset and the
+   fastest accurate one, at each thread count.
+
+Prints one table and writes ``forming_sweep.json`` to OUT_DIR. The variant to make CUDA's default
+is the fastest (``fresh``) whose factors pass at every length: the one-line change is
+``CUDA_PRESET = "<name>"`` in contextdeque/patch/topm.py (``+kv``: also one call for K and V).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _import_contextdeque() -> None:
+    """contextdeque from this checkout: its kernels/ and agents/ live at the repository's top and
+    install inside the package (pyproject's package-dir); without an install they are found there."""
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "tests"))  # test_patch_topm's checks, helpers
+    import contextdeque
+
+    if importlib.util.find_spec("contextdeque.kernels") is None:
+        contextdeque.__path__.append(str(ROOT))
+
+
+_import_contextdeque()
+
+import torch  # noqa: E402
+
+from contextdeque.eval.gpu_check import SMOLLM2_135M_CONFIG, random_llama  # noqa: E402
+from contextdeque.model.hf import HFBackend  # noqa: E402
+from contextdeque.patch import form_patch  # noqa: E402
+from contextdeque.patch import topm  # noqa: E402
+from contextdeque.patch.base import PATCH_KINDS, FormContext  # noqa: E402
+from contextdeque.replay.calibrate import FORM_CONTEXT  # noqa: E402
+
+RANK = 32
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="where forming_sweep.json goes")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated: CUDA_PRESETS names, 'eigh', any with a '+kv' suffix (default: all presets, "
+                        "eigh, and +kv of the current preset)")
+    p.add_argument("--lengths", default=None, help="chunk lengths (default 128,512; CPU 200,256)")
+    p.add_argument("--threads", default=None, help="host thread counts (default 2,16; CPU 1)")
+    p.add_argument("--repeats", type=int, default=None, help="best of (default 5; CPU 2)")
+    p.add_argument("--distinct", type=int, default=None, help="fresh Δs per length (default 4; CPU 2)")
+    p.add_argument("--layers", type=int, default=None, help="model layers (default 30: SmolLM2's; CPU 2)")
+    a = p.parse_args(argv)
+    cpu = torch.device(a.device).type == "cpu"
+    a.lengths = [int(x) for x in (a.lengths or ("200,256" if cpu else "128,512")).split(",")]
+    a.threads = [int(x) for x in (a.threads or ("1" if cpu else "2,16")).split(",")]
+    a.repeats = a.repeats or (2 if cpu else 5)
+    a.distinct = a.distinct if a.distinct is not None else (2 if cpu else 4)
+    a.layers = a.layers or (2 if cpu else SMOLLM2_135M_CONFIG["num_hidden_layers"])
+    default = [*topm.CUDA_PRESETS, "eigh", f"{topm.CUDA_PRESET}+kv"]
+    a.variants = [v.strip() for v in a.variants.split(",")] if a.variants else default
+    for v in a.variants:
+        base = v.removesuffix("+kv")
+        if base != "eigh" and base not in topm.CUDA_PRESETS:
+            p.error(f"unknown variant {v!r}; presets: {', '.join(topm.CUDA_PRESETS)}, eigh")
+    return a
+
+
+def timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def once(fn: Callable[[], Any]) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    return once
+
+
+def factorize(variant: str, dk: torch.Tensor, dv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One patch's K and V factors by ``variant``: ``[(us, vt) of K, (us, vt) of V]``."""
+    base, one_call = variant.removesuffix("+kv"), variant.endswith("+kv")
+    kw: dict[str, Any] = {"eig": "eigh"} if base == "eigh" else {"eig": "subspace", "subspace": topm.CUDA_PRESETS[base]}
+    m = min(RANK, *dk.shape[1:])
+    if one_call and dk.shape == dv.shape:
+        us, vt = topm.truncated_svd(torch.cat([dk, dv]), m, **kw)
+        return [(us[:len(dk)], vt[:len(dk)]), (us[len(dk):], vt[len(dk):])]
+    return [topm.truncated_svd(d, m, **kw) for d in (dk, dv)]
+
+
+def counts_per(n: int) -> dict[str, float]:
+    c = topm.SUBSPACE_COUNTS.as_dict()
+    return {k: round(v / max(n, 1), 2) for k, v in c.items()}
+
+
+class Oracle:
+    """The float64 SVD of every layer of a Δ, computed on Δ's device once, and
+    tests/test_patch_topm.py's ``assert_top_factors`` run against it (its ``oracle`` swapped for
+    this one's answer, so the checks and tolerance are the test's own)."""
+
+    def __init__(self, delta: torch.Tensor) -> None:
+        kw = {"driver": "gesvd"} if delta.is_cuda else {}
+        _, s, vh = torch.linalg.svd(delta.to(torch.float64), full_matrices=False, **kw)
+        self.delta, self.s, self.vh = delta.cpu(), s.cpu(), vh.cpu()
+
+    def failures(self, us: torch.Tensor, vt: torch.Tensor) -> list[str]:
+        import test_patch_topm as checks
+
+        real, out = checks.oracle, []
+        try:
+            for layer in range(self.delta.shape[0]):
+                s, vh = self.s[layer], self.vh[layer]
+                checks.oracle = lambda d, r, s=s, vh=vh: (None, vh[:min(r, s.shape[0])], s)
+                try:
+                    checks.assert_top_factors(self.delta[layer], RANK, us[layer].cpu(), vt[layer].cpu())
+                except AssertionError as exc:
+                    out.append(f"layer {layer}: {str(exc).splitlines()[0][:120]}")
+        finally:
+            checks.oracle = real
+        return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    t_start = time.perf_counter()
+    a.out.mkdir(parents=True, exist_ok=True)
+    once = timer(dev)
+    env = {
+        "torch": torch.__version__, "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
+        "host_cores": os.cpu_count(), "torch_threads_at_start": torch.get_num_threads(),
+        "env": os.environ.get(topm.CUDA_SETTINGS_ENV, ""), "current_preset": topm.CUDA_PRESET,
+        "presets": {k: vars(v) for k, v in topm.CUDA_PRESETS.items()},
+        "loadavg": os.getloadavg(), "args": {k: str(v) for k, v in vars(a).items()},
+    }
+    print(f"[sweep] {env['device']}, torch {env['torch']}, {env['host_cores']} host cores, layers {a.layers}", flush=True)
+    if env["env"]:
+        print(f"[sweep] note: ${topm.CUDA_SETTINGS_ENV}={env['env']} sets the default preset of this process")
+
+    cfg = dict(SMOLLM2_135M_CONFIG, num_hidden_layers=a.layers)
+    backend = HFBackend(random_llama(cfg, dtype=torch.float32, device=dev), None, root_ids=[1, 5, 9, 13],
+                        name="random-smollm2-arch")
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(10, 40000, (n,), generator=g).tolist()
+
+    ctx_ids = ids(FORM_CONTEXT)
+    ante = backend.encode(token_ids=ctx_ids)
+    exact = PATCH_KINDS["exact"]()
+    data: dict[int, list[dict[str, Any]]] = {}
+    for T in a.lengths:
+        data[T] = []
+        for _ in range(1 + a.distinct):
+            chunk = backend.encode(token_ids=ids(T))
+            dk, dv = exact.target(FormContext(backend, chunk, [(ante, [])], {}))
+            data[T].append({"chunk": chunk, "dk": dk, "dv": dv})
+    t_svd = {}
+    for T, items in data.items():
+        for it in items:
+            t0 = time.perf_counter()
+            it["oracle"] = [Oracle(it["dk"]), Oracle(it["dv"])]
+            t_svd[T] = time.perf_counter() - t0
+    print(f"[sweep] Δs and their float64 SVDs ready ({time.perf_counter() - t_start:.1f} s; the SVD of one "
+          f"patch's K and V on the {'device' if cuda else 'host'}: "
+          + ", ".join(f"{T}: {s * 1e3:.0f} ms" for T, s in t_svd.items()) + ")", flush=True)
+
+    rows: list[dict[str, Any]] = []
+    failures: dict[str, list[str]] = {}
+    for threads in a.threads:
+        torch.set_num_threads(threads)
+        for variant in a.variants:
+            topm._graphs.clear()  # every variant captures its own graphs
+            for T, items in data.items():
+                main_item, fresh_items = items[0], items[1:]
+                topm.SUBSPACE_COUNTS.reset()
+                factorize(variant, main_item["dk"], main_item["dv"])  # warm
+                best = min(once(lambda: factorize(variant, main_item["dk"], main_item["dv"])) for _ in range(a.repeats))
+                counts_best = counts_per(1 + a.repeats)
+                topm.SUBSPACE_COUNTS.reset()
+                fresh, outs = [], []
+                for it in fresh_items:
+                    box: list[Any] = []
+                    fresh.append(once(lambda it=it: box.append(factorize(variant, it["dk"], it["dv"]))))
+                    outs.append((it, box[0]))
+                counts_fresh = counts_per(len(fresh_items))
+                if threads == a.threads[0]:  # accuracy once per variant and length: every Δ
+                    outs.append((main_item, factorize(variant, main_item["dk"], main_item["dv"])))
+                    bad = [f"T={T} {'KV'[j]}: {msg}" for it, fac in outs for j, (us, vt) in enumerate(fac)
+                           for msg in it["oracle"][j].failures(us, vt)]
+                    failures.setdefault(variant, []).extend(bad)
+                row = {"variant": variant, "threads": threads, "tokens": T, "best_s": best,
+                       "fresh_s": statistics.mean(fresh) if fresh else None,
+                       "counts_per_patch_best": counts_best, "counts_per_patch_fresh": counts_fresh}
+                rows.append(row)
+                print(f"[sweep] threads {threads:>2} {variant:<22} T={T:<4} best {best * 1e3:7.2f} ms  fresh "
+                      f"{(row['fresh_s'] or 0) * 1e3:7.2f} ms  iterations/patch {counts_fresh['iterations']:5.1f} "
+                      f"checks {counts_fresh['checks']:4.1f} captures {counts_fresh['graph_captures']:4.1f} "
+                      f"eigh items {counts_fresh['fallback_items']:4.1f}", flush=True)
+
+    accurate = [v for v in a.variants if not failures.get(v)]
+    first = a.threads[0]
+
+    def mean_fresh(v: str, threads: int) -> float:
+        ts = [r["fresh_s"] if r["fresh_s"] is not None else r["best_s"] for r in rows
+              if r["variant"] == v and r["threads"] == threads]
+        return statistics.mean(ts)
+
+    pick_threads = 2 if 2 in a.threads else first  # calibrate's and the CLI's thread count for this model
+    fastest = min((v for v in accurate if v != "eigh"), key=lambda v: mean_fresh(v, pick_threads), default=None)
+
+    # the forming split: form_patch whole vs its parts vs calibrate's estimate of its forward
+    split: list[dict[str, Any]] = []
+    split_variants = [topm.CUDA_PRESET] + ([fastest.removesuffix("+kv")] if fastest and fastest.removesuffix("+kv") != topm.CUDA_PRESET else [])
+    saved_preset = topm.CUDA_PRESET
+    for threads in a.threads:
+        torch.set_num_threads(threads)
+        for preset in split_variants:
+            topm.CUDA_PRESET = preset  # what form_patch's truncated_svd takes by default (no env set)
+            topm._graphs.clear()
+            for T, items in data.items():
+                chunk = items[0]["chunk"]
+                ctx = FormContext(backend, chunk, [(ante, [])], {})
+                both = ctx_ids + chunk.token_ids.tolist()
+                form_patch(backend, chunk, [ante], rank=RANK)  # warm
+                parts = {
+                    "form_patch_s": lambda: form_patch(backend, chunk, [ante], rank=RANK),
+                    "forward_and_delta_s": lambda: exact.target(ctx),
+                    "factorize_s": lambda: factorize(preset, items[0]["dk"], items[0]["dv"]),
+                    "encode_ctx_plus_chunk_s": lambda: backend.encode(token_ids=both),
+                    "encode_ctx_s": lambda: backend.encode(token_ids=ctx_ids),
+                }
+                times = {k: [once(f) for _ in range(a.repeats)] for k, f in parts.items()}
+                med = {k: statistics.median(v) for k, v in times.items()}
+                cond = med["encode_ctx_plus_chunk_s"] - med["encode_ctx_s"]
+                rec = {"preset": preset, "threads": threads, "tokens": T,
+                       **{k: {"median": med[k], "best": min(v)} for k, v in times.items()},
+                       "calibrate_conditioned_forward_s": cond,
+                       "calibrate_form_overhead_s": max(0.0, med["form_patch_s"] - max(cond, 0.0)),
+                       "form_beyond_its_forward_s": med["form_patch_s"] - med["forward_and_delta_s"]}
+                split.append(rec)
+                print(f"[split] threads {threads:>2} {preset:<20} T={T:<4} form_patch {med['form_patch_s'] * 1e3:6.1f} ms = "
+                      f"forward+Δ {med['forward_and_delta_s'] * 1e3:6.1f} + factors {med['factorize_s'] * 1e3:6.1f} "
+                      f"(+ {(med['form_patch_s'] - med['forward_and_delta_s'] - med['factorize_s']) * 1e3:5.1f} rest); "
+                      f"calibrate's forward estimate {cond * 1e3:6.1f} ms -> its overhead "
+                      f"{rec['calibrate_form_overhead_s'] * 1e3:6.1f} ms", flush=True)
+    topm.CUDA_PRESET = saved_preset
+
+    # the table
+    print()
+    print(f"{'variant':<24}{'threads':>8}" + "".join(f"{'T=' + str(T) + ' best':>14}{'fresh':>9}" for T in a.lengths)
+          + f"{'vs current':>12}  factors vs float64 SVD")
+    base_v = topm.CUDA_PRESET
+    for threads in a.threads:
+        base = mean_fresh(base_v, threads) if base_v in a.variants else None
+        for v in a.variants:
+            cells = ""
+            for T in a.lengths:
+                r = next(r for r in rows if r["variant"] == v and r["threads"] == threads and r["tokens"] == T)
+                cells += f"{r['best_s'] * 1e3:11.2f} ms{(r['fresh_s'] or 0) * 1e3:6.2f} ms"
+            ratio = f"{base / mean_fresh(v, threads):10.2f}x" if base else f"{'':>11}"
+            verdict = "pass" if not failures.get(v) else f"FAIL ({len(failures[v])}: {failures[v][0]})"
+            print(f"{v:<24}{threads:>8}{cells}{ratio}  {verdict}")
+    if fastest:
+        print(f"\nfastest accurate variant at {pick_threads} host threads (mean fresh time over the lengths): {fastest} "
+              f"({mean_fresh(fastest, pick_threads) * 1e3:.2f} ms a patch vs {mean_fresh(base_v, pick_threads) * 1e3:.2f} ms "
+              f"for {base_v}) -> contextdeque/patch/topm.py: CUDA_PRESET = \"{fastest.removesuffix('+kv')}\""
+              + (" (and K, V in one call)" if fastest.endswith("+kv") else "") if base_v in a.variants else "")
+    result = {"environment": env, "rows": rows, "failures": failures, "accurate": accurate,
+              "fastest_accurate": fastest, "picked_at_threads": pick_threads, "forming_split": split,
+              "wall_s": time.perf_counter() - t_start}
+    (a.out / "forming_sweep.json").write_text(json.dumps(result, indent=1, default=str))
+    print(f"[sweep] wrote {a.out / 'forming_sweep.json'} ({result['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
