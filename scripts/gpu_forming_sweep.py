@@ -10,9 +10,14 @@ Usage, from the repository root (contextdeque need not be installed):
 What it does, with SmolLM2-135M's architecture and random fp32 weights (timings do not depend on
 the weights; random weights' flatter spectra make the iteration take more steps than real ones):
 
-1. Real Δs: per chunk length (``--lengths``, calibrate's 128 and 512), ``1 + --distinct`` chunks
-   each on a 256-token antecedent (calibrate's ``FORM_CONTEXT``): every layer's K and V Δ, as
-   ``form_patch`` measures them.
+1. Two sets of Δs per chunk length (``--lengths``, calibrate's 128 and 512), ``1 + --distinct``
+   patches each (every layer's K and V Δ, ``[30, T, 192]`` each): ``random-weights``, measured
+   as ``form_patch`` measures them (a chunk on a 256-token antecedent, calibrate's
+   ``FORM_CONTEXT``); ``real-spectra``, Δs with the singular values the real default model's Δs
+   have (per layer, K and V, on real text: scripts/data/smollm2_delta_spectra.safetensors, made
+   by ``--save-spectra`` on a machine with the default model) in random directions. The
+   iteration's speed depends on the spectrum alone, and random weights' spectra are flatter
+   (more steps) than real ones: the default is picked on ``real-spectra``.
 2. Per host thread count (``--threads``; calibrate ran with 2 on the H200's 16 cores) and per
    variant (``--variants``: preset names, ``eigh`` = cuSOLVER's ``eigh`` for reference, a
    ``+kv`` suffix = K and V factored in one call of 60 items instead of two of 30): the time of a
@@ -32,7 +37,7 @@ the weights; random weights' flatter spectra make the iteration take more steps 
    fastest accurate one, at each thread count.
 
 Prints one table and writes ``forming_sweep.json`` to OUT_DIR. The variant to make CUDA's default
-is the fastest (``fresh``) whose factors pass at every length: the one-line change is
+is the fastest (``fresh``, on ``real-spectra``) whose factors pass on every Δ: the one-line change is
 ``CUDA_PRESET = "<name>"`` in contextdeque/patch/topm.py (``+kv``: also one call for K and V).
 """
 
@@ -75,6 +80,8 @@ from contextdeque.patch.base import PATCH_KINDS, FormContext  # noqa: E402
 from contextdeque.replay.calibrate import FORM_CONTEXT  # noqa: E402
 
 RANK = 32
+SPECTRA = ROOT / "scripts" / "data" / "smollm2_delta_spectra.safetensors"
+SPECTRA_OFFSETS = (0, 300, 600, 900, 1200)  # where each patch's antecedent starts in the demo document
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,17 +91,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", default=None,
                    help="comma-separated: CUDA_PRESETS names, 'eigh', any with a '+kv' suffix (default: all presets, "
                         "eigh, and +kv of the current preset)")
-    p.add_argument("--lengths", default=None, help="chunk lengths (default 128,512; CPU 200,256)")
+    p.add_argument("--lengths", default=None, help="chunk lengths (default 128,512: calibrate's)")
     p.add_argument("--threads", default=None, help="host thread counts (default 2,16; CPU 1)")
     p.add_argument("--repeats", type=int, default=None, help="best of (default 5; CPU 2)")
     p.add_argument("--distinct", type=int, default=None, help="fresh Δs per length (default 4; CPU 2)")
     p.add_argument("--layers", type=int, default=None, help="model layers (default 30: SmolLM2's; CPU 2)")
+    p.add_argument("--soft-limit-s", type=float, default=170.0,
+                   help="past this many seconds the thread counts after the first are skipped (the device run has 4 minutes)")
+    p.add_argument("--save-spectra", action="store_true",
+                   help=f"instead: measure the default model's Δ spectra on the CPU into {SPECTRA.relative_to(ROOT)}")
     a = p.parse_args(argv)
     cpu = torch.device(a.device).type == "cpu"
-    a.lengths = [int(x) for x in (a.lengths or ("200,256" if cpu else "128,512")).split(",")]
+    a.lengths = [int(x) for x in (a.lengths or "128,512").split(",")]
     a.threads = [int(x) for x in (a.threads or ("1" if cpu else "2,16")).split(",")]
     a.repeats = a.repeats or (2 if cpu else 5)
-    a.distinct = a.distinct if a.distinct is not None else (2 if cpu else 4)
+    a.distinct = a.distinct if a.distinct is not None else (1 if cpu else 4)
     a.layers = a.layers or (2 if cpu else SMOLLM2_135M_CONFIG["num_hidden_layers"])
     default = [*topm.CUDA_PRESETS, "eigh", f"{topm.CUDA_PRESET}+kv"]
     a.variants = [v.strip() for v in a.variants.split(",")] if a.variants else default
@@ -161,8 +172,62 @@ class Oracle:
         return out
 
 
+def save_spectra(lengths: list[int]) -> None:
+    """The singular values of the embedded default model's Δs (every layer, K and V) for a chunk
+    of each length on a 256-token antecedent, at :data:`SPECTRA_OFFSETS` of the demo document:
+    ``{"k_<T>": [patches, layers, min(T, F)], "v_<T>": ...}`` (float16: the iteration's speed
+    depends on their ratios, not on their last digits)."""
+    from safetensors.torch import save_file
+
+    from contextdeque.agents.scenarios import demo_document
+    from contextdeque.model import load_model
+
+    backend = load_model()
+    ids = backend.tokenizer(demo_document())["input_ids"]
+    exact, out = PATCH_KINDS["exact"](), {}
+    for T in lengths:
+        ks, vs = [], []
+        for start in SPECTRA_OFFSETS:
+            ante = backend.encode(token_ids=ids[start:start + FORM_CONTEXT])
+            chunk = backend.encode(token_ids=ids[start + FORM_CONTEXT:start + FORM_CONTEXT + T])
+            dk, dv = exact.target(FormContext(backend, chunk, [(ante, [])], {}))
+            ks.append(torch.linalg.svdvals(dk.double()))
+            vs.append(torch.linalg.svdvals(dv.double()))
+        out[f"k_{T}"], out[f"v_{T}"] = torch.stack(ks).half(), torch.stack(vs).half()
+    SPECTRA.parent.mkdir(parents=True, exist_ok=True)
+    tmp = SPECTRA.with_suffix(".tmp")
+    save_file(out, str(tmp), metadata={"model": str(getattr(backend, "name", "")), "offsets": str(SPECTRA_OFFSETS),
+                                       "antecedent_tokens": str(FORM_CONTEXT)})
+    tmp.replace(SPECTRA)
+    print(f"wrote {SPECTRA} ({', '.join(f'{k} {tuple(v.shape)}' for k, v in out.items())})")
+
+
+def real_spectra_deltas(lengths: list[int], count: int, layers: int, device: torch.device) -> dict[int, list[dict[str, Any]]]:
+    """``count`` patches' K and V Δs per length with the real default model's spectra (its first
+    ``layers`` layers) in seeded random directions (tests/test_patch_topm.py's ``spectrum_delta``)."""
+    from safetensors.torch import load_file
+
+    from test_patch_topm import spectrum_delta
+
+    spectra = load_file(str(SPECTRA))
+    out: dict[int, list[dict[str, Any]]] = {}
+    for T in lengths:
+        if f"k_{T}" not in spectra:
+            continue
+        out[T] = []
+        for i in range(min(count, spectra[f"k_{T}"].shape[0])):
+            pair = [torch.stack([spectrum_delta(T, 192, s.double(), seed=1000 * i + 2 * l + j)
+                                 for l, s in enumerate(spectra[f"{kv}_{T}"][i, :layers])]).to(device)
+                    for j, kv in enumerate("kv")]
+            out[T].append({"dk": pair[0], "dv": pair[1]})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.save_spectra:
+        save_spectra(a.lengths)
+        return 0
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
     t_start = time.perf_counter()
@@ -190,63 +255,74 @@ def main(argv: list[str] | None = None) -> int:
     ctx_ids = ids(FORM_CONTEXT)
     ante = backend.encode(token_ids=ctx_ids)
     exact = PATCH_KINDS["exact"]()
-    data: dict[int, list[dict[str, Any]]] = {}
+    measured: dict[int, list[dict[str, Any]]] = {}
     for T in a.lengths:
-        data[T] = []
+        measured[T] = []
         for _ in range(1 + a.distinct):
             chunk = backend.encode(token_ids=ids(T))
             dk, dv = exact.target(FormContext(backend, chunk, [(ante, [])], {}))
-            data[T].append({"chunk": chunk, "dk": dk, "dv": dv})
+            measured[T].append({"chunk": chunk, "dk": dk, "dv": dv})
+    sets = {"random-weights": measured}
+    if SPECTRA.exists():
+        sets["real-spectra"] = real_spectra_deltas(a.lengths, 1 + a.distinct, a.layers, dev)
+    else:
+        print(f"[sweep] {SPECTRA} missing: the random-weights Δs only", flush=True)
     t_svd = {}
-    for T, items in data.items():
-        for it in items:
-            t0 = time.perf_counter()
-            it["oracle"] = [Oracle(it["dk"]), Oracle(it["dv"])]
-            t_svd[T] = time.perf_counter() - t0
+    for data in sets.values():
+        for T, items in data.items():
+            for it in items:
+                t0 = time.perf_counter()
+                it["oracle"] = [Oracle(it["dk"]), Oracle(it["dv"])]
+                t_svd[T] = time.perf_counter() - t0
     print(f"[sweep] Δs and their float64 SVDs ready ({time.perf_counter() - t_start:.1f} s; the SVD of one "
           f"patch's K and V on the {'device' if cuda else 'host'}: "
           + ", ".join(f"{T}: {s * 1e3:.0f} ms" for T, s in t_svd.items()) + ")", flush=True)
 
     rows: list[dict[str, Any]] = []
     failures: dict[str, list[str]] = {}
-    for threads in a.threads:
+    skipped: list[str] = []
+    for threads, (set_name, data), variant in ((t, d, v) for t in a.threads for d in sets.items() for v in a.variants):
+        if threads != a.threads[0] and time.perf_counter() - t_start > a.soft_limit_s:
+            skipped.append(f"{set_name} {variant} at {threads} threads")
+            continue
         torch.set_num_threads(threads)
-        for variant in a.variants:
-            topm._graphs.clear()  # every variant captures its own graphs
-            for T, items in data.items():
-                main_item, fresh_items = items[0], items[1:]
-                topm.SUBSPACE_COUNTS.reset()
-                factorize(variant, main_item["dk"], main_item["dv"])  # warm
-                best = min(once(lambda: factorize(variant, main_item["dk"], main_item["dv"])) for _ in range(a.repeats))
-                counts_best = counts_per(1 + a.repeats)
-                topm.SUBSPACE_COUNTS.reset()
-                fresh, outs = [], []
-                for it in fresh_items:
-                    box: list[Any] = []
-                    fresh.append(once(lambda it=it: box.append(factorize(variant, it["dk"], it["dv"]))))
-                    outs.append((it, box[0]))
-                counts_fresh = counts_per(len(fresh_items))
-                if threads == a.threads[0]:  # accuracy once per variant and length: every Δ
-                    outs.append((main_item, factorize(variant, main_item["dk"], main_item["dv"])))
-                    bad = [f"T={T} {'KV'[j]}: {msg}" for it, fac in outs for j, (us, vt) in enumerate(fac)
-                           for msg in it["oracle"][j].failures(us, vt)]
-                    failures.setdefault(variant, []).extend(bad)
-                row = {"variant": variant, "threads": threads, "tokens": T, "best_s": best,
-                       "fresh_s": statistics.mean(fresh) if fresh else None,
-                       "counts_per_patch_best": counts_best, "counts_per_patch_fresh": counts_fresh}
-                rows.append(row)
-                print(f"[sweep] threads {threads:>2} {variant:<22} T={T:<4} best {best * 1e3:7.2f} ms  fresh "
-                      f"{(row['fresh_s'] or 0) * 1e3:7.2f} ms  iterations/patch {counts_fresh['iterations']:5.1f} "
-                      f"checks {counts_fresh['checks']:4.1f} captures {counts_fresh['graph_captures']:4.1f} "
-                      f"eigh items {counts_fresh['fallback_items']:4.1f}", flush=True)
+        topm._graphs.clear()  # every variant captures its own graphs
+        for T, items in data.items():
+            main_item, fresh_items = items[0], items[1:]
+            topm.SUBSPACE_COUNTS.reset()
+            factorize(variant, main_item["dk"], main_item["dv"])  # warm
+            best = min(once(lambda: factorize(variant, main_item["dk"], main_item["dv"])) for _ in range(a.repeats))
+            counts_best = counts_per(1 + a.repeats)
+            topm.SUBSPACE_COUNTS.reset()
+            fresh, outs = [], []
+            for it in fresh_items:
+                box: list[Any] = []
+                fresh.append(once(lambda it=it: box.append(factorize(variant, it["dk"], it["dv"]))))
+                outs.append((it, box[0]))
+            counts_fresh = counts_per(len(fresh_items))
+            if threads == a.threads[0]:  # accuracy once per variant and length: two Δs (each check is per layer, on the host)
+                outs = [(main_item, factorize(variant, main_item["dk"], main_item["dv"]))] + outs[:1]
+                bad = [f"{set_name} T={T} {'KV'[j]}: {msg}" for it, fac in outs for j, (us, vt) in enumerate(fac)
+                       for msg in it["oracle"][j].failures(us, vt)]
+                failures.setdefault(variant, []).extend(bad)
+            row = {"deltas": set_name, "variant": variant, "threads": threads, "tokens": T, "best_s": best,
+                   "fresh_s": statistics.mean(fresh) if fresh else None,
+                   "counts_per_patch_best": counts_best, "counts_per_patch_fresh": counts_fresh}
+            rows.append(row)
+            print(f"[sweep] {set_name:<14} threads {threads:>2} {variant:<22} T={T:<4} best {best * 1e3:7.2f} ms  fresh "
+                  f"{(row['fresh_s'] or 0) * 1e3:7.2f} ms  iterations/patch {counts_fresh['iterations']:5.1f} "
+                  f"checks {counts_fresh['checks']:4.1f} captures {counts_fresh['graph_captures']:4.1f} "
+                  f"eigh items {counts_fresh['fallback_items']:4.1f}", flush=True)
 
     accurate = [v for v in a.variants if not failures.get(v)]
     first = a.threads[0]
 
-    def mean_fresh(v: str, threads: int) -> float:
+    pick_set = "real-spectra" if "real-spectra" in sets else "random-weights"
+
+    def mean_fresh(v: str, threads: int, set_name: str = pick_set) -> float:
         ts = [r["fresh_s"] if r["fresh_s"] is not None else r["best_s"] for r in rows
-              if r["variant"] == v and r["threads"] == threads]
-        return statistics.mean(ts)
+              if r["variant"] == v and r["threads"] == threads and r["deltas"] == set_name]
+        return statistics.mean(ts) if ts else float("nan")
 
     pick_threads = 2 if 2 in a.threads else first  # calibrate's and the CLI's thread count for this model
     fastest = min((v for v in accurate if v != "eigh"), key=lambda v: mean_fresh(v, pick_threads), default=None)
@@ -260,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         for preset in split_variants:
             topm.CUDA_PRESET = preset  # what form_patch's truncated_svd takes by default (no env set)
             topm._graphs.clear()
-            for T, items in data.items():
+            for T, items in measured.items():
                 chunk = items[0]["chunk"]
                 ctx = FormContext(backend, chunk, [(ante, [])], {})
                 both = ctx_ids + chunk.token_ids.tolist()
@@ -268,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                 parts = {
                     "form_patch_s": lambda: form_patch(backend, chunk, [ante], rank=RANK),
                     "forward_and_delta_s": lambda: exact.target(ctx),
-                    "factorize_s": lambda: factorize(preset, items[0]["dk"], items[0]["dv"]),
+                    # what form_patch's factorize runs: the device's default solver, now this preset
+                    "factorize_s": lambda: [topm.truncated_svd(d, RANK) for d in (items[0]["dk"], items[0]["dv"])],
                     "encode_ctx_plus_chunk_s": lambda: backend.encode(token_ids=both),
                     "encode_ctx_s": lambda: backend.encode(token_ids=ctx_ids),
                 }
@@ -288,28 +365,34 @@ def main(argv: list[str] | None = None) -> int:
                       f"{rec['calibrate_form_overhead_s'] * 1e3:6.1f} ms", flush=True)
     topm.CUDA_PRESET = saved_preset
 
-    # the table
+    # the table: ms a patch (K and V), best on one Δ and mean over fresh ones, per Δ set and length
     print()
-    print(f"{'variant':<24}{'threads':>8}" + "".join(f"{'T=' + str(T) + ' best':>14}{'fresh':>9}" for T in a.lengths)
+    cols = [(d, T) for d in sets for T in sets[d]]
+    print(f"{'variant':<24}{'threads':>8}" + "".join(f"{d[:4] + ' T=' + str(T):>20}" for d, T in cols)
           + f"{'vs current':>12}  factors vs float64 SVD")
+    print(f"{'':<32}" + "".join(f"{'best / fresh ms':>20}" for _ in cols))
     base_v = topm.CUDA_PRESET
     for threads in a.threads:
         base = mean_fresh(base_v, threads) if base_v in a.variants else None
         for v in a.variants:
             cells = ""
-            for T in a.lengths:
-                r = next(r for r in rows if r["variant"] == v and r["threads"] == threads and r["tokens"] == T)
-                cells += f"{r['best_s'] * 1e3:11.2f} ms{(r['fresh_s'] or 0) * 1e3:6.2f} ms"
-            ratio = f"{base / mean_fresh(v, threads):10.2f}x" if base else f"{'':>11}"
+            for d, T in cols:
+                r = next((r for r in rows if r["variant"] == v and r["threads"] == threads and r["tokens"] == T
+                          and r["deltas"] == d), None)
+                cells += f"{'skipped':>20}" if r is None else f"{r['best_s'] * 1e3:12.2f} /{(r['fresh_s'] or 0) * 1e3:6.2f}"
+            ratio = f"{base / mean_fresh(v, threads):11.2f}x" if base else f"{'':>12}"
             verdict = "pass" if not failures.get(v) else f"FAIL ({len(failures[v])}: {failures[v][0]})"
             print(f"{v:<24}{threads:>8}{cells}{ratio}  {verdict}")
-    if fastest:
-        print(f"\nfastest accurate variant at {pick_threads} host threads (mean fresh time over the lengths): {fastest} "
+    print(f"('vs current': the mean fresh time of {base_v} over the lengths of {pick_set} / the variant's, same threads)")
+    if fastest and base_v in a.variants:
+        print(f"\nfastest accurate variant on {pick_set} at {pick_threads} host threads: {fastest} "
               f"({mean_fresh(fastest, pick_threads) * 1e3:.2f} ms a patch vs {mean_fresh(base_v, pick_threads) * 1e3:.2f} ms "
               f"for {base_v}) -> contextdeque/patch/topm.py: CUDA_PRESET = \"{fastest.removesuffix('+kv')}\""
-              + (" (and K, V in one call)" if fastest.endswith("+kv") else "") if base_v in a.variants else "")
-    result = {"environment": env, "rows": rows, "failures": failures, "accurate": accurate,
-              "fastest_accurate": fastest, "picked_at_threads": pick_threads, "forming_split": split,
+              + (" (and K, V in one call)" if fastest.endswith("+kv") else ""))
+    if skipped:
+        print(f"[sweep] past --soft-limit-s: skipped {len(skipped)} runs ({skipped[0]}, ...)")
+    result = {"environment": env, "rows": rows, "failures": failures, "accurate": accurate, "skipped": skipped,
+              "fastest_accurate": fastest, "picked_at_threads": pick_threads, "picked_on": pick_set, "forming_split": split,
               "wall_s": time.perf_counter() - t_start}
     (a.out / "forming_sweep.json").write_text(json.dumps(result, indent=1, default=str))
     print(f"[sweep] wrote {a.out / 'forming_sweep.json'} ({result['wall_s']:.0f} s)")
