@@ -19,8 +19,7 @@ the weights; random weights' flatter spectra make the iteration take more steps 
    iteration's speed depends on the spectrum alone, and random weights' spectra are flatter
    (more steps) than real ones: the default is picked on ``real-spectra``.
 2. Per host thread count (``--threads``; calibrate ran with 2 on the H200's 16 cores) and per
-   variant (``--variants``: preset names, ``eigh`` = cuSOLVER's ``eigh`` for reference, a
-   ``+kv`` suffix = K and V factored in one call of 60 items instead of two of 30): the time of a
+   variant (``--variants``: preset names, ``eigh`` = cuSOLVER's ``eigh`` for reference): the time of a
    patch's factorization (K and V, rank 32) as ``best`` of ``--repeats`` on one Δ after a warm-up
    (what the bench measured) and ``fresh``, the mean over the distinct Δs each factored once
    (what anticipation meets: new Δs, new batch sizes as items converge, so new CUDA graph
@@ -38,7 +37,7 @@ the weights; random weights' flatter spectra make the iteration take more steps 
 
 Prints one table and writes ``forming_sweep.json`` to OUT_DIR. The variant to make CUDA's default
 is the fastest (``fresh``, on ``real-spectra``) whose factors pass on every Δ: the one-line change is
-``CUDA_PRESET = "<name>"`` in contextdeque/patch/topm.py (``+kv``: also one call for K and V).
+``CUDA_PRESET = "<name>"`` in contextdeque/patch/topm.py.
 """
 
 from __future__ import annotations
@@ -89,8 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("out", type=Path, help="where forming_sweep.json goes")
     p.add_argument("--device", default="cuda")
     p.add_argument("--variants", default=None,
-                   help="comma-separated: CUDA_PRESETS names, 'eigh', any with a '+kv' suffix (default: all presets, "
-                        "eigh, and +kv of the current preset)")
+                   help="comma-separated: CUDA_PRESETS names and 'eigh' (default: all of them)")
     p.add_argument("--lengths", default=None, help="chunk lengths (default 128,512: calibrate's)")
     p.add_argument("--threads", default=None, help="host thread counts (default 2,16; CPU 1)")
     p.add_argument("--repeats", type=int, default=None, help="best of (default 5; CPU 2)")
@@ -107,11 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.repeats = a.repeats or (2 if cpu else 5)
     a.distinct = a.distinct if a.distinct is not None else (1 if cpu else 4)
     a.layers = a.layers or (2 if cpu else SMOLLM2_135M_CONFIG["num_hidden_layers"])
-    default = [*topm.CUDA_PRESETS, "eigh", f"{topm.CUDA_PRESET}+kv"]
-    a.variants = [v.strip() for v in a.variants.split(",")] if a.variants else default
+    a.variants = [v.strip() for v in a.variants.split(",")] if a.variants else [*topm.CUDA_PRESETS, "eigh"]
     for v in a.variants:
-        base = v.removesuffix("+kv")
-        if base != "eigh" and base not in topm.CUDA_PRESETS:
+        if v != "eigh" and v not in topm.CUDA_PRESETS:
             p.error(f"unknown variant {v!r}; presets: {', '.join(topm.CUDA_PRESETS)}, eigh")
     return a
 
@@ -130,11 +126,12 @@ def timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
 
 
 def factorize(variant: str, dk: torch.Tensor, dv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One patch's K and V factors by ``variant``: ``[(us, vt) of K, (us, vt) of V]``."""
-    base, one_call = variant.removesuffix("+kv"), variant.endswith("+kv")
-    kw: dict[str, Any] = {"eig": "eigh"} if base == "eigh" else {"eig": "subspace", "subspace": topm.CUDA_PRESETS[base]}
+    """One patch's K and V factors by ``variant`` (a preset, or ``eigh``), as ``PatchKind.factorize``
+    runs them (K and V in one batch where the preset says ``kv_one_call``): ``[(us, vt) of K, of V]``."""
+    settings = topm.CUDA_PRESETS.get(variant)
+    kw: dict[str, Any] = {"eig": "eigh"} if settings is None else {"eig": "subspace", "subspace": settings}
     m = min(RANK, *dk.shape[1:])
-    if one_call and dk.shape == dv.shape:
+    if settings is not None and topm.kv_in_one_call(dk, dv, m, m, settings):
         us, vt = topm.truncated_svd(torch.cat([dk, dv]), m, **kw)
         return [(us[:len(dk)], vt[:len(dk)]), (us[len(dk):], vt[len(dk):])]
     return [topm.truncated_svd(d, m, **kw) for d in (dk, dv)]
@@ -329,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # the forming split: form_patch whole vs its parts vs calibrate's estimate of its forward
     split: list[dict[str, Any]] = []
-    split_variants = [topm.CUDA_PRESET] + ([fastest.removesuffix("+kv")] if fastest and fastest.removesuffix("+kv") != topm.CUDA_PRESET else [])
+    split_variants = [topm.CUDA_PRESET] + ([fastest] if fastest and fastest != topm.CUDA_PRESET else [])
     saved_preset = topm.CUDA_PRESET
     for threads in a.threads:
         torch.set_num_threads(threads)
@@ -344,8 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                 parts = {
                     "form_patch_s": lambda: form_patch(backend, chunk, [ante], rank=RANK),
                     "forward_and_delta_s": lambda: exact.target(ctx),
-                    # what form_patch's factorize runs: the device's default solver, now this preset
-                    "factorize_s": lambda: [topm.truncated_svd(d, RANK) for d in (items[0]["dk"], items[0]["dv"])],
+                    # what form_patch runs: the kind's factorize with the device's default solver, now this preset
+                    "factorize_s": lambda: exact.factorize(ctx, items[0]["dk"], items[0]["dv"], RANK, RANK,
+                                                           exact.layers(ctx)),
                     "encode_ctx_plus_chunk_s": lambda: backend.encode(token_ids=both),
                     "encode_ctx_s": lambda: backend.encode(token_ids=ctx_ids),
                 }
@@ -387,8 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     if fastest and base_v in a.variants:
         print(f"\nfastest accurate variant on {pick_set} at {pick_threads} host threads: {fastest} "
               f"({mean_fresh(fastest, pick_threads) * 1e3:.2f} ms a patch vs {mean_fresh(base_v, pick_threads) * 1e3:.2f} ms "
-              f"for {base_v}) -> contextdeque/patch/topm.py: CUDA_PRESET = \"{fastest.removesuffix('+kv')}\""
-              + (" (and K, V in one call)" if fastest.endswith("+kv") else ""))
+              f"for {base_v}) -> contextdeque/patch/topm.py: CUDA_PRESET = \"{fastest}\"")
     if skipped:
         print(f"[sweep] past --soft-limit-s: skipped {len(skipped)} runs ({skipped[0]}, ...)")
     result = {"environment": env, "rows": rows, "failures": failures, "accurate": accurate, "skipped": skipped,

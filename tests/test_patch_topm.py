@@ -549,7 +549,7 @@ def test_squared_iterations_take_half_the_iterations_and_the_checks_stay_on_g():
     assert_top_factors(outlier, 8, us, vt)
 
 
-@pytest.mark.parametrize("ritz", ["host-pool", "host-serial", "host-1", "numpy"])
+@pytest.mark.parametrize("ritz", ["host-pool", "host-serial", "host-1", "numpy", "numpy-pool"])
 def test_every_host_eigensolver_choice_gives_the_same_eigenpairs(ritz):
     """The Rayleigh–Ritz eigenproblems on the host, by each choice, equal one LAPACK call (to
     rounding), and ``host-1`` gives torch its thread count back."""
@@ -609,3 +609,25 @@ def test_the_solver_counts_what_it_did():
     c = topm.SUBSPACE_COUNTS.as_dict()
     assert c["solves"] == 1 and c["items"] == 6 and c["checks"] >= 2 and c["iterations"] >= topm.FIRST_CHECK
     assert c["graph_captures"] == 0  # the host runs no graphs
+
+
+def test_k_and_v_in_one_call_give_the_two_calls_factors(default_deltas, monkeypatch):
+    """``kv_one_call`` (a CUDA preset's choice, here on the host): form_patch factors K and V in
+    one batch, one call, and the patch is the two calls' (to rounding), the same layers and ranks."""
+    backend, a, b, _, _ = default_deltas
+    calls = []
+    real = patch_base.truncated_svd
+    monkeypatch.setattr(patch_base, "truncated_svd", lambda d, r: calls.append(d.shape[0]) or real(d, r))
+    two = form_patch(backend, b, [a], rank=32)
+    assert calls == [backend.layout.num_layers] * 2
+    calls.clear()
+    host = topm.solver_settings("cpu")
+    monkeypatch.setattr(topm, "solver_settings", lambda device: dataclasses.replace(host, kv_one_call=True))
+    one = form_patch(backend, b, [a], rank=32)
+    assert calls == [2 * backend.layout.num_layers]
+    assert (one.rank_k, one.rank_v, one.layers) == (two.rank_k, two.rank_v, two.layers)
+    for x, y in zip((one.k_u, one.k_w, one.v_u, one.v_w), (two.k_u, two.k_w, two.v_u, two.v_w)):
+        assert x.shape == y.shape and x.is_contiguous()
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-5 * float(y.abs().max()))
+    assert not topm.kv_in_one_call(torch.zeros(2, 5, 4), torch.zeros(2, 5, 3), 2, 2, dataclasses.replace(host, kv_one_call=True))
+    assert not topm.kv_in_one_call(torch.zeros(2, 5, 4), torch.zeros(2, 5, 4), 2, 3, dataclasses.replace(host, kv_one_call=True))

@@ -67,7 +67,7 @@ from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterator, Literal
+from typing import Callable, Iterator, Literal
 
 import torch
 
@@ -99,8 +99,8 @@ SHIFT = 1e-10
 MAX_STEPS = 40
 FIRST_CHECK = 16
 
-Ritz = Literal["host-pool", "host-serial", "host-1", "numpy", "device"]
-RITZ: tuple[str, ...] = ("host-pool", "host-serial", "host-1", "numpy", "device")
+Ritz = Literal["host-pool", "host-serial", "host-1", "numpy", "numpy-pool", "device"]
+RITZ: tuple[str, ...] = ("host-pool", "host-serial", "host-1", "numpy", "numpy-pool", "device")
 Pad = Literal["none", "pow2", "full"]
 PADS: tuple[str, ...] = ("none", "pow2", "full")
 
@@ -116,7 +116,7 @@ class SubspaceSettings:
     thread pool: :data:`HOST_EIG_THREADS`), ``"host-serial"`` (the host, one LAPACK call),
     ``"host-1"`` (the host, one call with torch's threads set to one around it: process-wide,
     so other threads' CPU work runs on one thread meanwhile), ``"numpy"`` (numpy's LAPACK, one
-    call), ``"device"`` (where the Gram is: on CUDA cuSOLVER). A CUDA block of ``k ≤ 32`` runs
+    call), ``"numpy-pool"`` (numpy's LAPACK over the thread pool), ``"device"`` (where the Gram is: on CUDA cuSOLVER). A CUDA block of ``k ≤ 32`` runs
     on the device whatever this says (cuSOLVER's batched Jacobi). ``pad``: the batch the power
     steps run on as items converge: ``"none"`` (only the unfinished items: every new batch size
     is a new CUDA graph capture), ``"pow2"`` (padded to the next power of two with copies of
@@ -127,7 +127,9 @@ class SubspaceSettings:
     whose top ``k`` spectrum is wider does not pass and takes ``eigh``, right but slower; the
     default model's real Δs have ``s_32 / s_1`` of 0.06–0.3). ``max_steps``: the step budget before an item
     falls back to ``eigh`` (on CUDA one ``eigh`` of an ``F × F`` Gram costs several graphed
-    steps). ``first_check`` counts iterations, ``max_steps`` (as the caller's ``max_steps``)
+    steps). ``kv_one_call``: a patch's K and V Δs (same shape and rank) factored in one batch
+    (:func:`factorize_kv`: one set of checks and host round trips instead of two).
+    ``first_check`` counts iterations, ``max_steps`` (as the caller's ``max_steps``)
     steps of ``G``: one iteration of ``G^power`` makes ``power`` of them."""
 
     oversample: int = OVERSAMPLE
@@ -136,6 +138,7 @@ class SubspaceSettings:
     pad: Pad = "none"
     power: int = 1
     max_steps: int = MAX_STEPS
+    kv_one_call: bool = False
 
     def __post_init__(self) -> None:
         if self.oversample < 0 or self.first_check < 1 or self.power not in (1, 2) or self.max_steps < 1:
@@ -157,17 +160,19 @@ CUDA_PRESETS: dict[str, SubspaceSettings] = {
     "ritz-serial": SubspaceSettings(oversample=32, first_check=32, ritz="host-serial"),
     "ritz-1": SubspaceSettings(oversample=32, first_check=32, ritz="host-1"),
     "ritz-numpy": SubspaceSettings(oversample=32, first_check=32, ritz="numpy"),
+    "ritz-numpy-pool": SubspaceSettings(oversample=32, first_check=32, ritz="numpy-pool"),
     "ritz-device": SubspaceSettings(oversample=32, first_check=32, ritz="device"),
     "pow2": SubspaceSettings(oversample=32, first_check=32, pad="pow2"),
     "full": SubspaceSettings(oversample=32, first_check=32, pad="full"),
+    "kv": SubspaceSettings(oversample=32, first_check=32, kv_one_call=True),
     "squared": SubspaceSettings(oversample=32, first_check=16, power=2, max_steps=80),
-    # combinations
-    "squared-pow2-1": SubspaceSettings(oversample=32, first_check=16, ritz="host-1", pad="pow2", power=2, max_steps=80),
-    "squared-pow2-numpy": SubspaceSettings(oversample=32, first_check=16, ritz="numpy", pad="pow2", power=2, max_steps=80),
-    "squared-p16-pow2-1": SubspaceSettings(oversample=16, first_check=24, ritz="host-1", pad="pow2", power=2, max_steps=80),
-    "squared-p16-pow2-numpy": SubspaceSettings(oversample=16, first_check=24, ritz="numpy", pad="pow2", power=2,
-                                               max_steps=80),
-    "squared-pow2-device": SubspaceSettings(oversample=32, first_check=16, ritz="device", pad="pow2", power=2, max_steps=80),
+    # combinations: G², padded batches, the Rayleigh–Ritz eigenproblems on one host thread, over
+    # the pool by numpy, or on the device; p = 16; K and V in one call
+    **{f"squared{p}-pow2-{ritz}{kv}": SubspaceSettings(
+        oversample=16 if p else 32, first_check=24 if p else 16, ritz=ritz, pad="pow2", power=2, max_steps=80,
+        kv_one_call=bool(kv))
+       for p in ("", "-p16") for ritz in ("host-1", "numpy-pool", "device") for kv in ("", "-kv")
+       if not (ritz == "device" and (p or kv))},
 }
 #: CUDA's default preset (one of :data:`CUDA_PRESETS`); ``$CONTEXTDEQUE_TOPM_CUDA`` overrides it
 #: for a process: a preset's name, or a JSON object of :class:`SubspaceSettings` fields over it
@@ -309,6 +314,16 @@ def truncated_svd(
     # summation order (bit-equality) of every product it enters
     return (u.to(torch.float32).contiguous().reshape(*batch, T, m),
             w.to(torch.float32).contiguous().reshape(*batch, m, F))
+
+
+def kv_in_one_call(dk: torch.Tensor, dv: torch.Tensor, rank_k: int, rank_v: int,
+                   subspace: SubspaceSettings | None = None) -> bool:
+    """Whether a patch's K and V Δs (``[L, T, F]`` each) are factored in one batch
+    (``torch.cat([dk, dv])``: one set of checks and host round trips instead of two): where the
+    settings (None: :func:`solver_settings` of Δ's device) say ``kv_one_call`` and the two have
+    the same shape, rank and device."""
+    settings = solver_settings(dk.device) if subspace is None else subspace
+    return settings.kv_one_call and dk.shape == dv.shape and rank_k == rank_v and dk.device == dv.device
 
 
 def gram_serves(n_tokens: int, width: int, rank: int) -> bool:
@@ -550,7 +565,7 @@ def _eigh_small(
     only up to 32), else on ``h``'s device."""
     if eig_device is None and h.is_cuda and h.shape[-1] > 32 and ritz != "device":
         vals, vecs = _host_eigh(h.cpu(), ritz)
-    elif eig_device is None and not h.is_cuda and ritz in ("host-serial", "host-1", "numpy"):
+    elif eig_device is None and not h.is_cuda and ritz != "host-pool" and ritz != "device":
         vals, vecs = _host_eigh(h, ritz)
     else:
         vals, vecs = _eigh(h, eig_device)
@@ -562,11 +577,14 @@ def _host_eigh(a: torch.Tensor, how: str) -> tuple[torch.Tensor, torch.Tensor]:
     ``ritz``: ``"host-pool"``, ``"host-serial"``, ``"host-1"``, ``"numpy"``)."""
     if how == "host-pool":
         return _eigh(a, None)
-    if how == "numpy":
-        import numpy as np  # transformers' dependency; only this choice needs it
+    if how in ("numpy", "numpy-pool"):
+        import numpy as np  # transformers' dependency; only these choices need it
 
-        vals, vecs = np.linalg.eigh(a.numpy())
-        return torch.from_numpy(vals), torch.from_numpy(vecs)
+        def numpy_eigh(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            vals, vecs = np.linalg.eigh(part.numpy())
+            return torch.from_numpy(vals), torch.from_numpy(vecs)
+
+        return numpy_eigh(a) if how == "numpy" else _over_pool(numpy_eigh, a)
     if how == "host-1":
         with _one_torch_thread():
             return torch.linalg.eigh(a)
@@ -607,15 +625,25 @@ def _eigh(a: torch.Tensor, device: "torch.device | str | None") -> tuple[torch.T
     batch is cut into one slice per thread (LAPACK's batched loop is serial; linalg releases the
     GIL)."""
     a = a if device is None else a.to(device)
-    threads = HOST_EIG_THREADS or torch.get_num_threads()
-    if a.is_cuda or threads < 2 or a.shape[0] < 2:
+    if a.is_cuda:
         return torch.linalg.eigh(a)
+    return _over_pool(torch.linalg.eigh, a)
+
+
+def _over_pool(
+    eigh: "Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]", a: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``eigh`` of host ``a [B, n, n]``, the batch cut into one slice per thread of the pool
+    (:data:`HOST_EIG_THREADS`; one slice, no pool, for one thread or one item)."""
+    threads = HOST_EIG_THREADS or torch.get_num_threads()
+    if threads < 2 or a.shape[0] < 2:
+        return eigh(a)
     global _pool
     with _pool_lock:
         if _pool is None or _pool[0] < threads:  # grown when asked for more threads
             _pool = (threads, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cdq-eigh"))
         pool = _pool[1]
-    parts = list(pool.map(torch.linalg.eigh, a.tensor_split(min(threads, a.shape[0]))))
+    parts = list(pool.map(eigh, a.tensor_split(min(threads, a.shape[0]))))
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
