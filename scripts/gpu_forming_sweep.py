@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated: CUDA_PRESETS names and 'eigh' (default: all of them)")
     p.add_argument("--lengths", default=None, help="chunk lengths (default 128,512: calibrate's)")
     p.add_argument("--threads", default=None, help="host thread counts (default 2,16; CPU 1)")
-    p.add_argument("--repeats", type=int, default=None, help="best of (default 5; CPU 2)")
+    p.add_argument("--repeats", type=int, default=None, help="best of (default 5; CPU 1)")
     p.add_argument("--distinct", type=int, default=None, help="fresh Δs per length (default 4; CPU 2)")
     p.add_argument("--layers", type=int, default=None, help="model layers (default 30: SmolLM2's; CPU 2)")
     p.add_argument("--soft-limit-s", type=float, default=170.0,
@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cpu = torch.device(a.device).type == "cpu"
     a.lengths = [int(x) for x in (a.lengths or "128,512").split(",")]
     a.threads = [int(x) for x in (a.threads or ("1" if cpu else "2,16")).split(",")]
-    a.repeats = a.repeats or (2 if cpu else 5)
+    a.repeats = a.repeats or (1 if cpu else 5)
     a.distinct = a.distinct if a.distinct is not None else (1 if cpu else 4)
     a.layers = a.layers or (2 if cpu else SMOLLM2_135M_CONFIG["num_hidden_layers"])
     a.variants = [v.strip() for v in a.variants.split(",")] if a.variants else [*topm.CUDA_PRESETS, "eigh"]
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                    "fresh_s": statistics.mean(fresh) if fresh else None,
                    "counts_per_patch_best": counts_best, "counts_per_patch_fresh": counts_fresh}
             rows.append(row)
-            print(f"[sweep] {set_name:<14} threads {threads:>2} {variant:<22} T={T:<4} best {best * 1e3:7.2f} ms  fresh "
+            print(f"[sweep] {set_name:<14} threads {threads:>2} {variant:<30} T={T:<4} best {best * 1e3:7.2f} ms  fresh "
                   f"{(row['fresh_s'] or 0) * 1e3:7.2f} ms  iterations/patch {counts_fresh['iterations']:5.1f} "
                   f"checks {counts_fresh['checks']:4.1f} captures {counts_fresh['graph_captures']:4.1f} "
                   f"eigh items {counts_fresh['fallback_items']:4.1f}", flush=True)
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                        "calibrate_form_overhead_s": max(0.0, med["form_patch_s"] - max(cond, 0.0)),
                        "form_beyond_its_forward_s": med["form_patch_s"] - med["forward_and_delta_s"]}
                 split.append(rec)
-                print(f"[split] threads {threads:>2} {preset:<20} T={T:<4} form_patch {med['form_patch_s'] * 1e3:6.1f} ms = "
+                print(f"[split] threads {threads:>2} {preset:<30} T={T:<4} form_patch {med['form_patch_s'] * 1e3:6.1f} ms = "
                       f"forward+Δ {med['forward_and_delta_s'] * 1e3:6.1f} + factors {med['factorize_s'] * 1e3:6.1f} "
                       f"(+ {(med['form_patch_s'] - med['forward_and_delta_s'] - med['factorize_s']) * 1e3:5.1f} rest); "
                       f"calibrate's forward estimate {cond * 1e3:6.1f} ms -> its overhead "
@@ -366,9 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     # the table: ms a patch (K and V), best on one Δ and mean over fresh ones, per Δ set and length
     print()
     cols = [(d, T) for d in sets for T in sets[d]]
-    print(f"{'variant':<24}{'threads':>8}" + "".join(f"{d[:4] + ' T=' + str(T):>20}" for d, T in cols)
+    print(f"{'variant':<32}{'threads':>8}" + "".join(f"{d[:4] + ' T=' + str(T):>20}" for d, T in cols)
           + f"{'vs current':>12}  factors vs float64 SVD")
-    print(f"{'':<32}" + "".join(f"{'best / fresh ms':>20}" for _ in cols))
+    print(f"{'':<40}" + "".join(f"{'best / fresh ms':>20}" for _ in cols))
     base_v = topm.CUDA_PRESET
     for threads in a.threads:
         base = mean_fresh(base_v, threads) if base_v in a.variants else None
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells += f"{'skipped':>20}" if r is None else f"{r['best_s'] * 1e3:12.2f} /{(r['fresh_s'] or 0) * 1e3:6.2f}"
             ratio = f"{base / mean_fresh(v, threads):11.2f}x" if base else f"{'':>12}"
             verdict = "pass" if not failures.get(v) else f"FAIL ({len(failures[v])}: {failures[v][0]})"
-            print(f"{v:<24}{threads:>8}{cells}{ratio}  {verdict}")
+            print(f"{v:<32}{threads:>8}{cells}{ratio}  {verdict}")
     print(f"('vs current': the mean fresh time of {base_v} over the lengths of {pick_set} / the variant's, same threads)")
     if fastest and base_v in a.variants:
         print(f"\nfastest accurate variant on {pick_set} at {pick_threads} host threads: {fastest} "
