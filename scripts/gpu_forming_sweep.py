@@ -17,7 +17,10 @@ the weights; random weights' flatter spectra make the iteration take more steps 
    have (per layer, K and V, on real text: scripts/data/smollm2_delta_spectra.safetensors, made
    by ``--save-spectra`` on a machine with the default model) in random directions. The
    iteration's speed depends on the spectrum alone, and random weights' spectra are flatter
-   (more steps) than real ones: the default is picked on ``real-spectra``.
+   (more steps) than real ones: the default is picked on ``real-spectra``. A third group in
+   each set, ``short``: one patch each of 72, 96, 120, 144 and 168 tokens (shorter than
+   ``F = 192``: a ``T × T`` Gram, a new size per length, so a new CUDA graph shape unless the
+   preset pads the tokens).
 2. Per host thread count (``--threads``; calibrate ran with 2 on the H200's 16 cores) and per
    variant (``--variants``: preset names, ``eigh`` = cuSOLVER's ``eigh`` for reference): the time of a
    patch's factorization (K and V, rank 32) as ``best`` of ``--repeats`` on one Δ after a warm-up
@@ -81,6 +84,9 @@ from contextdeque.replay.calibrate import FORM_CONTEXT  # noqa: E402
 RANK = 32
 SPECTRA = ROOT / "scripts" / "data" / "smollm2_delta_spectra.safetensors"
 SPECTRA_OFFSETS = (0, 300, 600, 900, 1200)  # where each patch's antecedent starts in the demo document
+#: the "short" group: one patch per length, each shorter than F = 192 (a T x T Gram: a new size, a
+#: new CUDA graph shape per length unless the tokens are padded)
+SHORT_LENGTHS = (72, 96, 120, 144, 168)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,8 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", default=None, help="host thread counts (default 2,16; CPU 1)")
     p.add_argument("--repeats", type=int, default=None, help="best of (default 5; CPU 1)")
     p.add_argument("--distinct", type=int, default=None, help="fresh Δs per length (default 4; CPU 2)")
-    p.add_argument("--layers", type=int, default=None, help="model layers (default 30: SmolLM2's; CPU 2)")
-    p.add_argument("--soft-limit-s", type=float, default=170.0,
+    p.add_argument("--layers", type=int, default=None, help="model layers (default 30: SmolLM2's; CPU 1)")
+    p.add_argument("--soft-limit-s", type=float, default=150.0,
                    help="past this many seconds the thread counts after the first are skipped (the device run has 4 minutes)")
     p.add_argument("--save-spectra", action="store_true",
                    help=f"instead: measure the default model's Δ spectra on the CPU into {SPECTRA.relative_to(ROOT)}")
@@ -104,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.threads = [int(x) for x in (a.threads or ("1" if cpu else "2,16")).split(",")]
     a.repeats = a.repeats or (1 if cpu else 5)
     a.distinct = a.distinct if a.distinct is not None else (1 if cpu else 4)
-    a.layers = a.layers or (2 if cpu else SMOLLM2_135M_CONFIG["num_hidden_layers"])
+    a.layers = a.layers or (1 if cpu else SMOLLM2_135M_CONFIG["num_hidden_layers"])
     a.variants = [v.strip() for v in a.variants.split(",")] if a.variants else [*topm.CUDA_PRESETS, "eigh"]
     for v in a.variants:
         if v != "eigh" and v not in topm.CUDA_PRESETS:
@@ -148,8 +154,7 @@ class Oracle:
     this one's answer, so the checks and tolerance are the test's own)."""
 
     def __init__(self, delta: torch.Tensor) -> None:
-        kw = {"driver": "gesvd"} if delta.is_cuda else {}
-        _, s, vh = torch.linalg.svd(delta.to(torch.float64), full_matrices=False, **kw)
+        _, s, vh = torch.linalg.svd(delta.to(torch.float64), full_matrices=False)
         self.delta, self.s, self.vh = delta.cpu(), s.cpu(), vh.cpu()
 
     def failures(self, us: torch.Tensor, vt: torch.Tensor) -> list[str]:
@@ -191,6 +196,11 @@ def save_spectra(lengths: list[int]) -> None:
             ks.append(torch.linalg.svdvals(dk.double()))
             vs.append(torch.linalg.svdvals(dv.double()))
         out[f"k_{T}"], out[f"v_{T}"] = torch.stack(ks).half(), torch.stack(vs).half()
+    for start, T in zip(SPECTRA_OFFSETS, SHORT_LENGTHS):
+        ante = backend.encode(token_ids=ids[start:start + FORM_CONTEXT])
+        chunk = backend.encode(token_ids=ids[start + FORM_CONTEXT:start + FORM_CONTEXT + T])
+        dk, dv = exact.target(FormContext(backend, chunk, [(ante, [])], {}))
+        out[f"k_{T}"], out[f"v_{T}"] = (torch.linalg.svdvals(d.double())[None].half() for d in (dk, dv))
     SPECTRA.parent.mkdir(parents=True, exist_ok=True)
     tmp = SPECTRA.with_suffix(".tmp")
     save_file(out, str(tmp), metadata={"model": str(getattr(backend, "name", "")), "offsets": str(SPECTRA_OFFSETS),
@@ -199,24 +209,53 @@ def save_spectra(lengths: list[int]) -> None:
     print(f"wrote {SPECTRA} ({', '.join(f'{k} {tuple(v.shape)}' for k, v in out.items())})")
 
 
-def real_spectra_deltas(lengths: list[int], count: int, layers: int, device: torch.device) -> dict[int, list[dict[str, Any]]]:
-    """``count`` patches' K and V Δs per length with the real default model's spectra (its first
-    ``layers`` layers) in seeded random directions (tests/test_patch_topm.py's ``spectrum_delta``)."""
+def groups_of(lengths: list[int], count: int) -> dict[str, list[int]]:
+    """The Δ groups timed: ``count`` patches of each length (the first timed best of, the others
+    fresh), and ``short``: one patch of each of :data:`SHORT_LENGTHS`."""
+    return {**{str(T): [T] * count for T in lengths}, "short": list(SHORT_LENGTHS)}
+
+
+def real_spectra_deltas(groups: dict[str, list[int]], layers: int, device: torch.device) -> dict[str, list[dict[str, Any]]]:
+    """The groups' K and V Δs with the real default model's spectra (its first ``layers``
+    layers), in seeded random directions (tests/test_patch_topm.py's ``spectrum_delta``)."""
     from safetensors.torch import load_file
 
     from test_patch_topm import spectrum_delta
 
     spectra = load_file(str(SPECTRA))
-    out: dict[int, list[dict[str, Any]]] = {}
-    for T in lengths:
-        if f"k_{T}" not in spectra:
-            continue
-        out[T] = []
-        for i in range(min(count, spectra[f"k_{T}"].shape[0])):
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name, lengths in groups.items():
+        seen: dict[int, int] = {}
+        for T in lengths:
+            i = seen[T] = seen.get(T, -1) + 1
+            if f"k_{T}" not in spectra or i >= spectra[f"k_{T}"].shape[0]:
+                continue
             pair = [torch.stack([spectrum_delta(T, 192, s.double(), seed=1000 * i + 2 * l + j)
                                  for l, s in enumerate(spectra[f"{kv}_{T}"][i, :layers])]).to(device)
                     for j, kv in enumerate("kv")]
-            out[T].append({"dk": pair[0], "dv": pair[1]})
+            out.setdefault(name, []).append({"tokens": T, "dk": pair[0], "dv": pair[1]})
+    return out
+
+
+def micro(dev: torch.device, once: Callable[[Callable[[], Any]], float], repeats: int) -> dict[str, float]:
+    """The parts a check and an iteration cost, in seconds (best of ``repeats``): one power-step
+    iteration (graphed on CUDA) at a patch's batch sizes and block widths, the capture of a new
+    graph shape, and a check's ``[b, k, k]`` eigenproblems by each place they may run."""
+    out: dict[str, float] = {}
+    g = torch.Generator().manual_seed(1)
+    for b, k in ((32, 64), (64, 64), (32, 48), (64, 48)):
+        a = torch.randn(b, 256, 192, generator=g, dtype=torch.float64).to(dev)
+        gram = a.mT @ a
+        gram = gram / gram.diagonal(dim1=-2, dim2=-1).amax(-1)[:, None, None]
+        x = topm._start_block(192, k, dev).expand(b, 192, k)
+        topm._graphs.clear()
+        out[f"first_call_with_capture_b{b}_k{k}_s"] = once(lambda: topm._power_steps(gram, x, 1))
+        out[f"iteration_b{b}_k{k}_s"] = min(once(lambda: topm._power_steps(gram, x, 10)) for _ in range(repeats)) / 10
+        h = (x.mT @ gram @ x).contiguous()
+        for how in ("host-pool", "host-serial", "host-1", "numpy", "numpy-pool"):
+            out[f"ritz_{how}_b{b}_k{k}_s"] = min(once(lambda: topm._host_eigh(h.cpu(), how)) for _ in range(repeats))
+        out[f"ritz_device_b{b}_k{k}_s"] = min(once(lambda: torch.linalg.eigh(h)) for _ in range(repeats))
+    topm._graphs.clear()
     return out
 
 
@@ -252,16 +291,16 @@ def main(argv: list[str] | None = None) -> int:
     ctx_ids = ids(FORM_CONTEXT)
     ante = backend.encode(token_ids=ctx_ids)
     exact = PATCH_KINDS["exact"]()
-    measured: dict[int, list[dict[str, Any]]] = {}
-    for T in a.lengths:
-        measured[T] = []
-        for _ in range(1 + a.distinct):
+    groups = groups_of(a.lengths, 1 + a.distinct)
+    measured: dict[str, list[dict[str, Any]]] = {}
+    for name, lengths in groups.items():
+        for T in lengths:
             chunk = backend.encode(token_ids=ids(T))
             dk, dv = exact.target(FormContext(backend, chunk, [(ante, [])], {}))
-            measured[T].append({"chunk": chunk, "dk": dk, "dv": dv})
+            measured.setdefault(name, []).append({"tokens": T, "chunk": chunk, "dk": dk, "dv": dv})
     sets = {"random-weights": measured}
     if SPECTRA.exists():
-        sets["real-spectra"] = real_spectra_deltas(a.lengths, 1 + a.distinct, a.layers, dev)
+        sets["real-spectra"] = real_spectra_deltas(groups, a.layers, dev)
     else:
         print(f"[sweep] {SPECTRA} missing: the random-weights Δs only", flush=True)
     t_svd = {}
@@ -275,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
           f"patch's K and V on the {'device' if cuda else 'host'}: "
           + ", ".join(f"{T}: {s * 1e3:.0f} ms" for T, s in t_svd.items()) + ")", flush=True)
 
+    torch.set_num_threads(a.threads[0])
+    parts = micro(dev, once, a.repeats)
+    print("[micro] " + ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.2f} ms" for k, v in parts.items()), flush=True)
     rows: list[dict[str, Any]] = []
     failures: dict[str, list[str]] = {}
     skipped: list[str] = []
@@ -299,14 +341,14 @@ def main(argv: list[str] | None = None) -> int:
             counts_fresh = counts_per(len(fresh_items))
             if threads == a.threads[0]:  # accuracy once per variant and length: two Δs (each check is per layer, on the host)
                 outs = [(main_item, factorize(variant, main_item["dk"], main_item["dv"]))] + outs[:1]
-                bad = [f"{set_name} T={T} {'KV'[j]}: {msg}" for it, fac in outs for j, (us, vt) in enumerate(fac)
+                bad = [f"{set_name} T={it['tokens']} {'KV'[j]}: {msg}" for it, fac in outs for j, (us, vt) in enumerate(fac)
                        for msg in it["oracle"][j].failures(us, vt)]
                 failures.setdefault(variant, []).extend(bad)
-            row = {"deltas": set_name, "variant": variant, "threads": threads, "tokens": T, "best_s": best,
+            row = {"deltas": set_name, "variant": variant, "threads": threads, "group": T, "best_s": best,
                    "fresh_s": statistics.mean(fresh) if fresh else None,
                    "counts_per_patch_best": counts_best, "counts_per_patch_fresh": counts_fresh}
             rows.append(row)
-            print(f"[sweep] {set_name:<14} threads {threads:>2} {variant:<30} T={T:<4} best {best * 1e3:7.2f} ms  fresh "
+            print(f"[sweep] {set_name:<14} threads {threads:>2} {variant:<30} {T:<5} best {best * 1e3:7.2f} ms  fresh "
                   f"{(row['fresh_s'] or 0) * 1e3:7.2f} ms  iterations/patch {counts_fresh['iterations']:5.1f} "
                   f"checks {counts_fresh['checks']:4.1f} captures {counts_fresh['graph_captures']:4.1f} "
                   f"eigh items {counts_fresh['fallback_items']:4.1f}", flush=True)
@@ -333,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         for preset in split_variants:
             topm.CUDA_PRESET = preset  # what form_patch's truncated_svd takes by default (no env set)
             topm._graphs.clear()
-            for T, items in measured.items():
+            for T, items in ((k, v) for k, v in measured.items() if k.isdigit()):
                 chunk = items[0]["chunk"]
                 ctx = FormContext(backend, chunk, [(ante, [])], {})
                 both = ctx_ids + chunk.token_ids.tolist()
@@ -350,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                 times = {k: [once(f) for _ in range(a.repeats)] for k, f in parts.items()}
                 med = {k: statistics.median(v) for k, v in times.items()}
                 cond = med["encode_ctx_plus_chunk_s"] - med["encode_ctx_s"]
-                rec = {"preset": preset, "threads": threads, "tokens": T,
+                rec = {"preset": preset, "threads": threads, "tokens": int(T),
                        **{k: {"median": med[k], "best": min(v)} for k, v in times.items()},
                        "calibrate_conditioned_forward_s": cond,
                        "calibrate_form_overhead_s": max(0.0, med["form_patch_s"] - max(cond, 0.0)),
@@ -366,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     # the table: ms a patch (K and V), best on one Δ and mean over fresh ones, per Δ set and length
     print()
     cols = [(d, T) for d in sets for T in sets[d]]
-    print(f"{'variant':<32}{'threads':>8}" + "".join(f"{d[:4] + ' T=' + str(T):>20}" for d, T in cols)
+    print(f"{'variant':<32}{'threads':>8}" + "".join(f"{d[:4] + ' ' + ('T=' if T.isdigit() else '') + T:>20}" for d, T in cols)
           + f"{'vs current':>12}  factors vs float64 SVD")
     print(f"{'':<40}" + "".join(f"{'best / fresh ms':>20}" for _ in cols))
     base_v = topm.CUDA_PRESET
@@ -375,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         for v in a.variants:
             cells = ""
             for d, T in cols:
-                r = next((r for r in rows if r["variant"] == v and r["threads"] == threads and r["tokens"] == T
+                r = next((r for r in rows if r["variant"] == v and r["threads"] == threads and r["group"] == T
                           and r["deltas"] == d), None)
                 cells += f"{'skipped':>20}" if r is None else f"{r['best_s'] * 1e3:12.2f} /{(r['fresh_s'] or 0) * 1e3:6.2f}"
             ratio = f"{base / mean_fresh(v, threads):11.2f}x" if base else f"{'':>12}"
@@ -388,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
               f"for {base_v}) -> contextdeque/patch/topm.py: CUDA_PRESET = \"{fastest}\"")
     if skipped:
         print(f"[sweep] past --soft-limit-s: skipped {len(skipped)} runs ({skipped[0]}, ...)")
-    result = {"environment": env, "rows": rows, "failures": failures, "accurate": accurate, "skipped": skipped,
+    result = {"environment": env, "micro": parts, "rows": rows, "failures": failures, "accurate": accurate, "skipped": skipped,
               "fastest_accurate": fastest, "picked_at_threads": pick_threads, "picked_on": pick_set, "forming_split": split,
               "wall_s": time.perf_counter() - t_start}
     (a.out / "forming_sweep.json").write_text(json.dumps(result, indent=1, default=str))

@@ -377,7 +377,7 @@ def test_cuda_subspace_solver_converges_on_the_device():
 
 #: topm's CUDA_PRESETS, spelled out: a preset added without a device run shows here as missing
 CUDA_PRESET_NAMES = ["graphed", "p16", "budget80", "ritz-serial", "ritz-1", "ritz-numpy", "ritz-numpy-pool", "ritz-device",
-                     "pow2", "full", "kv", "squared", "squared-pow2-host-1", "squared-pow2-host-1-kv",
+                     "pow2", "full", "kv", "pad-tokens", "squared", "squared-pow2-host-1", "squared-pow2-host-1-kv",
                      "squared-pow2-numpy-pool", "squared-pow2-numpy-pool-kv", "squared-pow2-device",
                      "squared-p16-pow2-host-1", "squared-p16-pow2-host-1-kv", "squared-p16-pow2-numpy-pool",
                      "squared-p16-pow2-numpy-pool-kv"]

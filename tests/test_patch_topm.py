@@ -631,3 +631,25 @@ def test_k_and_v_in_one_call_give_the_two_calls_factors(default_deltas, monkeypa
         torch.testing.assert_close(x, y, rtol=0, atol=1e-5 * float(y.abs().max()))
     assert not topm.kv_in_one_call(torch.zeros(2, 5, 4), torch.zeros(2, 5, 3), 2, 2, dataclasses.replace(host, kv_one_call=True))
     assert not topm.kv_in_one_call(torch.zeros(2, 5, 4), torch.zeros(2, 5, 4), 2, 3, dataclasses.replace(host, kv_one_call=True))
+
+
+def test_short_chunks_pad_their_gram_to_a_few_sizes(monkeypatch):
+    """``pad_tokens``: a chunk shorter than F solves a Gram padded with zero tokens to 64, 128, ...
+    (at most F), whatever its length, and its factors are still the SVD's (also where Δ has fewer
+    directions than the rank: the directions reaching into the padding have eigenvalue 0)."""
+    assert [topm._token_bucket(t, 192) for t in (1, 40, 64, 65, 100, 128, 129, 191)] == [64, 64, 64, 128, 128, 128, 192, 192]
+    assert topm._token_bucket(40, 48) == 48
+    sizes = []
+    real = topm.top_eigenvectors
+    monkeypatch.setattr(topm, "top_eigenvectors", lambda g, *a, **k: sizes.append(g.shape[-1]) or real(g, *a, **k))
+    settings = topm.SubspaceSettings(pad_tokens=True)
+    g = torch.Generator().manual_seed(7)
+    for T, rank, delta in [(40, 8, torch.randn(40, 96, generator=g)), (40, 8, CASES["short, rank 5"]),
+                           (70, 16, torch.randn(70, 192, generator=g)), (50, 4, spectrum_delta(50, 192, torch.ones(3, dtype=torch.float64)))]:
+        sizes.clear()
+        us, vt = truncated_svd(delta, rank, eig="subspace", subspace=settings)
+        assert sizes == [topm._token_bucket(T, delta.shape[1])]
+        assert_top_factors(delta, rank, us, vt)
+    sizes.clear()
+    truncated_svd(CASES["short (T < F)"], 8, eig="eigh", subspace=settings)  # eigh: as it was
+    assert sizes == [40]

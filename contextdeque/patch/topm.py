@@ -128,7 +128,10 @@ class SubspaceSettings:
     default model's real Δs have ``s_32 / s_1`` of 0.06–0.3). ``max_steps``: the step budget before an item
     falls back to ``eigh`` (on CUDA one ``eigh`` of an ``F × F`` Gram costs several graphed
     steps). ``kv_one_call``: a patch's K and V Δs (same shape and rank) factored in one batch
-    (:func:`factorize_kv`: one set of checks and host round trips instead of two).
+    (PatchKind.factorize, :func:`kv_in_one_call`: one set of checks and host round trips instead
+    of two). ``pad_tokens``: a chunk shorter than ``F`` (its ``T × T`` Gram) padded with zero
+    tokens to 64, 128, ... (at most ``F``): a few Gram sizes instead of one per chunk length,
+    each a CUDA graph shape.
     ``first_check`` counts iterations, ``max_steps`` (as the caller's ``max_steps``)
     steps of ``G``: one iteration of ``G^power`` makes ``power`` of them."""
 
@@ -139,6 +142,7 @@ class SubspaceSettings:
     power: int = 1
     max_steps: int = MAX_STEPS
     kv_one_call: bool = False
+    pad_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.oversample < 0 or self.first_check < 1 or self.power not in (1, 2) or self.max_steps < 1:
@@ -165,12 +169,13 @@ CUDA_PRESETS: dict[str, SubspaceSettings] = {
     "pow2": SubspaceSettings(oversample=32, first_check=32, pad="pow2"),
     "full": SubspaceSettings(oversample=32, first_check=32, pad="full"),
     "kv": SubspaceSettings(oversample=32, first_check=32, kv_one_call=True),
+    "pad-tokens": SubspaceSettings(oversample=32, first_check=32, pad="pow2", pad_tokens=True),
     "squared": SubspaceSettings(oversample=32, first_check=16, power=2, max_steps=80),
-    # combinations: G², padded batches, the Rayleigh–Ritz eigenproblems on one host thread, over
-    # the pool by numpy, or on the device; p = 16; K and V in one call
+    # combinations: G², padded batches and token counts, the Rayleigh–Ritz eigenproblems on one
+    # host thread, over the pool by numpy, or on the device; p = 16; K and V in one call
     **{f"squared{p}-pow2-{ritz}{kv}": SubspaceSettings(
         oversample=16 if p else 32, first_check=24 if p else 16, ritz=ritz, pad="pow2", power=2, max_steps=80,
-        kv_one_call=bool(kv))
+        kv_one_call=bool(kv), pad_tokens=True)
        for p in ("", "-p16") for ritz in ("host-1", "numpy-pool", "device") for kv in ("", "-kv")
        if not (ritz == "device" and (p or kv))},
 }
@@ -277,6 +282,10 @@ def truncated_svd(
         eig = DEFAULT_EIG.get(delta.device.type, "eigh")  # type: ignore[assignment]
     *batch, T, F = delta.shape
     m = min(int(rank), T, F)
+    # a chunk shorter than F: its T x T Gram padded with zero tokens to a few sizes (each Gram size
+    # is a new CUDA graph shape; the top eigenvectors of the padded Gram are the Gram's, padded)
+    settings = solver_settings(delta.device) if subspace is None else subspace
+    n_gram = _token_bucket(T, F) if T < F and eig == "subspace" and settings.pad_tokens else min(T, F)
     if m == 0 or delta.numel() == 0:
         return delta.new_zeros(*batch, T, m, dtype=torch.float32), delta.new_zeros(*batch, m, F, dtype=torch.float32)
     flat = delta.reshape(-1, T, F)
@@ -288,10 +297,12 @@ def truncated_svd(
 
     def solve_pending() -> None:
         # several groups' eigenproblems in one batch: one solve, one set of host syncs
-        tops = top_eigenvectors(torch.cat(list(grams.values())), m, eig, eig_device, subspace)
+        tops = top_eigenvectors(torch.cat(list(grams.values())), m, eig, eig_device, settings)
         for start, top in zip(grams, tops.split([len(g) for g in grams.values()])):
             checkpoint()
-            factors[start] = _from_top_eigenvectors(flat[start:start + group].to(torch.float64), top)
+            # (padded tokens: their rows dropped; a direction reaching into them has eigenvalue 0,
+            # so its row of U_mᵀ Δ is zero and the small SVD below still gives orthonormal V_mᵀ)
+            factors[start] = _from_top_eigenvectors(flat[start:start + group].to(torch.float64), top[:, :T])
         grams.clear()
 
     for start in starts:
@@ -302,6 +313,8 @@ def truncated_svd(
             factors[start] = _exact(x, m)
             continue
         gram = x.mT @ x if T >= F else x @ x.mT
+        if n_gram > gram.shape[-1]:
+            gram = torch.nn.functional.pad(gram, (0, n_gram - T, 0, n_gram - T))
         if grams and sum(g.numel() for g in grams.values()) * 8 + gram.numel() * 8 > GROUP_BYTES:
             solve_pending()
         grams[start] = gram
@@ -324,6 +337,12 @@ def kv_in_one_call(dk: torch.Tensor, dv: torch.Tensor, rank_k: int, rank_v: int,
     the same shape, rank and device."""
     settings = solver_settings(dk.device) if subspace is None else subspace
     return settings.kv_one_call and dk.shape == dv.shape and rank_k == rank_v and dk.device == dv.device
+
+
+def _token_bucket(n_tokens: int, width: int) -> int:
+    """The size a ``[n_tokens, n_tokens]`` Gram is padded to (``n_tokens < width``): the next
+    power of two, at least 64, at most ``width``."""
+    return min(width, max(64, 1 << (n_tokens - 1).bit_length()))
 
 
 def gram_serves(n_tokens: int, width: int, rank: int) -> bool:
