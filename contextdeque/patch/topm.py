@@ -92,7 +92,7 @@ DEFAULT_EIG: dict[str, str] = {"cpu": "eigh", "cuda": "subspace"}
 #: the steps before the first Rayleigh–Ritz check. The tolerance, measured against the oracle of
 #: tests/test_patch_topm.py (p = 16): 1e-4 fails it on the default model's Δs, 1e-5 passes; 1e-8 leaves
 #: margin (a rank-32 patched window's KL then matches the SVD's within 1e-7). These are the host's
-#: settings; CUDA's are :data:`CUDA_SUBSPACE`'s preset.
+#: settings; CUDA's are :data:`CUDA_PRESET`'s.
 OVERSAMPLE = 32
 RESIDUAL_TOL = 1e-8
 SHIFT = 1e-10
@@ -111,29 +111,29 @@ class SubspaceSettings:
     test's tolerance; they differ in time, per device).
 
     ``oversample``: ``p``, extra columns beyond ``m``. ``first_check``: iterations before the
-    first Rayleigh–Ritz check. ``ritz``: where a check's ``[b, k, k]`` eigenproblems run when
-    the caller does not say (``eig_device``): ``"host-pool"`` (the host, the batch cut over a
-    thread pool: :data:`HOST_EIG_THREADS`), ``"host-serial"`` (the host, one LAPACK call),
-    ``"host-1"`` (the host, one call with torch's threads set to one around it: process-wide,
-    so other threads' CPU work runs on one thread meanwhile), ``"numpy"`` (numpy's LAPACK, one
-    call), ``"numpy-pool"`` (numpy's LAPACK over the thread pool), ``"device"`` (where the Gram is: on CUDA cuSOLVER). A CUDA block of ``k ≤ 32`` runs
-    on the device whatever this says (cuSOLVER's batched Jacobi). ``pad``: the batch the power
-    steps run on as items converge: ``"none"`` (only the unfinished items: every new batch size
-    is a new CUDA graph capture), ``"pow2"`` (padded to the next power of two with copies of
-    unfinished items), ``"full"`` (the first batch's size throughout). ``power``: each
-    iteration multiplies by ``G^power`` (``2``: one iteration does two steps' work for one
-    step's kernels; the checks stay on ``G``, so the answers are ``G``'s; ``G²`` resolves
-    directions down to ``s_i ≈ 1e-5 s_1`` (``λ²`` against rounding and the shift ``δ``): an item
-    whose top ``k`` spectrum is wider does not pass and takes ``eigh``, right but slower; the
-    default model's real Δs have ``s_32 / s_1`` of 0.06–0.3). ``max_steps``: the step budget before an item
+    first Rayleigh–Ritz check. ``ritz``: where a check's ``[b, k, k]`` eigenproblems run when the
+    caller does not say (``eig_device``): ``"host-pool"`` (the host, the batch cut over a thread
+    pool: :data:`HOST_EIG_THREADS`), ``"host-serial"`` (the host, one LAPACK call), ``"host-1"``
+    (the host, one call with torch's threads set to one around it: process-wide, so other
+    threads' CPU work runs on one thread meanwhile), ``"numpy"`` (numpy's LAPACK, one call),
+    ``"numpy-pool"`` (numpy's LAPACK over the thread pool), ``"device"`` (where the Gram is: on
+    CUDA cuSOLVER, one matrix at a time above 32); a CUDA block of ``k ≤ 32`` runs on the device
+    whatever this says (cuSOLVER's batched Jacobi). ``pad``: the batch the power steps run on as
+    items converge: ``"none"`` (only the unfinished items: every new batch size is a new CUDA
+    graph capture), ``"pow2"`` (padded to the next power of two with copies of unfinished
+    items), ``"full"`` (the first batch's size throughout). ``power``: each iteration multiplies
+    by ``G^power`` (``2``: one iteration does two steps' work for one step's kernels; the checks
+    stay on ``G``, so the answers are ``G``'s. ``G²`` resolves directions down to
+    ``s_i ≈ 1e-5 s_1`` (``λ²`` against rounding and the shift ``δ``): an item whose top ``k``
+    spectrum is wider does not pass and takes ``eigh``, right but slower; the default model's
+    real Δs have ``s_32 / s_1`` of 0.06–0.3). ``max_steps``: the step budget before an item
     falls back to ``eigh`` (on CUDA one ``eigh`` of an ``F × F`` Gram costs several graphed
     steps). ``kv_one_call``: a patch's K and V Δs (same shape and rank) factored in one batch
-    (PatchKind.factorize, :func:`kv_in_one_call`: one set of checks and host round trips instead
-    of two). ``pad_tokens``: a chunk shorter than ``F`` (its ``T × T`` Gram) padded with zero
-    tokens to 64, 128, ... (at most ``F``): a few Gram sizes instead of one per chunk length,
-    each a CUDA graph shape.
-    ``first_check`` counts iterations, ``max_steps`` (as the caller's ``max_steps``)
-    steps of ``G``: one iteration of ``G^power`` makes ``power`` of them."""
+    (``PatchKind.factorize`` asks :func:`kv_in_one_call`): one set of checks and host round
+    trips instead of two. ``pad_tokens``: a chunk shorter than ``F`` (its ``T × T`` Gram) padded
+    with zero tokens to 64, 128, ... (at most ``F``): a few Gram sizes, each a CUDA graph shape,
+    instead of one per chunk length. ``first_check`` counts iterations, ``max_steps`` (as the
+    caller's ``max_steps``) steps of ``G``: one iteration of ``G^power`` makes ``power`` of them."""
 
     oversample: int = OVERSAMPLE
     first_check: int = FIRST_CHECK
@@ -191,7 +191,8 @@ class SubspaceCounts(Tally):
     resets it with ``SUBSPACE_COUNTS.reset()``): ``solves`` (batches it was called on),
     ``items`` (eigenproblems in them), ``iterations`` (power-step iterations, each on the whole
     padded batch), ``checks`` (Rayleigh–Ritz checks), ``fallback_items`` (items left to
-    ``eigh``: not converged; an all-zero Gram takes eigh's answer without it), ``graph_captures`` (CUDA graphs captured)."""
+    ``eigh``: not converged; an all-zero Gram takes eigh's answer without it),
+    ``graph_captures`` (CUDA graphs captured)."""
 
     solves: int = adds()
     items: int = adds()
