@@ -102,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="model layers (default 30: SmolLM2's; CPU 1)")
     p.add_argument("--soft-limit-s", type=float, default=150.0,
                    help="past this many seconds the thread counts after the first are skipped (the device run has 4 minutes)")
+    p.add_argument("--hard-limit-s", type=float, default=200.0,
+                   help="past this many seconds no further variant is timed and the forming split is skipped")
     p.add_argument("--save-spectra", action="store_true",
                    help=f"instead: measure the default model's Δ spectra on the CPU into {SPECTRA.relative_to(ROOT)}")
     a = p.parse_args(argv)
@@ -111,7 +113,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.repeats = a.repeats or (1 if cpu else 5)
     a.distinct = a.distinct if a.distinct is not None else (1 if cpu else 4)
     a.layers = a.layers or (1 if cpu else SMOLLM2_135M_CONFIG["num_hidden_layers"])
-    a.variants = [v.strip() for v in a.variants.split(",")] if a.variants else [*topm.CUDA_PRESETS, "eigh"]
+    # the current preset, then the combinations (the likely picks), then one factor at a time: a
+    # run cut by the time limits loses the diagnostic tail
+    combos = [v for v in topm.CUDA_PRESETS if v.startswith("squared-")]
+    default = [topm.CUDA_PRESET, *combos, *(v for v in topm.CUDA_PRESETS if v not in combos and v != topm.CUDA_PRESET), "eigh"]
+    a.variants = [v.strip() for v in a.variants.split(",")] if a.variants else default
     for v in a.variants:
         if v != "eigh" and v not in topm.CUDA_PRESETS:
             p.error(f"unknown variant {v!r}; presets: {', '.join(topm.CUDA_PRESETS)}, eigh")
@@ -299,8 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             dk, dv = exact.target(FormContext(backend, chunk, [(ante, [])], {}))
             measured.setdefault(name, []).append({"tokens": T, "chunk": chunk, "dk": dk, "dv": dv})
     sets = {"random-weights": measured}
-    if SPECTRA.exists():
-        sets["real-spectra"] = real_spectra_deltas(groups, a.layers, dev)
+    if SPECTRA.exists():  # first: the default is picked on it
+        sets = {"real-spectra": real_spectra_deltas(groups, a.layers, dev), **sets}
     else:
         print(f"[sweep] {SPECTRA} missing: the random-weights Δs only", flush=True)
     t_svd = {}
@@ -321,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     failures: dict[str, list[str]] = {}
     skipped: list[str] = []
     for threads, (set_name, data), variant in ((t, d, v) for t in a.threads for d in sets.items() for v in a.variants):
-        if threads != a.threads[0] and time.perf_counter() - t_start > a.soft_limit_s:
+        elapsed = time.perf_counter() - t_start
+        if (threads != a.threads[0] and elapsed > a.soft_limit_s) or elapsed > a.hard_limit_s:
             skipped.append(f"{set_name} {variant} at {threads} threads")
             continue
         torch.set_num_threads(threads)
@@ -353,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"checks {counts_fresh['checks']:4.1f} captures {counts_fresh['graph_captures']:4.1f} "
                   f"eigh items {counts_fresh['fallback_items']:4.1f}", flush=True)
 
-    accurate = [v for v in a.variants if not failures.get(v)]
+    ran = {r["variant"] for r in rows if r["threads"] == a.threads[0]}
+    accurate = [v for v in a.variants if v in ran and not failures.get(v)]
     first = a.threads[0]
 
     pick_set = "real-spectra" if "real-spectra" in sets else "random-weights"
@@ -370,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     split: list[dict[str, Any]] = []
     split_variants = [topm.CUDA_PRESET] + ([fastest] if fastest and fastest != topm.CUDA_PRESET else [])
     saved_preset = topm.CUDA_PRESET
-    for threads in a.threads:
+    for threads in a.threads if time.perf_counter() - t_start < a.hard_limit_s else []:
         torch.set_num_threads(threads)
         for preset in split_variants:
             topm.CUDA_PRESET = preset  # what form_patch's truncated_svd takes by default (no env set)
@@ -420,8 +428,10 @@ def main(argv: list[str] | None = None) -> int:
                 r = next((r for r in rows if r["variant"] == v and r["threads"] == threads and r["group"] == T
                           and r["deltas"] == d), None)
                 cells += f"{'skipped':>20}" if r is None else f"{r['best_s'] * 1e3:12.2f} /{(r['fresh_s'] or 0) * 1e3:6.2f}"
-            ratio = f"{base / mean_fresh(v, threads):11.2f}x" if base else f"{'':>12}"
-            verdict = "pass" if not failures.get(v) else f"FAIL ({len(failures[v])}: {failures[v][0]})"
+            mine = mean_fresh(v, threads)
+            ratio = f"{base / mine:11.2f}x" if base and mine == mine else f"{'':>12}"
+            verdict = ("not run" if v not in ran else "pass" if not failures.get(v)
+                       else f"FAIL ({len(failures[v])}: {failures[v][0]})")
             print(f"{v:<32}{threads:>8}{cells}{ratio}  {verdict}")
     print(f"('vs current': the mean fresh time of {base_v} over the lengths of {pick_set} / the variant's, same threads)")
     if fastest and base_v in a.variants:
@@ -429,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({mean_fresh(fastest, pick_threads) * 1e3:.2f} ms a patch vs {mean_fresh(base_v, pick_threads) * 1e3:.2f} ms "
               f"for {base_v}) -> contextdeque/patch/topm.py: CUDA_PRESET = \"{fastest}\"")
     if skipped:
-        print(f"[sweep] past --soft-limit-s: skipped {len(skipped)} runs ({skipped[0]}, ...)")
+        print(f"[sweep] past --soft-limit-s / --hard-limit-s: skipped {len(skipped)} runs ({skipped[0]}, ...)")
     result = {"environment": env, "micro": parts, "rows": rows, "failures": failures, "accurate": accurate, "skipped": skipped,
               "fastest_accurate": fastest, "picked_at_threads": pick_threads, "picked_on": pick_set, "forming_split": split,
               "wall_s": time.perf_counter() - t_start}
