@@ -375,6 +375,78 @@ def test_cuda_subspace_solver_converges_on_the_device():
     torch.testing.assert_close(vecs, eager, rtol=0, atol=1e-10)
 
 
+#: topm's CUDA_PRESETS, spelled out: a preset added without a device run shows here as missing
+CUDA_PRESET_NAMES = ["graphed", "p16", "budget80", "ritz-serial", "ritz-1", "ritz-numpy", "ritz-numpy-pool", "ritz-device",
+                     "pow2", "full", "kv", "pad-tokens", "squared", "squared-pow2-host-1", "squared-pow2-host-1-kv",
+                     "squared-pow2-numpy-pool", "squared-pow2-numpy-pool-kv", "squared-pow2-device",
+                     "squared-p16-pow2-host-1", "squared-p16-pow2-host-1-kv", "squared-p16-pow2-numpy-pool",
+                     "squared-p16-pow2-numpy-pool-kv"]
+
+
+@pytest.mark.parametrize("preset", CUDA_PRESET_NAMES)
+def test_cuda_subspace_presets_against_the_float64_svd(preset):
+    """Every candidate CUDA setting of the subspace iteration (issue 21: ``CUDA_PRESETS``; the
+    list is spelled out so that a preset added without a device run shows here as missing) on the
+    device, graphed, against the CPU's float64 SVD: the oracle checks of tests/test_patch_topm.py on
+    the cases that break solvers (a batch of them, so items converge at different checks and
+    padded batches repeat rows), ranks 1, 8 and 32. (The preset's ``kv_one_call`` is
+    PatchKind.factorize's choice, tested on the host: test_patch_topm.py.)"""
+    from test_patch_topm import CASES, assert_top_factors
+
+    from contextdeque.patch import topm
+
+    assert set(topm.CUDA_PRESETS) == set(CUDA_PRESET_NAMES)
+    names = ["gaussian", "ill-conditioned (s from 1 to 1e-12)", "rank 10", "outlier row (1e4)", "zero",
+             "degenerate (40 equal, then 40 equal)", "slow decay (s from 1 to 0.5)", "decaying (s from 1 to 1e-4)"]
+    batch = torch.stack([CASES[n] for n in names])
+    for rank in (1, 8, 32):
+        us, vt = topm.truncated_svd(batch.to(CUDA), rank, eig="subspace", subspace=topm.CUDA_PRESETS[preset])
+        assert us.device.type == vt.device.type == "cuda"
+        for i in range(len(names)):
+            assert_top_factors(batch[i], rank, us[i].cpu(), vt[i].cpu())
+    assert topm.CUDA_GRAPHS, "the power steps' CUDA graph capture failed (they ran eagerly)"
+
+
+@pytest.mark.parametrize("pad", ["pow2", "full"])
+def test_cuda_subspace_padded_batches_keep_captured_graph_shapes(pad):
+    """As items converge the batch shrinks; padded (``pow2``: to a power of two; ``full``: the first
+    batch's size) the graphs captured are of those sizes only, and a second batch with another
+    convergence pattern replays them (no new capture) with the same answers as unpadded steps."""
+    from test_patch_topm import CASES
+
+    from contextdeque.patch import topm
+
+    # distinct spectra (a degenerate one's eigenvectors are not unique: rounding may turn them)
+    names = ["decaying (s from 1 to 1e-4)", "slow decay (s from 1 to 0.5)", "gaussian", "outlier row (1e4)",
+             "ill-conditioned (s from 1 to 1e-12)", "slower decay (s from 1 to 0.8)", "huge entries (1e30)"]
+    x = torch.stack([CASES[n] for n in names]).to(CUDA, torch.float64)
+    grams = x.mT @ x
+    settings = topm.SubspaceSettings(oversample=32, first_check=8, pad=pad)
+    topm._graphs.clear()
+    vecs, done = topm.subspace_top_eigenvectors(grams, 8, settings=settings)
+    sizes = {key[1] for key in topm._graphs}
+    assert sizes and all(b & (b - 1) == 0 for b in sizes) if pad == "pow2" else sizes == {len(names)}
+    topm.SUBSPACE_COUNTS.reset()
+    again, done_again = topm.subspace_top_eigenvectors(grams.flip(0), 8, settings=settings)
+    if pad == "full":
+        assert topm.SUBSPACE_COUNTS.graph_captures == 0
+    assert done_again.flip(0).tolist() == done.tolist()
+    plain, _ = topm.subspace_top_eigenvectors(grams, 8, settings=topm.SubspaceSettings(oversample=32, first_check=8))
+    torch.testing.assert_close(vecs, plain, rtol=0, atol=1e-8)
+    torch.testing.assert_close(again.flip(0), plain, rtol=0, atol=1e-8)
+
+
+def test_cuda_subspace_zero_gram_is_cusolvers_answer():
+    """An all-zero Gram (every patch's first-layer V Δ) takes, without a solver call, the answer
+    cuSOLVER's ``eigh`` gives for it (as LAPACK's on the host: the identity's last columns)."""
+    from contextdeque.patch import topm
+
+    zero = torch.zeros(2, 192, 192, dtype=torch.float64, device=CUDA)
+    want = topm._eigh_top(zero, 32, None)
+    got = topm._zero_gram_top(192, 32, torch.float64, CUDA)
+    assert torch.equal(got.expand_as(want), want)
+
+
 def test_cuda_patch_forming_split_and_factors(smollm2_random):
     """Rank-32 patches of 256- and 1,024-token chunks on SmolLM2-135M's architecture on CUDA: the
     real Δ's factors (every layer, all in one batch) by the route CUDA takes (``auto``) and by

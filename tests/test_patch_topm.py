@@ -8,6 +8,8 @@ fail on wrong factors, and on a subspace solver without its residual test or wit
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -435,3 +437,219 @@ def test_a_patched_windows_kl_is_the_svds(default_backend, one_thread, monkeypat
     assert abs(kl_subspace - kl_old) <= 1e-6, (kl_subspace, kl_old)
     assert kl_new < 0.05  # a patched window, not a blind one
     assert kl_after_reverse("drop-top") > 2 * kl_new  # the patches' factors decide the window's KL
+
+
+# ---------------------------------------------------------------------------- the subspace iteration's settings (CUDA's presets)
+
+PRESETS = list(topm.CUDA_PRESETS)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_cuda_preset_matches_the_float64_svd_on_the_host(preset):
+    """Every candidate setting of the subspace iteration (issue 21: the presets CUDA may take by
+    default), run on the host with its own settings (padding, G² iterations, its Rayleigh–Ritz
+    eigenproblems where it puts them, its budget), gives the float64 SVD's factors on every
+    oracle case at ranks 1, 8 and 32."""
+    settings = topm.CUDA_PRESETS[preset]
+    for name, delta in CASES.items():
+        for rank in (1, 8, 32):
+            us, vt = truncated_svd(delta, rank, eig="subspace", subspace=settings)
+            assert us.is_contiguous() and vt.is_contiguous()
+            assert_top_factors(delta, rank, us, vt)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_cuda_preset_on_the_default_models_deltas(default_deltas, preset):
+    """Every layer's K and V Δ of a real page, rank 32, all layers in one batch (as a patch forms
+    them: items converge at different iterations, so padded batches really repeat rows)."""
+    _, _, _, dk, dv = default_deltas
+    for d in (dk, dv):
+        us, vt = truncated_svd(d, 32, eig="subspace", subspace=topm.CUDA_PRESETS[preset])
+        for l in range(d.shape[0]):
+            assert_top_factors(d[l], 32, us[l], vt[l])
+
+
+def _mixed_batch() -> torch.Tensor:
+    names = ["decaying (s from 1 to 1e-4)", "slow decay (s from 1 to 0.5)", "rank 10", "gaussian", "outlier row (1e4)"]
+    return torch.stack([_gram(CASES[n]) for n in names])
+
+
+@pytest.mark.parametrize("pad", ["pow2", "full"])
+def test_a_padded_batch_gives_each_item_its_own_answer(pad):
+    """Padding the shrinking batch (stable CUDA graph shapes) repeats rows whose results are
+    dropped: every item's eigenvectors are the unpadded run's (to rounding)."""
+    grams = _mixed_batch()
+    plain, done = subspace_top_eigenvectors(grams, 8, settings=topm.SubspaceSettings())
+    assert not bool(done.all()) and bool(done.any())  # items converge at different checks: the batch shrinks
+    padded, done_p = subspace_top_eigenvectors(grams, 8, settings=topm.SubspaceSettings(pad=pad))
+    assert done_p.tolist() == done.tolist()
+    torch.testing.assert_close(padded, plain, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["with-residual-test", "without"])
+def test_a_padding_that_mixes_items_is_caught(monkeypatch, guarded):
+    """A padded batch whose rows come back as other items' (the run's rows rotated by one, as an
+    off-by-one in the padding would) is caught by the residual test: the items do not pass and
+    take eigh, and the factors are still the SVD's. Without the residual test the oracle fails it."""
+    real = topm._power_steps
+
+    def shifted(g, x, steps, batch=None):
+        out = real(g, x, steps, batch)
+        return out.roll(1, 0) if batch is not None and batch > x.shape[0] else out
+
+    monkeypatch.setattr(topm, "_power_steps", shifted)
+    if not guarded:
+        monkeypatch.setattr(topm, "RESIDUAL_TOL", float("inf"))
+    names = ["gaussian", "slow decay (s from 1 to 0.5)", "decaying (s from 1 to 1e-4)"]
+    batch = torch.stack([CASES[n] for n in names])
+    topm.SUBSPACE_COUNTS.reset()
+    us, vt = truncated_svd(batch, 8, eig="subspace", subspace=topm.SubspaceSettings(pad="pow2"))
+    if guarded:
+        assert topm.SUBSPACE_COUNTS.fallback_items > 0
+        for i in range(len(names)):
+            assert_top_factors(batch[i], 8, us[i], vt[i])
+    else:
+        with pytest.raises(AssertionError):
+            for i in range(len(names)):
+                assert_top_factors(batch[i], 8, us[i], vt[i])
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_oracle_fails_every_preset_without_its_residual_test(monkeypatch, preset):
+    """Each preset's answers are right because of its residual test: accepted at its first check
+    without it, a slowly decaying spectrum's factors fail the oracle."""
+    monkeypatch.setattr(topm, "RESIDUAL_TOL", float("inf"))
+    settings = dataclasses.replace(topm.CUDA_PRESETS[preset], first_check=4)
+    delta = CASES["slower decay (s from 1 to 0.8)"]
+    us, vt = truncated_svd(delta, 8, eig="subspace", subspace=settings)
+    with pytest.raises(AssertionError):
+        assert_top_factors(delta, 8, us, vt)
+
+
+def test_squared_iterations_take_half_the_iterations_and_the_checks_stay_on_g():
+    """``power=2`` multiplies by G² (one iteration does two steps' work) and its answers are G's:
+    the same converged items, the same eigenvectors, in about half the iterations. A spectrum
+    wider than G² resolves (the outlier row's) is left to eigh: the factors are still the SVD's."""
+    grams = _mixed_batch()[:4]  # (not the outlier row: its top-8 spectrum spans λ_8/λ_1 ≈ 1e-8, below what G² resolves)
+    counts = []
+    for power in (1, 2):
+        topm.SUBSPACE_COUNTS.reset()
+        vecs, done = subspace_top_eigenvectors(grams, 8, max_steps=80, settings=topm.SubspaceSettings(power=power))
+        counts.append((topm.SUBSPACE_COUNTS.iterations, done.tolist(), vecs))
+    (it1, done1, v1), (it2, done2, v2) = counts
+    assert done1 == done2 and all(done1)
+    assert it2 <= 0.6 * it1, (it1, it2)
+    # the same directions (signs free): |v1ᵀ v2| is the identity on each item
+    overlap = (v1.mT @ v2).abs()
+    torch.testing.assert_close(overlap, torch.eye(8, dtype=torch.float64).expand_as(overlap), rtol=0, atol=1e-6)
+    outlier = CASES["outlier row (1e4)"]
+    topm.SUBSPACE_COUNTS.reset()
+    us, vt = truncated_svd(outlier, 8, eig="subspace", subspace=topm.SubspaceSettings(power=2, max_steps=80))
+    assert topm.SUBSPACE_COUNTS.fallback_items == 1
+    assert_top_factors(outlier, 8, us, vt)
+
+
+@pytest.mark.parametrize("ritz", ["host-pool", "host-serial", "host-1", "numpy", "numpy-pool"])
+def test_every_host_eigensolver_choice_gives_the_same_eigenpairs(ritz):
+    """The Rayleigh–Ritz eigenproblems on the host, by each choice, equal one LAPACK call (to
+    rounding), and ``host-1`` gives torch its thread count back."""
+    h = _mixed_batch()[:, :40, :40].contiguous()
+    want = torch.linalg.eigh(h)
+    before = torch.get_num_threads()
+    vals, vecs = topm._host_eigh(h, ritz)
+    assert torch.get_num_threads() == before
+    scale = want[0].abs().amax(-1, keepdim=True)
+    assert ((vals - want[0]).abs() <= 1e-12 * scale).all()
+    rebuilt = vecs @ torch.diag_embed(vals) @ vecs.mT
+    assert ((rebuilt - h).abs() <= 1e-12 * scale.unsqueeze(-1)).all()
+
+
+def test_a_zero_gram_takes_eighs_answer_without_the_solver(monkeypatch):
+    """An all-zero Gram (every patch's first-layer V Δ) is answered as ``eigh`` answers it, the
+    identity's last columns, without calling it; the items that do not converge still call it."""
+    zero = torch.zeros(1, 96, 96, dtype=torch.float64)
+    want = topm._eigh_top(zero, 8, None)
+    calls = []
+    real = topm._eigh_top
+    monkeypatch.setattr(topm, "_eigh_top", lambda g, m, dev: calls.append(len(g)) or real(g, m, dev))
+    grams = torch.cat([zero, _gram(CASES["slow decay (s from 1 to 0.5)"])[None], zero])
+    monkeypatch.setattr(topm, "MAX_STEPS", 1)
+    vecs = topm.top_eigenvectors(grams, 8, "subspace")
+    assert calls == [1]  # the slow item only
+    assert torch.equal(vecs[0], want[0]) and torch.equal(vecs[2], want[0])
+
+
+def test_cuda_settings_come_from_the_preset_or_the_environment(monkeypatch):
+    """The host runs the module constants; CUDA the default preset, or what
+    ``$CONTEXTDEQUE_TOPM_CUDA`` says (a preset's name, or JSON fields over it); a bad value is a
+    PatchError, and so are settings out of range."""
+    monkeypatch.delenv(topm.CUDA_SETTINGS_ENV, raising=False)
+    monkeypatch.setattr(topm, "FIRST_CHECK", 5)
+    host = topm.solver_settings("cpu")
+    assert (host.oversample, host.first_check, host.max_steps, host.ritz, host.pad, host.power) == (
+        topm.OVERSAMPLE, 5, topm.MAX_STEPS, "host-pool", "none", 1)
+    assert topm.solver_settings("cuda") == topm.CUDA_PRESETS[topm.CUDA_PRESET]
+    other = next(p for p in PRESETS if p != topm.CUDA_PRESET)
+    monkeypatch.setenv(topm.CUDA_SETTINGS_ENV, other)
+    assert topm.solver_settings("cuda") == topm.CUDA_PRESETS[other]
+    monkeypatch.setenv(topm.CUDA_SETTINGS_ENV, '{"preset": "squared", "ritz": "numpy", "first_check": 12}')
+    got = topm.solver_settings("cuda")
+    assert (got.power, got.ritz, got.first_check) == (2, "numpy", 12)
+    for bad in ("nonsense", '{"ritz": "gpu"}', '{"power": 3}', '{"unknown": 1}', '[1, 2]', '{"preset": "none"}'):
+        monkeypatch.setenv(topm.CUDA_SETTINGS_ENV, bad)
+        with pytest.raises(PatchError):
+            topm.solver_settings("cuda")
+    assert topm.solver_settings("cpu") == host  # the host never reads it
+
+
+def test_the_solver_counts_what_it_did():
+    topm.SUBSPACE_COUNTS.reset()
+    grams = _mixed_batch()
+    topm.top_eigenvectors(torch.cat([grams, torch.zeros(1, 96, 96, dtype=torch.float64)]), 8, "subspace")
+    c = topm.SUBSPACE_COUNTS.as_dict()
+    assert c["solves"] == 1 and c["items"] == 6 and c["checks"] >= 2 and c["iterations"] >= topm.FIRST_CHECK
+    assert c["graph_captures"] == 0  # the host runs no graphs
+
+
+def test_k_and_v_in_one_call_give_the_two_calls_factors(default_deltas, monkeypatch):
+    """``kv_one_call`` (a CUDA preset's choice, here on the host): form_patch factors K and V in
+    one batch, one call, and the patch is the two calls' (to rounding), the same layers and ranks."""
+    backend, a, b, _, _ = default_deltas
+    calls = []
+    real = patch_base.truncated_svd
+    monkeypatch.setattr(patch_base, "truncated_svd", lambda d, r: calls.append(d.shape[0]) or real(d, r))
+    two = form_patch(backend, b, [a], rank=32)
+    assert calls == [backend.layout.num_layers] * 2
+    calls.clear()
+    host = topm.solver_settings("cpu")
+    monkeypatch.setattr(topm, "solver_settings", lambda device: dataclasses.replace(host, kv_one_call=True))
+    one = form_patch(backend, b, [a], rank=32)
+    assert calls == [2 * backend.layout.num_layers]
+    assert (one.rank_k, one.rank_v, one.layers) == (two.rank_k, two.rank_v, two.layers)
+    for x, y in zip((one.k_u, one.k_w, one.v_u, one.v_w), (two.k_u, two.k_w, two.v_u, two.v_w)):
+        assert x.shape == y.shape and x.is_contiguous()
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-5 * float(y.abs().max()))
+    assert not topm.kv_in_one_call(torch.zeros(2, 5, 4), torch.zeros(2, 5, 3), 2, 2, dataclasses.replace(host, kv_one_call=True))
+    assert not topm.kv_in_one_call(torch.zeros(2, 5, 4), torch.zeros(2, 5, 4), 2, 3, dataclasses.replace(host, kv_one_call=True))
+
+
+def test_short_chunks_pad_their_gram_to_a_few_sizes(monkeypatch):
+    """``pad_tokens``: a chunk shorter than F solves a Gram padded with zero tokens to 64, 128, ...
+    (at most F), whatever its length, and its factors are still the SVD's (also where Δ has fewer
+    directions than the rank: the directions reaching into the padding have eigenvalue 0)."""
+    assert [topm._token_bucket(t, 192) for t in (1, 40, 64, 65, 100, 128, 129, 191)] == [64, 64, 64, 128, 128, 128, 192, 192]
+    assert topm._token_bucket(40, 48) == 48
+    sizes = []
+    real = topm.top_eigenvectors
+    monkeypatch.setattr(topm, "top_eigenvectors", lambda g, *a, **k: sizes.append(g.shape[-1]) or real(g, *a, **k))
+    settings = topm.SubspaceSettings(pad_tokens=True)
+    g = torch.Generator().manual_seed(7)
+    for T, rank, delta in [(40, 8, torch.randn(40, 96, generator=g)), (40, 8, CASES["short, rank 5"]),
+                           (70, 16, torch.randn(70, 192, generator=g)), (50, 4, spectrum_delta(50, 192, torch.ones(3, dtype=torch.float64)))]:
+        sizes.clear()
+        us, vt = truncated_svd(delta, rank, eig="subspace", subspace=settings)
+        assert sizes == [topm._token_bucket(T, delta.shape[1])]
+        assert_top_factors(delta, rank, us, vt)
+    sizes.clear()
+    truncated_svd(CASES["short (T < F)"], 8, eig="eigh", subspace=settings)  # eigh: as it was
+    assert sizes == [40]

@@ -24,7 +24,7 @@ from ..core.registry import Registered, Registry
 from .factors import TENSOR_PREFIX, MixedFactors
 from .keys import patch_signature
 from .rank import DEFAULT_RANK, is_full, resolve_rank
-from .topm import truncated_svd
+from .topm import kv_in_one_call, truncated_svd
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..model.hf import HFBackend
@@ -489,6 +489,9 @@ class PatchKind(Registered):
             return (*([torch.zeros(0, 0, 0)] * 4), None)
         index = list(layers)
         checkpoint()  # background formation gives way to foreground work, K and V apart
+        if kv_in_one_call(dk, dv, rank_k, rank_v):  # (CUDA settings: one batch, one set of host round trips)
+            us, vt = truncated_svd(torch.cat([dk[index], dv[index]]), rank_k)
+            return us[:len(index)], vt[:len(index)], us[len(index):], vt[len(index):], None
         k_u, k_w = truncated_svd(dk[index], rank_k)
         checkpoint()
         v_u, v_w = truncated_svd(dv[index], rank_v)
