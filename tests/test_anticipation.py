@@ -324,6 +324,35 @@ def test_a_canonical_an_earlier_preparation_stored_is_not_priced_again(backend):
     assert r.encodes == 0 and r.forwards == 0  # (found, as the estimate now says)
 
 
+def test_a_hinted_chain_too_dear_before_its_prefix_ran_is_offered_again(backend):
+    """A hinted chain comes before its prefixes; too dear for what is left of a gap it is
+    skipped, and once a prefix ran (its patches stored, often already by an earlier pass: it cost
+    less than its estimate) the chain is offered again at the rest of its estimate (the last
+    hinted recall of doc-1's gap, 144 tokens short when the prefix's estimate was paid twice)."""
+    from contextdeque.window.anticipation import plan_anticipation
+    from contextdeque.window.healing import IdlePrices
+
+    win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=True)
+    refs = [win.append(chunk=backend.encode(token_ids=p)) for p in POOL[:5]]
+    for r in refs[2:]:
+        win.evict(r)
+    for r in refs[2:]:
+        win.expect(r, at="end")
+    chain = tuple((r, "end") for r in refs[2:])
+    tasks = plan_anticipation(lambda: win._predicted(win._state), win.recall_predictor, win.expected, [], True,
+                              IdlePrices(forward_fixed=10.0), None, lambda: [])
+    offered, fits = [], None
+    for task in tasks:
+        if task.kind != "recalls":
+            continue
+        offered.append((task.recalls, task.cost))
+        fits = task.cost - 1 if fits is None else fits  # (the first, the whole chain, does not fit)
+        task.ran = task.cost <= fits
+    whole = [cost for recalls, cost in offered if recalls == chain]
+    prefix = next(cost for recalls, cost in offered if recalls == chain[:2])
+    assert offered[0][0] == chain and len(whole) == 2 and whole[1] == whole[0] - prefix
+
+
 def test_a_budget_prepares_the_likely_recall_not_a_slide_that_never_comes(backend):
     """Under an idle budget the next slide's canonical is prepared only when the front leaving is
     as likely as the best recall prediction: an agent that keeps its task in front and said what

@@ -336,7 +336,8 @@ def plan_anticipation(state_of: Callable[[], Any], predictor: RecallPredictor, e
     none; under a budget only when the predictor finds the front leaving at least as likely as its
     best recall: agents that keep their task in front never slide it out), then the recall
     predictions (:func:`plan_recalls`, each with the reorder the agent named right after it, then
-    without it; a chain that extends one prepared in this pass costs only the rest), then the
+    without it; a chain that extends one prepared in this pass costs only the rest, and one that
+    was too dear when it came up is offered again once a chain it starts with ran), then the
     ``reorders()`` to prepare (priced by :func:`reorder_cost`: a gap is never charged more than
     its budget, where an unpriced reorder once ran whatever was left), each after the canonical
     of a provisional chunk it brings to the front (``"canonical"``, priced as the slide's). ``prices``: the idle
@@ -350,17 +351,34 @@ def plan_anticipation(state_of: Callable[[], Any], predictor: RecallPredictor, e
             yield Preparation("slide", slide_cost(slide_tokens, prices))
             predictions = plan_recalls(predictor, state_of(), expected, budgeted)  # (as it now stands)
     done: dict[tuple, float] = {}  # chains prepared in this pass -> their estimated cost
+    too_dear: list[tuple[Prediction, Sequence, list]] = []  # (prediction, orders, then) that did not run
+
+    def attempt(prediction: Prediction, orders: Sequence, then: list) -> Iterator[Preparation]:
+        cost = recall_cost(state_of(), prediction, then if orders else (), prices)
+        head = max((c for chain, c in done.items() if prediction.recalls[: len(chain)] == chain), default=0)
+        task = Preparation("recalls", max(0, cost - head), recalls=prediction.recalls, orders=orders)
+        yield task
+        if task.ran:
+            done[prediction.recalls] = max(cost, done.get(prediction.recalls, 0))
+        else:
+            too_dear.append((prediction, orders, then))
+
     for prediction in predictions:
         then = reorder_after(state_of(), prediction.recalls, expected_orders)
         for orders in ((expected_orders, ()) if then else ((),)):
             if not orders and any(chain[: len(prediction.recalls)] == prediction.recalls for chain in done):
                 continue  # the start of a chain prepared in this pass: all stored
-            cost = recall_cost(state_of(), prediction, then if orders else (), prices)
-            head = max((c for chain, c in done.items() if prediction.recalls[: len(chain)] == chain), default=0)
-            task = Preparation("recalls", max(0, cost - head), recalls=prediction.recalls, orders=orders)
-            yield task
-            if task.ran:
-                done[prediction.recalls] = max(cost, done.get(prediction.recalls, 0))
+            yield from attempt(prediction, orders, then)
+            # a longer chain this one starts that was too dear when it came up (a hinted chain
+            # comes before its prefixes): once the prefix ran it costs only the rest, so it may fit
+            ran = [prediction.recalls] if prediction.recalls in done else []
+            while ran:
+                start = ran.pop()
+                for entry in [e for e in too_dear if len(e[0].recalls) > len(start) and e[0].recalls[: len(start)] == start]:
+                    too_dear.remove(entry)
+                    yield from attempt(*entry)
+                    if entry[0].recalls in done:
+                        ran.append(entry[0].recalls)
     named = {tuple(o) for o in expected_orders}
     for order in reorders():
         front = next((slot for slot in state_of().slots[1:] if slot.ref == order[0]), None)
