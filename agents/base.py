@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterator, Sequence
 
-from contextdeque.scheduler import SchedulerPlacement  # noqa: F401  (registers AgentConfig's placement="scheduler")
 from contextdeque.core.counters import OMIT, Counters, shown
 from contextdeque.core.errors import WindowError
 from contextdeque.core.metrics import kl_divergence

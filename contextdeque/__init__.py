@@ -29,9 +29,6 @@ _PUBLIC: dict[str, str] = {
     "ChunkRef": ".window", "Receipt": ".window", "RelocatedKV": ".core.kv", "choose_threads": ".model.threads",
     "ThreadChoice": ".model.threads",
 }
-# names whose module needs more registered first: the window's placement="scheduler" lives in
-# a higher layer (the scheduler), which registers itself when imported
-_ALSO_IMPORT: dict[str, tuple[str, ...]] = {".window": (".scheduler",)}
 
 __all__ = list(_PUBLIC)
 
@@ -52,8 +49,6 @@ def __getattr__(name: str) -> Any:
     if module_name is None:
         raise AttributeError(f"module 'contextdeque' has no attribute {name!r}")
     module = importlib.import_module(module_name, __name__)
-    for also in _ALSO_IMPORT.get(module_name, ()):
-        importlib.import_module(also, __name__)
     value = getattr(module, name)
     globals()[name] = value  # later lookups skip __getattr__
     return value

@@ -132,13 +132,15 @@ def test_help_and_import_load_no_command_and_no_transformers():
             "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') or "
             "m.startswith('contextdeque.') and m not in ('contextdeque.cli', 'contextdeque.core', 'contextdeque.core.errors'))\n"
             "assert not loaded, loaded\n"
-            # a public name loads its module on first use; the window's brings the scheduler's placement
+            # a public name loads its module on first use (the window's, not the layers above it);
+            # looking up the scheduler's placement by name imports its home (PLACEMENT_POLICIES.homes)
             "contextdeque.ContextWindow\n"
+            "assert 'contextdeque.scheduler' not in sys.modules\n"
             "from contextdeque.window.placement import PLACEMENT_POLICIES\n"
-            "assert 'scheduler' in PLACEMENT_POLICIES\n")
+            "assert 'scheduler' in PLACEMENT_POLICIES and 'contextdeque.scheduler' in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_base_env())
     assert proc.returncode == 0, proc.stderr
-    # the agents (the demo's --placement scheduler) register the scheduler's placement themselves
+    # the agents (the demo's --placement scheduler) find the scheduler's placement by name
     code = ("from contextdeque.agents.base import AgentConfig\n"
             "from contextdeque.window.placement import PLACEMENT_POLICIES\n"
             "assert 'scheduler' in PLACEMENT_POLICIES\n")

@@ -10,10 +10,9 @@ import json
 import pytest
 
 from contextdeque.core.errors import ArgumentError
-from contextdeque.replay.calibrate import fit_form_overhead
-from contextdeque.scheduler.cost_model import CostModel, load_calibration
+from contextdeque.scheduler.cost_model import CostModel, fit_fixed_and_slope, load_calibration
 from contextdeque.window import ContextWindow
-from contextdeque.window.healing import HealBudget
+from contextdeque.window.healing import HealBudget, IdlePrices
 from contextdeque.window.plan import Difference, Form
 
 from test_predictor import backend  # noqa: F401  (the tiny llama)
@@ -22,18 +21,18 @@ from test_predictor import backend  # noqa: F401  (the tiny llama)
 @pytest.mark.parametrize(("fixed", "per_token"), [(0.035, 0.0), (0.0, 2e-5), (0.012, 3.5e-6)])
 def test_the_fit_recovers_a_line_it_is_fed(fixed, per_token):
     for lengths in ((128, 512), (64, 256, 1024, 4096)):
-        got = fit_form_overhead([(t, fixed + per_token * t) for t in lengths])
+        got = fit_fixed_and_slope([(t, fixed + per_token * t) for t in lengths])
         assert got == pytest.approx((fixed, per_token), rel=1e-9, abs=1e-15)
 
 
 def test_the_fit_keeps_both_parts_non_negative():
     """Noise that tilts the line below zero costs the part that went negative, not the other's sign:
     a falling overhead is a fixed cost (the mean), one that crosses zero a per-token one."""
-    assert fit_form_overhead([(128, 0.040), (512, 0.030)]) == pytest.approx((0.035, 0.0))
-    fixed, per_token = fit_form_overhead([(128, 0.001), (512, 0.009)])  # the line's intercept: -0.00167
+    assert fit_fixed_and_slope([(128, 0.040), (512, 0.030)]) == pytest.approx((0.035, 0.0))
+    fixed, per_token = fit_fixed_and_slope([(128, 0.001), (512, 0.009)])  # the line's intercept: -0.00167
     assert fixed == 0.0 and per_token == pytest.approx((128 * 0.001 + 512 * 0.009) / (128 ** 2 + 512 ** 2))
     with pytest.raises(ArgumentError, match="two distinct"):
-        fit_form_overhead([(256, 0.01), (256, 0.02)])
+        fit_fixed_and_slope([(256, 0.01), (256, 0.02)])
 
 
 def test_the_cost_model_charges_a_patch_its_fixed_part_once():
@@ -63,7 +62,7 @@ def test_a_real_calibration_splits_the_forming_overhead(tmp_path, tiny_backend_f
     assert model.form_fixed_s >= 0.0 and model.svd_s_per_token >= 0.0
     points = model.extra["form_overhead_s"]  # (timings on a shared CPU: their values are noise, not asserted)
     assert [t for t, _ in points] == [16, 64] and all(s >= 0.0 for _, s in points)
-    assert (model.form_fixed_s, model.svd_s_per_token) == fit_form_overhead(points)
+    assert (model.form_fixed_s, model.svd_s_per_token) == fit_fixed_and_slope(points)
     assert "per patch" in form_split_line(model) and "per token" in form_split_line(model)
     with pytest.raises(ArgumentError, match="form_lengths"):
         calibrate(be, lengths=(16,), form_lengths=(64,))
@@ -72,7 +71,7 @@ def test_a_real_calibration_splits_the_forming_overhead(tmp_path, tiny_backend_f
 def test_a_heal_step_is_charged_per_patch_and_per_token():
     """``HealBudget.spend``: the forwards' tokens, ``factorization_fixed`` per patch and
     ``factorization_cost`` per factorized token (a window's heal: tests/test_predictor.py)."""
-    budget = HealBudget(max_tokens=1000, factorization_cost=0.5, factorization_fixed=30.0)
+    budget = HealBudget(max_tokens=1000, prices=IdlePrices(factorization_cost=0.5, factorization_fixed=30.0))
     budget.spend(100, factorized=80, patches=2)
     assert budget.tokens == pytest.approx(100 + 0.5 * 80 + 30.0 * 2) and budget.allows_step()
     budget.spend(0, factorized=0, patches=27)

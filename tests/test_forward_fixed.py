@@ -13,7 +13,7 @@ import json
 import pytest
 
 from contextdeque.core.errors import ArgumentError
-from contextdeque.scheduler.cost_model import CostModel, fit_forward_fixed, load_calibration
+from contextdeque.scheduler.cost_model import CostModel, load_calibration, split_forward_fixed
 from contextdeque.window import ContextWindow
 from contextdeque.window.healing import HealBudget, IdlePrices, idle_spent
 from contextdeque.window.plan import Encode, Form, Forward
@@ -68,11 +68,11 @@ def test_the_fit_recovers_a_known_intercept(fixed, rate):
     root + n): the intercept comes back from the tokens measured."""
     lengths = (64, 256, 1024, 2048)
     table = tuple((15 + n, n / (fixed + n / rate)) for n in lengths)
-    assert fit_forward_fixed(table, lengths) == pytest.approx(fixed, abs=1e-12)
-    assert fit_forward_fixed(table[:1], lengths[:1]) == 0.0  # one length: no line
+    assert split_forward_fixed(table, lengths)[0] == pytest.approx(fixed, abs=1e-12)
+    assert split_forward_fixed(table[:1], lengths[:1])[0] == 0.0  # one length: no line
     # never above the shortest measured time
     noisy = ((64, 64 / 0.030), (256, 256 / 0.020), (1024, 1024 / 0.021))
-    assert 0.0 <= fit_forward_fixed(noisy) <= 0.020
+    assert 0.0 <= split_forward_fixed(noisy)[0] <= 0.020
 
 
 def test_a_calibration_saved_before_it_derives_it_at_load(tmp_path):
@@ -84,7 +84,7 @@ def test_a_calibration_saved_before_it_derives_it_at_load(tmp_path):
     p = tmp_path / "old.json"
     p.write_text(json.dumps(old))
     model, note = load_calibration(path=p)
-    assert model.forward_fixed_s == pytest.approx(fit_forward_fixed(h100, [64, 256, 1024, 2048, 4096]))
+    assert model.forward_fixed_s == pytest.approx(split_forward_fixed(h100, [64, 256, 1024, 2048, 4096])[0])
     assert 0.020 < model.forward_fixed_s < 0.033  # ~25 ms: the floor every forward pays there
     assert "derived" in note and "ms per forward" in note
     # a file that has it keeps it (and says nothing)
@@ -129,7 +129,7 @@ def test_calibrate_on_the_tiny_model_fits_a_known_synthetic_table(tmp_path, tiny
 def test_an_idle_budget_charges_each_forward_its_fixed_part(backend):
     """``HealBudget.spend`` and ``idle_spent``: a forward's tokens plus ``forward_fixed`` per
     forward, beside the factorization charges; a window's heal under a token budget spends so."""
-    budget = HealBudget(max_tokens=1000, factorization_cost=0.5, factorization_fixed=30.0, forward_fixed=40.0)
+    budget = HealBudget(max_tokens=1000, prices=IdlePrices(0.5, 30.0, 40.0))
     budget.spend(100, factorized=80, patches=2, forwards=3)
     assert budget.tokens == pytest.approx(100 + 40.0 * 3 + 0.5 * 80 + 30.0 * 2)
     assert IdlePrices(0.5, 30.0, 40.0).charge(100, 3, 80, 2) == budget.tokens

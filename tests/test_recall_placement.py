@@ -99,17 +99,77 @@ def test_no_valid_place_goes_to_the_end(micro):
     assert r.patches_formed <= r_end.patches_formed
 
 
-def test_without_the_scheduler_loaded_an_unpinned_recall_goes_to_the_end_and_says_why(micro, monkeypatch):
+# A fresh process that imports the window alone (not ``contextdeque``, which imports nothing
+# either, nor the scheduler): an unpinned look-back recall and a recall of the page that slid out.
+_ONLY_THE_WINDOW = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+if sys.argv[2] == "scheduler":
+    import contextdeque.scheduler
+import torch
+from contextdeque.model.hf import HFBackend
+from contextdeque.window import ContextWindow
+from helpers import micro_llama, seeded_ids
+
+torch.set_num_threads(1)
+backend = HFBackend(micro_llama(5), None, root_ids=[1, 2, 3], name="micro-llama-recall")
+out = []
+for step in ("lookback", "slide"):
+    w = ContextWindow(backend, rank=4, patch_policy="eager")
+    refs = [w.append(token_ids=seeded_ids(8 + i, 20 + i, 60)) for i in range(4)]
+    if step == "lookback":
+        w.evict(refs[1])
+    else:
+        w.slide(1)
+    loaded = "contextdeque.scheduler" in sys.modules
+    r = w.recall(refs[1] if step == "lookback" else refs[0])
+    out.append({"step": step, "scheduler_loaded_before": loaded, "order": [refs.index(x) for x in w.refs],
+                "index": r.placed[0][1], "why": r.placed[0][2], "forwards": r.forwards,
+                "formed": r.patches_formed, "scheduler_loaded_after": "contextdeque.scheduler" in sys.modules})
+print(json.dumps(out))
+"""
+
+
+def _recalls_in_a_fresh_process(mode: str) -> list[dict]:
+    import json
+    import os
+    import subprocess
     import sys
+    from pathlib import Path
 
-    from contextdeque.window import placement
+    proc = subprocess.run([sys.executable, "-c", _ONLY_THE_WINDOW, str(Path(__file__).parent), mode],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    monkeypatch.delitem(placement.PLACEMENT_POLICIES, "valid")
-    monkeypatch.delitem(sys.modules, placement.SCHEDULER_MODULE)
-    w, (a, b, c, d) = _window(micro)
-    w.evict(b)
-    r = w.recall(b)
-    assert w.refs == (a, c, d, b) and "import contextdeque.scheduler" in r.placed[0][2]
+
+def test_an_unpinned_recall_is_placed_alike_whatever_the_process_imported():
+    """The default ``recall_placement="valid"`` lives in the scheduler, a layer the window never
+    imports: looking it up imports its home (``PLACEMENT_POLICIES.homes``), so a process that
+    imported only the window places an unpinned recall where one that imported the scheduler does."""
+    alone, with_scheduler = _recalls_in_a_fresh_process("window"), _recalls_in_a_fresh_process("scheduler")
+    assert not alone[0]["scheduler_loaded_before"]  # the window alone, up to the first recall,
+    assert alone[0]["scheduler_loaded_after"]  # which found the rule through the registry
+    assert all(r["scheduler_loaded_before"] for r in with_scheduler)
+    strip = lambda runs: [{k: v for k, v in r.items() if not k.startswith("scheduler_loaded")} for r in runs]  # noqa: E731
+    assert strip(alone) == strip(with_scheduler)
+    assert [(r["order"], r["index"], r["why"], r["forwards"]) for r in alone] == [
+        ([0, 1, 2, 3], 1, "behind its stored patch's antecedents", 0),
+        ([0, 1, 2, 3], 0, "front: canonical exact", 0),
+    ]
+
+
+def test_placement_homes_register_what_they_name():
+    """Every name ``PLACEMENT_POLICIES`` declares a home for is registered by that home (a stale
+    home would leave the name unfound), and a class may not register a homed name elsewhere."""
+    from contextdeque.window.placement import PLACEMENT_POLICIES, PlacementPolicy
+
+    assert set(PLACEMENT_POLICIES.homes) == {"scheduler", "scheduler-offline", "valid"}
+    for name, home in PLACEMENT_POLICIES.homes.items():
+        assert name in PLACEMENT_POLICIES and PLACEMENT_POLICIES[name].__module__.startswith(home + ".")
+    assert {"arrival", *PLACEMENT_POLICIES.homes} <= set(PLACEMENT_POLICIES)
+    with pytest.raises(ValueError, match="declared to live in contextdeque.scheduler"):
+        type("Impostor", (PlacementPolicy,), {"name": "valid", "__module__": __name__})
 
 
 def test_recall_placement_is_checked(micro):

@@ -46,7 +46,6 @@ from contextdeque.stores import MemoryTier, TieredStore
 from contextdeque.window import ContextWindow
 from contextdeque.window.healing import HealBudget, HealTask, heal_batch, heal_need, plan_heal_step
 from contextdeque.window.plan import Plan, plan_totals, stored_bytes
-import contextdeque.scheduler  # noqa: F401  (registers the scheduler's placements)
 from contextdeque.window.placement import PLACEMENT_POLICIES, make_placement
 
 WINDOW_RULES = sorted(name for name, rule in REUSE_COSTS.items() if rule.window_policy is not None)

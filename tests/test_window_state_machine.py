@@ -40,9 +40,6 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-import contextdeque.scheduler  # noqa: F401  (registers the default recall placement, "valid": without it
-# recalls the test does not pin go to the end, and what the machine exercises would depend on
-# whether an earlier test in the process imported the scheduler)
 from contextdeque.core import compat
 from contextdeque.model.hf import HFBackend
 from contextdeque.core.errors import BudgetError, UnknownRefError, WindowError

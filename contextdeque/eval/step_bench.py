@@ -43,7 +43,6 @@ from typing import Any, Callable
 
 import torch
 
-from ..scheduler import ValidPlacement  # noqa: F401  (registers recall_placement="valid")
 from ..core.counters import Counters, adds, shown
 from ..core.metrics import kl_divergence
 from ..kernels.bench_util import copy_bandwidth

@@ -4,9 +4,9 @@ Prefill tokens/s by length (a chunk encode after the root, at several lengths) a
 of every forward (the intercept of those times, ``CostModel.forward_fixed_s``), decode tokens/s,
 apply bandwidth (relocation + a rank-m patch into a page), the cost of forming a patch beyond its
 conditioned forward (its factorization) split into a fixed part per patch and a per-token part
-(:func:`fit_form_overhead`), and host / disk tier bandwidth (a tensor copied between buffers, a
-safetensors entry written and read back through the disk tier). Saved with the model's fingerprint
-under ``<cache>/calibration/`` (atomic write); ``replay`` uses it.
+(``cost_model.fit_fixed_and_slope``), and host / disk tier bandwidth (a tensor copied between
+buffers, a safetensors entry written and read back through the disk tier). Saved with the
+model's fingerprint under ``<cache>/calibration/`` (atomic write); ``replay`` uses it.
 """
 
 from __future__ import annotations
@@ -44,11 +44,6 @@ FORM_CONTEXT = 256
 """Tokens of the antecedent every calibration patch is formed on."""
 
 
-fit_form_overhead = fit_fixed_and_slope
-"""The forming overhead's split, ``(fixed_s, per_token_s)`` from ``[(T, seconds)]``: the cost
-model's one line fit (:func:`~contextdeque.scheduler.cost_model.fit_fixed_and_slope`)."""
-
-
 def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank: int = DEFAULT_RANK, repeats: int = 2,
               disk_dir: str | None = None, form_lengths: tuple[int, ...] = DEFAULT_FORM_LENGTHS) -> CostModel:
     """Measure a :class:`CostModel` on ``backend`` (an ``HFBackend``, on the CPU or a CUDA device:
@@ -62,8 +57,9 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
     The forming overhead: at each of ``form_lengths`` (at least two) a ``T``-token chunk's patch on
     a :data:`FORM_CONTEXT`-token antecedent is formed (``form_patch``: its conditioned forward and
     its factorization), less that conditioned forward as the model prices it (``prefill_s`` of
-    ``T`` tokens after the antecedent: the fixed part and the per-token part), each the median of ``repeats`` timed runs after a warm one (on CUDA
-    synchronized before and after: :func:`_timed`); :func:`fit_form_overhead` splits the
+    ``T`` tokens after the antecedent: the fixed part and the per-token part), each the median of
+    ``repeats`` timed runs after a warm one (on CUDA synchronized before and after: :func:`_timed`);
+    ``cost_model.fit_fixed_and_slope`` splits the
     differences into ``form_fixed_s`` (per patch: the factorization's F x F eigenproblems do not
     grow with T) and ``svd_s_per_token``. The measured points are kept in ``extra["form_overhead_s"]``."""
     from ..core.errors import ArgumentError
@@ -108,7 +104,7 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
         t_form = timed(lambda: form_patch(backend, b, [a], rank=min(rank, b.n_tokens)), repeats)
         t_forward = priced.prefill_s(int(n), int(backend.root_len) + FORM_CONTEXT)
         overhead.append((int(n), max(0.0, t_form - t_forward)))
-    form_fixed, svd_per_token = fit_form_overhead(overhead)
+    form_fixed, svd_per_token = fit_fixed_and_slope(overhead)
     b = backend.encode(token_ids=ids(256))  # the apply and decode probes: a 256-token page
     patch = form_patch(backend, b, [a], rank=min(rank, b.n_tokens))
     page = relocate(b, 1000, layout=lay, patch=[patch], beyond_trained=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..window.healing import HealBudget, HealNeed, plan_heal_step
+from ..window.healing import HealBudget, HealNeed, IdlePrices, plan_heal_step
 from ..window.plan import Difference
 from ..window.staleness import staleness_score
 
@@ -74,8 +74,8 @@ class HealMirror:
         and then, once none is left, anticipation, on one budget (``healing.HealBudget``)."""
         if max_tokens <= 0:
             return
-        budget = HealBudget(max_tokens=max_tokens, factorization_cost=self.factorization_cost,
-                            factorization_fixed=self.factorization_fixed, forward_fixed=self.forward_fixed)
+        budget = HealBudget(max_tokens=max_tokens,
+                            prices=IdlePrices(self.factorization_cost, self.factorization_fixed, self.forward_fixed))
         self.heal(budget)
         if not self._pending_keys():
             self.anticipate(budget)

@@ -234,24 +234,22 @@ def fit_fixed_and_slope(points: Sequence[tuple[float, float]]) -> tuple[float, f
     return fixed, slope
 
 
-def fit_forward_fixed(prefill: Sequence[tuple[int, float]], lengths: Sequence[int] | None = None) -> float:
-    """A forward's fixed part, in seconds, from a prefill table ``[(length, tokens/s)]``: the
-    intercept ``a`` of ``time = a + n / r`` fitted (least squares, :func:`fit_fixed_and_slope`) to
-    each measured prefill's time, at most the shortest measured time (no forward costs more than
-    one measured whole). ``lengths``: the tokens each measurement prefilled (``calibrate``'s
-    ``--lengths``, behind the model's root; its time is ``n / tokens/s``); None (or not one per
-    row): the table's lengths (a prefill from scratch). 0.0 for fewer than two distinct lengths."""
-    return split_forward_fixed(prefill, lengths)[0]
-
-
 def split_forward_fixed(prefill: Sequence[tuple[int, float]],
                         lengths: Sequence[int] | None = None) -> tuple[float, tuple[tuple[int, float], ...]]:
-    """``(forward_fixed_s, table)``: :func:`fit_forward_fixed`'s fixed part, and the table restated
-    as what :class:`CostModel` reads it as, the rate of a full prefill of each row's length ``L``
-    from scratch: ``L / (a + L x (s - a) / n)`` for ``n`` tokens measured in ``s`` seconds behind
-    ``L - n`` (the root's tokens at that measurement's time per token), so that
-    ``prefill_s(n, L - n)`` is the measured ``s``. With no fixed part (or ``n == L``) the table as
-    measured."""
+    """``(forward_fixed_s, table)`` from a prefill table ``[(length, tokens/s)]``.
+
+    ``forward_fixed_s``: a forward's fixed part, in seconds, the intercept ``a`` of
+    ``time = a + n / r`` fitted (least squares, :func:`fit_fixed_and_slope`) to each measured
+    prefill's time, at most the shortest measured time (no forward costs more than one measured
+    whole); 0.0 for fewer than two distinct lengths. ``lengths``: the tokens each measurement
+    prefilled (``calibrate``'s ``--lengths``, behind the model's root; its time is
+    ``n / tokens/s``); None (or not one per row): the table's lengths (a prefill from scratch).
+
+    ``table``: the table restated as what :class:`CostModel` reads it as, the rate of a full
+    prefill of each row's length ``L`` from scratch: ``L / (a + L x (s - a) / n)`` for ``n``
+    tokens measured in ``s`` seconds behind ``L - n`` (the root's tokens at that measurement's
+    time per token), so that ``prefill_s(n, L - n)`` is the measured ``s``. With no fixed part
+    (or ``n == L``) the table as measured."""
     ns = [int(n) for n in lengths] if lengths is not None and len(lengths) == len(prefill) else [int(L) for L, _ in prefill]
     rows = [(int(L), n, n / float(rate)) for n, (L, rate) in zip(ns, prefill) if n > 0 and rate > 0]
     table = tuple((int(L), float(rate)) for L, rate in prefill)

@@ -222,7 +222,7 @@ def _simulate_recall(win: "ContextWindow", sim: WindowState, ref: ChunkRef, at: 
     entering = Slot(ref=ref, chunk=chunk)
     if at is None or at == END:
         pos = len(slots)
-        chooser = None if at == END else recall_chooser(ctx)[0]
+        chooser = None if at == END else recall_chooser(ctx)
         if chooser is not None:  # recall(ref) without `at`: where the window's recall placement puts it
             pos = window_index(ctx, sim.graph, slots, entering, None, entry.formed_on, policy=chooser)
     else:

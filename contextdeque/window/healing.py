@@ -73,17 +73,9 @@ def plan_heal_step(order: Sequence[K], pending: Collection[K], priority: Callabl
 def idle_spent(receipts: Iterable[Receipt], factorization_cost: float, factorization_fixed: float = 0.0,
                forward_fixed: float = 0.0) -> float:
     """What ``receipts`` (heal and anticipation steps) cost a heal's token budget
-    (``heal(max_tokens=...)``): :meth:`IdlePrices.charge` of the tokens their forwards prefilled,
-    ``forward_fixed`` per forward, and per patch factorized (a ``Form``'s factorization, once
-    whatever its forwards, or a ``Difference`` taken from a forward already run)
-    ``factorization_fixed`` plus ``factorization_cost`` per token of it
-    (``WindowConfig.forward_fixed`` / ``factorization_fixed`` / ``factorization_cost``)."""
-    prices = IdlePrices(factorization_cost, factorization_fixed, forward_fixed)
-    spent = 0.0
-    for r in receipts:
-        sizes = [op.tokens for op in r.plan if isinstance(op, (Form, Difference))]
-        spent += prices.charge(r.tokens_prefilled, r.forwards, sum(sizes), len(sizes))
-    return spent
+    (``heal(max_tokens=...)``) at these prices (``WindowConfig.forward_fixed`` /
+    ``factorization_fixed`` / ``factorization_cost``): :meth:`IdlePrices.spent`."""
+    return IdlePrices(factorization_cost, factorization_fixed, forward_fixed).spent(receipts)
 
 
 def factorization_charge(tokens: int, patches: int, factorization_cost: float, factorization_fixed: float) -> float:
@@ -113,6 +105,17 @@ class IdlePrices:
         return (tokens + self.forward_fixed * forwards
                 + factorization_charge(factorized, patches, self.factorization_cost, self.factorization_fixed))
 
+    def spent(self, receipts: Iterable[Receipt]) -> float:
+        """What ``receipts`` (heal and anticipation steps) cost: :meth:`charge` of the tokens their
+        forwards prefilled, their forwards, and the patches they factorized with those patches'
+        tokens (a ``Form``'s factorization, once whatever its forwards, or a ``Difference`` taken
+        from a forward already run)."""
+        spent = 0.0
+        for r in receipts:
+            sizes = [op.tokens for op in r.plan if isinstance(op, (Form, Difference))]
+            spent += self.charge(r.tokens_prefilled, r.forwards, sum(sizes), len(sizes))
+        return spent
+
 
 @dataclass
 class HealBudget:
@@ -121,23 +124,16 @@ class HealBudget:
     trace executor's idle gaps), until ``deadline`` (``time.perf_counter()``; the live window's
     only). The heal's queued work and then anticipation's preparations draw on the same budget;
     the window executes the steps, the replay prices them, both under this one rule. A step costs
-    what :class:`IdlePrices` charges its forwards and factorizations (``forward_fixed`` per forward
-    beside its tokens; ``factorization_fixed`` per patch and ``factorization_cost`` per token:
-    :func:`idle_spent`)."""
+    what ``prices`` charges its forwards and factorizations (:class:`IdlePrices`: ``forward_fixed``
+    per forward beside its tokens; ``factorization_fixed`` per patch and ``factorization_cost`` per
+    token)."""
 
     max_steps: int | None = None
     max_tokens: int | None = None
     deadline: float | None = None
-    factorization_cost: float = 0.0
-    factorization_fixed: float = 0.0
-    forward_fixed: float = 0.0
+    prices: IdlePrices = IdlePrices()
     steps: int = 0
     tokens: float = 0.0
-
-    @property
-    def prices(self) -> IdlePrices:
-        """What this budget charges (:class:`IdlePrices`)."""
-        return IdlePrices(self.factorization_cost, self.factorization_fixed, self.forward_fixed)
 
     @property
     def bounded(self) -> bool:
@@ -164,9 +160,9 @@ class HealBudget:
         self.tokens += self.prices.charge(tokens, forwards, factorized, patches)
 
     def spend_receipt(self, receipt: Receipt) -> None:
-        """One step done, as its receipt says (:func:`idle_spent`)."""
+        """One step done, as its receipt says (:meth:`IdlePrices.spent`)."""
         self.steps += 1
-        self.tokens += idle_spent((receipt,), self.factorization_cost, self.factorization_fixed, self.forward_fixed)
+        self.tokens += self.prices.spent((receipt,))
 
 
 class WindowHealing:
@@ -212,10 +208,11 @@ class WindowHealing:
         check_int("max_tokens", max_tokens, minimum=0, none_ok=True, error=WindowError)
         if not isinstance(anticipate, bool):
             raise WindowTypeError(f"anticipate must be a bool, got {type(anticipate).__name__}")
+        from .anticipation import idle_prices  # (anticipation builds on this module)
+
         t0 = time.perf_counter()
         budget = HealBudget(None if max_steps is None else int(max_steps), None if max_tokens is None else int(max_tokens),
-                            None if max_ms is None else t0 + float(max_ms) / 1000.0, float(self._ctx.config.factorization_cost),
-                            float(self._ctx.config.factorization_fixed), float(self._ctx.config.forward_fixed))
+                            None if max_ms is None else t0 + float(max_ms) / 1000.0, idle_prices(self._ctx.config))
         steps: list[Receipt] = []
         while (self._state.pending or self._unhealed_evicted()) and budget.allows_step():
             steps.append(self._heal_step())

@@ -6,9 +6,11 @@ variable. A placement policy is one small class that registers itself in
 policies and reuse arms). It sees a :class:`PlacementView` — plain keys and facts, no tensors —
 so the same policy object serves a live ``ContextWindow`` and the offline replay's cost model.
 
-``arrival`` (here) keeps the order the agent asked for. ``scheduler``
-(``contextdeque.scheduler``, registered when ``contextdeque`` is imported) searches for the
-order that keeps stored patches valid and forms the fewest new ones.
+``arrival`` (here) keeps the order the agent asked for. ``scheduler`` and ``valid`` (the default
+``recall_placement``), defined in ``contextdeque.scheduler``, search for the order that keeps
+stored patches valid and forms the fewest new ones: a higher layer, which this one never imports;
+``PLACEMENT_POLICIES`` names it as their home (``core.registry``), so looking either name up
+imports it whatever the process imported before.
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ from typing import Any, Callable, ClassVar, Hashable, Iterable, Mapping, Sequenc
 from ..core.errors import WindowError
 from ..core.registry import Registered, Registry
 
-PLACEMENT_POLICIES: Registry["PlacementPolicy"] = Registry("placement policy")
+SCHEDULER_MODULE = "contextdeque.scheduler"
+"""Where the placement scheduler's policies (``"scheduler"``, ``"scheduler-offline"`` and
+``"valid"``, the default ``recall_placement``) are defined: imported when one is looked up."""
+
+PLACEMENT_POLICIES: Registry["PlacementPolicy"] = Registry(
+    "placement policy", homes=dict.fromkeys(("scheduler", "scheduler-offline", "valid"), SCHEDULER_MODULE))
 
 END = "end"
 """``recall(ref, at=END)``: insist on the window's end (``recall(ref)`` lets the window choose)."""
@@ -177,32 +184,22 @@ def window_index(ctx: Any, graph: Any, slots: Sequence[Any], entering: Any, at: 
     return order.index(entering.ref)
 
 
-SCHEDULER_MODULE = "contextdeque.scheduler"
-"""Where the default ``recall_placement`` (``"valid"``) is registered (a higher layer: imported by
-``import contextdeque``, the agents and the benches; the window never imports it)."""
-
-
-def recall_chooser(ctx: Any) -> tuple[PlacementPolicy | None, str]:
+def recall_chooser(ctx: Any) -> PlacementPolicy | None:
     """The placement policy for recalls the agent does not pin (``WindowConfig.recall_placement``),
-    made on first use and kept on the window family's context, and a note: None with ``""`` for
-    ``recall_placement=None`` (the window's own placement at the end: the rule before issue 21);
-    None with the reason when the named policy is the scheduler's and the scheduler was never
-    imported in this process (the window then places at the end, and the receipt says why).
+    made on first use and kept on the window family's context (a name is found whatever was
+    imported: ``PLACEMENT_POLICIES.homes``). None for ``recall_placement=None`` (the window's own
+    placement at the end: the rule before issue 21).
 
     Raises:
-        WindowError: the name is not registered although the scheduler is loaded (a typo)."""
-    import sys
-
+        WindowError: the name is not a registered placement policy (a typo)."""
     spec = ctx.recall_placement
     if spec is None or isinstance(spec, PlacementPolicy):
-        return spec, ""
+        return spec
     if spec not in PLACEMENT_POLICIES:
-        if SCHEDULER_MODULE not in sys.modules:
-            return None, f"end: recall_placement {spec!r} is not registered here (import {SCHEDULER_MODULE})"
         raise WindowError(f"recall_placement {spec!r} is not a registered placement policy (registered: "
                           f"{', '.join(sorted(PLACEMENT_POLICIES))}), or pass recall_placement=None")
     ctx.recall_placement = make_placement(spec)
-    return ctx.recall_placement, ""
+    return ctx.recall_placement
 
 
 def placement_reason(ctx: Any, slots: Sequence[Any], entering: Any, index: int, pinned: bool) -> str:

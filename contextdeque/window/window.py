@@ -595,13 +595,12 @@ class ContextWindow(WindowIntrospection, WindowHealing, WindowAnticipation, Wind
                 why = "asked" if pinned else "end: no canonical yet (one forward behind the window)"
             else:
                 entering = Slot(ref=ref, chunk=chunk)
-                asked, (chooser, unchosen) = pos, ((None, "") if pinned else recall_chooser(ctx))
+                asked, chooser = pos, (None if pinned else recall_chooser(ctx))
                 if pinned or chooser is None:  # the window's placement, at the asked index (today's rule)
                     pos = window_index(ctx, state.graph, slots, entering, pos, entry.formed_on)
                 else:
                     pos = window_index(ctx, state.graph, slots, entering, None, entry.formed_on, policy=chooser)
-                why = ("asked" if pinned and pos == asked else unchosen if unchosen and pos == asked
-                       else placement_reason(ctx, slots, entering, pos, False))
+                why = "asked" if pinned and pos == asked else placement_reason(ctx, slots, entering, pos, False)
             slots.insert(pos, entering)
             reasons[ref] = "append" if forward_in else "recall"  # (provisional: exact where it stands)
             for later in slots[pos + 1 :]:
