@@ -179,3 +179,44 @@ def test_replay_idle_rate_prices_forwards_from_the_calibration(tmp_path, monkeyp
     assert replayed["forward_fixed"] == pytest.approx(0.010 * marginal)
     assert replayed["factorization_fixed"] == pytest.approx(0.002 * marginal)
     assert seen["hints"] is False and replayed["hints"] is False  # --ignore-hints: both sides
+
+
+def test_calibrate_splits_forming_beyond_the_forward_it_prices(tmp_path, tiny_backend_factory, one_thread, monkeypatch):
+    """On a clock where every forward costs 20 ms + n / 10,000 tok/s and a patch's factorization 5 ms
+    more, the cost model prices a Form at what ``form_patch`` took: the saved overhead is what it took
+    beyond the forward the model prices (the table's per-token part behind the antecedent differs
+    a little from this clock's, so the overhead is near, not at, 5 ms). (A difference of two encodes cancels the fixed 20 ms that ``form_patch``'s own forward
+    pays, and saved 25 ms: the cost model charged the fixed part twice.)"""
+    import contextdeque.patch as patch_module
+    import contextdeque.replay.calibrate as calibrate_module
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self) -> float:
+            self.now += 1e-9
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(calibrate_module, "time", clock)
+    be = tiny_backend_factory("llama")
+    real_encode, real_form = be.encode, patch_module.form_patch
+
+    def timed_encode(*args, **kwargs):
+        out = real_encode(*args, **kwargs)
+        clock.now += 0.020 + out.n_tokens / 10_000
+        return out
+
+    def timed_form(backend, chunk, *args, **kwargs):
+        out = real_form(backend, chunk, *args, **kwargs)
+        clock.now += 0.020 + chunk.n_tokens / 10_000 + 0.005
+        return out
+
+    monkeypatch.setattr(be, "encode", timed_encode)
+    monkeypatch.setattr(patch_module, "form_patch", timed_form)
+    model = calibrate_module.calibrate(be, lengths=(32, 256, 384), rank=4, repeats=1, disk_dir=str(tmp_path),
+                                       form_lengths=(16, 64))
+    ctx = be.root_len + calibrate_module.FORM_CONTEXT  # the table spans ctx + n: the price is interpolated
+    for n in (16, 64):  # a Form priced as form_patch took (the split's line passes through both points)
+        assert model.form_s(n, ctx) == pytest.approx(0.020 + n / 10_000 + 0.005, rel=5e-3)
+    assert model.form_fixed_s < 0.010  # not the 25 ms a difference of encodes saved

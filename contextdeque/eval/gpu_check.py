@@ -288,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as cache:
             proc = subprocess.run(
                 [sys.executable, "-m", "contextdeque.cli", "calibrate", "--model", str(ckpt), "--device", "cuda",
-                 "--lengths", "64,256,1024,2048,4096", "--repeats", "5", "--cache-dir", cache],
+                 "--lengths", "64,256,1024,2048,4096", "--repeats", "5", "--cache-dir", cache,
+                 # the agents' traces' chunks: median 324-866 tokens; both lengths take the Gram
+                 # route (T >= F = 192), whose factorization is flat in T
+                 "--form-lengths", "256,1024"],
                 capture_output=True, text=True, check=False,
             )
             if proc.returncode:

@@ -180,8 +180,14 @@ CUDA_PRESETS: dict[str, SubspaceSettings] = {
        if not (ritz == "device" and (p or kv))},
 }
 #: CUDA's default preset (one of :data:`CUDA_PRESETS`); ``$CONTEXTDEQUE_TOPM_CUDA`` overrides it
-#: for a process: a preset's name, or a JSON object of :class:`SubspaceSettings` fields over it
-CUDA_PRESET = "graphed"
+#: for a process: a preset's name, or a JSON object of :class:`SubspaceSettings` fields over it.
+#: Measured on an H200 2026-11-26 (scripts/gpu_forming_sweep.py, docs/gpu-results/h200/forming_sweep.json;
+#: real SmolLM2 spectra, rank 32, K and V, mean over fresh Δs, 2 host threads): ``kv`` 1.34x
+#: ``graphed`` (20.6 vs 31.1 ms at 512 tokens, 54.5 vs 68.5 at 128). The fastest,
+#: ``squared-p16-pow2-host-1-kv``, was 1.42x but sets the process's torch threads to 1 around its
+#: host eigenproblems (a foreground forward in another thread would run on one thread meanwhile)
+#: and iterates on G² (items below ~1e-5 of s₁ fall back to eigh): 6% is not worth either
+CUDA_PRESET = "kv"
 CUDA_SETTINGS_ENV = "CONTEXTDEQUE_TOPM_CUDA"
 
 

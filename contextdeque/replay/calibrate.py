@@ -56,9 +56,10 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
 
     The forming overhead: at each of ``form_lengths`` (at least two) a ``T``-token chunk's patch on
     a :data:`FORM_CONTEXT`-token antecedent is formed (``form_patch``: its conditioned forward and
-    its factorization), less that conditioned forward alone (an encode of antecedent + chunk less
-    one of the antecedent), each the median of ``repeats`` timed runs after a warm one (on CUDA
-    synchronized before and after: :func:`_timed`); ``cost_model.fit_fixed_and_slope`` splits the
+    its factorization), less that conditioned forward as the model prices it (``prefill_s`` of
+    ``T`` tokens after the antecedent: the fixed part and the per-token part), each the median of
+    ``repeats`` timed runs after a warm one (on CUDA synchronized before and after: :func:`_timed`);
+    ``cost_model.fit_fixed_and_slope`` splits the
     differences into ``form_fixed_s`` (per patch: the factorization's F x F eigenproblems do not
     grow with T) and ``svd_s_per_token``. The measured points are kept in ``extra["form_overhead_s"]``."""
     from ..core.errors import ArgumentError
@@ -89,16 +90,21 @@ def calibrate(backend: Any, *, lengths: tuple[int, ...] = (64, 256, 1024), rank:
         prefill.append((int(backend.root_len + n), n / s))
     ctx_ids, q = ids(FORM_CONTEXT), ids(1)
     a = backend.encode(token_ids=ctx_ids)
-    t_ctx = timed(lambda: backend.encode(token_ids=ctx_ids), repeats)
+    forward_fixed, table = split_forward_fixed(prefill, lengths)
+    # the conditioned forward as the model prices it inside a Form (fixed part + tokens after the
+    # antecedent): the overhead is what a Form costs beyond that price. A difference of two encodes
+    # (antecedent + chunk, less the antecedent) cancels the fixed part, which form_patch's own
+    # forward pays: on a launch-bound device it left the whole forward in the overhead (H200:
+    # 72 ms "beyond its forward", of which ~30 ms was the forward) and the model charged it twice
+    priced = CostModel(prefill=table, forward_fixed_s=forward_fixed)
     overhead = []
     for n in form_lengths:
         b = backend.encode(token_ids=ids(n))
         form_patch(backend, b, [a], rank=min(rank, b.n_tokens))  # (warm: a length's first solve)
         t_form = timed(lambda: form_patch(backend, b, [a], rank=min(rank, b.n_tokens)), repeats)
-        t_cond = timed(lambda: backend.encode(token_ids=ctx_ids + b.token_ids.tolist()), repeats) - t_ctx
-        overhead.append((int(n), max(0.0, t_form - max(t_cond, 0.0))))
+        t_forward = priced.prefill_s(int(n), int(backend.root_len) + FORM_CONTEXT)
+        overhead.append((int(n), max(0.0, t_form - t_forward)))
     form_fixed, svd_per_token = fit_fixed_and_slope(overhead)
-    forward_fixed, table = split_forward_fixed(prefill, lengths)
     b = backend.encode(token_ids=ids(256))  # the apply and decode probes: a 256-token page
     patch = form_patch(backend, b, [a], rank=min(rank, b.n_tokens))
     page = relocate(b, 1000, layout=lay, patch=[patch], beyond_trained=True)
