@@ -93,20 +93,22 @@ def test_a_calibration_saved_before_it_derives_it_at_load(tmp_path):
     assert model.forward_fixed_s == 0.005 and "derived" not in note
 
 
-def test_calibrate_on_the_tiny_model_fits_a_known_synthetic_table(tmp_path, tiny_backend_factory, one_thread, monkeypatch):
-    """``calibrate`` times each prefill with ``time.perf_counter``: on a clock where an encode of n
-    tokens takes 20 ms + n / 10,000 tok/s (and anything else a microsecond), the saved
-    ``forward_fixed_s`` is that 20 ms."""
+class _Clock:
+    """``time`` for ``calibrate``: a nanosecond a reading; the tests add what an operation costs."""
+
+    now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-9
+        return self.now
+
+
+def _on_a_synthetic_clock(tiny_backend_factory, monkeypatch):
+    """``(calibrate module, tiny llama backend, clock)``: calibrate reads the clock, and every
+    encode of n tokens costs 20 ms + n / 10,000 tok/s on it."""
     import contextdeque.replay.calibrate as calibrate_module
 
-    class Clock:
-        now = 0.0
-
-        def perf_counter(self) -> float:
-            self.now += 1e-9
-            return self.now
-
-    clock = Clock()
+    clock = _Clock()
     monkeypatch.setattr(calibrate_module, "time", clock)
     be = tiny_backend_factory("llama")
     real_encode = be.encode
@@ -117,6 +119,14 @@ def test_calibrate_on_the_tiny_model_fits_a_known_synthetic_table(tmp_path, tiny
         return out
 
     monkeypatch.setattr(be, "encode", timed_encode)
+    return calibrate_module, be, clock
+
+
+def test_calibrate_on_the_tiny_model_fits_a_known_synthetic_table(tmp_path, tiny_backend_factory, one_thread, monkeypatch):
+    """``calibrate`` times each prefill with ``time.perf_counter``: on a clock where an encode of n
+    tokens takes 20 ms + n / 10,000 tok/s (and anything else a microsecond), the saved
+    ``forward_fixed_s`` is that 20 ms."""
+    calibrate_module, be, _ = _on_a_synthetic_clock(tiny_backend_factory, monkeypatch)
     model = calibrate_module.calibrate(be, lengths=(16, 48, 96), rank=4, repeats=1, disk_dir=str(tmp_path),
                                        form_lengths=(16, 64))
     assert model.forward_fixed_s == pytest.approx(0.020, rel=1e-4)
@@ -185,34 +195,19 @@ def test_calibrate_splits_forming_beyond_the_forward_it_prices(tmp_path, tiny_ba
     """On a clock where every forward costs 20 ms + n / 10,000 tok/s and a patch's factorization 5 ms
     more, the cost model prices a Form at what ``form_patch`` took: the saved overhead is what it took
     beyond the forward the model prices (the table's per-token part behind the antecedent differs
-    a little from this clock's, so the overhead is near, not at, 5 ms). (A difference of two encodes cancels the fixed 20 ms that ``form_patch``'s own forward
-    pays, and saved 25 ms: the cost model charged the fixed part twice.)"""
+    a little from this clock's, so the overhead is near, not at, 5 ms). (A difference of two
+    encodes cancels the fixed 20 ms that ``form_patch``'s own forward pays, and saved 25 ms: the
+    cost model charged the fixed part twice.)"""
     import contextdeque.patch as patch_module
-    import contextdeque.replay.calibrate as calibrate_module
 
-    class Clock:
-        now = 0.0
-
-        def perf_counter(self) -> float:
-            self.now += 1e-9
-            return self.now
-
-    clock = Clock()
-    monkeypatch.setattr(calibrate_module, "time", clock)
-    be = tiny_backend_factory("llama")
-    real_encode, real_form = be.encode, patch_module.form_patch
-
-    def timed_encode(*args, **kwargs):
-        out = real_encode(*args, **kwargs)
-        clock.now += 0.020 + out.n_tokens / 10_000
-        return out
+    calibrate_module, be, clock = _on_a_synthetic_clock(tiny_backend_factory, monkeypatch)
+    real_form = patch_module.form_patch
 
     def timed_form(backend, chunk, *args, **kwargs):
         out = real_form(backend, chunk, *args, **kwargs)
         clock.now += 0.020 + chunk.n_tokens / 10_000 + 0.005
         return out
 
-    monkeypatch.setattr(be, "encode", timed_encode)
     monkeypatch.setattr(patch_module, "form_patch", timed_form)
     model = calibrate_module.calibrate(be, lengths=(32, 256, 384), rank=4, repeats=1, disk_dir=str(tmp_path),
                                        form_lengths=(16, 64))
