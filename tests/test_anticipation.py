@@ -264,6 +264,23 @@ def test_consecutive_prepared_reforwards_run_as_one_forward(backend):
     assert r.forwards == 0 and r.answered_fresh and set(r.cascade.implied) == {refs[2], refs[3], refs[4]}
 
 
+def test_a_reforward_run_is_run_once_when_the_prepared_bound_keeps_only_part_of_it(backend):
+    """The pass takes what it re-forwarded ahead even where ``window.prepared``'s bound kept
+    only the first of the run (one entry here): each provisional dependent is re-forwarded once,
+    by the one forward of the run, not again when the pass reaches it."""
+    win = ContextWindow(backend, rank=2, patch_policy="latency", anticipate=True)
+    refs = [win.append(chunk=backend.encode(token_ids=p)) if i == 1 else win.append(token_ids=p)
+            for i, p in enumerate(POOL[:5])]
+    win.evict(refs[1])
+    win.expect(refs[1], at="end")
+    win._ctx.prepared.max_entries = 1
+    win.heal(max_tokens=10_000)
+    prepared = [r for r in win.receipts if r.op == "anticipate" and refs[1] in r.refs]
+    assert len(prepared) == 1
+    forwards = [op for op in prepared[0].plan if type(op).__name__ == "Forward"]
+    assert [op.joined for op in forwards] == [False, True, True]
+
+
 @pytest.mark.parametrize("mixed", [False, True], ids=["tokens", "tokens-and-embeddings"])
 def test_a_reforward_run_equals_reforwarding_each_behind_the_one_before(backend, mixed):
     """``reforward_run``: one forward of consecutive provisional chunks gives each the KV that

@@ -10,8 +10,9 @@ and conditioning are unchanged keep their page object (no bytes written).
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Hashable, Mapping, Sequence
 
+from ..core.chunk import Chunk
 from ..core.kv import concat_kv
 from ..patch import PATCH_KINDS, form_patch, patch_signature
 from ..patch.rank import FULL, is_full
@@ -196,16 +197,16 @@ def _defers_reforward(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], re
     return asked.deferred
 
 
-def _prepared(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], mode: str, meter: Meter) -> Slot | None:
+def _prepared(ctx: WindowContext, slot: Slot, prefix: Sequence[Slot], mode: str, meter: Meter,
+              ran: Mapping[Hashable, Chunk]) -> Slot | None:
     """Provisional ``slot`` conditioned anew behind ``prefix`` (``reconcile``'s ``prepared``):
-    ``"run"``: the conditioned forward now (unless one is kept for this prefix already), kept
-    for the step that lands here; ``"take"``: the one kept for exactly this prefix (None: none)."""
+    ``"run"``: the conditioned forward this pass ran ahead (``ran``, by prepared key: kept in
+    ``ctx.prepared`` for the step that lands here where its bound allowed) or one kept for this
+    prefix already; ``"take"``: the one kept for exactly this prefix (None: none)."""
     key = prepared_key(slot.chunk.id, prefix)
     found = ctx.prepared.get(key)
-    if found is None and mode == "run":  # (``reconcile`` runs it ahead, with the ones behind it)
-        out = reforward_run(ctx, [slot], prefix, meter)[0]
-        ctx.prepared.put(key, out.chunk)
-        return out
+    if found is None and mode == "run":
+        found = ran.get(key)
     if found is None:
         return None
     if mode == "run":  # prepared before (another prediction through this arrangement): nothing to run
@@ -247,6 +248,8 @@ def reconcile(
     direct: list[ChunkRef] = []
     reformed: list[ChunkRef] = []
     flagged: list[ChunkRef] = []
+    ran: dict[Hashable, Chunk] = {}  # prepared key -> the chunk this pass re-forwarded ahead
+
     def decide(i: int, slot: Slot, prefix: tuple[Slot, ...], implied: Sequence[ChunkRef],
                new_version: Mapping[ChunkRef, str]) -> tuple[str | None, Decision, bool, bool, bool]:
         """``(reason, decision, in_cascade, is_direct, reforward)`` of ``slot`` at ``i`` behind
@@ -279,7 +282,8 @@ def reconcile(
     def run_ahead(i: int, slot: Slot, prefix: tuple[Slot, ...], in_cascade: bool) -> None:
         """Slot ``i``'s prepared re-forward and those of the slots right behind it that the pass
         will re-forward next, each behind the ones before it: one forward of their concatenation
-        (``ingest.reforward_run``), kept in ``ctx.prepared`` for the pass to take in turn."""
+        (``ingest.reforward_run``), each in ``ran`` for the pass to take in turn (a forward run
+        once, whether or not ``ctx.prepared``'s bound keeps it for a later step)."""
         run, ahead = [slot], list(prefix)
         implied_ahead, versions = [*implied, *([slot.ref] if in_cascade else [])], dict(new_version)
         for j in range(i, len(slots)):
@@ -294,7 +298,9 @@ def reconcile(
             ahead.append(Slot(ref=slots[j].ref, chunk=slots[j].chunk, inline_on=tuple((s.ref, s.version) for s in ahead)))
             versions[slots[j].ref] = ahead[-1].version
         for k, new in enumerate(reforward_run(ctx, run, prefix, meter)):
-            ctx.prepared.put(prepared_key(new.chunk.id, ahead[:len(prefix) + k]), new.chunk)
+            key = prepared_key(new.chunk.id, ahead[:len(prefix) + k])
+            ctx.prepared.put(key, new.chunk)
+            ran[key] = new.chunk
 
     for i, slot in enumerate(slots):
         checkpoint()
@@ -302,9 +308,10 @@ def reconcile(
         reason, decision, in_cascade, is_direct, reforward = decide(i, slot, prefix, implied, new_version)
         redone = None
         if reforward:
-            if prepared == "run" and ctx.prepared.get(prepared_key(slot.chunk.id, prefix)) is None:
+            key = prepared_key(slot.chunk.id, prefix)
+            if prepared == "run" and key not in ran and ctx.prepared.get(key) is None:
                 run_ahead(i, slot, prefix, in_cascade)
-            redone = _prepared(ctx, slot, prefix, prepared, meter)
+            redone = _prepared(ctx, slot, prefix, prepared, meter, ran)
             if redone is not None:
                 slot, decision = redone, KEEP
                 meter.reconditioned.add(slot.ref)
